@@ -1,0 +1,1 @@
+"""kvcache: the paged KV-cache block manager (pure Python + numpy)."""

@@ -1,0 +1,1 @@
+"""sim: the discrete-event serving simulator, cost model, metrics and CLI."""

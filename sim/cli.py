@@ -1,0 +1,24 @@
+"""The `kvsim` command line: one root app that mounts each package's commands."""
+
+from __future__ import annotations
+
+import typer
+
+from workloads.cli import workload_app
+
+app = typer.Typer(
+    name="kvsim",
+    help="Simulate and validate paged KV-cache block management policies.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(workload_app, name="workload")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

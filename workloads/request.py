@@ -1,0 +1,106 @@
+"""The one request model every part of kvsim uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TokenIds = np.ndarray  # 1-D int32
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One serving request: when it arrives, what it asks, how much it answers.
+
+    `prompt` may be given lazily as a zero-argument callable (trace loaders do
+    this so a long trace stays small in memory); `prompt_len` is always known.
+    `output` holds the answer's token ids when they are known (a multi-turn
+    session whose next prompt contains this answer); otherwise the simulator
+    decodes unique tokens that never equal a prompt token.
+    `think_time` is, for a session turn after the first, the user's pause in
+    seconds between the previous turn's answer and this request; the
+    simulator's closed loop uses it to place the arrival.
+    """
+
+    id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    _prompt: TokenIds | Callable[[], TokenIds] | None = field(default=None, repr=False)
+    output: TokenIds | None = field(default=None, repr=False)
+    session: str | None = None
+    n: int = 1
+    priority: int = 0
+    think_time: float | None = None
+
+    @property
+    def prompt(self) -> TokenIds:
+        """Prompt token ids (int32), materialised on first access."""
+        p = self._prompt
+        if p is None:
+            raise ValueError(f"request {self.id!r} has no prompt tokens")
+        if callable(p):
+            p = np.ascontiguousarray(p(), dtype=np.int32)
+            if len(p) != self.prompt_len:
+                raise ValueError(
+                    f"request {self.id!r}: lazy prompt has {len(p)} tokens, expected {self.prompt_len}"
+                )
+            self._prompt = p
+        return p
+
+
+def make_request(
+    id: str,
+    arrival: float,
+    prompt: TokenIds | Iterable[int] | Callable[[], TokenIds],
+    output_len: int,
+    *,
+    prompt_len: int | None = None,
+    output: Iterable[int] | None = None,
+    session: str | None = None,
+    n: int = 1,
+    priority: int = 0,
+    think_time: float | None = None,
+) -> Request:
+    """Build a Request, normalising token arrays to int32."""
+    if callable(prompt):
+        if prompt_len is None:
+            raise ValueError(f"request {id!r}: a lazy prompt needs prompt_len")
+        p: TokenIds | Callable[[], TokenIds] = prompt
+    else:
+        p = np.ascontiguousarray(np.asarray(prompt), dtype=np.int32)
+        prompt_len = len(p)
+    out = None if output is None else np.ascontiguousarray(np.asarray(output), dtype=np.int32)
+    return Request(
+        id=id,
+        arrival=float(arrival),
+        prompt_len=int(prompt_len),
+        output_len=int(output_len),
+        _prompt=p,
+        output=out,
+        session=session,
+        n=int(n),
+        priority=int(priority),
+        think_time=think_time,
+    )
+
+
+class Workload:
+    """A re-iterable, streamed sequence of requests in arrival order.
+
+    `source` is a zero-argument callable returning a fresh iterator, so a
+    trace file is read again on each pass instead of being held in memory.
+    """
+
+    def __init__(self, source: Callable[[], Iterator[Request]], name: str = "workload"):
+        self._source = source
+        self.name = name
+
+    def __iter__(self) -> Iterator[Request]:
+        return self._source()
+
+    @classmethod
+    def from_list(cls, requests: list[Request], name: str = "workload") -> Workload:
+        return cls(lambda: iter(requests), name)
