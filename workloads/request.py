@@ -19,6 +19,8 @@ class Request:
     `output` holds the answer's token ids when they are known (a multi-turn
     session whose next prompt contains this answer); otherwise the simulator
     decodes unique tokens that never equal a prompt token.
+    Prompt token ids are always >= 0: the simulator gives the unique tokens
+    it decodes negative ids, so they can never equal a prompt token.
     `think_time` is, for a session turn after the first, the user's pause in
     seconds between the previous turn's answer and this request; the
     simulator's closed loop uses it to place the arrival.
@@ -92,11 +94,15 @@ class Workload:
 
     `source` is a zero-argument callable returning a fresh iterator, so a
     trace file is read again on each pass instead of being held in memory.
+    Loaders opened with `skip_bad=True` set `skipped` (bad lines skipped in
+    the latest pass) and `skipped_errors` (the first few messages).
     """
 
     def __init__(self, source: Callable[[], Iterator[Request]], name: str = "workload"):
         self._source = source
         self.name = name
+        self.skipped = 0
+        self.skipped_errors: list[str] = []
 
     def __iter__(self) -> Iterator[Request]:
         return self._source()
@@ -104,3 +110,21 @@ class Workload:
     @classmethod
     def from_list(cls, requests: list[Request], name: str = "workload") -> Workload:
         return cls(lambda: iter(requests), name)
+
+    def iter_chunks(self, size: int) -> Iterator[list[Request]]:
+        """One pass in lists of at most `size` requests (bounded memory, vectorisable batches)."""
+        return iter_chunks(self, size)
+
+
+def iter_chunks(requests: Iterable[Request], size: int) -> Iterator[list[Request]]:
+    """Group a request stream into lists of at most `size`, keeping only one list in memory."""
+    if size < 1:
+        raise ValueError(f"chunk size must be >= 1, got {size}")
+    chunk: list[Request] = []
+    for r in requests:
+        chunk.append(r)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
