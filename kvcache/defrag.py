@@ -92,6 +92,38 @@ class Defragmenter:
         if freed.size and freed[-1] == self._max_used:
             self._max_stale = True
 
+    # NOTE: the pool's fast paths below take distinct, valid allocator ids and skip
+    # the checks above; they are called on every allocation and free.
+    def use_distinct(self, ids: list[int]) -> None:
+        """Block-pool fast path: each id in `ids` (distinct) gains one reference."""
+        if len(ids) > 16:
+            phys = self.fwd_mapping[ids]
+            rc = self.ref_counts
+            self._num_used += len(ids) - int(np.count_nonzero(rc[phys]))
+            rc[phys] += 1
+            top = int(phys.max())
+        else:
+            fwd, rc, top = self.fwd_mapping, self.ref_counts, 0
+            for b in ids:
+                p = int(fwd[b])
+                if rc[p] == 0:
+                    self._num_used += 1
+                rc[p] += 1
+                if p > top:
+                    top = p
+        if top > self._max_used:
+            self._max_used = top
+
+    def release_distinct(self, ids: list[int]) -> None:
+        """Block-pool fast path: each id in `ids` (distinct, referenced) drops one reference."""
+        phys = self.fwd_mapping[ids]
+        rc = self.ref_counts
+        rc[phys] -= 1
+        freed = int(np.count_nonzero(rc[phys] == 0))
+        self._num_used -= freed
+        if freed and self._max_used in phys:
+            self._max_stale = True
+
     def ref_count(self, block: int) -> int:
         """References held on allocator id `block`."""
         return int(self.ref_counts[self.resolve(block)])

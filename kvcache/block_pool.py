@@ -1,0 +1,140 @@
+"""The block pool: allocate, free, touch, cache and evict GPU blocks.
+
+Block 0 is the null block, as in vLLM V1: it is never allocated, so
+`num_blocks = N` gives N - 1 usable blocks. Cached keys map to blocks; a key
+may map to several blocks (two requests that filled identical blocks at the
+same time), and lookup returns the one registered first.
+"""
+
+from __future__ import annotations
+
+from kvcache.block import KVCacheBlock
+from kvcache.eviction import LRU, EvictionPolicy
+from kvcache.ops import OpLog
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when more blocks are asked for than are free."""
+
+
+class BlockPool:
+    """GPU blocks with ref counts, the prefix-cache map and the eviction policy."""
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True,
+                 policy: EvictionPolicy | None = None, ops: OpLog | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.policy = policy if policy is not None else LRU()
+        self.policy.free(self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.ops = ops if ops is not None else OpLog()
+        self.num_evictions = 0
+        self.num_cached_free = 0  # free blocks that still hold a cached prefix
+        self.tracker = None  # a Defragmenter told of every block becoming used / unused
+        self._born = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def usage(self) -> float:
+        """Fraction of usable blocks not free (referenced or pinned)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, key: int) -> KVCacheBlock | None:
+        hit = self.cached.get(key)
+        if hit is None or type(hit) is KVCacheBlock:
+            return hit
+        return next(iter(hit.values()))
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop `n` blocks for writing; a popped cached block is evicted."""
+        if n > len(self.policy):
+            raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
+        blocks = self.policy.pop_n(n)
+        for b in blocks:
+            if b.ref_cnt:
+                raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+        if self.tracker is not None:
+            self.tracker.use_distinct([b.block_id for b in blocks])
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        key = block.block_hash
+        hit = self.cached[key]
+        if type(hit) is KVCacheBlock:
+            del self.cached[key]
+        else:
+            del hit[block.block_id]
+            if len(hit) == 1:
+                self.cached[key] = next(iter(hit.values()))
+        self.ops.emit("evict", block.block_id, h=key)
+        block.block_hash = None
+        block.hits = 0
+        self.num_evictions += 1
+        self.num_cached_free -= 1
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on cache-hit blocks, pulling free ones out of the free set."""
+        policy = self.policy
+        for b in blocks:
+            if b.ref_cnt == 0 and b is not self.null_block:
+                if not b.pinned:
+                    policy.remove(b)
+                    self.num_cached_free -= 1
+                if self.tracker is not None:
+                    self.tracker.use_distinct([b.block_id])
+            b.ref_cnt += 1
+            policy.on_hit(b)
+
+    def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free set in this order."""
+        freed = []
+        for b in ordered:
+            if b is self.null_block:
+                continue
+            if b.ref_cnt <= 0:
+                raise ValueError(f"double free of block {b.block_id}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                freed.append(b)
+                if b.block_hash is not None and not b.pinned:
+                    self.num_cached_free += 1
+        if not freed:
+            return
+        if self.ops.enabled:
+            for b in freed:
+                self.ops.emit("free", b.block_id)
+        else:
+            self.ops.counts["free"] += len(freed)
+        if self.tracker is not None:
+            self.tracker.release_distinct([b.block_id for b in freed])
+        self.policy.free(freed)
+
+    def cache_block(self, block: KVCacheBlock, key: int, depth: int) -> None:
+        """Register a just-filled block under `key`."""
+        if block.block_hash is not None:
+            raise AssertionError(f"block {block.block_id} is already cached")
+        block.block_hash = key
+        block.depth = depth
+        self._born += 1
+        block.born = self._born
+        hit = self.cached.get(key)
+        if hit is None:
+            self.cached[key] = block
+        elif type(hit) is KVCacheBlock:
+            self.cached[key] = {hit.block_id: hit, block.block_id: block}
+        else:
+            hit[block.block_id] = block
+        self.policy.on_cache(block)

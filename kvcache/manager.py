@@ -1,0 +1,371 @@
+"""The request-level block manager: lookup, allocate, append, fork, swap, free.
+
+Its API and semantics follow vLLM V1's KVCacheManager: the scheduler asks
+`get_computed_blocks` for a new request's cached prefix, then
+`allocate_slots` for the tokens it schedules (and again every step it runs),
+and `free` when the request finishes or is preempted by recompute. Fork with
+copy-on-write, swapping to CPU blocks, sliding-window reclamation and the
+watermark come from the v0/v2 managers. Every physical effect is an op in
+`self.ops` (see `kvcache.ops`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache import sliding_window as sw
+from kvcache.admission import AllocStatus, watermark_status
+from kvcache.block import KVCacheBlock
+from kvcache.block_pool import BlockPool, OutOfBlocksError
+from kvcache.defrag import Defragmenter
+from kvcache.eviction import EvictionPolicy, make_policy
+from kvcache.ops import OpLog
+from kvcache.sequence import Sequence
+from kvcache.swap import CpuPool
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Paged KV-cache block manager for one KV-cache group.
+
+    num_gpu_blocks: as vLLM reports it; block 0 is the null block.
+    watermark: fraction of GPU blocks kept free when admitting waiting requests.
+    track_ids: keep the used-id map that id-space fragmentation and
+    defragmentation need (off only for the fastest cache-only replays).
+    defrag_threshold: run the online defragmenter (`defragment()`) when
+    max_used_id - num_used exceeds it; None disables moves.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        enable_caching: bool = True,
+        eviction: str | EvictionPolicy = "lru",
+        watermark: float = 0.0,
+        sliding_window: int | None = None,
+        record_ops: bool = False,
+        track_ids: bool = True,
+        defrag_threshold: int | None = None,
+    ):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.ops = OpLog(record_ops)
+        policy = make_policy(eviction, block_size) if isinstance(eviction, str) else eviction
+        self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops)
+        self.null_block = self.pool.null_block
+        self.cpu = CpuPool(num_cpu_blocks)
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.swapped: dict[str, list[int]] = {}  # seq id -> CPU block ids (-1 for null)
+        self.num_cow_copies = 0
+        self.defrag_threshold = defrag_threshold
+        self.defrag: Defragmenter | None = None
+        if track_ids or defrag_threshold is not None:
+            big = num_gpu_blocks + 1  # a threshold no id gap can exceed
+            self.defrag = Defragmenter(num_gpu_blocks, big if defrag_threshold is None else defrag_threshold)
+            self.pool.tracker = self.defrag
+            self.ops.resolve = self.defrag.resolve
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `seq` in whole blocks, and its token count.
+
+        At most `num_tokens - 1` tokens hit, so the last token is always
+        recomputed (its logits are needed). Nothing is allocated or touched.
+        """
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return [], 0
+        hashes = seq.hashes_upto(max_blocks * bs, bs)
+        if self.sliding_window is not None:
+            blocks = sw.find_longest_cache_hit(
+                hashes, max_blocks, self.sliding_window, bs, self.pool.get_cached_block, self.null_block
+            )
+            return blocks, len(blocks) * bs
+        cached = self.pool.cached
+        blocks = []
+        for i in range(max_blocks):
+            hit = cached.get(hashes[i])
+            if hit is None:
+                break
+            if type(hit) is not KVCacheBlock:
+                hit = next(iter(hit.values()))
+            blocks.append(hit)
+        return blocks, len(blocks) * bs
+
+    # -------------------------------------------------------------- allocation
+    def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int,
+                               new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+        """Free blocks an allocation up to `num_tokens` slots would consume,
+        counting cache hits that sit in the free set (taking them consumes it)."""
+        blocks = self.req_blocks.get(seq.seq_id, ())
+        n = cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        null = self.null_block
+        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not b.pinned)
+        if blocks and self._needs_cow(seq, blocks):
+            n += 1
+        return n
+
+    def _needs_cow(self, seq: Sequence, blocks: list[KVCacheBlock]) -> bool:
+        """True if the next write lands in a partial last block shared with a fork."""
+        start = seq.num_computed_tokens
+        return start % self.block_size != 0 and len(blocks) > start // self.block_size and \
+            blocks[start // self.block_size].ref_cnt > 1
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        *,
+        watermark: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` to be computed (plus lookahead slots).
+
+        `new_computed_blocks` / `num_new_computed_tokens` are a new request's
+        cache hit from `get_computed_blocks`. Returns the newly allocated
+        blocks, or None (and changes nothing) if too few blocks are free.
+        `watermark=True` (for a waiting or preempted request when another
+        request is already scheduled this step) also keeps the watermark free.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"{seq.seq_id}: negative token count")
+        new_computed_blocks = new_computed_blocks or []
+        bs = self.block_size
+        sid = seq.seq_id
+        num_computed = seq.num_computed_tokens + num_new_computed_tokens
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        blocks = self.req_blocks.get(sid)
+        if blocks is None:
+            blocks = self.req_blocks[sid] = []
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks(sid, num_computed)
+        n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
+        free = self.pool.num_free_blocks
+        if n_alloc > free or (watermark and free - n_alloc < self.watermark_blocks):
+            return None
+
+        if new_computed_blocks:
+            if self.enable_caching:
+                self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        if sid not in self.num_cached_block:
+            self.num_cached_block[sid] = len(new_computed_blocks)
+        if blocks and num_new_tokens and self._needs_cow(seq, blocks):
+            self._copy_on_write(seq, blocks)
+        n_new = cdiv(num_slots, bs) - len(blocks)
+        new_blocks = self.pool.get_new_blocks(n_new) if n_new > 0 else []
+        blocks.extend(new_blocks)
+
+        if num_new_tokens:
+            self._emit_writes(sid, blocks, num_computed, num_computed + num_new_tokens)
+        if self.enable_caching:
+            self._cache_full_blocks(seq, blocks, min(num_computed + num_new_tokens, seq.num_tokens))
+        return new_blocks
+
+    def _emit_writes(self, sid: str, blocks: list[KVCacheBlock], start: int, end: int) -> None:
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        if not self.ops.enabled:
+            self.ops.counts["write"] += last - first + 1
+            return
+        for i in range(first, last + 1):
+            lo = max(start, i * bs) - i * bs
+            hi = min(end, (i + 1) * bs) - i * bs
+            self.ops.emit("write", blocks[i].block_id, lo, hi, sid)
+
+    def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        sid = seq.seq_id
+        n_full = num_tokens // self.block_size
+        n_cached = self.num_cached_block[sid]
+        if n_full <= n_cached:
+            return
+        hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
+        cache_block = self.pool.cache_block
+        null = self.null_block
+        for i in range(n_cached, n_full):
+            b = blocks[i]
+            if b is not null:
+                cache_block(b, hashes[i], i)
+        self.num_cached_block[sid] = n_full
+
+    def _copy_on_write(self, seq: Sequence, blocks: list[KVCacheBlock]) -> None:
+        i = seq.num_computed_tokens // self.block_size
+        src = blocks[i]
+        (dst,) = self.pool.get_new_blocks(1)
+        self.ops.emit("copy", src.block_id, dst.block_id, seq=seq.seq_id)
+        self.num_cow_copies += 1
+        blocks[i] = dst
+        self.pool.free_blocks([src])
+
+    def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:
+        blocks = self.req_blocks[sid]
+        n_skip = min(sw.num_skipped_blocks(num_computed, self.sliding_window, self.block_size), len(blocks))
+        removed = []
+        for i in range(n_skip - 1, -1, -1):
+            if blocks[i] is self.null_block:
+                break
+            removed.append(blocks[i])
+            blocks[i] = self.null_block
+        if removed:
+            self.pool.free_blocks(removed)
+
+    # ------------------------------------------------------------------- free
+    def free(self, seq: Sequence) -> None:
+        """Release a finished or recompute-preempted sequence's blocks, tail first,
+        so the block ending the longest prefix is evicted first."""
+        blocks = self.req_blocks.pop(seq.seq_id, None)
+        if blocks is None:
+            raise KeyError(f"free of unknown sequence {seq.seq_id!r}")
+        self.num_cached_block.pop(seq.seq_id, None)
+        self.pool.free_blocks(blocks[::-1])
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(seq_id, ())]
+
+    # ------------------------------------------------------------- admission
+    def can_allocate(self, seq: Sequence, num_lookahead_tokens: int = 0) -> AllocStatus:
+        """v2 watermark admission for a waiting sequence's whole context."""
+        n = cdiv(seq.num_tokens + num_lookahead_tokens, self.block_size)
+        if self.sliding_window is not None:
+            n = min(n, self.sliding_window // self.block_size + 2)
+        return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
+
+    # ------------------------------------------------------------------ fork
+    def fork(self, parent: Sequence, child_id: str, uid: int) -> Sequence:
+        """A child sharing all of the parent's blocks; a later write into the
+        shared partial last block copies it first (copy-on-write)."""
+        if child_id in self.req_blocks:
+            raise ValueError(f"sequence {child_id!r} already has blocks")
+        blocks = self.req_blocks[parent.seq_id]
+        for b in blocks:
+            if b is not self.null_block:
+                b.ref_cnt += 1
+        child = parent.fork(child_id, uid)
+        self.req_blocks[child_id] = list(blocks)
+        self.num_cached_block[child_id] = self.num_cached_block.get(parent.seq_id, 0)
+        return child
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_in(self, seqs: list[Sequence], num_lookahead_tokens: int = 0) -> AllocStatus:
+        cpu_ids = {c for s in seqs for c in self.swapped[s.seq_id] if c >= 0}
+        n = len(cpu_ids) + len(seqs) * cdiv(num_lookahead_tokens + 1, self.block_size)
+        return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        ids = {b.block_id for s in seqs for b in self.req_blocks[s.seq_id] if b is not self.null_block}
+        return len(ids) <= self.cpu.num_free_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move a group's blocks to CPU (shared blocks once) and free them on GPU."""
+        if not self.can_swap_out(seqs):
+            raise OutOfBlocksError(f"not enough CPU blocks to swap out {[s.seq_id for s in seqs]}")
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            blocks = self.req_blocks.pop(seq.seq_id)
+            self.num_cached_block.pop(seq.seq_id, None)
+            cpu_ids = []
+            for b in blocks:
+                if b is self.null_block:
+                    cpu_ids.append(-1)
+                    continue
+                cpu = mapping.get(b.block_id)
+                if cpu is None:
+                    cpu = mapping[b.block_id] = self.cpu.allocate()
+                    self.ops.emit("swap_out", b.block_id, cpu, seq=seq.seq_id)
+                else:
+                    self.cpu.share(cpu)
+                cpu_ids.append(cpu)
+            self.swapped[seq.seq_id] = cpu_ids
+            self.pool.free_blocks(blocks[::-1])
+        return list(mapping.items())
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring a swapped group back. A full block whose prefix is still cached
+        on GPU is reused without a copy; the others are copied into new blocks."""
+        if self.can_swap_in(seqs) is AllocStatus.NEVER:
+            raise OutOfBlocksError(f"swap-in of {[s.seq_id for s in seqs]} can never fit")
+        mapping: dict[int, KVCacheBlock] = {}
+        copies = []
+        bs = self.block_size
+        for seq in seqs:
+            cpu_ids = self.swapped.pop(seq.seq_id)
+            n_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+            hashes = seq.hashes_upto(n_full * bs, bs) if self.enable_caching else []
+            blocks = []
+            for i, cpu in enumerate(cpu_ids):
+                if cpu < 0:
+                    blocks.append(self.null_block)
+                    continue
+                b = mapping.get(cpu)
+                if b is not None:
+                    b.ref_cnt += 1
+                elif i < n_full and self.enable_caching and (hit := self.pool.get_cached_block(hashes[i])):
+                    self.pool.touch([hit])
+                    b = mapping[cpu] = hit
+                else:
+                    (b,) = self.pool.get_new_blocks(1)
+                    mapping[cpu] = b
+                    self.ops.emit("swap_in", cpu, b.block_id, seq=seq.seq_id)
+                    copies.append((cpu, b.block_id))
+                    if i < n_full and self.enable_caching:
+                        self.pool.cache_block(b, hashes[i], i)
+                blocks.append(b)
+                self.cpu.free(cpu)
+            self.req_blocks[seq.seq_id] = blocks
+            self.num_cached_block[seq.seq_id] = n_full if self.enable_caching else 0
+        return copies
+
+    # ---------------------------------------------------------------- defrag
+    def defragment(self) -> list[tuple[int, int]]:
+        """Compact the used physical ids if the threshold is passed; emits `move` ops."""
+        if self.defrag is None or self.defrag_threshold is None:
+            return []
+        moves = self.defrag.defragment()
+        if moves:
+            self.ops.emit_many("move", moves)
+        return moves
+
+    def physical_ids(self, seq_id: str) -> list[int]:
+        """The sequence's block table as the hardware sees it (after defrag moves)."""
+        ids = self.block_ids(seq_id)
+        if self.defrag is None:
+            return ids
+        return self.defrag.resolve(np.asarray(ids, dtype=np.int64)).tolist()
+
+    def id_space_fragmentation(self) -> int:
+        """Holes below the highest used physical id: max_used_id - num_used."""
+        return self.defrag.fragmentation() if self.defrag is not None else 0
+
+    # ---------------------------------------------------------------- metrics
+    def num_used_blocks(self) -> int:
+        """Blocks not in the free set (referenced, or pinned and idle)."""
+        return self.pool.num_usable_blocks - self.pool.num_free_blocks
+
+    def internal_fragmentation(self, seqs: list[Sequence]) -> int:
+        """Allocated slots not holding a token, over the given live sequences."""
+        bs = self.block_size
+        total = 0
+        for s in seqs:
+            n = len(self.req_blocks.get(s.seq_id, ())) * bs
+            total += n - min(s.num_tokens, n)
+        return total

@@ -1,0 +1,94 @@
+"""A request's tokens as the block manager sees them, and their block keys."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache import hashing
+
+_MASK = (1 << 64) - 1
+
+
+class Sequence:
+    """Prompt, decoded tokens so far, computed tokens, and chained block keys.
+
+    Decoded tokens come from `output` while it lasts (a known answer, e.g. a
+    chat turn whose next prompt repeats it); past that they are unique, so a
+    block holding any of them never matches another sequence's block.
+    `uid` must be unique per sequence within a run; it seeds those unique keys
+    deterministically.
+    """
+
+    __slots__ = (
+        "seq_id", "uid", "prompt", "output", "num_prompt_tokens", "num_tokens",
+        "num_computed_tokens", "block_hashes", "_state", "_known",
+    )
+
+    def __init__(self, seq_id: str, prompt: np.ndarray, *, uid: int = 0,
+                 output: np.ndarray | None = None, extra_key: int = 0):
+        self.seq_id = seq_id
+        self.uid = uid
+        self.prompt = prompt
+        self.output = output
+        self.num_prompt_tokens = len(prompt)
+        self.num_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []
+        self._state = hashing.root_state(extra_key)  # chain state after the last hashed block
+        self._known = len(prompt) + (0 if output is None else len(output))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def append_tokens(self, n: int = 1) -> None:
+        """Record `n` newly sampled tokens."""
+        self.num_tokens += n
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Known token ids in [start, end) (must lie within prompt + known output)."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return np.concatenate([self.prompt[start:], self.output[: end - p]])
+
+    def hashes_upto(self, num_tokens: int, block_size: int) -> list[int]:
+        """Keys of every full block within the first `num_tokens` tokens (cached)."""
+        hashes = self.block_hashes
+        n_full = num_tokens // block_size
+        have = len(hashes)
+        if n_full <= have:
+            return hashes
+        # Blocks wholly inside the known tokens: hash their content in one pass.
+        n_known = min(n_full, self._known // block_size)
+        if n_known > have:
+            contents = hashing.content_hashes(self.tokens(have * block_size, n_known * block_size), block_size)
+            states = hashing.chain(self._state, contents)
+            self._state = int(states[-1])
+            hashes.extend(hashing.keys(states))
+            have = n_known
+        # Blocks holding a unique decoded token: unique content, same chain.
+        state = self._state
+        for i in range(have, n_full):
+            c = hashing._mix_int(((self.uid << 24) ^ i ^ 0x5DEECE66D) & _MASK)
+            state = (state * hashing._P + c) & _MASK
+            hashes.append(hashing._mix_int(state))
+        self._state = state
+        return hashes
+
+    def fork(self, seq_id: str, uid: int) -> Sequence:
+        """A copy sharing everything so far; its future decoded tokens are its own."""
+        child = Sequence.__new__(Sequence)
+        child.seq_id = seq_id
+        child.uid = uid
+        child.prompt = self.prompt
+        child.output = None
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_tokens = self.num_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child._state = self._state
+        child._known = min(self._known, self.num_tokens)
+        return child
