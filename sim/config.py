@@ -1,0 +1,94 @@
+"""One simulation's configuration: engine limits, cache policy, model, GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and the value."""
+
+
+@dataclass
+class SimConfig:
+    """Everything a run depends on besides the workload (with it and `seed`, a run is deterministic)."""
+
+    # model and hardware (names from sim.catalog)
+    model: str = "llama-3-8b"
+    gpu: str = "h100-sxm"
+    tensor_parallel: int = 1
+    # KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: derived from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int = 0  # swap space; needed for preemption="swap"
+    enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    watermark: float = 0.0
+    defrag_threshold: int | None = None
+    sliding_window: int | None = None  # None: the model's own (if any)
+    # scheduler (vLLM V1 defaults)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    preemption: str = "recompute"  # or "swap"
+    scheduling: str = "fcfs"  # or "priority"
+    num_lookahead_tokens: int = 0
+    # sessions: multi-turn requests arrive think_time after the previous turn finished
+    closed_loop_sessions: bool = True
+    # cost model
+    calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
+    # outputs
+    record_ops: bool = False
+    debug_invariants: bool = False
+    slo_ttft: float | None = None  # seconds, for goodput
+    slo_tpot: float | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> SimConfig:
+        """Raise ConfigError for values no run could use."""
+        bs = self.block_size
+        if bs <= 0 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {bs}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption not in ("recompute", "swap"):
+            raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if self.preemption == "swap" and self.num_cpu_blocks <= 0:
+            raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from kvcache.eviction import POLICIES
+
+        if self.eviction not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction!r}; choose from {', '.join(POLICIES)}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> SimConfig:
+        """Build from a dict (a TOML table, a run's config.json); unknown keys are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            import difflib
+
+            hints = [difflib.get_close_matches(k, names, 1) for k in unknown]
+            msg = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints, strict=True))
+            raise ConfigError(f"{source}: unknown config key(s) {msg}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> SimConfig:
+        return dataclasses.replace(self, **changes)
