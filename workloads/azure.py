@@ -107,7 +107,7 @@ def load_azure(path: str | Path, *, skip_bad: bool = False) -> Workload:
             first = state["first"]
             return make_request(
                 str(line),
-                (t[0] - first[0]) + (t[1] - first[1]),
+                round((t[0] - first[0]) + (t[1] - first[1]), 7),  # the file's precision
                 lambda: np.arange(start, start + n_prompt, dtype=np.int32),
                 n_out,
                 prompt_len=n_prompt,

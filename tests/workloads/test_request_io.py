@@ -1,0 +1,53 @@
+"""Request streaming helpers and the kvsim JSONL round trip."""
+
+import numpy as np
+import pytest
+
+from workloads.jsonl import write_jsonl
+from workloads.request import Workload, iter_chunks, make_request
+from workloads.traces import load_workload
+
+
+def test_iter_chunks_groups_in_order():
+    reqs = [make_request(str(i), i, [i], 1) for i in range(5)]
+    assert [[r.id for r in c] for c in iter_chunks(reqs, 2)] == [["0", "1"], ["2", "3"], ["4"]]
+    assert [len(c) for c in Workload.from_list(reqs).iter_chunks(5)] == [5]
+    with pytest.raises(ValueError, match="chunk size must be >= 1, got 0"):
+        list(iter_chunks(reqs, 0))
+
+
+def test_lazy_prompt_is_checked_and_cached():
+    calls = []
+
+    def make():
+        calls.append(1)
+        return np.arange(3)
+
+    r = make_request("x", 0, make, 4, prompt_len=3)
+    assert r.prompt.dtype == np.int32 and r.prompt.tolist() == [0, 1, 2]
+    r.prompt  # noqa: B018
+    assert calls == [1]
+    bad = make_request("y", 0, make, 4, prompt_len=5)
+    with pytest.raises(ValueError, match="lazy prompt has 3 tokens, expected 5"):
+        bad.prompt  # noqa: B018
+
+
+def test_jsonl_round_trip_keeps_every_field(tmp_path):
+    reqs = [
+        make_request("a", 0.0, [1, 2, 3], 2, output=[7, 8], session="s", think_time=None),
+        make_request(
+            "b", 1.5, [1, 2, 3, 7, 8, 4], 1, n=3, priority=-2, session="s", think_time=1.25
+        ),
+    ]
+    path = tmp_path / "w.jsonl"
+    assert write_jsonl(reqs, path) == 2
+    assert path.read_text().splitlines()[0] == (
+        '{"id":"a","arrival":0.0,"prompt":[1,2,3],"output_len":2,"output":[7,8],"session":"s"}'
+    )
+    back = list(load_workload(path))
+    assert [(r.id, r.arrival, r.prompt.tolist(), r.output_len) for r in back] == [
+        ("a", 0.0, [1, 2, 3], 2),
+        ("b", 1.5, [1, 2, 3, 7, 8, 4], 1),
+    ]
+    assert back[0].output.tolist() == [7, 8] and back[1].output is None
+    assert (back[1].n, back[1].priority, back[1].session, back[1].think_time) == (3, -2, "s", 1.25)
