@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from workloads.request import Request, Workload
+from workloads.request import Request, Workload, iter_chunks
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
@@ -89,6 +89,29 @@ def _merge_sorted(seen: np.ndarray, new: np.ndarray, at: np.ndarray) -> np.ndarr
     return out
 
 
+def _group(keys: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted unique keys, each key's index into them, and the first (lowest) owner of each."""
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    first = np.empty(len(sk), dtype=bool)
+    first[0] = True
+    np.not_equal(sk[1:], sk[:-1], out=first[1:])
+    inv = np.empty(len(sk), dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
+    return sk[first], inv, owner[order[first]]  # stable sort: owners ascend within a key
+
+
+def _leading_hits(hit: np.ndarray, pos: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per request (`counts` consecutive blocks each), how many blocks hit before the first miss."""
+    out = np.zeros(len(counts), dtype=np.int64)
+    has = counts > 0
+    if has.any():
+        miss_at = np.where(hit, np.iinfo(np.int64).max, pos)
+        starts = (np.cumsum(counts) - counts)[has]
+        out[has] = np.minimum(np.minimum.reduceat(miss_at, starts), counts[has])
+    return out
+
+
 @dataclass
 class IdealPrefixCache:
     """Accumulates the ideal hit rate over a request stream, fed in chunks (see module doc)."""
@@ -110,48 +133,29 @@ class IdealPrefixCache:
     def add(self, requests: list[Request]) -> np.ndarray:
         """Process requests (in arrival order) and return each one's hit block count."""
         B = self.block_size
-        keys, counts, queries = [], [], []
-        for r in requests:
-            seq = r.prompt if r.output is None else np.concatenate([r.prompt, r.output])
-            k = block_keys(seq, B)
-            keys.append(k)
-            counts.append(len(k))
-            queries.append(r.prompt_len // B)
-            self.prompt_tokens += r.prompt_len
-        nq = np.array(queries, dtype=np.int64)
-        self.full_blocks += int(nq.sum())
-        if not keys or not sum(counts):
+        keys = [
+            block_keys(r.prompt if r.output is None else np.concatenate([r.prompt, r.output]), B)
+            for r in requests
+        ]
+        queries = np.array([r.prompt_len // B for r in requests], dtype=np.int64)
+        self.prompt_tokens += sum(r.prompt_len for r in requests)
+        self.full_blocks += int(queries.sum())
+        counts = np.array([len(k) for k in keys], dtype=np.int64)
+        if not counts.sum():
             return np.zeros(len(requests), dtype=np.int64)
-        counts_a = np.array(counts, dtype=np.int64)
         allk = np.concatenate(keys)
-        owner = np.repeat(np.arange(len(requests)), counts_a)
-        pos = np.arange(len(allk)) - np.repeat(np.cumsum(counts_a) - counts_a, counts_a)
-        # Cached before this chunk, or produced by an earlier request of this chunk.
-        # NOTE: searching sorted keys keeps searchsorted cache-friendly on a big `seen`.
-        order = np.argsort(allk, kind="stable")
-        sk = allk[order]
-        starts_grp = np.empty(len(sk), dtype=bool)
-        starts_grp[0] = True
-        np.not_equal(sk[1:], sk[:-1], out=starts_grp[1:])
-        uniq = sk[starts_grp]
-        inv = np.empty(len(sk), dtype=np.int64)
-        inv[order] = np.cumsum(starts_grp) - 1
-        first_owner = owner[order[starts_grp]]  # stable sort: the earliest request of each key
+        owner = np.repeat(np.arange(len(requests)), counts)
+        pos = np.arange(len(allk)) - np.repeat(np.cumsum(counts) - counts, counts)
+        # A key hits if cached before this chunk or produced by an earlier request in it.
+        uniq, inv, first_owner = _group(allk, owner)
         seen = self._seen
-        at = np.searchsorted(seen, uniq)
+        at = np.searchsorted(seen, uniq)  # sorted needles: cache-friendly on a big `seen`
         cached = np.zeros(len(uniq), dtype=bool)
         if len(seen):
             cached = (at < len(seen)) & (seen[np.minimum(at, len(seen) - 1)] == uniq)
         hit = cached[inv] | (first_owner[inv] < owner)
-        # A request's hits end at its first missing prompt block.
-        is_query = pos < np.repeat(nq, counts_a)
-        qpos = pos[is_query]
-        miss_at = np.where(hit[is_query], np.iinfo(np.int64).max, qpos)
-        hits = np.zeros(len(requests), dtype=np.int64)
-        has = nq > 0
-        if has.any():
-            starts = (np.cumsum(nq) - nq)[has]
-            hits[has] = np.minimum(np.minimum.reduceat(miss_at, starts), nq[has])
+        is_query = pos < np.repeat(queries, counts)
+        hits = _leading_hits(hit[is_query], pos[is_query], queries)
         self.hit_blocks += int(hits.sum())
         self._seen = _merge_sorted(seen, uniq[~cached], at[~cached])
         return hits
@@ -166,13 +170,7 @@ class IdealPrefixCache:
 def ideal_hit_rate(requests: Iterable[Request], block_size: int = 16) -> IdealPrefixCache:
     """Run the ideal infinite prefix cache over a stream; read the result's rates and counts."""
     cache = IdealPrefixCache(block_size)
-    chunk: list[Request] = []
-    for r in requests:
-        chunk.append(r)
-        if len(chunk) == CHUNK_REQUESTS:
-            cache.add(chunk)
-            chunk = []
-    if chunk:
+    for chunk in iter_chunks(requests, CHUNK_REQUESTS):
         cache.add(chunk)
     return cache
 
