@@ -116,7 +116,7 @@ class KVCacheManager:
         """Free blocks an allocation up to `num_tokens` slots would consume,
         counting cache hits that sit in the free set (taking them consumes it)."""
         blocks = self.req_blocks.get(seq.seq_id, ())
-        n = cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        n = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
         null = self.null_block
         n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not b.pinned)
         if blocks and self._needs_cow(seq, blocks):

@@ -1,0 +1,89 @@
+"""The block manager's invariants, checked by the tests and the simulator's debug mode."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvcache.block import KVCacheBlock
+from kvcache.eviction import LRU
+from kvcache.manager import KVCacheManager
+
+
+class InvariantError(AssertionError):
+    """The manager's state is inconsistent; the message names the block."""
+
+
+def check(m: KVCacheManager) -> None:
+    """Raise InvariantError unless every invariant of DESIGN.md holds:
+    each block is free xor referenced (or pinned); ref counts equal the number of
+    tables holding the block; the cached-hash map and the blocks agree; the
+    free-queue links are consistent; the CPU pool's counts match swapped tables."""
+    pool = m.pool
+    null = pool.null_block
+    holders: Counter[int] = Counter()
+    for sid, blocks in m.req_blocks.items():
+        for b in blocks:
+            if b is not null:
+                holders[b.block_id] += 1
+        if m.num_cached_block.get(sid, 0) > len(blocks):
+            _fail(f"sequence {sid!r} has {len(blocks)} blocks but {m.num_cached_block[sid]} cached")
+    policy = pool.policy
+    num_free = 0
+    cached_free = 0
+    for b in pool.blocks[1:]:
+        if b.ref_cnt != holders[b.block_id]:
+            _fail(f"block {b.block_id}: ref count {b.ref_cnt}, held by {holders[b.block_id]} tables")
+        free = policy.is_free(b)
+        if b.ref_cnt > 0 and free:
+            _fail(f"block {b.block_id}: free with ref count {b.ref_cnt}")
+        if b.ref_cnt == 0 and free == b.pinned:
+            _fail(f"block {b.block_id}: unreferenced, free={free}, pinned={b.pinned}")
+        num_free += free
+        cached_free += free and b.block_hash is not None
+        if b.block_hash is not None and _lookup(pool.cached.get(b.block_hash), b.block_id) is not b:
+            _fail(f"block {b.block_id}: hash {b.block_hash} not mapped to it")
+    if num_free != pool.num_free_blocks:
+        _fail(f"{num_free} free blocks, pool reports {pool.num_free_blocks}")
+    if cached_free != pool.num_cached_free:
+        _fail(f"{cached_free} cached free blocks, pool reports {pool.num_cached_free}")
+    for key, hit in pool.cached.items():
+        for b in [hit] if type(hit) is KVCacheBlock else hit.values():
+            if b.block_hash != key:
+                _fail(f"hash map: key {key} -> block {b.block_id} whose hash is {b.block_hash}")
+    if isinstance(policy, LRU):
+        _check_links(policy)
+    if m.defrag is not None:
+        used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        if m.defrag.num_used() != used:
+            _fail(f"defragmenter tracks {m.defrag.num_used()} used blocks, pool has {used}")
+    cpu_holders: Counter[int] = Counter(c for ids in m.swapped.values() for c in ids if c >= 0)
+    for c in range(m.cpu.num_blocks):
+        if m.cpu.ref[c] != cpu_holders[c]:
+            _fail(f"CPU block {c}: ref count {m.cpu.ref[c]}, held by {cpu_holders[c]} swapped tables")
+
+
+def _lookup(hit, block_id: int):
+    if hit is None or type(hit) is KVCacheBlock:
+        return hit
+    return hit.get(block_id)
+
+
+def _check_links(policy: LRU) -> None:
+    q = policy.queue
+    prev = q._head
+    n = 0
+    b = q._head.next
+    while b is not q._tail:
+        if b.prev is not prev:
+            _fail(f"free queue: block {b.block_id} has a broken back link")
+        prev = b
+        b = b.next
+        n += 1
+        if n > q.num_free_blocks:
+            _fail("free queue: longer than its count (cycle?)")
+    if n != q.num_free_blocks or q._tail.prev is not prev:
+        _fail(f"free queue: walked {n} blocks, count says {q.num_free_blocks}")
+
+
+def _fail(msg: str) -> None:
+    raise InvariantError(msg)

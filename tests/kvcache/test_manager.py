@@ -1,0 +1,252 @@
+"""Block-manager behaviour, vLLM V1 style: exact block ids, queue order and hits."""
+
+import numpy as np
+import pytest
+
+from kvcache.admission import AllocStatus
+from kvcache.block_pool import OutOfBlocksError
+from kvcache.invariants import check
+from kvcache.manager import KVCacheManager
+from tests.kvcache.conftest import decode, prefill, seq
+
+
+def queue(m):
+    return m.pool.policy.queue.block_ids()
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_null_block_is_reserved(lru):
+    assert lru.pool.num_free_blocks == 9
+    assert queue(lru) == list(range(1, 10))
+    with pytest.raises(ValueError, match="at least 2"):
+        KVCacheManager(1, 4)
+
+
+def test_prefill_allocates_from_the_front_and_frees_tail_first(lru):
+    a = seq("a", range(10))
+    hit, new = prefill(lru, a)
+    assert (hit, ids(new)) == (0, [1, 2, 3])
+    assert queue(lru) == [4, 5, 6, 7, 8, 9]
+    lru.free(a)
+    # the block ending the longest prefix is evicted first
+    assert queue(lru) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    check(lru)
+
+
+def test_hit_on_free_blocks_takes_them_out_of_the_queue(lru):
+    a = seq("a", range(10))
+    prefill(lru, a)
+    lru.free(a)
+    b = seq("b", list(range(8)) + [99, 98, 97], uid=1)
+    hit, new = prefill(lru, b)
+    assert hit == 8
+    assert lru.block_ids("b") == [1, 2, 4]
+    assert queue(lru) == [5, 6, 7, 8, 9, 3]
+    check(lru)
+
+
+def test_full_prompt_hit_recomputes_last_token(lru):
+    a = seq("a", range(8))
+    prefill(lru, a)
+    lru.free(a)
+    b = seq("b", range(8), uid=1)
+    blocks, hit = lru.get_computed_blocks(b)
+    assert (ids(blocks), hit) == ([1], 4)
+
+
+def test_popping_a_cached_block_evicts_its_hash(lru):
+    a = seq("a", range(36))  # 9 blocks: the whole pool
+    prefill(lru, a)
+    lru.free(a)
+    assert len(lru.pool.cached) == 9
+    b = seq("b", range(100, 108), uid=1)
+    _, new = prefill(lru, b)
+    assert ids(new) == [9, 8]  # tail-first: the deepest blocks of a are reused first
+    assert lru.pool.num_evictions == 2
+    assert [(o.kind, o.a) for o in lru.ops.records() if o.kind == "evict"] == [("evict", 9), ("evict", 8)]
+    assert lru.get_computed_blocks(seq("c", range(36), uid=2))[1] == 28
+    check(lru)
+
+
+def test_blocks_are_cached_when_decode_fills_them(lru):
+    a = seq("a", range(6), output=[50, 51, 52])
+    prefill(lru, a)  # 7 tokens known (6 + first sampled), 6 computed
+    assert lru.num_cached_block["a"] == 1
+    decode(lru, a)  # computes token 6: block 1 holds 3 computed tokens
+    assert lru.num_cached_block["a"] == 1
+    decode(lru, a)  # computes token 7: block 1 full and cached
+    assert lru.num_cached_block["a"] == 2
+    lru.free(a)
+    b = seq("b", [0, 1, 2, 3, 4, 5, 50, 51, 52], uid=1)
+    assert lru.get_computed_blocks(b)[1] == 8
+
+
+def test_unknown_decoded_tokens_never_hit(lru):
+    a = seq("a", range(6))
+    prefill(lru, a)
+    decode(lru, a)
+    lru.free(a)
+    b = seq("b", list(range(6)) + [0, 0, 0], uid=1)
+    assert lru.get_computed_blocks(b)[1] == 4
+
+
+def test_identical_concurrent_blocks_are_both_cached(lru):
+    a, b = seq("a", range(8)), seq("b", range(8), uid=1)
+    prefill(lru, a)
+    # b may hit only 1 block (its last token is recomputed), so it fills its own
+    # copy of block 1: two blocks cached under one key, lookup returns the first
+    prefill(lru, b)
+    assert lru.block_ids("a") == [1, 2] and lru.block_ids("b") == [1, 3]
+    key = lru.pool.blocks[2].block_hash
+    assert key == lru.pool.blocks[3].block_hash
+    assert sorted(lru.pool.cached[key]) == [2, 3]
+    assert lru.get_computed_blocks(seq("c", range(9), uid=2))[0][1].block_id == 2
+    lru.free(a)
+    check(lru)
+
+
+def test_admission_counts_evictable_hits(lru):
+    a = seq("a", range(36))
+    prefill(lru, a)
+    lru.free(a)
+    b = seq("b", range(36), uid=1)
+    blocks, hit = lru.get_computed_blocks(b)
+    assert hit == 32
+    # 8 hit blocks sit in the free queue, plus 1 new block: all 9 free blocks
+    assert lru.num_blocks_to_allocate(b, 36, blocks) == 9
+    assert lru.allocate_slots(b, 4, hit, blocks) is not None
+    assert lru.pool.num_free_blocks == 0
+    check(lru)
+
+
+def test_v1_watermark_applies_only_when_asked():
+    m = KVCacheManager(11, 4, watermark=0.2)  # 2 blocks kept free
+    assert m.watermark_blocks == 2
+    a = seq("a", range(36))  # 9 of 10 free blocks would leave 1 < 2
+    assert m.allocate_slots(a, 36, watermark=True) is None
+    assert m.allocate_slots(a, 36, watermark=False) is not None
+    b = seq("b", range(32), uid=1)  # 8 of 10 leaves exactly 2
+    assert KVCacheManager(11, 4, watermark=0.2).allocate_slots(b, 32, watermark=True) is not None
+
+
+def test_v2_can_allocate_ok_later_never():
+    m = KVCacheManager(11, 4, watermark=0.2)
+    assert m.can_allocate(seq("a", range(32))) is AllocStatus.OK
+    assert m.can_allocate(seq("b", range(40))) is AllocStatus.NEVER
+    m.allocate_slots(seq("c", range(20), uid=2), 20)
+    assert m.can_allocate(seq("d", range(16), uid=3)) is AllocStatus.LATER
+
+
+def test_lookahead_slots_are_allocated_not_cached(lru):
+    a = seq("a", range(4))
+    new = lru.allocate_slots(a, 4, num_lookahead_tokens=5)
+    assert ids(new) == [1, 2, 3]
+    assert lru.num_cached_block["a"] == 1
+
+
+def test_fork_copies_the_shared_partial_block_on_write(lru):
+    a = seq("a", range(6))
+    prefill(lru, a)  # blocks 1, 2; block 2 holds tokens 4, 5
+    b = lru.fork(a, "b", uid=1)
+    assert lru.block_ids("b") == [1, 2]
+    assert [blk.ref_cnt for blk in lru.req_blocks["a"]] == [2, 2]
+    decode(lru, b)  # writes slot 2 of the shared block 2: copy first
+    assert lru.block_ids("b") == [1, 3]
+    copies = [(o.a, o.b) for o in lru.ops.records() if o.kind == "copy"]
+    assert copies == [(2, 3)]
+    decode(lru, a)  # a is now the only holder of block 2: writes in place
+    assert lru.block_ids("a") == [1, 2]
+    assert lru.num_cow_copies == 1
+    check(lru)
+
+
+def test_swap_out_and_in_round_trip():
+    m = KVCacheManager(10, 4, num_cpu_blocks=4, record_ops=True, enable_caching=False)
+    a = seq("a", range(6))
+    prefill(m, a)
+    assert m.swap_out([a]) == [(1, 0), (2, 1)]
+    assert m.block_ids("a") == [] and m.swapped["a"] == [0, 1]
+    assert m.pool.num_free_blocks == 9
+    assert m.can_swap_in([a]) is AllocStatus.OK
+    assert m.swap_in([a]) == [(0, 3), (1, 4)]
+    assert m.block_ids("a") == [3, 4]
+    kinds = [(o.kind, o.a, o.b) for o in m.ops.records() if o.kind.startswith("swap")]
+    assert kinds == [("swap_out", 1, 0), ("swap_out", 2, 1), ("swap_in", 0, 3), ("swap_in", 1, 4)]
+    assert m.cpu.num_free_blocks == 4
+    check(m)
+
+
+def test_swap_in_reuses_blocks_still_cached_on_gpu():
+    m = KVCacheManager(10, 4, num_cpu_blocks=4)
+    a = seq("a", range(6))
+    prefill(m, a)
+    m.swap_out([a])
+    assert m.swap_in([a]) == [(1, 3)]  # full block 1 still cached: touched, not copied
+    assert m.block_ids("a") == [1, 3]
+    check(m)
+
+
+def test_sliding_window_returns_blocks_outside_the_window():
+    m = KVCacheManager(20, 4, sliding_window=8)
+    a = seq("a", range(20))
+    prefill(m, a)
+    for _ in range(4):
+        decode(m, a)
+    # the last decode started at 23 computed tokens: tokens < 23 - 8 + 1 = 16
+    # are dead, so blocks 0..3 were freed; 6 blocks allocated in all
+    assert m.block_ids("a")[:4] == [0, 0, 0, 0]
+    assert len(m.block_ids("a")) == 6
+    assert m.pool.num_free_blocks == 19 - 2
+    check(m)
+
+
+def test_errors_are_clear(lru):
+    a = seq("a", range(4))
+    with pytest.raises(KeyError, match="unknown sequence 'a'"):
+        lru.free(a)
+    prefill(lru, a)
+    lru.free(a)
+    with pytest.raises(KeyError):
+        lru.free(a)
+    with pytest.raises(ValueError, match="double free of block 1"):
+        lru.pool.free_blocks([lru.pool.blocks[1]])
+    with pytest.raises(OutOfBlocksError, match="asked for 10 blocks, only 9 free"):
+        lru.pool.get_new_blocks(10)
+    assert lru.allocate_slots(seq("big", range(40), uid=3), 40) is None
+
+
+def test_shared_system_prompt_hits_992_tokens():
+    m = KVCacheManager(4096, 16)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 32000, 1000)
+    hits = []
+    for i in range(20):
+        s = seq(f"r{i}", np.concatenate([system, rng.integers(0, 32000, 50)]), uid=i)
+        hit, _ = prefill(m, s)
+        for _ in range(10):
+            decode(m, s)
+        m.free(s)
+        hits.append(hit)
+    assert hits == [0] + [992] * 19
+    assert m.pool.num_evictions == 0
+
+
+def test_defragmenter_moves_high_blocks_down_and_tables_stay_valid():
+    m = KVCacheManager(64, 4, defrag_threshold=4, record_ops=True, enable_caching=False)
+    seqs = [seq(f"s{i}", range(8), uid=i) for i in range(10)]
+    for s in seqs:
+        prefill(m, s)  # 2 blocks each: ids 1..20
+    for s in seqs[:8]:
+        m.free(s)
+    assert m.id_space_fragmentation() == 20 - 4
+    moves = m.defragment()
+    assert moves == [(20, 1), (19, 2), (18, 3), (17, 4)]
+    # highest used first into the lowest holes: 20->1, 19->2, 18->3, 17->4
+    assert m.physical_ids("s9") == [2, 1] and m.physical_ids("s8") == [4, 3]
+    assert m.block_ids("s9") == [19, 20]
+    assert m.id_space_fragmentation() == 0
+    assert [(o.kind, o.a, o.b) for o in m.ops.records() if o.kind == "move"][:1] == [("move", 20, 1)]
+    check(m)

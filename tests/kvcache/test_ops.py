@@ -1,0 +1,49 @@
+"""The op stream: typed records, versioned JSON Lines and parquet."""
+
+import json
+
+import pytest
+
+from kvcache.manager import KVCacheManager
+from kvcache.ops import OPS_VERSION, Op, read_ops
+from tests.kvcache.conftest import prefill, seq
+
+
+def _ops():
+    m = KVCacheManager(8, 4, record_ops=True, num_cpu_blocks=2)
+    a = seq("a", range(6))
+    m.ops.step = 3
+    prefill(m, a)
+    m.swap_out([a])
+    return m.ops
+
+
+def test_records_are_typed_and_ordered():
+    ops = _ops()
+    assert ops.records()[:3] == [
+        Op(3, "write", 1, 0, 4, "a"),
+        Op(3, "write", 2, 0, 2, "a"),
+        Op(3, "swap_out", 1, 0, -1, "a"),
+    ]
+    assert dict(ops.counts) == {"write": 2, "swap_out": 2, "free": 2}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_round_trip(tmp_path, suffix):
+    ops = _ops()
+    path = tmp_path / f"ops{suffix}"
+    (ops.to_jsonl if suffix == ".jsonl" else ops.to_parquet)(path)
+    assert read_ops(path) == ops.records()
+
+
+def test_version_mismatch_is_refused(tmp_path):
+    path = tmp_path / "ops.jsonl"
+    path.write_text(json.dumps({"kvsim_ops": OPS_VERSION + 1}) + "\n")
+    with pytest.raises(ValueError, match=f"op stream version {OPS_VERSION + 1}"):
+        read_ops(path)
+
+
+def test_disabled_log_counts_without_records():
+    m = KVCacheManager(8, 4)
+    prefill(m, seq("a", range(6)))
+    assert len(m.ops) == 0 and m.ops.counts["write"] == 2
