@@ -17,9 +17,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from typing import Any
+
 from kvcache.manager import KVCacheManager
 from kvcache.sequence import Sequence
-from workloads.request import Request
+
+Request = Any  # anything with id, prompt, prompt_len, output, output_len (workloads.Request)
 
 FINISHED, TRUNCATED, REJECTED = "finished", "truncated", "rejected"
 

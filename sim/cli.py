@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from sim.cli_cache import register as _register_cache
 from workloads.cli import workload_app
 
 app = typer.Typer(
@@ -14,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(workload_app, name="workload")
+_register_cache(app)
 
 
 def main() -> None:
