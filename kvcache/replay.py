@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-
 from typing import Any
 
 from kvcache.manager import KVCacheManager
