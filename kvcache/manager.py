@@ -147,6 +147,11 @@ class KVCacheManager:
         `watermark=True` (for a waiting or preempted request when another
         request is already scheduled this step) also keeps the watermark free.
         """
+        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens \
+                and self.sliding_window is None:
+            decoded = self._decode_slot(seq, watermark)
+            if decoded is not False:
+                return decoded
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"{seq.seq_id}: negative token count")
         new_computed_blocks = new_computed_blocks or []
@@ -181,6 +186,35 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(seq, blocks, min(num_computed + num_new_tokens, seq.num_tokens))
         return new_blocks
+
+    def _decode_slot(self, seq: Sequence, watermark: bool) -> list[KVCacheBlock] | None | bool:
+        """Fast path of `allocate_slots` for one decode token of a running
+        sequence; returns False when the general path must decide (copy-on-write)."""
+        blocks = self.req_blocks.get(seq.seq_id)
+        if blocks is None:
+            return False
+        bs = self.block_size
+        nc = seq.num_computed_tokens
+        idx = nc // bs
+        if idx < len(blocks):
+            if nc % bs and blocks[idx].ref_cnt > 1:
+                return False
+            new = []
+        elif idx == len(blocks):
+            free = self.pool.num_free_blocks
+            if free < 1 or (watermark and free - 1 < self.watermark_blocks):
+                return None
+            new = self.pool.get_new_blocks(1)
+            blocks.append(new[0])
+        else:
+            return False
+        if self.ops.enabled:
+            self.ops.emit("write", blocks[idx].block_id, nc % bs, nc % bs + 1, seq.seq_id)
+        else:
+            self.ops.counts["write"] += 1
+        if self.enable_caching and (nc + 1) % bs == 0 and nc < seq.num_tokens:
+            self._cache_full_blocks(seq, blocks, nc + 1)
+        return new
 
     def _emit_writes(self, sid: str, blocks: list[KVCacheBlock], start: int, end: int) -> None:
         bs = self.block_size
