@@ -152,9 +152,12 @@ class _HeapPolicy(CachedPolicy):
         heap = self.heap
         while True:
             entry = heapq.heappop(heap)
-            block = entry[-1]
-            if block.tick == entry[-3]:
-                return block
+            if entry[-1].tick == entry[-3]:
+                self._evicted(entry)
+                return entry[-1]
+
+    def _evicted(self, entry: tuple) -> None:
+        """Hook: the live heap entry just chosen as victim."""
 
 
 class LFU(_HeapPolicy):
@@ -194,14 +197,8 @@ class CostAware(_HeapPolicy):
     def _key(self, block: KVCacheBlock) -> tuple:
         return (self.age + (block.hits + 1) * (1.0 + block.depth * self.scale), -block.depth)
 
-    def _victim(self) -> KVCacheBlock:
-        heap = self.heap
-        while True:
-            entry = heapq.heappop(heap)
-            block = entry[-1]
-            if block.tick == entry[-3]:
-                self.age = entry[0]
-                return block
+    def _evicted(self, entry: tuple) -> None:
+        self.age = entry[0]
 
 
 class S3FIFO(CachedPolicy):

@@ -22,6 +22,12 @@ N = 12
 PREFIXES = [np.arange(k * 100, k * 100 + 12, dtype=np.int32) for k in range(3)]
 
 
+def new_seq(uid: int, prefix: int, cut: int, tail: int) -> Sequence:
+    """A prompt: the first `cut` tokens of a shared prefix, then `tail` unique tokens."""
+    toks = np.concatenate([PREFIXES[prefix][:cut], np.arange(tail, dtype=np.int32) + 5000 + 10 * uid])
+    return Sequence(f"s{uid}", toks.astype(np.int32), uid=uid)
+
+
 class RefLRU:
     def __init__(self, n):
         self.free = list(range(1, n))
@@ -86,8 +92,7 @@ class LRUAgainstReference(RuleBasedStateMachine):
     @rule(prefix=st.integers(0, 2), cut=st.integers(1, 12), tail=st.integers(0, 6))
     def admit(self, prefix, cut, tail):
         self.uid += 1
-        toks = np.concatenate([PREFIXES[prefix][:cut], np.arange(tail, dtype=np.int32) + 5000 + 10 * self.uid])
-        s = Sequence(f"s{self.uid}", toks.astype(np.int32), uid=self.uid)
+        s = new_seq(self.uid, prefix, cut, tail)
         blocks, hit = self.m.get_computed_blocks(s)
         keys = s.hashes_upto(s.num_tokens, BS)
         ref_hits = self.ref.lookup(keys, (s.num_tokens - 1) // BS)
@@ -147,8 +152,7 @@ class AllFeatures(RuleBasedStateMachine):
     @rule(prefix=st.integers(0, 2), cut=st.integers(1, 12), tail=st.integers(0, 6), look=st.integers(0, 3))
     def admit(self, prefix, cut, tail, look):
         self.uid += 1
-        toks = np.concatenate([PREFIXES[prefix][:cut], np.arange(tail, dtype=np.int32) + 7000 + 10 * self.uid])
-        s = Sequence(f"s{self.uid}", toks.astype(np.int32), uid=self.uid)
+        s = new_seq(self.uid, prefix, cut, tail)
         blocks, hit = self.m.get_computed_blocks(s)
         assert hit <= s.num_tokens - 1 and hit % BS == 0
         if self.m.allocate_slots(s, s.num_tokens - hit, hit, blocks, look) is not None:
