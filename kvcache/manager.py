@@ -169,6 +169,7 @@ class KVCacheManager:
         if n_alloc > free or (watermark and free - n_alloc < self.watermark_blocks):
             return None
 
+        first_new_entry = len(blocks)
         if new_computed_blocks:
             if self.enable_caching:
                 self.pool.touch(new_computed_blocks)
@@ -180,6 +181,8 @@ class KVCacheManager:
         n_new = cdiv(num_slots, bs) - len(blocks)
         new_blocks = self.pool.get_new_blocks(n_new) if n_new > 0 else []
         blocks.extend(new_blocks)
+        if self.ops.enabled:
+            self._emit_table(sid, blocks, first_new_entry)
 
         if num_new_tokens:
             self._emit_writes(sid, blocks, num_computed, num_computed + num_new_tokens)
@@ -209,7 +212,9 @@ class KVCacheManager:
         else:
             return False
         if self.ops.enabled:
-            self.ops.emit("write", blocks[idx].block_id, nc % bs, nc % bs + 1, seq.seq_id)
+            if new:
+                self._emit_table(seq.seq_id, blocks, idx)
+            self.ops.emit("write", blocks[idx].block_id, nc % bs, nc % bs + 1, seq.seq_id, pos=nc)
         else:
             self.ops.counts["write"] += 1
         if self.enable_caching and (nc + 1) % bs == 0 and nc < seq.num_tokens:
@@ -225,7 +230,11 @@ class KVCacheManager:
         for i in range(first, last + 1):
             lo = max(start, i * bs) - i * bs
             hi = min(end, (i + 1) * bs) - i * bs
-            self.ops.emit("write", blocks[i].block_id, lo, hi, sid)
+            self.ops.emit("write", blocks[i].block_id, lo, hi, sid, pos=i * bs + lo)
+
+    def _emit_table(self, sid: str, blocks: list[KVCacheBlock], start: int, end: int | None = None) -> None:
+        for i in range(start, len(blocks) if end is None else end):
+            self.ops.emit("table", blocks[i].block_id, i, seq=sid)
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         sid = seq.seq_id
@@ -249,6 +258,8 @@ class KVCacheManager:
         self.ops.emit("copy", src.block_id, dst.block_id, seq=seq.seq_id)
         self.num_cow_copies += 1
         blocks[i] = dst
+        if self.ops.enabled:
+            self._emit_table(seq.seq_id, blocks, i, i + 1)
         self.pool.free_blocks([src])
 
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:
@@ -260,6 +271,8 @@ class KVCacheManager:
                 break
             removed.append(blocks[i])
             blocks[i] = self.null_block
+            if self.ops.enabled:
+                self._emit_table(sid, blocks, i, i + 1)
         if removed:
             self.pool.free_blocks(removed)
 
@@ -296,6 +309,8 @@ class KVCacheManager:
                 b.ref_cnt += 1
         child = parent.fork(child_id, uid)
         self.req_blocks[child_id] = list(blocks)
+        if self.ops.enabled:
+            self._emit_table(child_id, blocks, 0)
         self.num_cached_block[child_id] = self.num_cached_block.get(parent.seq_id, 0)
         return child
 
@@ -366,6 +381,8 @@ class KVCacheManager:
                 blocks.append(b)
                 self.cpu.free(cpu)
             self.req_blocks[seq.seq_id] = blocks
+            if self.ops.enabled:
+                self._emit_table(seq.seq_id, blocks, 0)
             self.num_cached_block[seq.seq_id] = n_full if self.enable_caching else 0
         return copies
 

@@ -4,14 +4,17 @@ Every physical effect of a manager decision is one typed record, in order:
 
 | kind       | a          | b          | c      | d    | meaning                                 |
 | ---------- | ---------- | ---------- | ------ | ---- | --------------------------------------- |
-| `write`    | block      | first slot | end    | seq  | new K/V for slots [first, end) of block |
+| `write`    | block      | first slot | end    | seq  | new K/V for slots [first, end) of block; `pos` = position of slot `first` |
 | `copy`     | src block  | dst block  |        |      | copy-on-write of a shared partial block |
 | `swap_out` | gpu block  | cpu block  |        |      | preemption by swapping, GPU -> CPU      |
 | `swap_in`  | cpu block  | gpu block  |        |      | resume a swapped request, CPU -> GPU    |
 | `move`     | src block  | dst block  |        |      | defrag: contents of src and dst exchanged |
 | `free`     | block      |            |        |      | ref count reached 0 (no data movement)  |
 | `evict`    | block      |            |        |      | cached block reused; `hash` is its key  |
+| `table`    | block      | index      |        | seq  | seq's block-table entry `index` is now `block` (0: null) |
 
+`table` ops carry no data: they let a replayer keep every request's block
+table (prefix hits, forks and swap-ins change tables without a write).
 `step` is the engine step (or replay iteration) the op belongs to. GPU block
 ids are physical: with the online defragmenter on, the manager's ids are
 mapped through its forward table, and a `move` exchanges the contents of two
@@ -27,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 OPS_VERSION = 1
-KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict")
-_COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash")
-_GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict"))  # kinds whose `a` is a GPU block
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
+_COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
+_GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
 _GPU_B = frozenset(("copy", "swap_in"))
 
 
@@ -44,6 +47,7 @@ class Op:
     c: int = -1
     seq: str = ""
     hash: int | None = None
+    pos: int = -1
 
 
 class OpLog:
@@ -56,7 +60,8 @@ class OpLog:
         self.counts: Counter[str] = Counter()
         self._rows: list[tuple] = []
 
-    def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None) -> None:
+    def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
+             pos: int = -1) -> None:
         """Record one op; GPU block ids are given as allocator ids and stored physical."""
         self.counts[kind] += 1
         if self.enabled:
@@ -65,13 +70,13 @@ class OpLog:
                     a = int(self.resolve(a))
                 if kind in _GPU_B:
                     b = int(self.resolve(b))
-            self._rows.append((self.step, kind, a, b, c, seq, h))
+            self._rows.append((self.step, kind, a, b, c, seq, h, pos))
 
     def emit_many(self, kind: str, pairs: list[tuple[int, int]]) -> None:
         self.counts[kind] += len(pairs)
         if self.enabled:
             step = self.step
-            self._rows.extend((step, kind, a, b, -1, "", None) for a, b in pairs)
+            self._rows.extend((step, kind, a, b, -1, "", None, -1) for a, b in pairs)
 
     def records(self) -> list[Op]:
         return [Op(*row) for row in self._rows]
@@ -104,6 +109,7 @@ class OpLog:
                 "c": pa.array(cols[4], pa.int64()),
                 "seq": pa.array(cols[5], pa.string()),
                 "hash": pa.array(cols[6], pa.uint64()),
+                "pos": pa.array(cols[7], pa.int64()),
             }
         ).replace_schema_metadata({"kvsim_ops": str(OPS_VERSION)})
         pq.write_table(table, path)

@@ -45,6 +45,18 @@ class Sequence:
         """Record `n` newly sampled tokens."""
         self.num_tokens += n
 
+    def token_ids(self, start: int, end: int) -> np.ndarray:
+        """Token ids at positions [start, end) as int64, past the known tokens too:
+        a unique decoded token at position p is -(1 + (uid << 24 | p))."""
+        known = min(end, self._known)
+        out = np.empty(max(end - start, 0), dtype=np.int64)
+        if known > start:
+            out[: known - start] = self.tokens(start, known)
+        lo = max(start, known)
+        if end > lo:
+            out[lo - start :] = -(1 + ((self.uid << 24) | np.arange(lo, end, dtype=np.int64)))
+        return out
+
     def tokens(self, start: int, end: int) -> np.ndarray:
         """Known token ids in [start, end) (must lie within prompt + known output)."""
         p = self.num_prompt_tokens

@@ -20,12 +20,17 @@ def _ops():
 
 def test_records_are_typed_and_ordered():
     ops = _ops()
-    assert ops.records()[:3] == [
-        Op(3, "write", 1, 0, 4, "a"),
-        Op(3, "write", 2, 0, 2, "a"),
+    assert ops.records() == [
+        Op(3, "table", 1, 0, seq="a"),
+        Op(3, "table", 2, 1, seq="a"),
+        Op(3, "write", 1, 0, 4, "a", pos=0),
+        Op(3, "write", 2, 0, 2, "a", pos=4),
         Op(3, "swap_out", 1, 0, -1, "a"),
+        Op(3, "swap_out", 2, 1, -1, "a"),
+        Op(3, "free", 2),
+        Op(3, "free", 1),
     ]
-    assert dict(ops.counts) == {"write": 2, "swap_out": 2, "free": 2}
+    assert dict(ops.counts) == {"table": 2, "write": 2, "swap_out": 2, "free": 2}
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
@@ -47,3 +52,8 @@ def test_disabled_log_counts_without_records():
     m = KVCacheManager(8, 4)
     prefill(m, seq("a", range(6)))
     assert len(m.ops) == 0 and m.ops.counts["write"] == 2
+
+
+def test_token_ids_cover_known_and_unique_positions():
+    s = seq("a", [5, 6, 7], uid=2, output=[8])
+    assert s.token_ids(1, 6).tolist() == [6, 7, 8, -(1 + (2 << 24 | 4)), -(1 + (2 << 24 | 5))]
