@@ -285,6 +285,8 @@ class KVCacheManager:
             raise KeyError(f"free of unknown sequence {seq.seq_id!r}")
         self.num_cached_block.pop(seq.seq_id, None)
         self.pool.free_blocks(blocks[::-1])
+        if self.ops.enabled:
+            self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
 
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(seq_id, ())]
@@ -346,6 +348,8 @@ class KVCacheManager:
                 cpu_ids.append(cpu)
             self.swapped[seq.seq_id] = cpu_ids
             self.pool.free_blocks(blocks[::-1])
+            if self.ops.enabled:
+                self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
         return list(mapping.items())
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:

@@ -29,6 +29,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 OPS_VERSION = 1
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
 _COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
@@ -59,6 +61,7 @@ class OpLog:
         self.step = 0
         self.counts: Counter[str] = Counter()
         self._rows: list[tuple] = []
+        self.tokens: dict[str, np.ndarray] = {}  # seq -> its token ids when last released
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
              pos: int = -1) -> None:
@@ -113,6 +116,29 @@ class OpLog:
             }
         ).replace_schema_metadata({"kvsim_ops": str(OPS_VERSION)})
         pq.write_table(table, path)
+
+
+    def save(self, folder: str | Path) -> None:
+        """`ops.parquet` plus `op_tokens.parquet` (each sequence's token ids), what a replayer reads."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder = Path(folder)
+        self.to_parquet(folder / "ops.parquet")
+        seqs = list(self.tokens)
+        table = pa.table({
+            "seq": pa.array(seqs, pa.string()),
+            "tokens": pa.array([self.tokens[s].tolist() for s in seqs], pa.list_(pa.int64())),
+        }).replace_schema_metadata({"kvsim_ops": str(OPS_VERSION)})
+        pq.write_table(table, folder / "op_tokens.parquet")
+
+
+def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
+    """Token ids per sequence, written by `OpLog.save`."""
+    import pyarrow.parquet as pq
+
+    d = pq.read_table(path).to_pydict()
+    return {s: np.asarray(t, dtype=np.int64) for s, t in zip(d["seq"], d["tokens"], strict=True)}
 
 
 def read_ops(path: str | Path) -> list[Op]:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvcache.manager import KVCacheManager
-from kvcache.ops import OPS_VERSION, Op, read_ops
+from kvcache.ops import OPS_VERSION, Op, read_ops, read_tokens
 from tests.kvcache.conftest import prefill, seq
 
 
@@ -39,6 +39,14 @@ def test_round_trip(tmp_path, suffix):
     path = tmp_path / f"ops{suffix}"
     (ops.to_jsonl if suffix == ".jsonl" else ops.to_parquet)(path)
     assert read_ops(path) == ops.records()
+
+
+def test_save_writes_ops_and_tokens(tmp_path):
+    ops = _ops()
+    ops.save(tmp_path)
+    assert read_ops(tmp_path / "ops.parquet") == ops.records()
+    tokens = read_tokens(tmp_path / "op_tokens.parquet")
+    assert tokens["a"].tolist() == [0, 1, 2, 3, 4, 5, -(1 + 6)]
 
 
 def test_version_mismatch_is_refused(tmp_path):
