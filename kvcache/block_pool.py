@@ -35,6 +35,7 @@ class BlockPool:
         self.num_evictions = 0
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
         self.tracker = None  # a Defragmenter told of every block becoming used / unused
+        self._notify_cache = type(self.policy).on_cache is not EvictionPolicy.on_cache
         self._born = 0
 
     @property
@@ -60,17 +61,25 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         blocks = self.policy.pop_n(n)
+        evicted = 0
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
             if b.block_hash is not None:
                 self._evict(b)
+                evicted += 1
             b.ref_cnt = 1
+        if evicted:
+            self.num_evictions += evicted
+            self.num_cached_free -= evicted
+            if not self.ops.enabled:
+                self.ops.counts["evict"] += evicted
         if self.tracker is not None:
             self.tracker.use_distinct([b.block_id for b in blocks])
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
+        """Drop a reused block's key from the cache map (counted by the caller)."""
         key = block.block_hash
         hit = self.cached[key]
         if type(hit) is KVCacheBlock:
@@ -79,11 +88,10 @@ class BlockPool:
             del hit[block.block_id]
             if len(hit) == 1:
                 self.cached[key] = next(iter(hit.values()))
-        self.ops.emit("evict", block.block_id, h=key)
+        if self.ops.enabled:
+            self.ops.emit("evict", block.block_id, h=key)
         block.block_hash = None
         block.hits = 0
-        self.num_evictions += 1
-        self.num_cached_free -= 1
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free set."""
@@ -122,19 +130,28 @@ class BlockPool:
             self.tracker.release_distinct([b.block_id for b in freed])
         self.policy.free(freed)
 
-    def cache_block(self, block: KVCacheBlock, key: int, depth: int) -> None:
-        """Register a just-filled block under `key`."""
-        if block.block_hash is not None:
-            raise AssertionError(f"block {block.block_id} is already cached")
-        block.block_hash = key
-        block.depth = depth
-        self._born += 1
-        block.born = self._born
-        hit = self.cached.get(key)
-        if hit is None:
-            self.cached[key] = block
-        elif type(hit) is KVCacheBlock:
-            self.cached[key] = {hit.block_id: hit, block.block_id: block}
-        else:
-            hit[block.block_id] = block
-        self.policy.on_cache(block)
+    def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int) -> None:
+        """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped)."""
+        cached = self.cached
+        null = self.null_block
+        notify = self._notify_cache
+        for i in range(start, end):
+            b = blocks[i]
+            if b is null:
+                continue
+            if b.block_hash is not None:
+                raise AssertionError(f"block {b.block_id} is already cached")
+            key = keys[i]
+            b.block_hash = key
+            b.depth = i
+            self._born += 1
+            b.born = self._born
+            hit = cached.get(key)
+            if hit is None:
+                cached[key] = b
+            elif type(hit) is KVCacheBlock:
+                cached[key] = {hit.block_id: hit, b.block_id: b}
+            else:
+                hit[b.block_id] = b
+            if notify:
+                self.policy.on_cache(b)

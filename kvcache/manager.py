@@ -243,12 +243,7 @@ class KVCacheManager:
         if n_full <= n_cached:
             return
         hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
-        cache_block = self.pool.cache_block
-        null = self.null_block
-        for i in range(n_cached, n_full):
-            b = blocks[i]
-            if b is not null:
-                cache_block(b, hashes[i], i)
+        self.pool.cache_blocks(blocks, hashes, n_cached, n_full)
         self.num_cached_block[sid] = n_full
 
     def _copy_on_write(self, seq: Sequence, blocks: list[KVCacheBlock]) -> None:
@@ -365,6 +360,7 @@ class KVCacheManager:
             n_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
             hashes = seq.hashes_upto(n_full * bs, bs) if self.enable_caching else []
             blocks = []
+            copied = []
             for i, cpu in enumerate(cpu_ids):
                 if cpu < 0:
                     blocks.append(self.null_block)
@@ -381,9 +377,11 @@ class KVCacheManager:
                     self.ops.emit("swap_in", cpu, b.block_id, seq=seq.seq_id)
                     copies.append((cpu, b.block_id))
                     if i < n_full and self.enable_caching:
-                        self.pool.cache_block(b, hashes[i], i)
+                        copied.append(i)
                 blocks.append(b)
                 self.cpu.free(cpu)
+            for i in copied:
+                self.pool.cache_blocks(blocks, hashes, i, i + 1)
             self.req_blocks[seq.seq_id] = blocks
             if self.ops.enabled:
                 self._emit_table(seq.seq_id, blocks, 0)
