@@ -23,8 +23,13 @@ def _fail(msg: str) -> typer.Exit:
 def sweep(
     config: Annotated[Path, typer.Argument(help="sweep file (TOML with [base] and [grid] tables)")],
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = _CPUS,
-    ray: Annotated[bool, typer.Option("--ray", help="run the points on Ray (pip install 'kvsim[ray]')")] = False,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="output folder [default: sweeps/<config name>]")] = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="run the points on Ray (pip install 'kvsim[ray]')")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="output folder [default: sweeps/<config name>]"),
+    ] = None,
 ) -> None:
     """Run every point of a parameter grid; finished points are kept, so a rerun resumes."""
     from sim.sweep import load_sweep, run_sweep
@@ -38,8 +43,12 @@ def sweep(
         def report(pt, rec, skipped: bool) -> None:
             done[0] += 1
             s = rec["summary"]
-            note = "already done" if skipped else (
-                f"hit rate {s.get('hit_rate', 0):.2%}, {s.get('throughput_rps', 0):.2f} req/s"
+            note = (
+                "already done"
+                if skipped
+                else (
+                    f"hit rate {s.get('hit_rate', 0):.2%}, {s.get('throughput_rps', 0):.2f} req/s"
+                )
             )
             typer.echo(f"[{done[0]}/{total}] {pt.id}: {note}")
 
@@ -47,7 +56,9 @@ def sweep(
         table = run_sweep(sw, out_dir, workers, ray, report)
     except (ConfigError, WorkloadError) as e:
         raise _fail(str(e)) from None
-    typer.echo(f"wrote {out_dir / 'sweep.parquet'} ({len(table)} points, {time.perf_counter() - t0:.1f} s)")
+    typer.echo(
+        f"wrote {out_dir / 'sweep.parquet'} ({len(table)} points, {time.perf_counter() - t0:.1f} s)"
+    )
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -59,13 +70,25 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def curve(
     workload: Annotated[Path, typer.Argument(help="workload file (any `kvsim workload` format)")],
-    capacities: Annotated[str, typer.Option("--capacities", "-c", help="cache sizes in GPU blocks, e.g. 1000,2000,4000")],
-    policies: Annotated[str, typer.Option("--policies", "-p", help="eviction policies, comma-separated")] = "lru",
+    capacities: Annotated[
+        str,
+        typer.Option("--capacities", "-c", help="cache sizes in GPU blocks, e.g. 1000,2000,4000"),
+    ],
+    policies: Annotated[
+        str, typer.Option("--policies", "-p", help="eviction policies, comma-separated")
+    ] = "lru",
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="tokens per block")] = 16,
-    mode: Annotated[str, typer.Option("--mode", "-m", help="replay (cache only, fast) | sim (full simulator)")] = "replay",
+    mode: Annotated[
+        str, typer.Option("--mode", "-m", help="replay (cache only, fast) | sim (full simulator)")
+    ] = "replay",
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = _CPUS,
-    format: Annotated[str, typer.Option("--format", "-f", help="workload format (auto by default)")] = "auto",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="output folder [default: curves/<workload name>]")] = None,
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="workload format (auto by default)")
+    ] = "auto",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="output folder [default: curves/<workload name>]"),
+    ] = None,
 ) -> None:
     """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy."""
     from sim.curves import capacity_curve, check_points, format_table, write_curve
@@ -80,7 +103,9 @@ def curve(
         t0 = time.perf_counter()
         df = capacity_curve(spec, caps, pols, block_size, mode, workers)
         wall = time.perf_counter() - t0
-        out_dir = write_curve(df, out or Path("curves") / workload.stem, workload.name, block_size, mode)
+        out_dir = write_curve(
+            df, out or Path("curves") / workload.stem, workload.name, block_size, mode
+        )
     except (ConfigError, WorkloadError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"{workload.name}: block size {block_size}, mode {mode}, {len(df)} points")
@@ -93,7 +118,9 @@ def curve(
 
 def regress(
     baseline_dir: Annotated[Path, typer.Argument(help="a baseline folder, or a folder of them")],
-    update: Annotated[bool, typer.Option("--update", help="rewrite expected.json from this run")] = False,
+    update: Annotated[
+        bool, typer.Option("--update", help="rewrite expected.json from this run")
+    ] = False,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = 1,
 ) -> None:
     """Recompute golden curves and fail (exit 1) when a point moves beyond its tolerance."""

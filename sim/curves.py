@@ -75,7 +75,9 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
         raise ConfigError(f"block size must be a positive power of two, got {block_size}")
 
 
-def replay_point(workload: WorkloadSpec, policy: str, capacity: int, block_size: int) -> dict[str, Any]:
+def replay_point(
+    workload: WorkloadSpec, policy: str, capacity: int, block_size: int
+) -> dict[str, Any]:
     """One point by cache-only replay (sequential, as `kvsim cache-replay`)."""
     m = _SamplingManager(capacity, block_size, eviction=policy)
     blocks = {"hit": 0, "prompt": 0}
@@ -100,12 +102,18 @@ def replay_point(workload: WorkloadSpec, policy: str, capacity: int, block_size:
 
 
 def sim_point(
-    workload: WorkloadSpec, policy: str, capacity: int, block_size: int, base: SimConfig | None = None
+    workload: WorkloadSpec,
+    policy: str,
+    capacity: int,
+    block_size: int,
+    base: SimConfig | None = None,
 ) -> dict[str, Any]:
     """One point by full simulation of `base` (default config) at this capacity and policy."""
     from sim.run import simulate
 
-    cfg = (base or SimConfig()).replace(num_gpu_blocks=capacity, eviction=policy, block_size=block_size)
+    cfg = (base or SimConfig()).replace(
+        num_gpu_blocks=capacity, eviction=policy, block_size=block_size
+    )
     s = simulate(workload.open(), cfg).summary
     return {
         "policy": policy,
@@ -149,7 +157,9 @@ def capacity_curve(
 
 def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = True) -> str:
     """A capacity x policy text table of one column."""
-    wide = df.pivot(index="capacity", columns="policy", values=column)[list(dict.fromkeys(df["policy"]))]
+    wide = df.pivot(index="capacity", columns="policy", values=column)[
+        list(dict.fromkeys(df["policy"]))
+    ]
     cells = [["capacity", *wide.columns]]
     for cap, row in wide.iterrows():
         fmt = (lambda v: f"{v * 100:.2f}") if percent else (lambda v: f"{v:,.1f}")
@@ -158,7 +168,9 @@ def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = Tru
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
-def plot_curve(df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str) -> None:
+def plot_curve(
+    df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str
+) -> None:
     """Hit rate (left) and mean id-space fragmentation (right) against capacity, per policy."""
     import matplotlib
 
@@ -184,7 +196,9 @@ def plot_curve(df: pd.DataFrame, path: str | Path, workload: str, block_size: in
     plt.close(fig)
 
 
-def write_curve(df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str) -> Path:
+def write_curve(
+    df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str
+) -> Path:
     """`curve.parquet` and `curve.png` in `out_dir`; returns the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,16 @@ from sim.sweep import WorkloadSpec, tomllib, write_json_atomic
 
 REGRESS_VERSION = 1
 KINDS = ("hit_rate_vs_capacity", "fragmentation_over_time")
-TOP_KEYS = {"kind", "description", "workload", "format", "generator", "metrics", "tolerance", "params"}
+TOP_KEYS = {
+    "kind",
+    "description",
+    "workload",
+    "format",
+    "generator",
+    "metrics",
+    "tolerance",
+    "params",
+}
 PARAM_KEYS = {
     "hit_rate_vs_capacity": {"capacities", "policies", "block_size", "mode"},
     "fragmentation_over_time": {"policies", "sample_every_s", "config"},
@@ -104,7 +113,9 @@ def _check_keys(d: dict[str, Any], allowed: set[str], source: str) -> None:
         if key not in allowed:
             hint = difflib.get_close_matches(key, allowed, 1)
             also = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{source}: unknown key {key!r}{also}; expected {', '.join(sorted(allowed))}")
+            raise ConfigError(
+                f"{source}: unknown key {key!r}{also}; expected {', '.join(sorted(allowed))}"
+            )
 
 
 def load_baseline(folder: str | Path) -> Baseline:
@@ -133,7 +144,9 @@ def load_baseline(folder: str | Path) -> Baseline:
     tol = data.get("tolerance", 0.0)
     tolerance = {m: float(tol) for m in metrics} if isinstance(tol, (int, float)) else dict(tol)
     _check_keys(tolerance, set(metrics), f"{path} [tolerance]")
-    base = Baseline(folder, kind, spec, list(metrics), tolerance, params, data.get("description", ""))
+    base = Baseline(
+        folder, kind, spec, list(metrics), tolerance, params, data.get("description", "")
+    )
     _check_params(base, path)
     return base
 
@@ -145,11 +158,15 @@ def _check_params(b: Baseline, path: Path) -> None:
             raise ConfigError(f"{path} [params]: {key} must be a non-empty list")
     if b.kind == "hit_rate_vs_capacity":
         if p.get("mode", "replay") not in MODES:
-            raise ConfigError(f"{path} [params]: mode must be one of {', '.join(MODES)}, got {p['mode']!r}")
+            raise ConfigError(
+                f"{path} [params]: mode must be one of {', '.join(MODES)}, got {p['mode']!r}"
+            )
     else:
         dt = p.get("sample_every_s")
         if not isinstance(dt, (int, float)) or dt <= 0:
-            raise ConfigError(f"{path} [params]: sample_every_s must be a positive number, got {dt!r}")
+            raise ConfigError(
+                f"{path} [params]: sample_every_s must be a positive number, got {dt!r}"
+            )
         SimConfig.from_dict(p.get("config", {}), source=f"{path} [params.config]").validate()
 
 
@@ -203,7 +220,9 @@ def load_expected(b: Baseline) -> Points:
     try:
         data = json.loads(path.read_text())
     except OSError:
-        raise ConfigError(f"{path}: missing; create it with `kvsim regress {b.folder} --update`") from None
+        raise ConfigError(
+            f"{path}: missing; create it with `kvsim regress {b.folder} --update`"
+        ) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
     if data.get("kvsim_regress") != REGRESS_VERSION or not isinstance(data.get("points"), dict):
@@ -213,7 +232,9 @@ def load_expected(b: Baseline) -> Points:
 
 def write_expected(b: Baseline, points: Points) -> None:
     write_json_atomic(
-        b.expected_path, {"kvsim_regress": REGRESS_VERSION, "kind": b.kind, "points": points}
+        b.expected_path,
+        {"kvsim_regress": REGRESS_VERSION, "kind": b.kind, "points": points},
+        sort_keys=False,
     )
 
 
@@ -230,18 +251,27 @@ def compare(b: Baseline, expected: Points, got: Points) -> Comparison:
 
 def format_diff(rows: list[Row]) -> str:
     """A text table: point, expected, got, delta, tolerance."""
-    def fmt(v: float | None) -> str:
+
+    def fmt(v: float | None, absent: str) -> str:
         if v is None:
-            return "missing"
+            return absent
         return str(v) if isinstance(v, int) else f"{v:.6g}"
 
     cells = [["point", "expected", "got", "delta", "tolerance"]]
     for r in rows:
         d = r.delta
         delta = "-" if d is None else ("nan" if math.isnan(d) else f"{d:+.3g}")
-        cells.append([r.point, fmt(r.expected), fmt(r.got), delta, f"{r.tolerance:g}"])
+        cells.append(
+            [r.point, fmt(r.expected, "(new)"), fmt(r.got, "missing"), delta, f"{r.tolerance:g}"]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in cells]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
     return "\n".join(lines)
 
 

@@ -45,7 +45,13 @@ from workloads.request import Workload
 
 SWEEP_VERSION = 1
 WORKLOAD_KEYS = ("workload", "format")
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+_TYPES = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+    "None": (type(None),),
+}
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ def load_sweep(path: str | Path) -> Sweep:
             raise ConfigError(f"{p} [grid]: {key} must be a non-empty list, got {values!r}")
     sweep = Sweep(str(p), base, grid, p.resolve().parent)
     check_params(base, f"{p} [base]")
-    check_params({k: v[0] for k, v in grid.items()}, f"{p} [grid]")
+    for i in range(max(map(len, grid.values()), default=0)):
+        check_params({k: v[i] for k, v in grid.items() if i < len(v)}, f"{p} [grid]")
     for point in sweep.points():
         config_of(point.params, f"{p} point {point.id}")
     return sweep
@@ -199,13 +206,14 @@ def point_id(params: dict[str, Any], keys: Iterable[str]) -> str:
     return f"{slug}_{digest}" if slug else digest
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
     """Write JSON to a temporary file beside `path`, then rename: never a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
+            json.dump(obj, f, indent=1, sort_keys=sort_keys)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -255,7 +263,9 @@ def run_ray(
     try:
         import ray
     except ImportError:
-        raise ConfigError("--ray needs Ray, which is not installed: pip install 'kvsim[ray]'") from None
+        raise ConfigError(
+            "--ray needs Ray, which is not installed: pip install 'kvsim[ray]'"
+        ) from None
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True, log_to_driver=False)
     remote = ray.remote(fn)
@@ -341,5 +351,11 @@ def sweep_table(records: list[dict[str, Any]], grid_keys: list[str]) -> pd.DataF
     rows = []
     for rec in records:
         grid = {k: rec["params"].get(k) for k in grid_keys}
-        rows.append({"point": rec["id"], **grid, **{k: v for k, v in rec["summary"].items() if k not in grid}})
+        rows.append(
+            {
+                "point": rec["id"],
+                **grid,
+                **{k: v for k, v in rec["summary"].items() if k not in grid},
+            }
+        )
     return pd.DataFrame(rows)
