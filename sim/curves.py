@@ -171,7 +171,8 @@ def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = Tru
 def plot_curve(
     df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str
 ) -> None:
-    """Hit rate (left) and mean id-space fragmentation (right) against capacity, per policy."""
+    """Hit rate (left) and mean id-space fragmentation as a share of the cache (right)
+    against capacity, one line per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,10 +181,13 @@ def plot_curve(
     fig, (ax_hit, ax_frag) = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy, g in df.groupby("policy", sort=False):
         ax_hit.plot(g["capacity"], g["hit_rate"] * 100, marker="o", label=policy)
-        ax_frag.plot(g["capacity"], g["mean_id_fragmentation"], marker="o", label=policy)
+        frag = g["mean_id_fragmentation"] / (g["capacity"] - 1) * 100  # usable blocks
+        ax_frag.plot(g["capacity"], frag, marker="o", label=policy)
     unit = f"GPU blocks of {block_size} tokens"
     ax_hit.set(xlabel=f"cache capacity ({unit})", ylabel="prefix hit rate (% of prompt tokens)")
-    ax_frag.set(xlabel=f"cache capacity ({unit})", ylabel="mean id-space fragmentation (blocks)")
+    ax_frag.set(
+        xlabel=f"cache capacity ({unit})", ylabel="mean id-space holes (% of usable blocks)"
+    )
     for ax in (ax_hit, ax_frag):
         ax.grid(alpha=0.3)
         if df["capacity"].max() > 10 * df["capacity"].min():
