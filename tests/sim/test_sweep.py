@@ -179,9 +179,11 @@ def test_ray_missing_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_ray_backend_on_a_local_instance(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'kvsim[ray]'")
-    sw = load_sweep(write(tmp_path, SWEEP.replace("666", "300")))
+    golden = Path(__file__).parents[1] / "golden" / "workloads" / "shared-prefix.jsonl"
+    path = write(tmp_path, f'[base]\nworkload = "{golden}"\n[grid]\nnum_gpu_blocks = [32, 64]\n')
+    local = run_sweep(load_sweep(path), tmp_path / "local")
     try:
-        table = run_sweep(sw, tmp_path / "out", use_ray=True, point_fn=fake_point)
+        on_ray = run_sweep(load_sweep(path), tmp_path / "ray", use_ray=True)
     finally:
         ray.shutdown()
-    assert list(table["hit_rate"]) == [0.1, 0.2, 0.3, 0.1, 0.2, 0.3]
+    pd.testing.assert_frame_equal(on_ray, local)
