@@ -125,6 +125,17 @@ def _sequential(requests: Iterable[Request], m: KVCacheManager, done: Callable) 
         seq.num_computed_tokens = seq.num_tokens
         seq.append_tokens(1)
         sampled = 1
+        # NOTE: nothing else touches the pool between this request's decode
+        # steps, so one allocation for all of them ends in the same state as
+        # one per token; per-token only when it does not fit (truncation).
+        n = live.target - 1
+        if n > 0 and m.sliding_window is None:
+            seq.append_tokens(n)
+            if m.allocate_slots(seq, n) is not None:
+                seq.num_computed_tokens += n
+                sampled += n
+            else:
+                seq.num_tokens -= n
         while sampled < live.target:
             if m.allocate_slots(seq, 1) is None:
                 rec.status = TRUNCATED

@@ -3,9 +3,12 @@
 from dataclasses import asdict
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.manager import KVCacheManager
 from kvcache.replay import replay
+from kvcache.sequence import Sequence
 from workloads.request import make_request
 
 
@@ -57,3 +60,36 @@ def test_concurrent_shared_prefix_hits_once_cached():
     replay(reqs, KVCacheManager(64, 4), max_running=8, on_record=recs.append)
     # all three admitted in step 1: r0 fills blocks 0-1 before r1 is looked up
     assert [r.hit_tokens for r in recs] == [0, 8, 8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(0, 12)), min_size=1, max_size=12),
+       st.integers(3, 16), st.sampled_from(["lru", "s3fifo"]))
+def test_sequential_bulk_decode_equals_per_token(reqs, num_blocks, policy):
+    workload = [req(i, list(range(100 * p, 100 * p + n)), out) for i, (p, n, out) in enumerate(reqs)]
+    fast_recs, slow_recs = [], []
+    fast = KVCacheManager(num_blocks, 4, eviction=policy)
+    replay(workload, fast, on_record=fast_recs.append)
+    slow = KVCacheManager(num_blocks, 4, eviction=policy)
+    for uid, r in enumerate(workload):  # the per-token loop the driver's docstring describes
+        s = Sequence(r.id, r.prompt, uid=uid)
+        blocks, hit = slow.get_computed_blocks(s)
+        if slow.allocate_slots(s, s.num_tokens - hit, hit, blocks) is None:
+            slow_recs.append((r.id, 0, 0, "rejected"))
+            continue
+        s.num_computed_tokens = s.num_tokens
+        s.append_tokens(1)
+        sampled, status = 1, "finished"
+        while sampled < max(r.output_len, 1):
+            if slow.allocate_slots(s, 1) is None:
+                status = "truncated"
+                break
+            s.num_computed_tokens += 1
+            s.append_tokens(1)
+            sampled += 1
+        slow.free(s)
+        slow_recs.append((r.id, hit, sampled, status))
+    assert [(x.id, x.hit_tokens, x.output_tokens, x.status) for x in fast_recs] == slow_recs
+    assert [b.block_id for b in fast.pool.blocks if b.block_hash is not None] == \
+        [b.block_id for b in slow.pool.blocks if b.block_hash is not None]
+    assert fast.pool.num_evictions == slow.pool.num_evictions
