@@ -1,0 +1,202 @@
+"""The simulated inference engine: two SimPy processes around one scheduler.
+
+Scenario: requests stream in from a workload at their arrival times (the
+`arrivals` process; closed-loop session turns are released `think_time`
+after the previous turn finished). The `steps` process repeatedly asks the
+scheduler for a batch, advances the clock by the cost model's step time,
+applies the step, and logs it; with nothing to run it sleeps until the next
+arrival instead of spinning.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+import simpy
+
+from kvcache.manager import KVCacheManager
+from sim.config import SimConfig
+from sim.metrics import RequestLog, StepLog
+from sim.scheduler import Scheduler
+from workloads.request import Request
+
+try:  # the lead's invariant checker; optional until it lands
+    from kvcache.invariants import check as check_invariants
+except ImportError:  # pragma: no cover
+    check_invariants = None
+
+PROGRESS_EVERY = 64  # report progress every this many requests done
+
+
+class Sessions:
+    """Closed-loop multi-turn sessions: turn i is released `think_time` after turn i-1 is done."""
+
+    def __init__(self, env: simpy.Environment, release: Callable[[Request], None]):
+        self.env = env
+        self.release = release
+        self.last_done: dict[str, float | None] = {}  # session -> when its last turn was done; None: in flight
+        self.held: dict[str, deque[Request]] = {}  # turns whose previous turn is still in flight
+        self.outstanding = 0  # turns held or on a timer
+
+    def arrive(self, req: Request) -> None:
+        """A turn reached its open-loop arrival time in the stream."""
+        sid = req.session
+        last = self.last_done.get(sid, "new")
+        if req.think_time is None or last == "new":
+            self.last_done[sid] = None
+            self.release(req)
+        elif last is None:
+            self.held.setdefault(sid, deque()).append(req)
+            self.outstanding += 1
+        else:
+            self.last_done[sid] = None
+            self._at(max(self.env.now, last + req.think_time), req)
+
+    def done(self, req: Request) -> None:
+        """A turn finished (or was dropped): release the session's next turn, if it is held."""
+        sid = req.session
+        if sid not in self.last_done:
+            return
+        q = self.held.get(sid)
+        if q:
+            nxt = q.popleft()
+            if not q:
+                del self.held[sid]
+            self.outstanding -= 1
+            self._at(self.env.now + (nxt.think_time or 0.0), nxt)
+        else:
+            self.last_done[sid] = self.env.now
+
+    def _at(self, t: float, req: Request) -> None:
+        self.outstanding += 1
+
+        def fire(_: simpy.Event) -> None:
+            self.outstanding -= 1
+            self.release(req)
+
+        self.env.timeout(t - self.env.now).callbacks.append(fire)
+
+
+class Engine:
+    """An arrival process and a step process sharing one scheduler, cost model and logs."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        workload: Iterable[Request],
+        cfg: SimConfig,
+        cost,
+        manager: KVCacheManager,
+        progress: Callable[[int], None] | None = None,
+    ):
+        self.env = env
+        self.cfg = cfg
+        self.cost = cost
+        self.m = manager
+        self.requests = RequestLog()
+        self.steps = StepLog()
+        self.sched = Scheduler(cfg, manager, self.requests)
+        self.sessions = Sessions(env, self._release) if cfg.closed_loop_sessions else None
+        self.progress = progress
+        self.num_done = 0
+        self._order = 0
+        self._wake: simpy.Event | None = None
+        self._source_done = False
+        env.process(self._arrivals(iter(workload)))
+        self.process = env.process(self._steps())
+
+    # ------------------------------------------------------------- arrivals
+    def _arrivals(self, stream: Iterator[Request]):
+        env, sessions = self.env, self.sessions
+        for req in stream:
+            delay = req.arrival - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            if sessions is not None and req.session is not None:
+                sessions.arrive(req)
+            else:
+                self._release(req)
+        self._source_done = True
+        self._poke()
+
+    def _release(self, req: Request) -> None:
+        """The request reaches the engine now."""
+        self.sched.add(req, self.env.now, self._order)
+        self._order += 1
+        self._drain_done()
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _drain_done(self) -> int:
+        done = self.sched.done
+        if not done:
+            return 0
+        if self.sessions is not None:
+            for req in done:
+                if req.session is not None:
+                    self.sessions.done(req)
+        n = len(done)
+        done.clear()
+        self.num_done += n
+        if self.progress is not None and self.num_done // PROGRESS_EVERY != (self.num_done - n) // PROGRESS_EVERY:
+            self.progress(self.num_done)
+        return n
+
+    # ---------------------------------------------------------------- steps
+    def _idle(self) -> bool:
+        return self._source_done and (self.sessions is None or self.sessions.outstanding == 0)
+
+    def _steps(self):
+        env, m, sched, cost = self.env, self.m, self.sched, self.cost
+        counts = m.ops.counts
+        pool = m.pool
+        record = self.steps.record
+        defrag = self.cfg.defrag_threshold is not None
+        check = check_invariants if self.cfg.debug_invariants else None
+        prev = [0, 0, 0, 0, 0]  # evict, copy, swap_out, swap_in, move
+        k = 0
+        while True:
+            if not sched.has_work():
+                if self._idle():
+                    break
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            t0 = env.now
+            m.ops.step = k
+            if defrag:
+                m.defragment()
+            b = sched.schedule(t0)
+            dropped = self._drain_done()
+            if not b.lives:
+                if sched.has_work():
+                    raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
+                continue
+            now = [counts["evict"], counts["copy"], counts["swap_out"], counts["swap_in"], counts["move"]]
+            ops = {"copy": now[1] - prev[1], "swap_out": now[2] - prev[2],
+                   "swap_in": now[3] - prev[3], "move": now[4] - prev[4]}
+            dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, len(b.lives), ops)
+            yield env.timeout(dt)
+            sched.complete(b, env.now)
+            done = dropped + self._drain_done()
+            running = sched.running
+            record((
+                t0, dt, len(running), len(sched.waiting), len(sched.swapped), len(b.lives),
+                b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                pool.num_free_blocks, pool.num_cached_free, m.num_used_blocks(),
+                m.id_space_fragmentation(), m.internal_fragmentation([x.seq for x in running]),
+                now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
+                ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
+                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
+            ))
+            prev = now
+            if check is not None:
+                check(m)
+            k += 1
+        if self.progress is not None:
+            self.progress(self.num_done)

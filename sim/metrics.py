@@ -1,0 +1,300 @@
+"""Every metric a run reports, defined once: per-step and per-request logs, and the summary.
+
+The logs are preallocated numpy columns that double when full, so recording a
+step or a request costs a few array stores (no per-step dicts or DataFrames).
+Summary metrics (DESIGN.md, "sim: the engine"):
+
+- hit rate (token level): prompt tokens served from the prefix cache at a
+  request's first admission / prompt tokens of admitted requests;
+- block hit rate: hit blocks / prompt blocks (ceil(prompt / block size)),
+  over the same requests;
+- fragmentation: id-space (holes below the highest used block id, as the
+  defragmenter sees it) and internal (allocated slots not holding a token),
+  both time-weighted means over steps;
+- evictions, preemptions (by kind), swapped blocks, CoW copies, defrag moves;
+- per request: TTFT, TPOT, end-to-end latency, queueing delay; throughput and
+  goodput (requests meeting the SLOs per second);
+- per step: running / waiting / swapped, free / cached / used blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+# Request status codes (a request group takes the worst status of its samples).
+PENDING, FINISHED, TRUNCATED, REJECTED = 0, 1, 2, 3
+STATUS = ("pending", "finished", "truncated", "rejected")
+# Why a request was rejected or truncated (0: it was not).
+REASONS = (
+    "",
+    "prompt_exceeds_cache",  # its prompt needs more blocks than the cache has
+    "prompt_exceeds_batch",  # chunked prefill off and prompt > max_num_batched_tokens
+    "n_exceeds_max_num_seqs",  # more parallel samples than max_num_seqs
+    "context_exceeds_cache",  # prompt + output grew past what the cache can hold
+)
+REASON_CODE = {r: i for i, r in enumerate(REASONS)}
+PERCENTILES = (50, 90, 99)
+
+
+class Columns:
+    """Named numpy columns of one length, grown by doubling; `frame()` trims to the rows used."""
+
+    def __init__(self, schema: dict[str, Any], capacity: int = 1024):
+        self.rows = 0
+        self.capacity = capacity
+        self.cols: dict[str, np.ndarray] = {k: self._empty(dt, capacity) for k, dt in schema.items()}
+        for k, v in self.cols.items():
+            setattr(self, k, v)
+
+    @staticmethod
+    def _empty(dtype: Any, n: int) -> np.ndarray:
+        return np.full(n, np.nan) if np.dtype(dtype).kind == "f" else np.zeros(n, dtype=dtype)
+
+    def next_row(self) -> int:
+        """Index of a fresh row (grows the columns when full)."""
+        i = self.rows
+        if i == self.capacity:
+            self.capacity *= 2
+            for k, v in self.cols.items():
+                new = self._empty(v.dtype, self.capacity)
+                new[:i] = v
+                self.cols[k] = new
+                setattr(self, k, new)
+        self.rows = i + 1
+        return i
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame({k: v[: self.rows] for k, v in self.cols.items()})
+
+
+STEP_COLUMNS: dict[str, Any] = {
+    "time": np.float64,  # step start, s
+    "duration": np.float64,  # step length from the cost model, s
+    "running": np.int32,  # sequences in RUNNING at the end of the step
+    "waiting": np.int32,  # requests waiting (new or recompute-preempted)
+    "swapped": np.int32,  # sequences swapped out to CPU
+    "scheduled_seqs": np.int32,  # sequences computed this step
+    "prefill_tokens": np.int32,  # new tokens of prefilling sequences
+    "decode_tokens": np.int32,  # one per decoding sequence
+    "context_tokens": np.int64,  # sum of scheduled sequences' lengths after the step
+    "free_blocks": np.int32,  # GPU blocks in the free set (cached ones included)
+    "cached_blocks": np.int32,  # free blocks still holding a cached prefix
+    "used_blocks": np.int32,  # GPU blocks referenced by a sequence
+    "id_fragmentation": np.int32,  # max used block id - used blocks
+    "internal_fragmentation": np.int64,  # allocated slots of running sequences not holding a token
+    "evictions": np.int32,  # cached blocks reused this step
+    "preempt_recompute": np.int32,
+    "preempt_swap": np.int32,
+    "copy": np.int32,  # block ops this step, by kind
+    "swap_out": np.int32,
+    "swap_in": np.int32,
+    "move": np.int32,
+    "admitted": np.int32,  # requests admitted for the first time
+    "admitted_prompt_tokens": np.int64,  # their prompt tokens
+    "admitted_hit_tokens": np.int64,  # of which served from the prefix cache
+    "finished": np.int32,  # requests done (any status) this step
+}
+STEP_FIELDS = tuple(STEP_COLUMNS)
+
+
+class StepLog(Columns):
+    """One row per engine step (see STEP_COLUMNS for each field's meaning and unit)."""
+
+    def __init__(self, capacity: int = 4096):
+        super().__init__(STEP_COLUMNS, capacity)
+
+    def record(self, values: tuple) -> None:
+        """Append one step; `values` in STEP_FIELDS order."""
+        i = self.next_row()
+        cols = self.cols
+        for name, v in zip(STEP_FIELDS, values, strict=True):
+            cols[name][i] = v
+
+
+REQUEST_COLUMNS: dict[str, Any] = {
+    "arrival": np.float64,  # s; for a closed-loop session turn, when it was released
+    "prompt_tokens": np.int32,
+    "output_len": np.int32,  # tokens asked for, per sample
+    "n": np.int16,  # parallel samples
+    "priority": np.int32,
+    "first_scheduled": np.float64,  # start of the step that first scheduled it
+    "first_token": np.float64,  # end of the step that completed its prefill
+    "finish": np.float64,  # end of the step that sampled its last token (or dropped it)
+    "hit_tokens": np.int32,  # prompt tokens served from cache at first admission
+    "output_tokens": np.int64,  # tokens sampled, all samples together
+    "preemptions": np.int32,
+    "status": np.int8,  # index into STATUS
+    "reason": np.int8,  # index into REASONS
+}
+
+
+class RequestLog(Columns):
+    """One row per request, added at arrival; ids are kept in a plain list."""
+
+    def __init__(self, capacity: int = 1024):
+        super().__init__(REQUEST_COLUMNS, capacity)
+        self.ids: list[str] = []
+
+    def add(self, rid: str, arrival: float, prompt_tokens: int, output_len: int, n: int, priority: int) -> int:
+        """A row for a newly arrived request; returns its index."""
+        i = self.next_row()
+        self.ids.append(rid)
+        self.arrival[i] = arrival
+        self.prompt_tokens[i] = prompt_tokens
+        self.output_len[i] = output_len
+        self.n[i] = n
+        self.priority[i] = priority
+        return i
+
+    def frame(self) -> pd.DataFrame:
+        """The per-request table with derived latencies (see `latencies`)."""
+        df = super().frame()
+        df.insert(0, "id", pd.Series(self.ids, dtype="string"))
+        df["status"] = pd.Categorical.from_codes(df["status"], STATUS)
+        df["reason"] = pd.Categorical.from_codes(df["reason"], REASONS)
+        return latencies(df)
+
+
+def latencies(df: pd.DataFrame) -> pd.DataFrame:
+    """Add the per-request latency columns, in seconds (NaN where undefined).
+
+    ttft = first_token - arrival; tpot = (finish - first_token) / (output_len - 1)
+    (time per output token after the first, per sample); e2e = finish - arrival;
+    queueing = first_scheduled - arrival.
+    """
+    df["ttft"] = df["first_token"] - df["arrival"]
+    decode = (df["output_len"] - 1).astype(np.float64)
+    df["tpot"] = (df["finish"] - df["first_token"]) / decode.where(decode > 0)
+    df["e2e"] = df["finish"] - df["arrival"]
+    df["queueing"] = df["first_scheduled"] - df["arrival"]
+    return df
+
+
+# ------------------------------------------------------------------ summary
+
+
+def hit_rate(requests: pd.DataFrame) -> float:
+    """Token-level prefix hit rate: prompt tokens served from cache at first admission
+    / prompt tokens, over requests that were admitted."""
+    adm = requests[requests["first_scheduled"].notna()]
+    total = int(adm["prompt_tokens"].sum())
+    return float(adm["hit_tokens"].sum()) / total if total else 0.0
+
+
+def block_hit_rate(requests: pd.DataFrame, block_size: int) -> float:
+    """Block-level prefix hit rate: hit blocks / prompt blocks (ceil(prompt / block size))."""
+    adm = requests[requests["first_scheduled"].notna()]
+    blocks = int((-(-adm["prompt_tokens"].astype(np.int64) // block_size)).sum())
+    return float((adm["hit_tokens"] // block_size).sum()) / blocks if blocks else 0.0
+
+
+def time_mean(steps: pd.DataFrame, column: str) -> float:
+    """Mean of a per-step quantity weighted by step duration (a time average)."""
+    w = steps["duration"].to_numpy()
+    total = w.sum()
+    return float((steps[column].to_numpy() * w).sum() / total) if total > 0 else 0.0
+
+
+def percentiles(values: pd.Series, name: str) -> dict[str, float | None]:
+    """`name_p50`, `_p90`, `_p99` and `_mean` of the non-NaN values (None if there are none)."""
+    v = values.dropna().to_numpy()
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        out[f"{name}_p{p}"] = float(np.percentile(v, p)) if len(v) else None
+    out[f"{name}_mean"] = float(v.mean()) if len(v) else None
+    return out
+
+
+def meets_slo(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> pd.Series:
+    """Finished requests whose TTFT and TPOT are within the SLOs (an unset SLO always holds;
+    a one-token answer has no TPOT and meets any TPOT SLO)."""
+    ok = requests["status"] == "finished"
+    if slo_ttft is not None:
+        ok &= requests["ttft"] <= slo_ttft
+    if slo_tpot is not None:
+        ok &= requests["tpot"].isna() | (requests["tpot"] <= slo_tpot)
+    return ok
+
+
+def duration(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
+    """Simulated span, s: first arrival to the end of the last step."""
+    if steps.empty or requests.empty:
+        return 0.0
+    end = float(steps["time"].iloc[-1] + steps["duration"].iloc[-1])
+    return max(end - float(requests["arrival"].min()), 0.0)
+
+
+def summarize(
+    steps: pd.DataFrame,
+    requests: pd.DataFrame,
+    *,
+    block_size: int,
+    num_gpu_blocks: int,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    counters: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """The run's summary: one flat JSON-friendly dict (see the module docstring).
+
+    `counters` adds totals the logs do not hold (CoW copies, swapped blocks, ...).
+    """
+    span = duration(steps, requests)
+    status = requests["status"]
+    finished = requests[status == "finished"]
+    usable = num_gpu_blocks - 1
+    out_tokens = int(requests["output_tokens"].sum())
+    s: dict[str, Any] = {
+        "requests": len(requests),
+        "finished": int((status == "finished").sum()),
+        "truncated": int((status == "truncated").sum()),
+        "rejected": int((status == "rejected").sum()),
+    }
+    for reason in REASONS[1:]:
+        s[f"dropped_{reason}"] = int((requests["reason"] == reason).sum())
+    s.update(
+        steps=len(steps),
+        duration_s=span,
+        prompt_tokens=int(requests.loc[requests["first_scheduled"].notna(), "prompt_tokens"].sum()),
+        hit_tokens=int(requests["hit_tokens"].sum()),
+        hit_rate=hit_rate(requests),
+        block_hit_rate=block_hit_rate(requests, block_size),
+        output_tokens=out_tokens,
+        throughput_rps=len(finished) / span if span else 0.0,
+        output_tokens_per_s=out_tokens / span if span else 0.0,
+    )
+    for col in ("ttft", "tpot", "e2e", "queueing"):
+        s.update(percentiles(finished[col], col))
+    good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
+    s["goodput_rps"] = good / span if span else 0.0
+    s["slo_attainment"] = good / len(requests) if len(requests) else 0.0
+    s["evictions"] = int(steps["evictions"].sum())
+    s["preemptions_recompute"] = int(steps["preempt_recompute"].sum())
+    s["preemptions_swap"] = int(steps["preempt_swap"].sum())
+    s["preemptions"] = s["preemptions_recompute"] + s["preemptions_swap"]
+    s["swapped_out_blocks"] = int(steps["swap_out"].sum())
+    s["swapped_in_blocks"] = int(steps["swap_in"].sum())
+    s["cow_copies"] = int(steps["copy"].sum())
+    s["defrag_moves"] = int(steps["move"].sum())
+    used = steps["used_blocks"]
+    s["num_gpu_blocks"] = num_gpu_blocks
+    s["peak_used_blocks"] = int(used.max()) if len(used) else 0
+    s["peak_block_usage"] = s["peak_used_blocks"] / usable
+    s["mean_block_usage"] = time_mean(steps, "used_blocks") / usable if len(steps) else 0.0
+    s["mean_id_fragmentation"] = time_mean(steps, "id_fragmentation") if len(steps) else 0.0
+    s["mean_internal_fragmentation"] = time_mean(steps, "internal_fragmentation") if len(steps) else 0.0
+    if counters:
+        s.update(counters)
+    return {k: _plain(v) for k, v in s.items()}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-safe value: numpy scalars to Python, NaN to None."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v

@@ -1,0 +1,416 @@
+"""One engine step's scheduling decision, vLLM V1 style; pure Python, no simulated clock.
+
+`schedule(now)` builds a batch under a token budget (`max_num_batched_tokens`)
+and `max_num_seqs`: RUNNING sequences first, each its decode token or next
+prefill chunk, preempting the newest running sequence when blocks run out
+(recompute: free and requeue at the front of WAITING; swap: move its blocks to
+CPU); then swapped sequences, while they can be swapped back in; then WAITING
+requests in FCFS (or priority) order, with a prefix-cache lookup, until the
+first one that cannot be allocated. `complete(batch, now)` applies the step:
+computed tokens advance, a sequence whose known tokens are all computed samples
+one, a request with n > 1 forks its samples after its prefill, and finished
+sequences are freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache.admission import AllocStatus
+from kvcache.manager import KVCacheManager, cdiv
+from kvcache.sequence import Sequence
+from sim.config import SimConfig
+from sim.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
+from workloads.request import Request
+
+
+class Live:
+    """One sequence in flight: the request it answers, its KV sequence, and its final length."""
+
+    __slots__ = ("req", "row", "seq", "target", "order")
+
+    def __init__(self, req: Request, row: int, order: int):
+        self.req = req
+        self.row = row  # the request's row in the RequestLog (shared by its samples)
+        self.seq: Sequence | None = None  # made (prompt materialised) at first admission
+        self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
+        self.order = order  # admission tie-break: arrival order
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: sequences with their new-token counts, and the step's totals."""
+
+    lives: list[Live] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    context_tokens: int = 0  # sum of scheduled sequences' lengths after the step
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    admitted: int = 0  # requests admitted for the first time
+    admitted_prompt_tokens: int = 0
+    admitted_hit_tokens: int = 0
+
+
+class WaitQueue:
+    """WAITING requests: FCFS (a deque) or by (priority, arrival) (a heap)."""
+
+    def __init__(self, priority: bool):
+        self.priority = priority
+        self._q: deque[Live] | list[tuple[int, int, Live]] = [] if priority else deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def push(self, live: Live, front: bool = False) -> None:
+        """Queue at the back (new) or the front (recompute-preempted); priority mode ignores `front`."""
+        if self.priority:
+            heapq.heappush(self._q, (live.req.priority, live.order, live))
+        elif front:
+            self._q.appendleft(live)
+        else:
+            self._q.append(live)
+
+    def peek(self) -> Live:
+        return self._q[0][2] if self.priority else self._q[0]
+
+    def pop(self) -> Live:
+        return heapq.heappop(self._q)[2] if self.priority else self._q.popleft()
+
+
+class BlockedHead:
+    """The head of WAITING failed to allocate; tells cheaply, and exactly, when a retry must fail too.
+
+    NOTE: with F free blocks, H the hit blocks and n the new slots, allocation
+    fails iff deficit = cdiv(hit + n) - |H| + |H free| (+ watermark) - F > 0.
+    While H keeps its blocks (none evicted, no new entry at its miss point),
+    the deficit shrinks only by freed blocks (at most 1 each), a smaller budget
+    or a dropped watermark; allocations elsewhere and touches never shrink it.
+    """
+
+    __slots__ = ("m", "live", "hits", "deficit", "frees", "evictions", "budget", "watermark")
+
+    def __init__(self, m: KVCacheManager, live: Live, blocks: list, hit: int, slots: int, budget: int,
+                 watermark: bool):
+        need = m.num_blocks_to_allocate(live.seq, hit + slots, blocks)
+        self.m, self.live, self.hits, self.budget, self.watermark = m, live, blocks, budget, watermark
+        self.deficit = need + (m.watermark_blocks if watermark else 0) - m.pool.num_free_blocks
+        self.frees, self.evictions = m.ops.counts["free"], m.ops.counts["evict"]
+
+    def still(self, live: Live, budget: int, watermark: bool) -> bool:
+        """True if allocating `live` now would certainly fail as it did."""
+        if live is not self.live or budget < self.budget or watermark < self.watermark:
+            return False
+        m, seq, k = self.m, live.seq, len(self.hits)
+        counts = m.ops.counts
+        if self.deficit - (counts["free"] - self.frees) <= 0:
+            return False
+        if m.enable_caching and k < (seq.num_tokens - 1) // m.block_size and seq.block_hashes[k] in m.pool.cached:
+            return False  # the hit may have grown
+        if counts["evict"] != self.evictions and [b.block_hash for b in self.hits] != seq.block_hashes[:k]:
+            return False  # a hit block was evicted
+        return True
+
+
+class Scheduler:
+    """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager."""
+
+    skip_blocked_head = True  # use BlockedHead to skip retries that must fail (off: retry every step)
+
+    def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
+        self.m = manager
+        self.log = log
+        self.max_tokens = cfg.max_num_batched_tokens
+        self.max_seqs = cfg.max_num_seqs
+        self.chunked = cfg.enable_chunked_prefill
+        self.swap = cfg.preemption == "swap"
+        self.priority = cfg.scheduling == "priority"
+        self.lookahead = cfg.num_lookahead_tokens
+        # In-place decode shortcut (see _schedule_running); off where allocate_slots does more.
+        self._fast_decode = (
+            manager.sliding_window is None and not self.lookahead and not manager.ops.enabled and not self.priority
+        )
+        self.waiting = WaitQueue(self.priority)
+        self.running: list[Live] = []
+        self.swapped: list[tuple[int, Live]] = []  # heap by arrival order: the oldest resumes first
+        self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
+        self._blocked: BlockedHead | None = None
+        self._open: dict[int, int] = {}  # row -> samples not yet done, for forked requests
+        self._uid = 0
+
+    # ------------------------------------------------------------- arrivals
+    def add(self, req: Request, now: float, order: int) -> None:
+        """A request arrives: queue it, or drop it at once if it can never run."""
+        row = self.log.add(req.id, now, req.prompt_len, req.output_len, req.n, req.priority)
+        reason = self._never_fits(req)
+        if reason:
+            self.log.status[row] = REJECTED
+            self.log.reason[row] = REASON_CODE[reason]
+            self.log.finish[row] = now
+            self.done.append(req)
+            return
+        self.waiting.push(Live(req, row, order))
+
+    def _never_fits(self, req: Request) -> str:
+        if req.n > self.max_seqs:
+            return "n_exceeds_max_num_seqs"
+        if not self.chunked and req.prompt_len > self.max_tokens:
+            return "prompt_exceeds_batch"
+        if self.m.sliding_window is None and cdiv(req.prompt_len, self.m.block_size) > self.m.pool.num_usable_blocks:
+            return "prompt_exceeds_cache"
+        return ""
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self, now: float) -> Batch:
+        """Choose this step's batch and allocate its slots (see the module docstring)."""
+        b = Batch()
+        budget = self._schedule_running(b, now)
+        if b.lives and (b.preempted_recompute or b.preempted_swap):
+            pass  # vLLM V1: no new admissions in a step that preempted
+        else:
+            budget = self._resume_swapped(b, budget, now)
+            if not self.swapped:
+                self._admit_waiting(b, budget, now)
+        self._count(b)
+        return b
+
+    @staticmethod
+    def _count(b: Batch) -> None:
+        """The batch's prefill / decode / context token totals (decode: one token past the prompt)."""
+        pre = dec = ctx = 0
+        for live, n in zip(b.lives, b.tokens, strict=True):
+            seq = live.seq
+            c = seq.num_computed_tokens
+            ctx += c + n
+            if n == 1 and c >= seq.num_prompt_tokens:
+                dec += 1
+            else:
+                pre += n
+        b.prefill_tokens, b.decode_tokens, b.context_tokens = pre, dec, ctx
+
+    def _schedule_running(self, b: Batch, now: float) -> int:
+        budget = self.max_tokens
+        running, lives, toks = self.running, b.lives, b.tokens
+        alloc, la = self.m.allocate_slots, self.lookahead
+        fast, bs, tables = self._fast_decode, self.m.block_size, self.m.req_blocks
+        writes = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            live = running[i]
+            seq = live.seq
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n == 1 and fast:
+                # NOTE: a decode token landing mid-block (not its first or last slot) in
+                # an unshared block needs no block, copy or cache entry: allocate_slots
+                # would only count one write. This skips ~15/16 of decode calls.
+                c = seq.num_computed_tokens
+                r = c % bs
+                if r and r != bs - 1 and tables[seq.seq_id][c // bs].ref_cnt == 1:
+                    writes += 1
+                    lives.append(live)
+                    toks.append(1)
+                    budget -= 1
+                    i += 1
+                    continue
+            if n > budget:
+                n = budget
+            if alloc(seq, n, 0, None, la) is None:
+                if not self._make_room(live, n, b, now):
+                    break
+                i = running.index(live)  # (priority mode) victims may have been ahead of it
+                budget = self.max_tokens - sum(toks)
+            lives.append(live)
+            toks.append(n)
+            budget -= n
+            i += 1
+        if writes:
+            self.m.ops.counts["write"] += writes
+        return budget
+
+    def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
+        """Preempt until `live`'s `n` tokens fit: True, or False if `live` itself was
+        preempted (or dropped, when it is alone and still does not fit)."""
+        running = self.running
+        while True:
+            victim = max(running, key=_priority_key) if self.priority else running[-1]
+            if victim is live and len(running) == 1 and not b.lives:
+                running.pop()  # alone and still out of blocks: it can never fit
+                if live.seq.num_output_tokens:
+                    self._retire(live, TRUNCATED, "context_exceeds_cache", now)
+                else:
+                    self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+                return False
+            if victim is running[-1]:
+                running.pop()
+            else:
+                running.remove(victim)
+            if self.priority and victim in b.lives:  # scheduled earlier this step: undo that
+                k = b.lives.index(victim)
+                del b.lives[k], b.tokens[k]
+            self._preempt(victim, b)
+            if victim is live:
+                return False
+            if self.m.allocate_slots(live.seq, n, 0, None, self.lookahead) is not None:
+                return True
+
+    def _preempt(self, live: Live, b: Batch) -> None:
+        seq = live.seq
+        self.log.preemptions[live.row] += 1
+        if self.swap and self.m.can_swap_out([seq]):
+            self.m.swap_out([seq])
+            heapq.heappush(self.swapped, (live.order, live))
+            b.preempted_swap += 1
+        else:
+            self.m.free(seq)
+            seq.num_computed_tokens = 0
+            self.waiting.push(live, front=True)
+            b.preempted_recompute += 1
+
+    def _resume_swapped(self, b: Batch, budget: int, now: float) -> int:
+        m, running = self.m, self.running
+        while self.swapped and budget > 0 and len(running) < self.max_seqs:
+            live = self.swapped[0][1]
+            seq = live.seq
+            alone = not running and not b.lives
+            status = m.can_swap_in([seq], self.lookahead)
+            if status is AllocStatus.NEVER and alone:
+                heapq.heappop(self.swapped)
+                self._drop_swapped(live, now)
+                continue
+            if not (status is AllocStatus.OK or (alone and status is AllocStatus.LATER)):
+                break
+            heapq.heappop(self.swapped)
+            m.swap_in([seq])
+            running.append(live)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if m.allocate_slots(seq, n, 0, None, self.lookahead) is not None:
+                b.lives.append(live)
+                b.tokens.append(n)
+                budget -= n
+        return budget
+
+    def _drop_swapped(self, live: Live, now: float) -> None:
+        # NOTE: the manager has no API to discard a swapped sequence; release its CPU blocks here.
+        for cpu in self.m.swapped.pop(live.seq.seq_id):
+            if cpu >= 0:
+                self.m.cpu.free(cpu)
+        self._retire(live, TRUNCATED, "context_exceeds_cache", now)
+
+    def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
+        m, log, running, waiting = self.m, self.log, self.running, self.waiting
+        lives, toks = b.lives, b.tokens
+        while waiting and budget > 0:
+            live = waiting.peek()
+            width = live.req.n if live.seq is None else 1
+            if len(running) + width > self.max_seqs:
+                break
+            seq = live.seq if live.seq is not None else self._materialise(live)
+            wm = bool(lives)
+            held = running or lives  # blocks may free up later
+            if held and self._blocked is not None and self._blocked.still(live, budget, wm):
+                break
+            blocks, hit = m.get_computed_blocks(seq)
+            n = seq.num_tokens - hit
+            if n > budget:
+                if not self.chunked and lives:
+                    break  # the whole prompt must fit one step
+                n = budget
+            if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=wm) is None:
+                if held:  # FCFS head of line: wait for blocks to free
+                    if self.skip_blocked_head and m.sliding_window is None:
+                        self._blocked = BlockedHead(m, live, blocks, hit, n + self.lookahead, budget, wm)
+                    break
+                waiting.pop()  # nothing else holds blocks: it can never fit
+                if seq.num_output_tokens:
+                    self._retire(live, TRUNCATED, "context_exceeds_cache", now)
+                else:
+                    self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+                continue
+            waiting.pop()
+            seq.num_computed_tokens = hit
+            running.append(live)
+            lives.append(live)
+            toks.append(n)
+            budget -= n
+            row = live.row
+            if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
+                log.first_scheduled[row] = now
+                log.hit_tokens[row] = hit
+                b.admitted += 1
+                b.admitted_prompt_tokens += seq.num_prompt_tokens
+                b.admitted_hit_tokens += hit
+
+    def _materialise(self, live: Live) -> Sequence:
+        req = live.req
+        live.seq = Sequence(req.id, req.prompt, uid=self._uid, output=req.output)
+        self._uid += 1
+        return live.seq
+
+    # ------------------------------------------------------------- complete
+    def complete(self, b: Batch, now: float) -> int:
+        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished.
+
+        Returns the number of requests done this step.
+        """
+        log = self.log
+        finished = []
+        for live, n in zip(b.lives, b.tokens, strict=True):
+            seq = live.seq
+            c = seq.num_computed_tokens + n
+            seq.num_computed_tokens = c
+            if c == seq.num_tokens:  # all known tokens computed: sample one
+                seq.append_tokens(1)
+                if c == seq.num_prompt_tokens:  # the request's first token
+                    log.first_token[live.row] = now
+                    if live.req.n > 1 and c + 1 < live.target:
+                        self._fork(live)
+                if c + 1 >= live.target:
+                    finished.append(live)
+        if not finished:
+            return 0
+        before = len(self.done)
+        for live in finished:
+            self._retire(live, FINISHED, "", now)
+        gone = set(finished)
+        self.running = [x for x in self.running if x not in gone]
+        return len(self.done) - before
+
+    def _fork(self, live: Live) -> None:
+        """Parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write)."""
+        req = live.req
+        self._open[live.row] = req.n
+        for j in range(1, req.n):
+            child = Live(req, live.row, live.order)
+            child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
+            self._uid += 1
+            self.running.append(child)
+
+    def _retire(self, live: Live, status: int, reason: str, now: float) -> None:
+        """A sequence is done (finished or dropped): free its blocks; when it is the
+        request's last sample, close the request."""
+        seq, row, log = live.seq, live.row, self.log
+        if seq is not None:
+            if seq.seq_id in self.m.req_blocks:
+                self.m.free(seq)
+            log.output_tokens[row] += (1 if row in self._open else live.req.n) * seq.num_output_tokens
+        if status > log.status[row]:
+            log.status[row] = status
+            log.reason[row] = REASON_CODE[reason]
+        left = self._open.get(row)
+        if left is not None:
+            if left > 1:
+                self._open[row] = left - 1
+                return
+            del self._open[row]
+        log.finish[row] = now
+        self.done.append(live.req)
+
+
+def _priority_key(live: Live) -> tuple[int, int]:
+    return (live.req.priority, live.order)
