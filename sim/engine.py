@@ -100,7 +100,6 @@ class Engine:
         self.sessions = Sessions(env, self._release) if cfg.closed_loop_sessions else None
         self.progress = progress
         self.num_done = 0
-        self._order = 0
         self._wake: simpy.Event | None = None
         self._source_done = False
         env.process(self._arrivals(iter(workload)))
@@ -122,8 +121,7 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         """The request reaches the engine now."""
-        self.sched.add(req, self.env.now, self._order)
-        self._order += 1
+        self.sched.add(req, self.env.now)
         self._drain_done()
         self._poke()
 
@@ -193,7 +191,7 @@ class Engine:
                 now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
                 ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
                 b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
-            ))
+            ))  # fmt: skip
             prev = now
             if check is not None:
                 check(m)

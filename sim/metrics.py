@@ -74,7 +74,8 @@ class Columns:
 STEP_COLUMNS: dict[str, Any] = {
     "time": np.float64,  # step start, s
     "duration": np.float64,  # step length from the cost model, s
-    "running": np.int32,  # sequences in RUNNING at the end of the step
+    # queue lengths and blocks are taken at the end of the step, after finished requests are freed
+    "running": np.int32,  # sequences in RUNNING
     "waiting": np.int32,  # requests waiting (new or recompute-preempted)
     "swapped": np.int32,  # sequences swapped out to CPU
     "scheduled_seqs": np.int32,  # sequences computed this step

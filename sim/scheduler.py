@@ -15,6 +15,7 @@ sequences are freed.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,14 +30,13 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order")
+    __slots__ = ("req", "row", "seq", "target")
 
-    def __init__(self, req: Request, row: int, order: int):
+    def __init__(self, req: Request, row: int):
         self.req = req
-        self.row = row  # the request's row in the RequestLog (shared by its samples)
+        self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
-        self.order = order  # admission tie-break: arrival order
 
 
 @dataclass(slots=True)
@@ -60,7 +60,8 @@ class WaitQueue:
 
     def __init__(self, priority: bool):
         self.priority = priority
-        self._q: deque[Live] | list[tuple[int, int, Live]] = [] if priority else deque()
+        self._q: deque[Live] | list[tuple[int, int, int, Live]] = [] if priority else deque()
+        self._tie = itertools.count()  # forked samples share a row: keep heap keys unique
 
     def __len__(self) -> int:
         return len(self._q)
@@ -68,17 +69,17 @@ class WaitQueue:
     def push(self, live: Live, front: bool = False) -> None:
         """Queue at the back (new) or the front (recompute-preempted); priority mode ignores `front`."""
         if self.priority:
-            heapq.heappush(self._q, (live.req.priority, live.order, live))
+            heapq.heappush(self._q, (live.req.priority, live.row, next(self._tie), live))
         elif front:
             self._q.appendleft(live)
         else:
             self._q.append(live)
 
     def peek(self) -> Live:
-        return self._q[0][2] if self.priority else self._q[0]
+        return self._q[0][-1] if self.priority else self._q[0]
 
     def pop(self) -> Live:
-        return heapq.heappop(self._q)[2] if self.priority else self._q.popleft()
+        return heapq.heappop(self._q)[-1] if self.priority else self._q.popleft()
 
 
 class BlockedHead:
@@ -118,7 +119,9 @@ class BlockedHead:
 class Scheduler:
     """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager."""
 
-    skip_blocked_head = True  # use BlockedHead to skip retries that must fail (off: retry every step)
+    # Exact shortcuts, switchable so tests can check they change nothing:
+    fast_decode = True  # count a mid-block decode's write without calling allocate_slots
+    skip_blocked_head = True  # use BlockedHead to skip head-of-line retries that must fail
 
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
         self.m = manager
@@ -130,19 +133,19 @@ class Scheduler:
         self.priority = cfg.scheduling == "priority"
         self.lookahead = cfg.num_lookahead_tokens
         # In-place decode shortcut (see _schedule_running); off where allocate_slots does more.
-        self._fast_decode = (
-            manager.sliding_window is None and not self.lookahead and not manager.ops.enabled and not self.priority
+        self._fast_decode = self.fast_decode and not (
+            manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
         )
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
-        self.swapped: list[tuple[int, Live]] = []  # heap by arrival order: the oldest resumes first
+        self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
         self._blocked: BlockedHead | None = None
         self._open: dict[int, int] = {}  # row -> samples not yet done, for forked requests
         self._uid = 0
 
     # ------------------------------------------------------------- arrivals
-    def add(self, req: Request, now: float, order: int) -> None:
+    def add(self, req: Request, now: float) -> None:
         """A request arrives: queue it, or drop it at once if it can never run."""
         row = self.log.add(req.id, now, req.prompt_len, req.output_len, req.n, req.priority)
         reason = self._never_fits(req)
@@ -152,7 +155,7 @@ class Scheduler:
             self.log.finish[row] = now
             self.done.append(req)
             return
-        self.waiting.push(Live(req, row, order))
+        self.waiting.push(Live(req, row))
 
     def _never_fits(self, req: Request) -> str:
         if req.n > self.max_seqs:
@@ -264,7 +267,7 @@ class Scheduler:
         self.log.preemptions[live.row] += 1
         if self.swap and self.m.can_swap_out([seq]):
             self.m.swap_out([seq])
-            heapq.heappush(self.swapped, (live.order, live))
+            heapq.heappush(self.swapped, (live.row, live.seq.uid, live))
             b.preempted_swap += 1
         else:
             self.m.free(seq)
@@ -275,7 +278,7 @@ class Scheduler:
     def _resume_swapped(self, b: Batch, budget: int, now: float) -> int:
         m, running = self.m, self.running
         while self.swapped and budget > 0 and len(running) < self.max_seqs:
-            live = self.swapped[0][1]
+            live = self.swapped[0][-1]
             seq = live.seq
             alone = not running and not b.lives
             status = m.can_swap_in([seq], self.lookahead)
@@ -386,7 +389,7 @@ class Scheduler:
         req = live.req
         self._open[live.row] = req.n
         for j in range(1, req.n):
-            child = Live(req, live.row, live.order)
+            child = Live(req, live.row)
             child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
             self._uid += 1
             self.running.append(child)
@@ -413,4 +416,4 @@ class Scheduler:
 
 
 def _priority_key(live: Live) -> tuple[int, int]:
-    return (live.req.priority, live.order)
+    return (live.req.priority, live.row)
