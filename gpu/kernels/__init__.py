@@ -1,0 +1,21 @@
+"""Triton kernels on paged KV blocks, one per module, each with a plain-torch twin in `gpu.reference`.
+
+Importing this package switches Triton to interpreter mode (TRITON_INTERPRET=1)
+when CUDA is unavailable, so the same kernels run on CPU tensors. Set the
+variable yourself before the first import to force either mode.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from gpu.kernels.copy_blocks import copy_blocks  # noqa: E402
+from gpu.kernels.decode_attention import decode_attention  # noqa: E402
+from gpu.kernels.exchange_blocks import exchange_blocks  # noqa: E402
+from gpu.kernels.swap_blocks import SWAP_METHODS, swap_blocks  # noqa: E402
+from gpu.kernels.write_kv import write_kv  # noqa: E402
+
+__all__ = ["SWAP_METHODS", "copy_blocks", "decode_attention", "exchange_blocks", "swap_blocks", "write_kv"]
