@@ -1,0 +1,105 @@
+"""Apply an op stream's data ops to the storage in batches, with the stream's order semantics.
+
+Consecutive ops of one kind are gathered into one kernel launch (one per layer
+for writes). A batch is flushed when the kind changes or when the next op
+touches a block (a slot, for writes) the batch writes, or writes one it reads,
+so every batch is a set of independent ops and the result equals applying the
+ops one by one in stream order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu.kernels import copy_blocks, exchange_blocks, swap_blocks, write_kv
+from gpu.storage import PagedKVStorage
+from gpu.timing import Timer
+from gpu.values import kv_values
+
+PAIR_KINDS = ("copy", "swap_out", "swap_in", "move")
+
+
+def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
+    """(blocks read, blocks written) of one pair op; ("g", id) on the device, ("c", id) on the host."""
+    if kind == "copy":
+        return {("g", a)}, {("g", b)}
+    if kind == "swap_out":
+        return {("g", a)}, {("c", b)}
+    if kind == "swap_in":
+        return {("c", a)}, {("g", b)}
+    return {("g", a), ("g", b)}, {("g", a), ("g", b)}  # move: an exchange
+
+
+class OpExecutor:
+    """Batches data ops and runs them on `storage`, timing each launch under (step, kind)."""
+
+    def __init__(self, storage: PagedKVStorage, timer: Timer, swap_method: str = "kernel"):
+        self.st = storage
+        self.timer = timer
+        self.swap_method = swap_method
+        self.step = 0
+        self.launches = 0
+        self._kind: str | None = None
+        self._reads: set = set()
+        self._writes: set = set()
+        self._pairs: list[tuple[int, int]] = []
+        self._slots: list[np.ndarray] = []
+        self._keys: list[np.ndarray] = []
+
+    def write(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        """New K/V for `slots`, derived from the tokens' prefix `keys`."""
+        new = slots.tolist()
+        if self._kind != "write" or not self._writes.isdisjoint(new):
+            self.flush()
+            self._kind = "write"
+        self._writes.update(new)
+        self._slots.append(slots)
+        self._keys.append(keys)
+
+    def pair(self, kind: str, a: int, b: int) -> None:
+        """A copy, swap_out, swap_in or move of (a, b)."""
+        reads, writes = _footprint(kind, a, b)
+        if kind != self._kind or not reads.isdisjoint(self._writes) or \
+                not writes.isdisjoint(self._reads) or not writes.isdisjoint(self._writes):
+            self.flush()
+            self._kind = kind
+        self._reads |= reads
+        self._writes |= writes
+        self._pairs.append((a, b))
+
+    def flush(self) -> None:
+        """Run the pending batch."""
+        kind = self._kind
+        if kind == "write":
+            self._run_writes()
+        elif kind is not None:
+            self._run_pairs(kind)
+        self._kind = None
+        self._reads, self._writes = set(), set()
+        self._pairs, self._slots, self._keys = [], [], []
+
+    def _run_writes(self) -> None:
+        st = self.st
+        slots = torch.from_numpy(np.concatenate(self._slots)).to(st.device)
+        vals = kv_values(np.concatenate(self._keys), st.num_layers, st.num_kv_heads, st.head_dim)
+        vals = torch.from_numpy(vals).to(device=st.device, dtype=st.dtype)
+        with self.timer(self.step, "write"):
+            for layer in range(st.num_layers):
+                write_kv(vals[:, layer, 0], vals[:, layer, 1], st.key(layer), st.value(layer), slots)
+        self.launches += st.num_layers
+
+    def _run_pairs(self, kind: str) -> None:
+        st = self.st
+        on_host = kind.startswith("swap") and self.swap_method == "torch"
+        pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
+        with self.timer(self.step, kind):
+            if kind == "copy":
+                copy_blocks(st.gpu, st.gpu, pairs)
+            elif kind == "swap_out":
+                swap_blocks(st.gpu, st.cpu, pairs, self.swap_method)
+            elif kind == "swap_in":
+                swap_blocks(st.cpu, st.gpu, pairs, self.swap_method)
+            else:
+                exchange_blocks(st.gpu, pairs)
+        self.launches += 1

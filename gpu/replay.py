@@ -1,0 +1,295 @@
+"""Replay a run's op stream on paged KV storage and verify every computed token exactly.
+
+Ops run in stream order, step by step (`gpu.executor` batches them). `table`
+ops keep each sequence's block table (`gpu.tables`). After each checked step,
+every sequence that computed tokens in it is read back through its table,
+position 0 up to its newest token, and compared bit-exactly with the values
+its prefix implies (`gpu.values`); decode sequences (one new token) also run
+the paged decode-attention kernel against dense attention over the expected
+K/V. A sequence whose blocks are freed mid-step is checked just before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu.executor import PAIR_KINDS, OpExecutor
+from gpu.kernels import decode_attention
+from gpu.predict import predictor
+from gpu.reference import dense_attention
+from gpu.report import ReplayReport, StepTime
+from gpu.storage import PagedKVStorage
+from gpu.tables import BlockTables
+from gpu.timing import Timer
+from gpu.values import kv_values, prefix_keys, query_values
+from gpu.verify import IntegrityError, Mismatch, compare_attention, compare_kv
+from kvcache.ops import Op, read_ops, read_tokens
+
+MAX_ERRORS = 10
+_RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
+           "and manager.ops.save(folder))")
+RUN_FILES = {
+    "ops.parquet": _RECORD,
+    "op_tokens.parquet": "the replay needs each sequence's token ids, which OpLog.save(folder) writes next to "
+                         "ops.parquet; " + _RECORD,
+    "config.json": "write the run's config there (block_size, num_gpu_blocks, num_cpu_blocks)",
+}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class RunFilesError(Exception):
+    """A run folder lacks a file the replay needs, or the files disagree; the message names the file."""
+
+
+def load_run(run_dir: str | Path) -> tuple[list[Op], dict[str, np.ndarray], dict[str, Any]]:
+    """A run folder's ops, each sequence's token ids, and its config."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise RunFilesError(f"{d}: no such run folder")
+    for name, how in RUN_FILES.items():
+        if not (d / name).is_file():
+            raise RunFilesError(f"{d / name}: missing; {how}")
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise RunFilesError(f"{d / 'config.json'}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("block_size"), int):
+        raise RunFilesError(f"{d / 'config.json'}: needs an integer 'block_size'")
+    return read_ops(d / "ops.parquet"), read_tokens(d / "op_tokens.parquet"), config
+
+
+def replay_run(
+    run_dir: str | Path,
+    device: str = "cpu",
+    layers: int = 2,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    check_every: int = 1,
+    dtype: str | torch.dtype | None = None,
+    *,
+    q_per_kv: int = 2,
+    swap_method: str = "kernel",
+    strict: bool = True,
+) -> ReplayReport:
+    """Replay `run_dir`'s ops on `device` and verify them (see the module docstring).
+
+    dtype: float16 / bfloat16 / float32 (default float16 on CUDA, float32 on CPU).
+    strict: raise IntegrityError at the first mismatch; else count them in the report.
+    """
+    ops, tokens, config = load_run(run_dir)
+    return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
+                      q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir))
+
+
+def replay_ops(
+    ops: Sequence[Op],
+    tokens: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    device: str = "cpu",
+    layers: int = 2,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    check_every: int = 1,
+    dtype: str | torch.dtype | None = None,
+    *,
+    q_per_kv: int = 2,
+    swap_method: str = "kernel",
+    strict: bool = True,
+    run: str = "<ops>",
+) -> ReplayReport:
+    """`replay_run` on ops, tokens and config already in memory (tests inject faults here)."""
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every}")
+    dev = torch.device(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    r = _Replayer(ops, tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict)
+    r.report.run = run
+    return r.run(check_every)
+
+
+def _sizes(ops: Sequence[Op], config: Mapping[str, Any]) -> tuple[int, int]:
+    """GPU and CPU blocks the storage needs: the highest ids the ops use, within the config's counts."""
+    gpu, cpu = [1], [0]
+    for op in ops:
+        k = op.kind
+        if k in ("write", "copy", "swap_out", "move", "table", "free", "evict"):
+            gpu.append(op.a)
+        if k in ("copy", "swap_in", "move"):
+            gpu.append(op.b)
+        if k == "swap_out":
+            cpu.append(op.b)
+        elif k == "swap_in":
+            cpu.append(op.a)
+    n_gpu, n_cpu = max(gpu) + 1, max(cpu) + (1 if len(cpu) > 1 else 0)
+    for key, n in (("num_gpu_blocks", n_gpu), ("num_cpu_blocks", n_cpu)):
+        limit = config.get(key)
+        if isinstance(limit, int) and n > limit:
+            raise RunFilesError(f"config.json: {key} is {limit}, but the ops use block {n - 1}")
+    return n_gpu, n_cpu
+
+
+class _Replayer:
+    def __init__(self, ops, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
+                 swap_method, strict):
+        self.ops, self.tokens, self.strict = ops, tokens, strict
+        self.bs = bs = int(config["block_size"])
+        n_gpu, n_cpu = _sizes(ops, config)
+        self.st = PagedKVStorage(layers, n_gpu, bs, kv_heads, head_dim, num_cpu_blocks=n_cpu,
+                                 dtype=dtype, device=device)
+        self.num_heads = kv_heads * q_per_kv
+        self.timer = Timer(device)
+        self.ex = OpExecutor(self.st, self.timer, swap_method)
+        self.tables = BlockTables()
+        self.pred = predictor(config)
+        self.window = self.pred.sliding_window
+        self._keys: dict[str, np.ndarray] = {}
+        geometry = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": self.num_heads,
+                    "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu}
+        self.report = ReplayReport("", str(device), str(dtype).removeprefix("torch."), geometry,
+                                   scale=self.st.block_bytes / self.pred.block_bytes,
+                                   model=self.pred.model, gpu=self.pred.gpu)
+
+    # ---------------------------------------------------------------- stream
+    def run(self, check_every: int) -> ReplayReport:
+        rep = self.report
+        for ordinal, (step, group) in enumerate(groupby(self.ops, key=lambda op: op.step)):
+            self._step(step, list(group), ordinal % check_every == 0)
+        rep.launches = self.ex.launches
+        totals = self.timer.totals()
+        per_step: dict[int, float] = {}
+        for (step, kind), s in totals.items():
+            rep.measured_s[kind] = rep.measured_s.get(kind, 0.0) + s
+            per_step[step] = per_step.get(step, 0.0) + s
+        rep.predicted_s = {k: self.pred(k, n) for k, n in rep.units.items()}
+        for t in rep.step_times:
+            t.measured_s = per_step.get(t.step, 0.0)
+        return rep
+
+    def _step(self, step: int, ops: list[Op], check: bool) -> None:
+        rep, ex, tables, bs = self.report, self.ex, self.tables, self.bs
+        ex.step = step
+        rep.steps += 1
+        rep.steps_checked += check
+        before = Counter(rep.units)
+        written: dict[str, list[int]] = {}  # seq -> [tokens this step, newest position]
+        for op in ops:
+            kind = op.kind
+            rep.ops[kind] += 1
+            if kind == "write":
+                n = op.c - op.b
+                keys = self._seq_keys(op.seq, op.pos + n, step)[op.pos : op.pos + n]
+                ex.write(op.a * bs + np.arange(op.b, op.c, dtype=np.int64), keys)
+                w = written.setdefault(op.seq, [0, -1])
+                w[0] += n
+                w[1] = max(w[1], op.pos + n - 1)
+                rep.units["write"] += n
+            elif kind in PAIR_KINDS:
+                if kind == "move":
+                    tables.exchange(op.a, op.b)
+                ex.pair(kind, op.a, op.b)
+                rep.units[kind] += 1
+            elif kind == "table":
+                tables.set(op.seq, op.b, op.a)
+            elif kind == "free":
+                due = [s for s in tables.holders.get(op.a, ()) if s in written]
+                if due and check:
+                    ex.flush()
+                    self._verify(step, {s: written[s] for s in sorted(due)})
+                for s in due:
+                    del written[s]
+                tables.free(op.a)
+            elif kind != "evict":
+                raise RunFilesError(f"ops.parquet: unknown op kind {kind!r} at step {step}")
+        ex.flush()
+        if check and written:
+            self._verify(step, written)
+        predicted = sum(self.pred(k, n - before[k]) for k, n in rep.units.items())
+        rep.step_times.append(StepTime(step, 0.0, predicted))
+
+    def _seq_keys(self, seq: str, upto: int, step: int) -> np.ndarray:
+        keys = self._keys.get(seq)
+        if keys is None:
+            if seq not in self.tokens:
+                raise RunFilesError(f"op_tokens.parquet: no tokens for sequence {seq!r} (written at step {step})")
+            keys = self._keys[seq] = prefix_keys(self.tokens[seq])
+        if upto > len(keys):
+            raise RunFilesError(f"op_tokens.parquet: sequence {seq!r} has {len(keys)} tokens, "
+                                f"step {step} writes position {upto - 1}")
+        return keys
+
+    # ---------------------------------------------------------------- checks
+    def _verify(self, step: int, written: Mapping[str, list[int]]) -> None:
+        """Check each written sequence's K/V, then decode attention for the one-token ones."""
+        st, rep = self.st, self.report
+        decodes = []
+        for seq, (n_new, newest) in written.items():
+            extent = newest + 1
+            pos, blocks, missing = self.tables.slots(seq, extent, self.bs)
+            rep.sequence_checks += 1
+            if missing >= 0:
+                self._mismatch(1, Mismatch(step, seq, missing, "table", entry=missing // self.bs))
+                continue
+            keys = self._keys[seq]
+            expected = torch.from_numpy(kv_values(keys[pos], st.num_layers, st.num_kv_heads, st.head_dim))
+            n_bad, first = compare_kv(st, pos, blocks, expected.to(st.device, st.dtype), step=step, seq=seq)
+            rep.tokens_verified += len(pos)
+            if first is not None:
+                self._mismatch(n_bad, first)
+            elif n_new == 1:
+                decodes.append((seq, extent, pos, expected))
+        if decodes:
+            self._check_decodes(step, decodes)
+
+    def _check_decodes(self, step: int, decodes: list) -> None:
+        st, rep, bs = self.st, self.report, self.bs
+        seqs = [d[0] for d in decodes]
+        ctx = [d[1] for d in decodes]
+        pages = max(-(-n // bs) for n in ctx)
+        tables = torch.zeros((len(decodes), pages), dtype=torch.int32)
+        for i, (seq, n, _, _) in enumerate(decodes):
+            row = [max(b, 0) for b in self.tables.rows[seq][: -(-n // bs)]]
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables = tables.to(st.device)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
+        q = query_values(np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)]),
+                         st.num_layers, self.num_heads, st.head_dim)
+        q = torch.from_numpy(q).to(st.device, st.dtype)
+        for layer in range(st.num_layers):
+            with self.timer(step, "attention"):
+                out = decode_attention(q[:, layer], st.key(layer), st.value(layer), tables, ctx_t,
+                                       sliding_window=self.window, max_context=max(ctx))
+            dense = torch.stack([self._dense(q[i, layer], d, layer) for i, d in enumerate(decodes)])
+            n_bad, first = compare_attention(out, dense, step=step, seqs=seqs, positions=[n - 1 for n in ctx],
+                                             layer=layer)
+            if first is not None:
+                self._mismatch(n_bad, first)
+        self.ex.launches += st.num_layers
+        rep.decode_checks += len(decodes)
+        rep.units["attention"] += sum(min(n, self.window or n) for n in ctx)
+
+    def _dense(self, q: torch.Tensor, decode: tuple, layer: int) -> torch.Tensor:
+        """Dense attention of one decode query over the expected K/V of its window."""
+        _, n, pos, expected = decode
+        start = max(0, n - self.window) if self.window else 0
+        keep = torch.from_numpy(pos >= start)
+        kv = expected[keep, layer]  # [n, 2, heads, dim], float32
+        return dense_attention(q.cpu(), kv[:, 0], kv[:, 1])
+
+    def _mismatch(self, n: int, first: Mismatch) -> None:
+        if self.strict:
+            raise IntegrityError(first.message())
+        self.report.mismatches += n
+        if len(self.report.errors) < MAX_ERRORS:
+            self.report.errors.append(first.message())

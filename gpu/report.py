@@ -1,0 +1,92 @@
+"""The replay report: ops executed, tokens verified, mismatches, measured against predicted time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "attention")
+
+
+@dataclass
+class StepTime:
+    step: int
+    measured_s: float
+    predicted_s: float  # the simulated model's geometry
+
+
+@dataclass
+class ReplayReport:
+    """Totals of one replay; `mismatches` must be 0 for a correct op stream."""
+
+    run: str
+    device: str
+    dtype: str
+    geometry: dict[str, int]
+    steps: int = 0
+    steps_checked: int = 0
+    ops: Counter = field(default_factory=Counter)  # by kind, as in the stream
+    units: Counter = field(default_factory=Counter)  # blocks (block ops) or tokens (write, attention)
+    launches: int = 0
+    tokens_verified: int = 0
+    sequence_checks: int = 0
+    decode_checks: int = 0
+    mismatches: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few mismatch messages
+    measured_s: dict[str, float] = field(default_factory=dict)
+    predicted_s: dict[str, float] = field(default_factory=dict)
+    scale: float = 1.0  # replay block bytes / simulated block bytes
+    model: str = ""
+    gpu: str = ""
+    step_times: list[StepTime] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0
+
+    def as_dict(self) -> dict:
+        return {
+            "run": self.run, "device": self.device, "dtype": self.dtype, "geometry": self.geometry,
+            "steps": self.steps, "steps_checked": self.steps_checked, "ops": dict(self.ops),
+            "units": dict(self.units), "launches": self.launches, "tokens_verified": self.tokens_verified,
+            "sequence_checks": self.sequence_checks, "decode_checks": self.decode_checks,
+            "mismatches": self.mismatches, "errors": self.errors, "measured_s": self.measured_s,
+            "predicted_s": self.predicted_s, "scale": self.scale, "model": self.model, "gpu": self.gpu,
+            "step_times": [[t.step, t.measured_s, t.predicted_s] for t in self.step_times],
+        }
+
+    def format(self) -> str:
+        g = self.geometry
+        lines = [
+            f"gpu replay of {self.run} on {self.device} ({self.dtype}; {g['layers']} layers x {g['kv_heads']} KV heads "
+            f"x {g['head_dim']} dims, {g['heads']} query heads, block size {g['block_size']})",
+            f"steps          {self.steps:,} ({self.steps_checked:,} checked), {self.launches:,} kernel launches",
+            "ops            " + ", ".join(f"{k} {n:,}" for k, n in sorted(self.ops.items())),
+            f"verified       {self.tokens_verified:,} tokens in {self.sequence_checks:,} sequence checks, "
+            f"{self.decode_checks:,} decode-attention checks",
+            f"mismatches     {self.mismatches:,}",
+            "",
+            f"time by kind   measured here; predicted by the cost model ({self.model} on {self.gpu}), "
+            f"and scaled x{self.scale:.3g} to this replay's bytes",
+            f"{'kind':<10} {'units':>10} {'measured':>12} {'predicted':>12} {'scaled':>12}",
+        ]
+        for k in KINDS:
+            if self.units.get(k):
+                p = self.predicted_s.get(k, 0.0)
+                lines.append(f"{k:<10} {self.units[k]:>10,} {_t(self.measured_s.get(k, 0.0)):>12} "
+                             f"{_t(p):>12} {_t(p * self.scale):>12}")
+        if self.step_times:
+            meas = [t.measured_s for t in self.step_times]
+            pred = [t.predicted_s for t in self.step_times]
+            lines.append(f"per step       measured mean {_t(sum(meas) / len(meas))}, max {_t(max(meas))}; "
+                         f"predicted mean {_t(sum(pred) / len(pred))}, max {_t(max(pred))}")
+        lines += [f"error          {e}" for e in self.errors]
+        return "\n".join(lines)
+
+
+def _t(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"

@@ -1,0 +1,66 @@
+"""Every sequence's block table as the op stream builds it (the replayer's view of the manager)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+
+class BlockTables:
+    """Rows of physical block ids per sequence: `table` ops set entries (0: null block,
+    -1: never set), a `move` exchanges two ids in every row, and a `free` of a block
+    releases every sequence still holding it (its whole row goes)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[int]] = {}
+        self.holders: defaultdict[int, set[str]] = defaultdict(set)
+
+    def set(self, seq: str, index: int, block: int) -> None:
+        """Entry `index` of `seq`'s row is now physical `block`."""
+        row = self.rows.setdefault(seq, [])
+        if index >= len(row):
+            row.extend([-1] * (index + 1 - len(row)))
+        old = row[index]
+        if old > 0 and row.count(old) == 1:
+            self.holders[old].discard(seq)
+        row[index] = block
+        if block > 0:
+            self.holders[block].add(seq)
+
+    def release(self, seq: str) -> None:
+        """Forget `seq`'s row (it was freed, preempted or swapped out)."""
+        for b in self.rows.pop(seq, ()):
+            if b > 0:
+                self.holders[b].discard(seq)
+
+    def free(self, block: int) -> list[str]:
+        """A free of `block` (ref count 0): every sequence still holding it is gone; returns them."""
+        seqs = sorted(self.holders.pop(block, ()))
+        for s in seqs:
+            self.release(s)
+        return seqs
+
+    def exchange(self, a: int, b: int) -> None:
+        """A defrag move: ids `a` and `b` trade places in every row."""
+        ha, hb = self.holders.pop(a, set()), self.holders.pop(b, set())
+        for s in ha | hb:
+            self.rows[s] = [b if x == a else a if x == b else x for x in self.rows[s]]
+        if ha:
+            self.holders[b] = ha
+        if hb:
+            self.holders[a] = hb
+
+    def slots(self, seq: str, extent: int, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Positions [0, extent) of `seq` outside null entries, their physical blocks, and the
+        first position whose entry was never set (-1 if none)."""
+        pages = -(-extent // block_size)
+        row = np.asarray(self.rows.get(seq, ())[:pages], dtype=np.int64)
+        if len(row) < pages:
+            row = np.concatenate([row, np.full(pages - len(row), -1, dtype=np.int64)])
+        unset = np.flatnonzero(row < 0)
+        missing = int(unset[0]) * block_size if unset.size else -1
+        pos = np.arange(extent, dtype=np.int64)
+        blocks = row[pos // block_size]
+        keep = blocks > 0
+        return pos[keep], blocks[keep], missing

@@ -1,0 +1,82 @@
+"""Exact integrity checks: a sequence's cached K/V against its prefix's values, decode output against dense attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu.storage import PagedKVStorage
+
+# Decode outputs are convex combinations of values in [-1, 0.75]: absolute tolerance per dtype.
+ATTENTION_ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+class IntegrityError(Exception):
+    """A cached token (or a decode output) is not what its prefix implies; the message says where."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first wrong value found for one sequence in one step."""
+
+    step: int
+    seq: str
+    position: int
+    what: str  # "K", "V", "attention" or "table"
+    layer: int = -1
+    head: int = -1
+    entry: int = -1
+    block: int = -1
+    expected: tuple = ()
+    found: tuple = ()
+    error: float = 0.0
+    atol: float = 0.0
+
+    def message(self) -> str:
+        at = f"step {self.step}, sequence {self.seq!r}: "
+        if self.what == "table":
+            return at + f"position {self.position} has no block-table entry {self.entry}"
+        if self.what == "attention":
+            return at + (f"decode attention at position {self.position}, layer {self.layer}, head {self.head} "
+                         f"differs from dense attention by {self.error:.3g} (tolerance {self.atol:g})")
+        return at + (f"position {self.position} (block-table entry {self.entry}, physical block {self.block}), "
+                     f"layer {self.layer} {self.what} head {self.head}: expected {list(self.expected)}, "
+                     f"found {list(self.found)}")
+
+
+def compare_kv(storage: PagedKVStorage, positions: np.ndarray, blocks: np.ndarray, expected: torch.Tensor,
+               *, step: int, seq: str) -> tuple[int, Mismatch | None]:
+    """Cached K/V of `positions` (in physical `blocks`) against `expected` [n, layers, 2, heads, dim];
+    returns the number of wrong positions and the first of them."""
+    bs = storage.block_size
+    slots = torch.from_numpy(blocks * bs + positions % bs).to(storage.device)
+    got = storage.slots().index_select(2, slots).permute(2, 0, 1, 3, 4)
+    wrong = got != expected
+    bad = wrong.flatten(1).any(1)
+    n_bad = int(bad.sum())
+    if not n_bad:
+        return 0, None
+    i = int(bad.nonzero()[0, 0])
+    layer, kv, head = (int(x) for x in wrong[i].nonzero()[0, :3])
+    show = slice(0, 4)
+    return n_bad, Mismatch(
+        step, seq, int(positions[i]), "KV"[kv], layer, head, int(positions[i]) // bs, int(blocks[i]),
+        tuple(expected[i, layer, kv, head, show].tolist()), tuple(got[i, layer, kv, head, show].tolist()),
+    )
+
+
+def compare_attention(out: torch.Tensor, dense: torch.Tensor, *, step: int, seqs: list[str],
+                      positions: list[int], layer: int) -> tuple[int, Mismatch | None]:
+    """Decode output [B, heads, dim] against dense attention over the expected K/V;
+    returns the number of wrong (sequence, head) rows and the first of them."""
+    atol = ATTENTION_ATOL[out.dtype]
+    err = (out.double() - dense.to(out.device)).abs().amax(-1)  # [B, heads]
+    bad = err > atol
+    n_bad = int(bad.sum())
+    if not n_bad:
+        return 0, None
+    b, head = (int(x) for x in bad.nonzero()[0])
+    return n_bad, Mismatch(step, seqs[b], positions[b], "attention", layer, head,
+                           error=float(err[b, head]), atol=atol)
