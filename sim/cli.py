@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sim.cli_cache import register as _register_cache
+from sim.cli_gpu import register as _register_gpu
 from sim.cli_run import register as _register_run
 from sim.cli_study import register as _register_study
 from workloads.cli import workload_app
@@ -18,6 +19,7 @@ app = typer.Typer(
 )
 app.add_typer(workload_app, name="workload")
 _register_cache(app)
+_register_gpu(app)
 _register_study(app)
 _register_run(app)
 

@@ -1,0 +1,85 @@
+"""`kvsim gpu-replay` and `kvsim calibrate` through typer's CliRunner."""
+
+import json
+
+import pytest
+import scenarios
+from conftest import HAS_CUDA
+from typer.testing import CliRunner
+
+from kvcache.ops import read_ops
+from sim.cli import app
+from sim.cost_model import load_calibration
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder, _ = scenarios.lifecycle(tmp_path_factory.mktemp("cli"))
+    return folder
+
+
+def test_gpu_replay_prints_the_report(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--head-dim", "8"])
+    assert r.exit_code == 0, r.output
+    assert "1 layers x 2 KV heads x 8 dims, 4 query heads, block size 4" in r.output
+    assert "verified       265 tokens in 20 sequence checks, 17 decode-attention checks" in r.output
+    assert "mismatches     0" in r.output
+
+
+def test_gpu_replay_json(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--check-every", "2",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["mismatches"] == 0 and rep["steps_checked"] == 4 and rep["ops"]["move"] == 5
+
+
+def test_gpu_replay_exits_1_on_a_mismatch(run, tmp_path):
+    for name in ("op_tokens.parquet", "config.json"):
+        (tmp_path / name).write_bytes((run / name).read_bytes())
+    scenarios.write_ops(tmp_path, [op for op in read_ops(run / "ops.parquet") if op.kind != "copy"])
+    r = runner.invoke(app, ["gpu-replay", str(tmp_path), "--device", "cpu", "--layers", "1"])
+    assert r.exit_code == 1
+    assert "mismatches     10" in r.stdout
+    assert r.stderr.startswith("integrity error: step 1, sequence 'A': position 8 (block-table entry 2, "
+                               "physical block 9), layer 0 K head 0")
+
+
+def test_gpu_replay_missing_file_is_one_line_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text('{"block_size": 16}')
+    r = runner.invoke(app, ["gpu-replay", str(tmp_path), "--device", "cpu"])
+    assert r.exit_code == 2
+    assert r.stderr == (f"error: {tmp_path / 'ops.parquet'}: missing; record the op stream with `kvsim run "
+                        f"--record-ops` (or KVCacheManager(record_ops=True) and manager.ops.save(folder))\n")
+    assert "Traceback" not in r.output
+
+
+def test_gpu_replay_rejects_bad_options(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "tpu"])
+    assert r.exit_code == 2 and "--device must be cuda or cpu, got 'tpu'" in r.stderr
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--check-every", "0"])
+    assert r.exit_code == 2 and "--check-every must be >= 1, got 0" in r.stderr
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--dtype", "int8"])
+    assert r.exit_code == 2 and "unknown dtype 'int8'" in r.stderr
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message shown without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cuda"])
+    assert r.exit_code == 2 and "no CUDA device" in r.stderr
+
+
+def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path):
+    out = tmp_path / "cal.json"
+    r = runner.invoke(app, ["calibrate", "--device", "cpu", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    profile = json.loads(out.read_text())
+    assert list(profile) == ["version", "device", "efficiency", "overhead_s", "op_cost_s"]
+    assert profile["version"] == 1 and profile["device"] == "cpu-interpreter"
+    assert list(profile["op_cost_s"]) == ["copy", "swap_out", "swap_in", "move"]
+    cal = load_calibration(out)
+    assert cal.device == "cpu-interpreter" and 0 < cal.memory <= 1 and 0 < cal.compute <= 1
+    assert cal.overhead_s >= 1e-3 and all(v > 0 for _, v in cal.op_cost_s)
+    assert "decode_attention" in r.output and f"wrote {out}" in r.output
