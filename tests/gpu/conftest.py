@@ -13,13 +13,10 @@ _MISSING = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is Non
 if _MISSING:
     pytest.skip(f"gpu tests need {' and '.join(_MISSING)} (pip install -e '.[gpu]')", allow_module_level=True)
 
-import torch  # noqa: E402
+from gpu_env import DEVICE, HAS_CUDA  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,9 +3,9 @@
 import re
 from dataclasses import replace
 
+import gpu_scenarios as scenarios
 import pytest
-import scenarios
-from conftest import DEVICE
+from gpu_env import DEVICE
 
 from gpu.replay import load_run, replay_ops
 from gpu.verify import IntegrityError

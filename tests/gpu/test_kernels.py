@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA
+from gpu_env import DEVICE, HAS_CUDA
 
 from gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv
 from gpu.reference import (

@@ -2,7 +2,7 @@
 
 import numpy as np
 import torch
-from conftest import DEVICE
+from gpu_env import DEVICE
 
 from gpu.executor import OpExecutor
 from gpu.storage import PagedKVStorage

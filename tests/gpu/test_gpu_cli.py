@@ -2,9 +2,9 @@
 
 import json
 
+import gpu_scenarios as scenarios
 import pytest
-import scenarios
-from conftest import HAS_CUDA
+from gpu_env import HAS_CUDA
 from typer.testing import CliRunner
 
 from kvcache.ops import read_ops

@@ -3,9 +3,9 @@
 from collections import Counter
 from itertools import groupby
 
+import gpu_scenarios as scenarios
 import pytest
-import scenarios
-from conftest import DEVICE
+from gpu_env import DEVICE
 
 from gpu.replay import RunFilesError, load_run, replay_run
 from kvcache.ops import read_ops
