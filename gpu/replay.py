@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu.executor import PAIR_KINDS, OpExecutor
-from gpu.kernels import decode_attention
+from gpu.kernels import decode_attention, interpreting
 from gpu.predict import predictor
 from gpu.reference import dense_attention
 from gpu.report import ReplayReport, StepTime
@@ -109,6 +109,9 @@ def replay_ops(
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}")
     dev = torch.device(device)
+    if dev.type == "cpu" and not interpreting():
+        raise ValueError("device cpu needs Triton's interpreter: set TRITON_INTERPRET=1 before gpu.kernels "
+                         "is first imported")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")

@@ -5,12 +5,9 @@ when CUDA is unavailable, so the same kernels run on CPU tensors. Set the
 variable yourself before the first import to force either mode.
 """
 
-import os
+from gpu.kernels.mode import interpreting, use_interpreter_without_cuda
 
-import torch
-
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter_without_cuda()
 
 from gpu.kernels.copy_blocks import copy_blocks  # noqa: E402
 from gpu.kernels.decode_attention import decode_attention  # noqa: E402
@@ -18,4 +15,6 @@ from gpu.kernels.exchange_blocks import exchange_blocks  # noqa: E402
 from gpu.kernels.swap_blocks import SWAP_METHODS, swap_blocks  # noqa: E402
 from gpu.kernels.write_kv import write_kv  # noqa: E402
 
-__all__ = ["SWAP_METHODS", "copy_blocks", "decode_attention", "exchange_blocks", "swap_blocks", "write_kv"]
+__all__ = [
+    "SWAP_METHODS", "copy_blocks", "decode_attention", "exchange_blocks", "interpreting", "swap_blocks", "write_kv",
+]

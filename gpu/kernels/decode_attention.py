@@ -9,12 +9,14 @@ a second kernel merges the partial (max, sum, accumulator) triples.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from gpu.kernels.mode import interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -110,8 +112,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, device: torch.device) -> int:
@@ -119,8 +122,7 @@ def num_splits_for(batch: int, kv_heads: int, max_tokens: int, block_n: int, dev
     tiles = triton.cdiv(max(max_tokens, 1), block_n) + 1
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(4 * sms, batch * kv_heads)
+    want = triton.cdiv(4 * _num_sms(device.index), batch * kv_heads)
     return max(1, min(want, triton.cdiv(tiles, 4)))
 
 
@@ -179,7 +181,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     # NOTE: fp32 caches get exact (ieee) fp32 dots; so does bf16 under the interpreter,
     # whose tl.dot multiplies bf16's raw bits.
-    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q, key_cache, value_cache, block_tables, context_lens, out, acc, ml,
         scale * LOG2E, window,
