@@ -21,11 +21,12 @@ def _device(device: str | None) -> str:
     """Resolve --device and, for cpu, switch Triton to its interpreter before any kernel is imported."""
     if device not in (None, "cuda", "cpu"):
         _fail(f"--device must be cuda or cpu, got {device!r}")
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError as e:
-        _fail(f"this command needs torch and triton ({e}); install them with: pip install -e '.[gpu]'")
+    import importlib.util
+
+    missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
+    if missing:
+        _fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
+    import torch  # NOTE: not triton yet: TRITON_INTERPRET must be set before triton is imported
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def use_interpreter_without_cuda() -> None:
@@ -11,6 +12,9 @@ def use_interpreter_without_cuda() -> None:
         import torch
 
         if not torch.cuda.is_available():
+            if "triton" in sys.modules:
+                raise RuntimeError("no CUDA, and triton was imported before TRITON_INTERPRET=1 was set: "
+                                   "set it before importing triton (or import gpu.kernels first)")
             os.environ["TRITON_INTERPRET"] = "1"
 
 

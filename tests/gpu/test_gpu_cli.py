@@ -83,3 +83,17 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path):
     assert cal.device == "cpu-interpreter" and 0 < cal.memory <= 1 and 0 < cal.compute <= 1
     assert cal.overhead_s >= 1e-3 and all(v > 0 for _, v in cal.op_cost_s)
     assert "decode_attention" in r.output and f"wrote {out}" in r.output
+
+
+def test_a_fresh_process_picks_the_interpreter_itself(run):
+    """TRITON_INTERPRET must be set before triton's first import; the command does it for --device cpu."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", "from sim.cli import app; app()", "gpu-replay", str(run),
+                          "--device", "cpu", "--layers", "1", "--head-dim", "8", "--check-every", "4"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "mismatches     0" in out.stdout
