@@ -21,7 +21,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "uid", "prompt", "output", "num_prompt_tokens", "num_tokens",
-        "num_computed_tokens", "block_hashes", "_state", "_known",
+        "num_computed_tokens", "block_hashes", "_state", "_known", "_lineage",
     )
 
     def __init__(self, seq_id: str, prompt: np.ndarray, *, uid: int = 0,
@@ -36,6 +36,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self._state = hashing.root_state(extra_key)  # chain state after the last hashed block
         self._known = len(prompt) + (0 if output is None else len(output))
+        self._lineage = ((0, uid),)  # (first position, uid) of whoever decoded unique tokens from there
 
     @property
     def num_output_tokens(self) -> int:
@@ -47,14 +48,18 @@ class Sequence:
 
     def token_ids(self, start: int, end: int) -> np.ndarray:
         """Token ids at positions [start, end) as int64, past the known tokens too:
-        a unique decoded token at position p is -(1 + (uid << 24 | p))."""
+        a unique decoded token at position p is -(1 + (uid << 24 | p)), with the
+        uid of the sequence that decoded it (a fork's parent, before the fork)."""
         known = min(end, self._known)
         out = np.empty(max(end - start, 0), dtype=np.int64)
         if known > start:
             out[: known - start] = self.tokens(start, known)
-        lo = max(start, known)
-        if end > lo:
-            out[lo - start :] = -(1 + ((self.uid << 24) | np.arange(lo, end, dtype=np.int64)))
+        lineage = self._lineage
+        for k, (first, uid) in enumerate(lineage):
+            upto = lineage[k + 1][0] if k + 1 < len(lineage) else end
+            lo, hi = max(start, known, first), min(end, upto)
+            if hi > lo:
+                out[lo - start : hi - start] = -(1 + ((uid << 24) | np.arange(lo, hi, dtype=np.int64)))
         return out
 
     def tokens(self, start: int, end: int) -> np.ndarray:
@@ -96,11 +101,12 @@ class Sequence:
         child.seq_id = seq_id
         child.uid = uid
         child.prompt = self.prompt
-        child.output = None
+        child.output = self.output
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_tokens = self.num_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child._state = self._state
         child._known = min(self._known, self.num_tokens)
+        child._lineage = (*self._lineage, (self.num_tokens, uid))
         return child

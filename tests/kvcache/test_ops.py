@@ -65,3 +65,12 @@ def test_disabled_log_counts_without_records():
 def test_token_ids_cover_known_and_unique_positions():
     s = seq("a", [5, 6, 7], uid=2, output=[8])
     assert s.token_ids(1, 6).tolist() == [6, 7, 8, -(1 + (2 << 24 | 4)), -(1 + (2 << 24 | 5))]
+
+
+def test_a_fork_shares_the_tokens_decoded_before_it():
+    parent = seq("p", [5, 6], uid=1, output=[7])
+    parent.append_tokens(2)  # positions 2 (known: 7) and 3 (unique, parent's)
+    child = parent.fork("c", uid=9)
+    child.append_tokens(1)  # position 4: the child's own
+    assert child.token_ids(0, 5).tolist() == [5, 6, 7, -(1 + (1 << 24 | 3)), -(1 + (9 << 24 | 4))]
+    assert parent.token_ids(0, 4).tolist() == child.token_ids(0, 4).tolist()
