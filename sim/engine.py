@@ -27,6 +27,8 @@ except ImportError:  # pragma: no cover
     check_invariants = None
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
+OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
+NO_OPS = dict.fromkeys(OP_KINDS, 0)
 
 
 class Sessions:
@@ -150,12 +152,13 @@ class Engine:
 
     def _steps(self):
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        counts = m.ops.counts
+        get = m.ops.counts.get  # NOTE: not counts[...]: a missing key would call Counter.__missing__
         pool = m.pool
+        usable = pool.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
         check = check_invariants if self.cfg.debug_invariants else None
-        prev = [0, 0, 0, 0, 0]  # evict, copy, swap_out, swap_in, move
+        prev = (0,) * 5  # evict, copy, swap_out, swap_in, move
         k = 0
         while True:
             if not sched.has_work():
@@ -170,24 +173,27 @@ class Engine:
             if defrag:
                 m.defragment()
             b = sched.schedule(t0)
-            dropped = self._drain_done()
-            if not b.lives:
+            dropped = self._drain_done() if sched.done else 0
+            seqs = b.num_seqs
+            if not seqs:
                 if sched.has_work():
                     raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
                 continue
-            now = [counts["evict"], counts["copy"], counts["swap_out"], counts["swap_in"], counts["move"]]
-            ops = {"copy": now[1] - prev[1], "swap_out": now[2] - prev[2],
-                   "swap_in": now[3] - prev[3], "move": now[4] - prev[4]}
-            dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, len(b.lives), ops)
+            now = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+            if now[1:] == prev[1:]:
+                ops = NO_OPS
+            else:
+                ops = {kind: now[j] - prev[j] for j, kind in enumerate(OP_KINDS, 1)}
+            dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
             yield env.timeout(dt)
             sched.complete(b, env.now)
-            done = dropped + self._drain_done()
-            running = sched.running
+            done = dropped + (self._drain_done() if sched.done else 0)
+            free = pool.num_free_blocks
             record((
-                t0, dt, len(running), len(sched.waiting), len(sched.swapped), len(b.lives),
+                t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), seqs,
                 b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                pool.num_free_blocks, pool.num_cached_free, m.num_used_blocks(),
-                m.id_space_fragmentation(), m.internal_fragmentation([x.seq for x in running]),
+                free, pool.num_cached_free, usable - free,
+                m.id_space_fragmentation(), sched.internal_fragmentation,
                 now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
                 ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
                 b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
@@ -195,6 +201,9 @@ class Engine:
             prev = now
             if check is not None:
                 check(m)
+                exact = m.internal_fragmentation([x.seq for x in sched.running])
+                if sched.internal_fragmentation != exact:
+                    raise AssertionError(f"step {k}: internal fragmentation {sched.internal_fragmentation} != {exact}")
             k += 1
         if self.progress is not None:
             self.progress(self.num_done)

@@ -45,6 +45,9 @@ class Batch:
 
     lives: list[Live] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    decodes: list[Live] = field(default_factory=list)  # in-place decodes, applied when scheduled
+    finishing: list[Live] = field(default_factory=list)  # of those, the ones that sampled their last token
+    frag: int = 0  # internal fragmentation of the other in-place decodes
     prefill_tokens: int = 0
     decode_tokens: int = 0
     context_tokens: int = 0  # sum of scheduled sequences' lengths after the step
@@ -53,6 +56,10 @@ class Batch:
     admitted: int = 0  # requests admitted for the first time
     admitted_prompt_tokens: int = 0
     admitted_hit_tokens: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lives) + len(self.decodes)
 
 
 class WaitQueue:
@@ -143,6 +150,7 @@ class Scheduler:
         self._blocked: BlockedHead | None = None
         self._open: dict[int, int] = {}  # row -> samples not yet done, for forked requests
         self._uid = 0
+        self.internal_fragmentation = 0  # allocated slots not holding a token, after `complete`
 
     # ------------------------------------------------------------- arrivals
     def add(self, req: Request, now: float) -> None:
@@ -174,50 +182,60 @@ class Scheduler:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         b = Batch()
         budget = self._schedule_running(b, now)
-        if b.lives and (b.preempted_recompute or b.preempted_swap):
+        if b.num_seqs and (b.preempted_recompute or b.preempted_swap):
             pass  # vLLM V1: no new admissions in a step that preempted
         else:
-            budget = self._resume_swapped(b, budget, now)
-            if not self.swapped:
+            if self.swapped:
+                budget = self._resume_swapped(b, budget, now)
+            if self.waiting and not self.swapped:
                 self._admit_waiting(b, budget, now)
-        self._count(b)
         return b
 
     @staticmethod
-    def _count(b: Batch) -> None:
-        """The batch's prefill / decode / context token totals (decode: one token past the prompt)."""
-        pre = dec = ctx = 0
-        for live, n in zip(b.lives, b.tokens, strict=True):
-            seq = live.seq
-            c = seq.num_computed_tokens
-            ctx += c + n
-            if n == 1 and c >= seq.num_prompt_tokens:
-                dec += 1
-            else:
-                pre += n
-        b.prefill_tokens, b.decode_tokens, b.context_tokens = pre, dec, ctx
+    def _add(b: Batch, live: Live, n: int, sign: int = 1) -> None:
+        """Put `live`'s `n` tokens in the batch (sign -1: take them out) and count them:
+        a decode is one token past the prompt, anything else is prefill."""
+        seq = live.seq
+        c = seq.num_computed_tokens
+        b.context_tokens += sign * (c + n)
+        if n == 1 and c >= seq.num_prompt_tokens:
+            b.decode_tokens += sign
+        else:
+            b.prefill_tokens += sign * n
+        if sign > 0:
+            b.lives.append(live)
+            b.tokens.append(n)
+        else:
+            k = b.lives.index(live)
+            del b.lives[k], b.tokens[k]
 
     def _schedule_running(self, b: Batch, now: float) -> int:
         budget = self.max_tokens
-        running, lives, toks = self.running, b.lives, b.tokens
+        running, decodes, finishing = self.running, b.decodes, b.finishing
         alloc, la = self.m.allocate_slots, self.lookahead
         fast, bs, tables = self._fast_decode, self.m.block_size, self.m.req_blocks
-        writes = 0
-        i = 0
-        while i < len(running) and budget > 0:
+        ctx = frag = 0
+        i, end = 0, len(running)
+        while i < end and budget > 0:
             live = running[i]
             seq = live.seq
-            n = seq.num_tokens - seq.num_computed_tokens
+            c = seq.num_computed_tokens
+            n = seq.num_tokens - c
             if n == 1 and fast:
-                # NOTE: a decode token landing mid-block (not its first or last slot) in
-                # an unshared block needs no block, copy or cache entry: allocate_slots
-                # would only count one write. This skips ~15/16 of decode calls.
-                c = seq.num_computed_tokens
+                # NOTE: a decode token landing mid-block (not its first or last slot) in an
+                # unshared block needs no block, copy or cache entry: allocate_slots would only
+                # count a write. This skips ~15/16 of decode calls. Nothing reads a running
+                # sequence before complete(), so the token is computed and sampled here.
                 r = c % bs
-                if r and r != bs - 1 and tables[seq.seq_id][c // bs].ref_cnt == 1:
-                    writes += 1
-                    lives.append(live)
-                    toks.append(1)
+                if r and r < bs - 1 and c >= seq.num_prompt_tokens and tables[seq.seq_id][c // bs].ref_cnt == 1:
+                    seq.num_computed_tokens = c + 1
+                    seq.append_tokens(1)
+                    decodes.append(live)
+                    ctx += c + 1
+                    if c + 2 >= live.target:
+                        finishing.append(live)
+                    else:
+                        frag += bs - r - 2  # its last block's empty slots
                     budget -= 1
                     i += 1
                     continue
@@ -226,14 +244,18 @@ class Scheduler:
             if alloc(seq, n, 0, None, la) is None:
                 if not self._make_room(live, n, b, now):
                     break
-                i = running.index(live)  # (priority mode) victims may have been ahead of it
-                budget = self.max_tokens - sum(toks)
-            lives.append(live)
-            toks.append(n)
+                end = len(running)
+                if self.priority:  # victims may have been ahead of it, and scheduled
+                    i = running.index(live)
+                    budget = self.max_tokens - sum(b.tokens)
+            self._add(b, live, n)
             budget -= n
             i += 1
-        if writes:
-            self.m.ops.counts["write"] += writes
+        if decodes:
+            self.m.ops.counts["write"] += len(decodes)
+            b.decode_tokens += len(decodes)
+            b.context_tokens += ctx
+            b.frag = frag
         return budget
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
@@ -242,7 +264,7 @@ class Scheduler:
         running = self.running
         while True:
             victim = max(running, key=_priority_key) if self.priority else running[-1]
-            if victim is live and len(running) == 1 and not b.lives:
+            if victim is live and len(running) == 1 and not b.num_seqs:
                 running.pop()  # alone and still out of blocks: it can never fit
                 if live.seq.num_output_tokens:
                     self._retire(live, TRUNCATED, "context_exceeds_cache", now)
@@ -254,8 +276,7 @@ class Scheduler:
             else:
                 running.remove(victim)
             if self.priority and victim in b.lives:  # scheduled earlier this step: undo that
-                k = b.lives.index(victim)
-                del b.lives[k], b.tokens[k]
+                self._add(b, victim, b.tokens[b.lives.index(victim)], -1)
             self._preempt(victim, b)
             if victim is live:
                 return False
@@ -293,8 +314,7 @@ class Scheduler:
             running.append(live)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if m.allocate_slots(seq, n, 0, None, self.lookahead) is not None:
-                b.lives.append(live)
-                b.tokens.append(n)
+                self._add(b, live, n)
                 budget -= n
         return budget
 
@@ -307,21 +327,20 @@ class Scheduler:
 
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
         m, log, running, waiting = self.m, self.log, self.running, self.waiting
-        lives, toks = b.lives, b.tokens
         while waiting and budget > 0:
             live = waiting.peek()
             width = live.req.n if live.seq is None else 1
             if len(running) + width > self.max_seqs:
                 break
             seq = live.seq if live.seq is not None else self._materialise(live)
-            wm = bool(lives)
-            held = running or lives  # blocks may free up later
+            wm = b.num_seqs > 0
+            held = running or wm  # blocks may free up later
             if held and self._blocked is not None and self._blocked.still(live, budget, wm):
                 break
             blocks, hit = m.get_computed_blocks(seq)
             n = seq.num_tokens - hit
             if n > budget:
-                if not self.chunked and lives:
+                if not self.chunked and wm:
                     break  # the whole prompt must fit one step
                 n = budget
             if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=wm) is None:
@@ -338,8 +357,7 @@ class Scheduler:
             waiting.pop()
             seq.num_computed_tokens = hit
             running.append(live)
-            lives.append(live)
-            toks.append(n)
+            self._add(b, live, n)
             budget -= n
             row = live.row
             if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
@@ -356,36 +374,53 @@ class Scheduler:
         return live.seq
 
     # ------------------------------------------------------------- complete
-    def complete(self, b: Batch, now: float) -> int:
-        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished.
-
-        Returns the number of requests done this step.
-        """
-        log = self.log
-        finished = []
+    def complete(self, b: Batch, now: float) -> None:
+        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished;
+        then set `internal_fragmentation` over the running sequences."""
+        log, la, bs = self.log, self.lookahead, self.m.block_size
+        finished = list(b.finishing)
+        frag, alive = b.frag, len(b.decodes) - len(finished)
         for live, n in zip(b.lives, b.tokens, strict=True):
             seq = live.seq
             c = seq.num_computed_tokens + n
             seq.num_computed_tokens = c
-            if c == seq.num_tokens:  # all known tokens computed: sample one
+            t = seq.num_tokens
+            seqs = 1
+            if c == t:  # all known tokens computed: sample one
                 seq.append_tokens(1)
+                t += 1
                 if c == seq.num_prompt_tokens:  # the request's first token
                     log.first_token[live.row] = now
-                    if live.req.n > 1 and c + 1 < live.target:
-                        self._fork(live)
-                if c + 1 >= live.target:
+                    if live.req.n > 1 and t < live.target:
+                        seqs = self._fork(live)
+                if t >= live.target:
                     finished.append(live)
-        if not finished:
-            return 0
-        before = len(self.done)
-        for live in finished:
-            self._retire(live, FINISHED, "", now)
-        gone = set(finished)
-        self.running = [x for x in self.running if x not in gone]
-        return len(self.done) - before
+                    continue
+            # NOTE: a running sequence holds exactly cdiv(computed + lookahead) blocks
+            f = -(-(c + la) // bs) * bs - t
+            if f > 0:
+                frag += seqs * f
+            alive += seqs
+        if finished:
+            if b.finishing and len(finished) > len(b.finishing):  # free in batch (= running) order
+                pos = {id(x): k for k, x in enumerate(self.running)}
+                finished.sort(key=lambda x: pos[id(x)])
+            for live in finished:
+                self._retire(live, FINISHED, "", now)
+            gone = set(finished)
+            self.running = [x for x in self.running if x not in gone]
+        if alive != len(self.running):  # some running sequences were not scheduled
+            frag = sum(self._fragmentation(x.seq) for x in self.running)
+        self.internal_fragmentation = frag
 
-    def _fork(self, live: Live) -> None:
-        """Parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write)."""
+    def _fragmentation(self, seq: Sequence) -> int:
+        """Allocated slots of a running sequence not holding a token (see the NOTE in complete)."""
+        bs = self.m.block_size
+        return max(0, -(-(seq.num_computed_tokens + self.lookahead) // bs) * bs - seq.num_tokens)
+
+    def _fork(self, live: Live) -> int:
+        """Parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write).
+        Returns n, the sequences the request now runs."""
         req = live.req
         self._open[live.row] = req.n
         for j in range(1, req.n):
@@ -393,6 +428,7 @@ class Scheduler:
             child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
             self._uid += 1
             self.running.append(child)
+        return req.n
 
     def _retire(self, live: Live, status: int, reason: str, now: float) -> None:
         """A sequence is done (finished or dropped): free its blocks; when it is the
