@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import simpy
 
+from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
 from sim.config import SimConfig
 from sim.metrics import RequestLog, StepLog
 from sim.scheduler import Scheduler
 from workloads.request import Request
 
-try:  # the lead's invariant checker; optional until it lands
-    from kvcache.invariants import check as check_invariants
-except ImportError:  # pragma: no cover
-    check_invariants = None
+if TYPE_CHECKING:
+    from sim.cost_model import CostModel
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
 OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
@@ -44,11 +44,12 @@ class Sessions:
     def arrive(self, req: Request) -> None:
         """A turn reached its open-loop arrival time in the stream."""
         sid = req.session
-        last = self.last_done.get(sid, "new")
-        if req.think_time is None or last == "new":
+        if req.think_time is None or sid not in self.last_done:  # a first turn
             self.last_done[sid] = None
             self.release(req)
-        elif last is None:
+            return
+        last = self.last_done[sid]
+        if last is None:
             self.held.setdefault(sid, deque()).append(req)
             self.outstanding += 1
         else:
@@ -88,7 +89,7 @@ class Engine:
         env: simpy.Environment,
         workload: Iterable[Request],
         cfg: SimConfig,
-        cost,
+        cost: CostModel,
         manager: KVCacheManager,
         progress: Callable[[int], None] | None = None,
     ):

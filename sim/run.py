@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import simpy
@@ -20,6 +20,9 @@ from sim.config import SimConfig
 from sim.engine import Engine
 from sim.metrics import summarize
 from workloads.request import Request
+
+if TYPE_CHECKING:
+    from sim.cost_model import CostModel
 
 
 @dataclass
@@ -34,7 +37,7 @@ class RunResult:
     manager: KVCacheManager | None = None
 
 
-def make_manager(cfg: SimConfig, cost) -> KVCacheManager:
+def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
     """The block manager `cfg` describes, sized by the cost model."""
     window = cfg.sliding_window if cfg.sliding_window is not None else cost.sliding_window
     return KVCacheManager(
@@ -55,7 +58,7 @@ def simulate(
     cfg: SimConfig,
     progress: Callable[[int], None] | None = None,
     *,
-    cost_model=None,
+    cost_model: CostModel | None = None,
 ) -> RunResult:
     """Replay `workload` through the engine `cfg` describes; deterministic for a given
     workload and config. `progress(n)` is called as requests finish;
