@@ -160,14 +160,15 @@ class KVCacheManager:
         num_computed = seq.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         blocks = self.req_blocks.get(sid)
-        if blocks is None:
-            blocks = self.req_blocks[sid] = []
-        if self.sliding_window is not None:
+        if blocks is not None and self.sliding_window is not None:
+            # NOTE: as in vLLM V1, dead blocks go back even if this allocation then fails
             self._remove_skipped_blocks(sid, num_computed)
         n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
         free = self.pool.num_free_blocks
         if n_alloc > free or (watermark and free - n_alloc < self.watermark_blocks):
             return None
+        if blocks is None:
+            blocks = self.req_blocks[sid] = []
 
         first_new_entry = len(blocks)
         if new_computed_blocks:
@@ -346,6 +347,15 @@ class KVCacheManager:
             if self.ops.enabled:
                 self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
         return list(mapping.items())
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        """Discard a swapped-out sequence: its CPU blocks go back to the CPU pool."""
+        cpu_ids = self.swapped.pop(seq.seq_id, None)
+        if cpu_ids is None:
+            raise KeyError(f"sequence {seq.seq_id!r} is not swapped out")
+        for cpu in cpu_ids:
+            if cpu >= 0:
+                self.cpu.free(cpu)
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring a swapped group back. A full block whose prefix is still cached

@@ -1,7 +1,9 @@
 """Run one simulation and keep what it produced in a run folder.
 
 A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
-`summary.json`, `ops.parquet` (only with `record_ops`) and PNG plots.
+`summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
+`record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
+holds the resolved `num_gpu_blocks`.
 """
 
 from __future__ import annotations
@@ -93,12 +95,15 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
     """Write the run folder (see the module docstring); returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
+    cfg = result.config.to_dict()
+    if result.manager is not None:  # the resolved size, so a replay needs no cost model
+        cfg["num_gpu_blocks"] = result.manager.pool.num_blocks
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     result.steps.to_parquet(out / "steps.parquet", index=False)
     result.requests.to_parquet(out / "requests.parquet", index=False)
     (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
     if result.config.record_ops and result.manager is not None:
-        result.manager.ops.to_parquet(out / "ops.parquet")
+        result.manager.ops.save(out)
     if plots:
         from sim.plots import write_plots
 

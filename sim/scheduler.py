@@ -319,10 +319,7 @@ class Scheduler:
         return budget
 
     def _drop_swapped(self, live: Live, now: float) -> None:
-        # NOTE: the manager has no API to discard a swapped sequence; release its CPU blocks here.
-        for cpu in self.m.swapped.pop(live.seq.seq_id):
-            if cpu >= 0:
-                self.m.cpu.free(cpu)
+        self.m.drop_swapped(live.seq)
         self._retire(live, TRUNCATED, "context_exceeds_cache", now)
 
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:

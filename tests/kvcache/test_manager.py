@@ -179,6 +179,24 @@ def test_swap_out_and_in_round_trip():
     check(m)
 
 
+def test_drop_swapped_returns_cpu_blocks():
+    m = KVCacheManager(10, 4, num_cpu_blocks=4)
+    a = seq("a", range(6))
+    prefill(m, a)
+    m.swap_out([a])
+    m.drop_swapped(a)
+    assert m.cpu.num_free_blocks == 4 and "a" not in m.swapped
+    with pytest.raises(KeyError, match="'a' is not swapped out"):
+        m.drop_swapped(a)
+    check(m)
+
+
+def test_failed_allocation_leaves_no_table():
+    m = KVCacheManager(4, 4)
+    assert m.allocate_slots(seq("a", range(20)), 20) is None
+    assert "a" not in m.req_blocks
+
+
 def test_swap_in_reuses_blocks_still_cached_on_gpu():
     m = KVCacheManager(10, 4, num_cpu_blocks=4)
     a = seq("a", range(6))

@@ -58,7 +58,7 @@ def test_goodput_counts_requests_within_the_slos() -> None:
 def test_run_folder_round_trip(tmp_path: Path) -> None:
     res = run(shared_prefix_requests(), block_size=16, num_gpu_blocks=32, record_ops=True)
     out = write_run(res, tmp_path / "r")
-    names = {"config.json", "steps.parquet", "requests.parquet", "summary.json", "ops.parquet", *PLOTS}
+    names = {"config.json", "steps.parquet", "requests.parquet", "summary.json", "ops.parquet", "op_tokens.parquet", *PLOTS}
     assert {p.name for p in out.iterdir()} == names
     assert all((out / p).read_bytes()[:8] == PNG for p in PLOTS)
     assert json.loads((out / "config.json").read_text())["block_size"] == 16
