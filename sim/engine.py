@@ -56,8 +56,8 @@ class Sessions:
             self.last_done[sid] = None
             self._at(max(self.env.now, last + req.think_time), req)
 
-    def done(self, req: Request) -> None:
-        """A turn finished (or was dropped): release the session's next turn, if it is held."""
+    def done(self, req: Request, now: float) -> None:
+        """A turn finished (or was dropped) at `now`: release the session's next turn, if held."""
         sid = req.session
         if sid not in self.last_done:
             return
@@ -67,9 +67,9 @@ class Sessions:
             if not q:
                 del self.held[sid]
             self.outstanding -= 1
-            self._at(self.env.now + (nxt.think_time or 0.0), nxt)
+            self._at(now + (nxt.think_time or 0.0), nxt)
         else:
-            self.last_done[sid] = self.env.now
+            self.last_done[sid] = now
 
     def _at(self, t: float, req: Request) -> None:
         self.outstanding += 1
@@ -125,21 +125,21 @@ class Engine:
     def _release(self, req: Request) -> None:
         """The request reaches the engine now."""
         self.sched.add(req, self.env.now)
-        self._drain_done()
+        self._drain_done(self.env.now)
         self._poke()
 
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
-    def _drain_done(self) -> int:
+    def _drain_done(self, now: float) -> int:
         done = self.sched.done
         if not done:
             return 0
         if self.sessions is not None:
             for req in done:
                 if req.session is not None:
-                    self.sessions.done(req)
+                    self.sessions.done(req, now)
         n = len(done)
         done.clear()
         self.num_done += n
@@ -161,20 +161,28 @@ class Engine:
         check = check_invariants if self.cfg.debug_invariants else None
         prev = (0,) * 5  # evict, copy, swap_out, swap_in, move
         k = 0
+        # NOTE: the engine keeps its own clock and yields to SimPy only when another
+        # event (an arrival, a session timer) falls within the step, or before it
+        # sleeps: back-to-back steps cost no event each, and the order is unchanged.
+        clock = env.now
         while True:
             if not sched.has_work():
+                if clock > env.now:  # catch up first: an arrival may be due meanwhile
+                    yield env.timeout(clock - env.now)
+                    continue
                 if self._idle():
                     break
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
+                clock = env.now
                 continue
-            t0 = env.now
+            t0 = clock
             m.ops.step = k
             if defrag:
                 m.defragment()
             b = sched.schedule(t0)
-            dropped = self._drain_done() if sched.done else 0
+            dropped = self._drain_done(t0) if sched.done else 0
             seqs = b.num_seqs
             if not seqs:
                 if sched.has_work():
@@ -186,9 +194,11 @@ class Engine:
             else:
                 ops = {kind: now[j] - prev[j] for j, kind in enumerate(OP_KINDS, 1)}
             dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
-            yield env.timeout(dt)
-            sched.complete(b, env.now)
-            done = dropped + (self._drain_done() if sched.done else 0)
+            clock = t0 + dt
+            if env.peek() <= clock:
+                yield env.timeout(clock - env.now)
+            sched.complete(b, clock)
+            done = dropped + (self._drain_done(clock) if sched.done else 0)
             free = pool.num_free_blocks
             record((
                 t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), seqs,
