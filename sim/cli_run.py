@@ -79,6 +79,7 @@ def run(
     scheduling: Annotated[str | None, typer.Option(help="fcfs|priority")] = None,
     defrag_threshold: Annotated[int | None, typer.Option(help="run the online defragmenter past this id gap")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="most sequences per step")] = None,
+    load: Annotated[float | None, typer.Option(help="arrival-rate multiplier (2: arrivals twice as dense)")] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="token budget per step")] = None,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
@@ -96,7 +97,7 @@ def run(
         "num_gpu_blocks": num_gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
         "num_cpu_blocks": num_cpu_blocks, "eviction": eviction, "watermark": watermark,
         "preemption": preemption, "scheduling": scheduling, "defrag_threshold": defrag_threshold,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "load": load,
         "calibration": str(calibration) if calibration else None, "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot, "seed": seed,
     }  # fmt: skip

@@ -38,6 +38,8 @@ class SimConfig:
     num_lookahead_tokens: int = 0
     # sessions: multi-turn requests arrive think_time after the previous turn finished
     closed_loop_sessions: bool = True
+    # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
+    load: float = 1.0
     # cost model
     calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
     # outputs
@@ -59,6 +61,8 @@ class SimConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not self.load > 0:
+            raise ConfigError(f"load must be positive, got {self.load}")
         if self.preemption not in ("recompute", "swap"):
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_blocks <= 0:

@@ -111,8 +111,9 @@ class Engine:
     # ------------------------------------------------------------- arrivals
     def _arrivals(self, stream: Iterator[Request]):
         env, sessions = self.env, self.sessions
+        load = self.cfg.load
         for req in stream:
-            delay = req.arrival - env.now
+            delay = req.arrival / load - env.now
             if delay > 0:
                 yield env.timeout(delay)
             if sessions is not None and req.session is not None:

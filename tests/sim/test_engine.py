@@ -141,3 +141,14 @@ def test_runs_are_deterministic() -> None:
     pd.testing.assert_frame_equal(a.steps, b.steps)
     pd.testing.assert_frame_equal(a.requests, b.requests)
     assert a.summary == b.summary
+
+
+def test_load_scales_open_loop_arrivals():
+    from sim.config import SimConfig
+    from sim.run import simulate
+    from workloads.request import make_request
+
+    reqs = [make_request(f"r{i}", 10.0 * i, np.arange(40, dtype=np.int32) + 100 * i, 4) for i in range(3)]
+    base = simulate(reqs, SimConfig(num_gpu_blocks=200)).requests["arrival"].tolist()
+    double = simulate(reqs, SimConfig(num_gpu_blocks=200, load=2.0)).requests["arrival"].tolist()
+    assert base == [0.0, 10.0, 20.0] and double == [0.0, 5.0, 10.0]
