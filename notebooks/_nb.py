@@ -1,0 +1,59 @@
+"""Small helpers shared by the notebooks: where the public traces are, trace slices, plot style.
+
+Each notebook's first code cell sets `FULL` (full-size run or the small inputs CI
+executes); this module only locates inputs. Notebooks run with `notebooks/` as
+the working directory, so `import _nb` finds this file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# $KVSIM_TRACES, else ../shared/traces next to the repo root (as the tests and benchmarks)
+TRACES = Path(os.environ.get("KVSIM_TRACES", REPO.parent / "shared" / "traces"))
+
+
+def trace(relpath: str) -> Path | None:
+    """The trace file `relpath` under TRACES, or None when it is absent (fall back to a generated workload)."""
+    p = TRACES / relpath
+    return p if p.exists() else None
+
+
+def head(path: str | Path, n: int | None) -> Path:
+    """A copy of the first `n` requests of a JSONL or CSV trace (a CSV keeps its header), in a temp folder.
+
+    `n=None` returns `path` itself. A file path (not a Workload) keeps study points picklable
+    for `sim.curves` and `sim.sweep`, which run them on worker processes.
+    """
+    path = Path(path)
+    if n is None:
+        return path
+    out = Path(tempfile.gettempdir()) / "kvsim_nb" / f"{path.stem}_head{n}{path.suffix}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        keep = n + (1 if path.suffix == ".csv" else 0)
+        with path.open() as src:
+            lines = [line for _, line in zip(range(keep), src, strict=False)]
+        tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
+        tmp.write_text("".join(lines))
+        tmp.replace(out)
+    return out
+
+
+def style() -> None:
+    """One plot style for every notebook: readable sizes, light grid, inline-friendly dpi."""
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update(
+        {
+            "figure.figsize": (10, 4.2),
+            "figure.dpi": 100,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.titlesize": 11,
+            "legend.fontsize": 9,
+        }
+    )
