@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from workloads.request import Request, Workload
@@ -142,6 +143,16 @@ def guarded(
             continue
         last, last_line = req.arrival, lineno
         yield req
+
+
+def jsonl_workload(path: str, parse: Callable[[int, Any], Request], *, skip_bad: bool,
+                   time_field: str) -> Workload:
+    """A streamed workload over a sorted JSON Lines file; `parse(line, record)` makes each request."""
+    wl = Workload(
+        lambda: guarded(wl, path, json_lines(path), parse, skip_bad=skip_bad, time_field=time_field),
+        Path(path).name,
+    )
+    return wl
 
 
 def note_skipped(workload: Workload, error: WorkloadError) -> None:

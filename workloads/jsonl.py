@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import Fields, guarded, json_lines, show
+from workloads.errors import Fields, jsonl_workload, show
 from workloads.request import Request, Workload, make_request
 from workloads.tokens import INT32_MAX
 
@@ -68,18 +68,8 @@ def parse_record(path: str, line: int, record: Any) -> Request:
 def load_jsonl(path: str | Path, *, skip_bad: bool = False) -> Workload:
     """Stream a kvsim JSONL workload (must be sorted by `arrival`)."""
     path = str(path)
-    wl = Workload(
-        lambda: guarded(
-            wl,
-            path,
-            json_lines(path),
-            lambda line, rec: parse_record(path, line, rec),
-            skip_bad=skip_bad,
-            time_field="arrival",
-        ),
-        Path(path).name,
-    )
-    return wl
+    return jsonl_workload(path, lambda line, rec: parse_record(path, line, rec), skip_bad=skip_bad,
+                          time_field="arrival")
 
 
 def request_record(r: Request) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import Fields, guarded, json_lines, show
+from workloads.errors import Fields, jsonl_workload, show
 from workloads.request import Request, Workload, make_request
 from workloads.tokens import max_chunk_id
 
@@ -67,15 +67,5 @@ def load_mooncake(
     The file must be sorted by timestamp; an out-of-order line is a bad line.
     """
     path = str(path)
-    wl = Workload(
-        lambda: guarded(
-            wl,
-            path,
-            json_lines(path),
-            lambda line, rec: _parse(path, line, rec, block),
-            skip_bad=skip_bad,
-            time_field="timestamp",
-        ),
-        Path(path).name,
-    )
-    return wl
+    return jsonl_workload(path, lambda line, rec: _parse(path, line, rec, block), skip_bad=skip_bad,
+                          time_field="timestamp")
