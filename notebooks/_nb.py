@@ -22,6 +22,18 @@ def trace(relpath: str) -> Path | None:
     return p if p.exists() else None
 
 
+def spec(relpath: str, n: int | None, fallback: dict):
+    """A `sim.sweep.WorkloadSpec` for the first `n` requests of trace `relpath`, or, when the trace
+    is absent, for the generated workload `fallback` (`kvsim workload generate` options, with `kind`)."""
+    from sim.sweep import WorkloadSpec
+
+    p = trace(relpath)
+    if p is None:
+        print(f"{relpath} not found under {TRACES}: using a generated {fallback['kind']} workload")
+        return WorkloadSpec(generator=tuple(fallback.items()))
+    return WorkloadSpec(str(head(p, n)))
+
+
 def head(path: str | Path, n: int | None) -> Path:
     """A copy of the first `n` requests of a JSONL or CSV trace (a CSV keeps its header), in a temp folder.
 
