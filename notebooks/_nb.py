@@ -43,7 +43,8 @@ def head(path: str | Path, n: int | None) -> Path:
     path = Path(path)
     if n is None:
         return path
-    out = Path(tempfile.gettempdir()) / "kvsim_nb" / f"{path.stem}_head{n}{path.suffix}"
+    size = path.stat().st_size  # a different file under the same name gets its own slice
+    out = Path(tempfile.gettempdir()) / "kvsim_nb" / f"{path.stem}_{size}_head{n}{path.suffix}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         keep = n + (1 if path.suffix == ".csv" else 0)
