@@ -14,7 +14,7 @@ class KVCacheBlock:
 
     __slots__ = (
         "block_id", "ref_cnt", "block_hash", "prev", "next",
-        "depth", "hits", "freq", "tick", "born", "where", "pinned",
+        "depth", "chain", "hits", "freq", "tick", "born", "where", "pinned",
     )
 
     def __init__(self, block_id: int):
@@ -24,6 +24,7 @@ class KVCacheBlock:
         self.prev: KVCacheBlock | None = None
         self.next: KVCacheBlock | None = None
         self.depth = 0
+        self.chain = 0  # prompt blocks of the sequence that cached it (how dear its prefix is)
         self.hits = 0  # prefix-cache hits since the block was cached
         self.freq = 0  # S3-FIFO's small access counter
         self.tick = -1  # policy bookkeeping: stamp of the block's live entry, -1 if none

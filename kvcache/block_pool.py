@@ -138,8 +138,10 @@ class BlockPool:
             self.tracker.release_distinct([b.block_id for b in freed])
         self.policy.free(freed)
 
-    def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int) -> None:
-        """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped)."""
+    def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int,
+                     chain: int = 0) -> None:
+        """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped);
+        `chain` is the caching sequence's prompt length in blocks."""
         cached = self.cached
         null = self.null_block
         notify = self._notify_cache
@@ -152,6 +154,7 @@ class BlockPool:
             key = keys[i]
             b.block_hash = key
             b.depth = i
+            b.chain = chain
             self._born += 1
             b.born = self._born
             hit = cached.get(key)

@@ -181,10 +181,13 @@ class FIFO(_HeapPolicy):
 class CostAware(_HeapPolicy):
     """GreedyDual-Size-Frequency: keep blocks whose recomputation is dear.
 
-    priority = L + (hits + 1) * (1 + depth * block_size / 1024), where the
-    second factor grows with the prefix length a block ends (attention cost
-    of recomputing it) and L is the priority of the last victim (ageing).
-    Ties go deeper-first, so a prefix is trimmed from its tail.
+    priority = L + (hits + 1) * (1 + chain * block_size / 1024), where
+    `chain` is the prompt length (in blocks) of the request that cached the
+    block (longer prompts cost more to recompute, attention being quadratic)
+    and L is the priority of the last victim (ageing). Every block of a
+    chain shares the factor and an ancestor has at least its descendants'
+    hits, so with ties going deeper-first a prefix is trimmed from its tail:
+    evicting a shallow block first would strand every block behind it.
     """
 
     name = "cost"
@@ -195,7 +198,7 @@ class CostAware(_HeapPolicy):
         self.age = 0.0
 
     def _key(self, block: KVCacheBlock) -> tuple:
-        return (self.age + (block.hits + 1) * (1.0 + block.depth * self.scale), -block.depth)
+        return (self.age + (block.hits + 1) * (1.0 + block.chain * self.scale), -block.depth)
 
     def _evicted(self, entry: tuple) -> None:
         self.age = entry[0]

@@ -244,7 +244,7 @@ class KVCacheManager:
         if n_full <= n_cached:
             return
         hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
-        self.pool.cache_blocks(blocks, hashes, n_cached, n_full)
+        self.pool.cache_blocks(blocks, hashes, n_cached, n_full, seq.num_prompt_tokens // self.block_size)
         self.num_cached_block[sid] = n_full
 
     def _copy_on_write(self, seq: Sequence, blocks: list[KVCacheBlock]) -> None:
@@ -391,7 +391,7 @@ class KVCacheManager:
                 blocks.append(b)
                 self.cpu.free(cpu)
             for i in copied:
-                self.pool.cache_blocks(blocks, hashes, i, i + 1)
+                self.pool.cache_blocks(blocks, hashes, i, i + 1, seq.num_prompt_tokens // bs)
             self.req_blocks[seq.seq_id] = blocks
             if self.ops.enabled:
                 self._emit_table(seq.seq_id, blocks, 0)

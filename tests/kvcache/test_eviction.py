@@ -79,3 +79,14 @@ def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown eviction policy 'lruu'; choose from lru, lfu"):
         make_policy("lruu")
     assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo", "cost", "pinned"}
+
+
+def test_cost_aware_trims_a_prefix_from_its_tail():
+    # one 8-block prompt cached in a 10-block pool; a 3-block request must evict 1
+    # block: the deepest, so the other 7 still form a reachable prefix
+    m = KVCacheManager(11, 4, eviction="cost")
+    long = seq("long", range(33))
+    prefill(m, long)
+    m.free(long)
+    prefill(m, seq("other", range(500, 512), uid=1))
+    assert m.get_computed_blocks(seq("again", range(33), uid=2))[1] == 28
