@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -38,9 +37,12 @@ def cache_replay(
         _fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:
         _fail(f"--max-running must be >= 1, got {max_running}")
-    wl = default_workload() if workload is None else load_workload(workload, format, skip_bad=skip_bad)
+    try:
+        wl = default_workload() if workload is None else load_workload(workload, format, skip_bad=skip_bad)
+    except WorkloadError as e:
+        _fail(str(e))
     manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False)
-    sink = open(out, "w") if out else None  # noqa: SIM115
+    sink = open(out, "w") if out else None
     t0 = time.perf_counter()
 
     def on_record(rec: ReplayRecord) -> None:
@@ -84,6 +86,3 @@ def _fail(msg: str) -> None:
 def register(app: typer.Typer) -> None:
     app.command("cache-replay")(cache_replay)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(typer.run(cache_replay))

@@ -95,6 +95,12 @@ def test_cli_cache_replay_bad_options(args, message):
     assert message in res.stderr
 
 
+def test_cli_cache_replay_missing_file_is_a_clear_error(tmp_path):
+    res = CliRunner().invoke(app, ["cache-replay", str(tmp_path / "nope.jsonl")])
+    assert res.exit_code == 2
+    assert f"error: {tmp_path / 'nope.jsonl'}: no such file or directory" in res.stderr
+
+
 def test_cli_cache_replay_bad_trace_names_file_line_field(tmp_path):
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": -3, "output_length": 5, "hash_ids": [1]}\n')
