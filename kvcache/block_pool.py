@@ -46,10 +46,6 @@ class BlockPool:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def usage(self) -> float:
-        """Fraction of usable blocks not free (referenced or pinned)."""
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
-
     def get_cached_block(self, key: int) -> KVCacheBlock | None:
         hit = self.cached.get(key)
         if hit is None or type(hit) is KVCacheBlock:
@@ -62,19 +58,11 @@ class BlockPool:
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         blocks = self.policy.pop_n(n)
         evicted = 0
-        cached = self.cached
-        plain = not self.ops.enabled
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
-            key = b.block_hash
-            if key is not None:
-                if plain and type(cached[key]) is KVCacheBlock:  # the common case, inlined
-                    del cached[key]
-                    b.block_hash = None
-                    b.hits = 0
-                else:
-                    self._evict(b)
+            if b.block_hash is not None:
+                self._evict(b)
                 evicted += 1
             b.ref_cnt = 1
         if evicted:

@@ -35,7 +35,6 @@ class Defragmenter:
         self.pad_buckets = buckets
         self.ref_counts = np.zeros(num_blocks, dtype=np.int64)  # by physical id
         self.fwd_mapping = np.arange(num_blocks, dtype=np.int64)
-        self._fwd_list = list(range(num_blocks))  # fwd_mapping for fast scalar reads
         self.bwd_mapping = np.arange(num_blocks, dtype=np.int64)
         self.num_moves = 0
         self.num_defrags = 0
@@ -104,9 +103,9 @@ class Defragmenter:
             rc[phys] += 1
             top = int(phys.max())
         else:
-            fwd, rc, top = self._fwd_list, self.ref_counts, 0
+            fwd, rc, top = self.fwd_mapping, self.ref_counts, 0
             for b in ids:
-                p = fwd[b]
+                p = int(fwd[b])
                 if rc[p] == 0:
                     self._num_used += 1
                 rc[p] += 1
@@ -187,9 +186,6 @@ class Defragmenter:
         alloc_dst = self.bwd_mapping[dsts]
         self.fwd_mapping[alloc_src] = dsts
         self.fwd_mapping[alloc_dst] = srcs
-        fwd_list = self._fwd_list
-        for a, p in zip(alloc_src.tolist() + alloc_dst.tolist(), dsts.tolist() + srcs.tolist(), strict=True):
-            fwd_list[a] = p
         self.bwd_mapping[dsts] = alloc_src
         self.bwd_mapping[srcs] = alloc_dst
         self.ref_counts[srcs], self.ref_counts[dsts] = self.ref_counts[dsts], self.ref_counts[srcs]

@@ -82,9 +82,6 @@ class FreeBlockQueue:
         self._tail.prev = last
         self.num_free_blocks += len(blocks)
 
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.prev is not None
-
     def __iter__(self):
         block = self._head.next
         while block is not self._tail:

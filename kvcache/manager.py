@@ -205,7 +205,7 @@ class KVCacheManager:
                 return False
             new = []
         elif idx == len(blocks):
-            free = len(self.pool.policy)
+            free = self.pool.num_free_blocks
             if free < 1 or (watermark and free - 1 < self.watermark_blocks):
                 return None
             new = self.pool.get_new_blocks(1)
