@@ -322,17 +322,6 @@ class PinnedLRU(LRU):
         if not block.pinned:
             self.queue.remove(block)
 
-    def unpin(self, block: KVCacheBlock) -> bool:
-        """Unpin a block; returns True if it became free (unreferenced)."""
-        if not block.pinned:
-            return False
-        block.pinned = False
-        self.num_pinned -= 1
-        if block.ref_cnt == 0:
-            self.queue.append(block)
-            return True
-        return False
-
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p for p in (LRU, LFU, FIFO, S3FIFO, CostAware, PinnedLRU)
