@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -48,7 +48,6 @@ class SimConfig:
     slo_ttft: float | None = None  # seconds, for goodput
     slo_tpot: float | None = None
     seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> SimConfig:
         """Raise ConfigError for values no run could use."""
