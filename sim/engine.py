@@ -213,6 +213,7 @@ class Engine:
             prev = now
             if check is not None:
                 check(m)
+                sched.materialize()  # lazy decodes' sequences lag; the check reads them
                 exact = m.internal_fragmentation([x.seq for x in sched.running])
                 if sched.internal_fragmentation != exact:
                     raise AssertionError(f"step {k}: internal fragmentation {sched.internal_fragmentation} != {exact}")

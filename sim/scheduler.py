@@ -30,13 +30,16 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake")
 
     def __init__(self, req: Request, row: int):
         self.req = req
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
+        self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
+        self.since = -1  # decoding lazily since this step (see Scheduler._lazy_n); -1: not
+        self.wake = 0  # the step at which lazy decoding ends
 
 
 @dataclass(slots=True)
@@ -57,9 +60,11 @@ class Batch:
     admitted_prompt_tokens: int = 0
     admitted_hit_tokens: int = 0
 
+    lazy: int = 0  # lazy decodes (see Scheduler._lazy_n)
+
     @property
     def num_seqs(self) -> int:
-        return len(self.lives) + len(self.decodes)
+        return len(self.lives) + len(self.decodes) + self.lazy
 
 
 class WaitQueue:
@@ -97,20 +102,26 @@ class BlockedHead:
     While H keeps its blocks (none evicted, no new entry at its miss point),
     the deficit shrinks only by freed blocks (at most 1 each), a smaller budget
     or a dropped watermark; allocations elsewhere and touches never shrink it.
+    Evictions matter only when the budget can cut the retry short: otherwise
+    cdiv(hit + n) is the whole sequence whatever the hit, and a hit block turns
+    from free to used (shrinking the deficit by 1) only as some allocation or
+    touch takes a free block (growing it by 1).
     """
 
-    __slots__ = ("m", "live", "hits", "deficit", "frees", "evictions", "budget", "watermark")
+    __slots__ = ("m", "live", "hits", "deficit", "frees", "evictions", "n", "watermark")
 
-    def __init__(self, m: KVCacheManager, live: Live, blocks: list, hit: int, slots: int, budget: int,
+    def __init__(self, m: KVCacheManager, live: Live, blocks: list, hit: int, n: int, lookahead: int,
                  watermark: bool):
-        need = m.num_blocks_to_allocate(live.seq, hit + slots, blocks)
-        self.m, self.live, self.hits, self.budget, self.watermark = m, live, blocks, budget, watermark
+        need = m.num_blocks_to_allocate(live.seq, hit + n + lookahead, blocks)
+        self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
         self.deficit = need + (m.watermark_blocks if watermark else 0) - m.pool.num_free_blocks
         self.frees, self.evictions = m.ops.counts["free"], m.ops.counts["evict"]
 
     def still(self, live: Live, budget: int, watermark: bool) -> bool:
         """True if allocating `live` now would certainly fail as it did."""
-        if live is not self.live or budget < self.budget or watermark < self.watermark:
+        # NOTE: the retry would ask for min(tokens left, budget) new tokens; with the
+        # same hit that is n again unless the budget fell below it
+        if live is not self.live or budget < self.n or watermark < self.watermark:
             return False
         m, seq, k = self.m, live.seq, len(self.hits)
         counts = m.ops.counts
@@ -118,8 +129,9 @@ class BlockedHead:
             return False
         if m.enable_caching and k < (seq.num_tokens - 1) // m.block_size and seq.block_hashes[k] in m.pool.cached:
             return False  # the hit may have grown
-        if counts["evict"] != self.evictions and [b.block_hash for b in self.hits] != seq.block_hashes[:k]:
-            return False  # a hit block was evicted
+        if counts["evict"] != self.evictions and budget < seq.num_tokens \
+                and [b.block_hash for b in self.hits] != seq.block_hashes[:k]:
+            return False  # a hit block was evicted, and a shorter hit may mean a smaller chunk
         return True
 
 
@@ -128,6 +140,7 @@ class Scheduler:
 
     # Exact shortcuts, switchable so tests can check they change nothing:
     fast_decode = True  # count a mid-block decode's write without calling allocate_slots
+    lazy_decode = True  # and leave such a sequence alone until its block is nearly full
     skip_blocked_head = True  # use BlockedHead to skip head-of-line retries that must fail
 
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
@@ -143,8 +156,19 @@ class Scheduler:
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
         )
+        self._lazy = self._fast_decode and self.lazy_decode
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
+        self.active: list[Live] = []  # the running lives not decoding lazily
+        self._joined = 0  # lives that joined RUNNING so far (their `order`)
+        self._k = 0  # steps scheduled so far
+        # Lazy decoding. NOTE: a sequence whose decode tokens land mid-block, one a
+        # step, is only counted: its `seq` lags by the steps since it went lazy, and
+        # these sums (linear in the step) give the batch's totals without visiting it.
+        self._lazy_n = 0  # lazy sequences
+        self._lazy_ctx = 0  # sum of (computed + 1 - since): context at step k is this + n * k
+        self._lazy_frag = 0  # sum of (bs - 2 - computed % bs + since): empty slots are this - n * k
+        self._wakes: dict[int, list[Live]] = {}  # step -> lives whose lazy decoding ends there
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
         self._blocked: BlockedHead | None = None
@@ -180,6 +204,7 @@ class Scheduler:
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> Batch:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
+        self._k += 1
         b = Batch()
         budget = self._schedule_running(b, now)
         if b.num_seqs and (b.preempted_recompute or b.preempted_swap):
@@ -210,14 +235,28 @@ class Scheduler:
             del b.lives[k], b.tokens[k]
 
     def _schedule_running(self, b: Batch, now: float) -> int:
-        budget = self.max_tokens
-        running, decodes, finishing = self.running, b.decodes, b.finishing
-        alloc, la = self.m.allocate_slots, self.lookahead
+        k, active = self._k, self.active
+        woken = self._wakes.pop(k, None) if self._wakes else None
+        if woken:
+            for live in woken:
+                if live.since >= 0 and live.wake == k:
+                    self._end_lazy(live, k)
+                    active.append(live)
+            active.sort(key=_order)
+        budget = self.max_tokens - self._lazy_n
+        if self._lazy_n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
+            self.materialize(k)  # the budget binds: visit everyone, in order
+            active, budget = self.active, self.max_tokens
+        decodes, finishing = b.decodes, b.finishing
+        alloc, la, lazy, wakes = self.m.allocate_slots, self.lookahead, self._lazy, self._wakes
         fast, bs, tables = self._fast_decode, self.m.block_size, self.m.req_blocks
         ctx = frag = 0
-        i, end = 0, len(running)
+        i, end = 0, len(active)
         while i < end and budget > 0:
-            live = running[i]
+            live = active[i]
+            i += 1
+            if live.order < 0:  # preempted earlier in this step
+                continue
             seq = live.seq
             c = seq.num_computed_tokens
             n = seq.num_tokens - c
@@ -228,6 +267,17 @@ class Scheduler:
                 # sequence before complete(), so the token is computed and sampled here.
                 r = c % bs
                 if r and r < bs - 1 and c >= seq.num_prompt_tokens and tables[seq.seq_id][c // bs].ref_cnt == 1:
+                    budget -= 1
+                    last = min(bs - 2 - r, live.target - c - 3)  # steps this stays so, after this one
+                    if lazy and last > 0:
+                        # Only a fork shares a partial block, and only at its prefill's end:
+                        # this one stays unshared until it fills.
+                        live.since, live.wake = k, k + last + 1
+                        self._lazy_n += 1
+                        self._lazy_ctx += c + 1 - k
+                        self._lazy_frag += bs - 2 - r + k
+                        wakes.setdefault(k + last + 1, []).append(live)
+                        continue
                     seq.num_computed_tokens = c + 1
                     seq.append_tokens(1)
                     decodes.append(live)
@@ -236,27 +286,49 @@ class Scheduler:
                         finishing.append(live)
                     else:
                         frag += bs - r - 2  # its last block's empty slots
-                    budget -= 1
-                    i += 1
                     continue
             if n > budget:
                 n = budget
             if alloc(seq, n, 0, None, la) is None:
+                was = self._lazy_n
                 if not self._make_room(live, n, b, now):
                     break
-                end = len(running)
+                budget += was - self._lazy_n  # lazy victims give their token back
                 if self.priority:  # victims may have been ahead of it, and scheduled
-                    i = running.index(live)
                     budget = self.max_tokens - sum(b.tokens)
             self._add(b, live, n)
             budget -= n
-            i += 1
-        if decodes:
-            self.m.ops.counts["write"] += len(decodes)
-            b.decode_tokens += len(decodes)
-            b.context_tokens += ctx
-            b.frag = frag
+        self.active = [x for x in active if x.order >= 0 and x.since < 0]
+        nl = b.lazy = self._lazy_n
+        if decodes or nl:
+            self.m.ops.counts["write"] += len(decodes) + nl
+            b.decode_tokens += len(decodes) + nl
+            b.context_tokens += ctx + self._lazy_ctx + nl * k
+            b.frag = frag + self._lazy_frag - nl * k
         return budget
+
+    def _end_lazy(self, live: Live, k: int) -> None:
+        """Bring a lazy sequence up to date at the start of step `k` and visit it from now on."""
+        seq, d = live.seq, k - live.since
+        c = seq.num_computed_tokens
+        self._lazy_n -= 1
+        self._lazy_ctx -= c + 1 - live.since
+        self._lazy_frag -= self.m.block_size - 2 - c % self.m.block_size + live.since
+        seq.num_computed_tokens = c + d
+        seq.num_tokens += d
+        live.since = -1
+
+    def materialize(self, k: int | None = None) -> None:
+        """End all lazy decoding: every running sequence's `seq` is exact at the start of
+        step `k` (default: the next step)."""
+        if not self._lazy_n:
+            return
+        k = self._k + 1 if k is None else k
+        for live in self.running:
+            if live.since >= 0:
+                self._end_lazy(live, k)
+        self._wakes.clear()
+        self.active = list(self.running)
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
         """Preempt until `live`'s `n` tokens fit: True, or False if `live` itself was
@@ -275,6 +347,8 @@ class Scheduler:
                 running.pop()
             else:
                 running.remove(victim)
+            if victim.since >= 0:
+                self._end_lazy(victim, self._k)
             if self.priority and victim in b.lives:  # scheduled earlier this step: undo that
                 self._add(b, victim, b.tokens[b.lives.index(victim)], -1)
             self._preempt(victim, b)
@@ -285,6 +359,7 @@ class Scheduler:
 
     def _preempt(self, live: Live, b: Batch) -> None:
         seq = live.seq
+        live.order = -1
         self.log.preemptions[live.row] += 1
         if self.swap and self.m.can_swap_out([seq]):
             self.m.swap_out([seq])
@@ -311,7 +386,7 @@ class Scheduler:
                 break
             heapq.heappop(self.swapped)
             m.swap_in([seq])
-            running.append(live)
+            self._join(live)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if m.allocate_slots(seq, n, 0, None, self.lookahead) is not None:
                 self._add(b, live, n)
@@ -343,7 +418,7 @@ class Scheduler:
             if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=wm) is None:
                 if held:  # FCFS head of line: wait for blocks to free
                     if self.skip_blocked_head and m.sliding_window is None:
-                        self._blocked = BlockedHead(m, live, blocks, hit, n + self.lookahead, budget, wm)
+                        self._blocked = BlockedHead(m, live, blocks, hit, n, self.lookahead, wm)
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
                 if seq.num_output_tokens:
@@ -353,7 +428,7 @@ class Scheduler:
                 continue
             waiting.pop()
             seq.num_computed_tokens = hit
-            running.append(live)
+            self._join(live)
             self._add(b, live, n)
             budget -= n
             row = live.row
@@ -376,7 +451,7 @@ class Scheduler:
         then set `internal_fragmentation` over the running sequences."""
         log, la, bs = self.log, self.lookahead, self.m.block_size
         finished = list(b.finishing)
-        frag, alive = b.frag, len(b.decodes) - len(finished)
+        frag, alive = b.frag, len(b.decodes) - len(finished) + b.lazy
         for live, n in zip(b.lives, b.tokens, strict=True):
             seq = live.seq
             c = seq.num_computed_tokens + n
@@ -404,9 +479,10 @@ class Scheduler:
                 finished.sort(key=lambda x: pos[id(x)])
             for live in finished:
                 self._retire(live, FINISHED, "", now)
-            gone = set(finished)
-            self.running = [x for x in self.running if x not in gone]
+            self.running = [x for x in self.running if x.order >= 0]
+            self.active = [x for x in self.active if x.order >= 0]
         if alive != len(self.running):  # some running sequences were not scheduled
+            self.materialize()
             frag = sum(self._fragmentation(x.seq) for x in self.running)
         self.internal_fragmentation = frag
 
@@ -414,6 +490,13 @@ class Scheduler:
         """Allocated slots of a running sequence not holding a token (see the NOTE in complete)."""
         bs = self.m.block_size
         return max(0, -(-(seq.num_computed_tokens + self.lookahead) // bs) * bs - seq.num_tokens)
+
+    def _join(self, live: Live) -> None:
+        """`live` joins RUNNING (at the back)."""
+        live.order = self._joined
+        self._joined += 1
+        self.running.append(live)
+        self.active.append(live)
 
     def _fork(self, live: Live) -> int:
         """Parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write).
@@ -424,13 +507,14 @@ class Scheduler:
             child = Live(req, live.row)
             child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
             self._uid += 1
-            self.running.append(child)
+            self._join(child)
         return req.n
 
     def _retire(self, live: Live, status: int, reason: str, now: float) -> None:
         """A sequence is done (finished or dropped): free its blocks; when it is the
         request's last sample, close the request."""
         seq, row, log = live.seq, live.row, self.log
+        live.order = -1
         if seq is not None:
             if seq.seq_id in self.m.req_blocks:
                 self.m.free(seq)
@@ -450,3 +534,7 @@ class Scheduler:
 
 def _priority_key(live: Live) -> tuple[int, int]:
     return (live.req.priority, live.row)
+
+
+def _order(live: Live) -> int:
+    return live.order

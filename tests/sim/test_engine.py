@@ -101,16 +101,52 @@ def _mixed() -> Workload:
     return merge(a, b, name="mixed")
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, preemption: str) -> None:
-    cfg = _stress(preemption=preemption, num_cpu_blocks=400 if preemption == "swap" else 0)
-    skipped = []
-    still = BlockedHead.still
-    monkeypatch.setattr(BlockedHead, "still", lambda *a: skipped.append(still(*a)) or skipped[-1])
+SHORTCUT_CASES = {
+    "recompute": {},
+    "swap": {"preemption": "swap", "num_cpu_blocks": 400},
+    "defrag+watermark": {"defrag_threshold": 4, "watermark": 0.05},
+    "no-chunking": {"enable_chunked_prefill": False, "max_num_batched_tokens": 320, "block_size": 8},
+}
+
+
+@pytest.mark.parametrize("case", SHORTCUT_CASES)
+def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """In-place and lazy decodes and blocked-head skips give the same tables as visiting
+    every sequence every step; each is exercised, lazy decoding's fallback too."""
+    cfg = _stress(**SHORTCUT_CASES[case])
+    seen = {"skips": 0, "lazy": 0, "fallback": 0}
+    still, end_lazy, materialize = BlockedHead.still, Scheduler._end_lazy, Scheduler.materialize
+
+    def checked_still(head: BlockedHead, live, budget: int, wm: bool) -> bool:
+        if not still(head, live, budget, wm):
+            return False
+        seq, m = live.seq, head.m  # the skip must be sound: the retry it saves would fail
+        blocks, hit = m.get_computed_blocks(seq)
+        n = seq.num_tokens - hit
+        if not (n > budget and wm and not cfg.enable_chunked_prefill):
+            need = m.num_blocks_to_allocate(seq, hit + min(n, budget), blocks)
+            assert need + (m.watermark_blocks if wm else 0) > m.pool.num_free_blocks
+        seen["skips"] += 1
+        return True
+
+    def counted_end_lazy(sched: Scheduler, live, k: int) -> None:
+        seen["lazy"] += 1
+        end_lazy(sched, live, k)
+
+    def counted_materialize(sched: Scheduler, k: int | None = None) -> None:
+        seen["fallback"] += sched._lazy_n > 0
+        materialize(sched, k)
+
+    monkeypatch.setattr(BlockedHead, "still", checked_still)
+    monkeypatch.setattr(Scheduler, "_end_lazy", counted_end_lazy)
+    monkeypatch.setattr(Scheduler, "materialize", counted_materialize)
     fast = simulate(_mixed(), cfg)
-    assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0 and any(skipped)
+    assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0
+    # (without chunking no running sequence holds a chunk that could outrun the budget)
+    assert seen["skips"] and seen["lazy"] and (seen["fallback"] or not cfg.enable_chunked_prefill), seen
     tokens = fast.steps["prefill_tokens"] + fast.steps["decode_tokens"]
-    assert tokens.max() == cfg.max_num_batched_tokens  # the budget binds, and holds
+    assert tokens.max() <= cfg.max_num_batched_tokens  # the budget holds
+    assert tokens.max() == cfg.max_num_batched_tokens or not cfg.enable_chunked_prefill  # and binds
     monkeypatch.setattr(Scheduler, "fast_decode", False)
     monkeypatch.setattr(Scheduler, "skip_blocked_head", False)
     slow = simulate(_mixed(), cfg)
