@@ -34,7 +34,7 @@ class BlockPool:
         self.ops = ops if ops is not None else OpLog()
         self.num_evictions = 0
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
-        self.tracker = None  # a Defragmenter told of every block becoming used / unused
+        self.tracker = None  # an IdSpan or Defragmenter, told of every block becoming used / unused
         self._notify_cache = type(self.policy).on_cache is not EvictionPolicy.on_cache
         self._born = 0
 

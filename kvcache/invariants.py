@@ -52,10 +52,12 @@ def check(m: KVCacheManager) -> None:
                 _fail(f"hash map: key {key} -> block {b.block_id} whose hash is {b.block_hash}")
     if isinstance(policy, LRU):
         _check_links(policy)
-    if m.defrag is not None:
-        used = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
-        if m.defrag.num_used() != used:
-            _fail(f"defragmenter tracks {m.defrag.num_used()} used blocks, pool has {used}")
+    if pool.tracker is not None:
+        used = [b.block_id for b in pool.blocks[1:] if b.ref_cnt > 0]
+        if pool.tracker.num_used() != len(used):
+            _fail(f"id tracker counts {pool.tracker.num_used()} used blocks, pool has {len(used)}")
+        if m.defrag is None and pool.tracker.max_used() != max(used, default=0):
+            _fail(f"id tracker's highest used id is {pool.tracker.max_used()}, pool's is {max(used, default=0)}")
     cpu_holders: Counter[int] = Counter(c for ids in m.swapped.values() for c in ids if c >= 0)
     for c in range(m.cpu.num_blocks):
         if m.cpu.ref[c] != cpu_holders[c]:

@@ -19,6 +19,7 @@ from kvcache.block import KVCacheBlock
 from kvcache.block_pool import BlockPool, OutOfBlocksError
 from kvcache.defrag import Defragmenter
 from kvcache.eviction import EvictionPolicy, make_policy
+from kvcache.id_span import IdSpan
 from kvcache.ops import OpLog
 from kvcache.sequence import Sequence
 from kvcache.swap import CpuPool
@@ -74,11 +75,12 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.defrag_threshold = defrag_threshold
         self.defrag: Defragmenter | None = None
-        if track_ids or defrag_threshold is not None:
-            big = num_gpu_blocks + 1  # a threshold no id gap can exceed
-            self.defrag = Defragmenter(num_gpu_blocks, big if defrag_threshold is None else defrag_threshold)
+        if defrag_threshold is not None:
+            self.defrag = Defragmenter(num_gpu_blocks, defrag_threshold)
             self.pool.tracker = self.defrag
             self.ops.resolve = self.defrag.resolve
+        elif track_ids:
+            self.pool.tracker = IdSpan(self.pool.blocks)
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
@@ -401,7 +403,7 @@ class KVCacheManager:
     # ---------------------------------------------------------------- defrag
     def defragment(self) -> list[tuple[int, int]]:
         """Compact the used physical ids if the threshold is passed; emits `move` ops."""
-        if self.defrag is None or self.defrag_threshold is None:
+        if self.defrag is None:
             return []
         moves = self.defrag.defragment()
         if moves:
@@ -417,7 +419,8 @@ class KVCacheManager:
 
     def id_space_fragmentation(self) -> int:
         """Holes below the highest used physical id: max_used_id - num_used."""
-        return self.defrag.fragmentation() if self.defrag is not None else 0
+        tracker = self.pool.tracker
+        return tracker.fragmentation() if tracker is not None else 0
 
     # ---------------------------------------------------------------- metrics
     def num_used_blocks(self) -> int:
