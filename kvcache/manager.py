@@ -151,7 +151,7 @@ class KVCacheManager:
         """
         if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens \
                 and self.sliding_window is None:
-            decoded = self._decode_slot(seq, watermark)
+            decoded = self.decode_slot(seq, watermark)
             if decoded is not False:
                 return decoded
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
@@ -193,9 +193,9 @@ class KVCacheManager:
             self._cache_full_blocks(seq, blocks, min(num_computed + num_new_tokens, seq.num_tokens))
         return new_blocks
 
-    def _decode_slot(self, seq: Sequence, watermark: bool) -> list[KVCacheBlock] | None | bool:
-        """Fast path of `allocate_slots` for one decode token of a running
-        sequence; returns False when the general path must decide (copy-on-write)."""
+    def decode_slot(self, seq: Sequence, watermark: bool = False) -> list[KVCacheBlock] | None | bool:
+        """`allocate_slots(seq, 1)` for a running sequence's decode token, with no lookahead
+        or sliding window; returns False when the general path must decide (copy-on-write)."""
         blocks = self.req_blocks.get(seq.seq_id)
         if blocks is None:
             return False

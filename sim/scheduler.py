@@ -249,8 +249,8 @@ class Scheduler:
             active, budget = self.active, self.max_tokens
         decodes, finishing = b.decodes, b.finishing
         alloc, la, lazy, wakes = self.m.allocate_slots, self.lookahead, self._lazy, self._wakes
-        fast, bs, tables = self._fast_decode, self.m.block_size, self.m.req_blocks
-        ctx = frag = 0
+        fast, bs, tables, decode_slot = self._fast_decode, self.m.block_size, self.m.req_blocks, self.m.decode_slot
+        ctx = frag = counted = 0
         i, end = 0, len(active)
         while i < end and budget > 0:
             live = active[i]
@@ -260,15 +260,22 @@ class Scheduler:
             seq = live.seq
             c = seq.num_computed_tokens
             n = seq.num_tokens - c
-            if n == 1 and fast:
+            if n == 1 and fast and c >= seq.num_prompt_tokens:
                 # NOTE: a decode token landing mid-block (not its first or last slot) in an
                 # unshared block needs no block, copy or cache entry: allocate_slots would only
-                # count a write. This skips ~15/16 of decode calls. Nothing reads a running
-                # sequence before complete(), so the token is computed and sampled here.
+                # count a write. One landing on a block's first or last slot takes the manager's
+                # decode path (a new block; caching the filled one). Either way nothing reads a
+                # running sequence before complete(), so the token is computed and sampled here.
                 r = c % bs
-                if r and r < bs - 1 and c >= seq.num_prompt_tokens and tables[seq.seq_id][c // bs].ref_cnt == 1:
+                if r and r < bs - 1:
+                    in_place = tables[seq.seq_id][c // bs].ref_cnt == 1
+                else:
+                    got = decode_slot(seq)  # None: no free block (handled below); False: copy-on-write
+                    in_place = got is not None and got is not False
+                    counted += in_place  # the manager counted its write
+                if in_place:
                     budget -= 1
-                    last = min(bs - 2 - r, live.target - c - 3)  # steps this stays so, after this one
+                    last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
                     if lazy and last > 0:
                         # Only a fork shares a partial block, and only at its prefill's end:
                         # this one stays unshared until it fills.
@@ -284,7 +291,7 @@ class Scheduler:
                     ctx += c + 1
                     if c + 2 >= live.target:
                         finishing.append(live)
-                    else:
+                    elif r < bs - 1:
                         frag += bs - r - 2  # its last block's empty slots
                     continue
             if n > budget:
@@ -301,7 +308,7 @@ class Scheduler:
         self.active = [x for x in active if x.order >= 0 and x.since < 0]
         nl = b.lazy = self._lazy_n
         if decodes or nl:
-            self.m.ops.counts["write"] += len(decodes) + nl
+            self.m.ops.counts["write"] += len(decodes) + nl - counted
             b.decode_tokens += len(decodes) + nl
             b.context_tokens += ctx + self._lazy_ctx + nl * k
             b.frag = frag + self._lazy_frag - nl * k

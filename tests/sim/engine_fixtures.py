@@ -57,7 +57,8 @@ def step(s: Scheduler, t: float) -> list[tuple[str, int]]:
     """One step from `t` to `t + 1`: the (sequence id, tokens) it computed, in batch order."""
     b: Batch = s.schedule(t)
     pos = {id(x): k for k, x in enumerate(s.running)}  # batch order is running order
-    batch = sorted([*((x, 1) for x in b.decodes), *zip(b.lives, b.tokens, strict=True)],
+    lazy = [x for x in s.running if x.since >= 0]  # decoding without being visited
+    batch = sorted([*((x, 1) for x in [*b.decodes, *lazy]), *zip(b.lives, b.tokens, strict=True)],
                    key=lambda e: pos[id(e[0])])
     s.complete(b, t + 1)
     return [(live.seq.seq_id, n) for live, n in batch]
