@@ -82,6 +82,7 @@ def run(
     load: Annotated[float | None, typer.Option(help="arrival-rate multiplier (2: arrivals twice as dense)")] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="token budget per step")] = None,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
+    max_model_len: Annotated[int | None, typer.Option(help="tokens per sequence, as vLLM's --max-model-len (default: no limit)")] = None,
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
@@ -98,6 +99,7 @@ def run(
         "num_cpu_blocks": num_cpu_blocks, "eviction": eviction, "watermark": watermark,
         "preemption": preemption, "scheduling": scheduling, "defrag_threshold": defrag_threshold,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "load": load,
+        "max_model_len": max_model_len,
         "calibration": str(calibration) if calibration else None, "slo_ttft": slo_ttft,
         "slo_tpot": slo_tpot, "seed": seed,
     }  # fmt: skip

@@ -36,6 +36,9 @@ class SimConfig:
     preemption: str = "recompute"  # or "swap"
     scheduling: str = "fcfs"  # or "priority"
     num_lookahead_tokens: int = 0
+    # vLLM's --max-model-len: a prompt must leave room for one output token, and a
+    # sequence stops growing at this length; None: no limit (the catalog has each model's)
+    max_model_len: int | None = None
     # sessions: multi-turn requests arrive think_time after the previous turn finished
     closed_loop_sessions: bool = True
     # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
@@ -68,6 +71,8 @@ class SimConfig:
             raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
         if self.scheduling not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

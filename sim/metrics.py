@@ -35,6 +35,7 @@ REASONS = (
     "prompt_exceeds_batch",  # chunked prefill off and prompt > max_num_batched_tokens
     "n_exceeds_max_num_seqs",  # more parallel samples than max_num_seqs
     "context_exceeds_cache",  # prompt + output grew past what the cache can hold
+    "prompt_exceeds_max_model_len",  # no room for an output token within max_model_len
 )
 REASON_CODE = {r: i for i, r in enumerate(REASONS)}
 PERCENTILES = (50, 90, 99)

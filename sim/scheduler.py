@@ -32,11 +32,13 @@ class Live:
 
     __slots__ = ("req", "row", "seq", "target", "order", "since", "wake")
 
-    def __init__(self, req: Request, row: int):
+    def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
+        if max_len is not None and self.target > max_len:
+            self.target = max_len  # vLLM stops the sequence at max_model_len
         self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
         self.since = -1  # decoding lazily since this step (see Scheduler._lazy_n); -1: not
         self.wake = 0  # the step at which lazy decoding ends
@@ -152,6 +154,7 @@ class Scheduler:
         self.swap = cfg.preemption == "swap"
         self.priority = cfg.scheduling == "priority"
         self.lookahead = cfg.num_lookahead_tokens
+        self.max_len = cfg.max_model_len
         # In-place decode shortcut (see _schedule_running); off where allocate_slots does more.
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
@@ -187,9 +190,11 @@ class Scheduler:
             self.log.finish[row] = now
             self.done.append(req)
             return
-        self.waiting.push(Live(req, row))
+        self.waiting.push(Live(req, row, self.max_len))
 
     def _never_fits(self, req: Request) -> str:
+        if self.max_len is not None and req.prompt_len >= self.max_len:
+            return "prompt_exceeds_max_model_len"
         if req.n > self.max_seqs:
             return "n_exceeds_max_num_seqs"
         if not self.chunked and req.prompt_len > self.max_tokens:
@@ -511,7 +516,7 @@ class Scheduler:
         req = live.req
         self._open[live.row] = req.n
         for j in range(1, req.n):
-            child = Live(req, live.row)
+            child = Live(req, live.row, self.max_len)
             child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
             self._uid += 1
             self._join(child)

@@ -39,13 +39,14 @@ def test_run_a_workload_file_with_options(tmp_path: Path) -> None:
     write_jsonl([req("a", 0, 40, 5), req("b", 0.1, 40, 5)], wl)
     out = tmp_path / "r"
     args = ["run", str(wl), "--num-gpu-blocks", "64", "--block-size", "8", "--eviction", "fifo",
-            "--record-ops", "--no-plots", "--max-num-seqs", "1", "--out", str(out)]
+            "--record-ops", "--no-plots", "--max-num-seqs", "1", "--max-model-len", "44", "--out", str(out)]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["num_gpu_blocks"], cfg["block_size"], cfg["eviction"], cfg["max_num_seqs"]) == (64, 8, "fifo", 1)
     assert (out / "ops.parquet").is_file() and not (out / "blocks.png").exists()
-    assert json.loads((out / "summary.json").read_text())["finished"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["finished"], summary["output_tokens"]) == (2, 8)  # 40 + 5 capped at 44
 
 
 @pytest.mark.parametrize(
@@ -57,6 +58,7 @@ def test_run_a_workload_file_with_options(tmp_path: Path) -> None:
         (["--gpu", "tpu-v5"], "error: unknown gpu 'tpu-v5'; choose from "),
         (["--eviction", "mru"], "error: unknown eviction policy 'mru'; choose from lru, "),
         (["--preemption", "drop"], "error: preemption must be 'recompute' or 'swap', got 'drop'\n"),
+        (["--max-model-len", "1"], "error: max_model_len must be >= 2, got 1\n"),
         (["--num-gpu-blocks", "4"],
          "error: the KV cache (4 blocks of 16 tokens) is too small for any request of default "
          "(smallest dropped prompt: 139 tokens)\n"),

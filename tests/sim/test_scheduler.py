@@ -178,6 +178,20 @@ def test_requests_that_can_never_run_are_rejected_with_a_reason() -> None:
     assert step(s, 0) == [("ok", 4)]
 
 
+def test_max_model_len_rejects_full_prompts_and_stops_growth() -> None:
+    """As vLLM: a prompt must leave room for one output token; a sequence stops at the limit."""
+    s = make_scheduler(max_model_len=10)
+    s.add(req("full", 0, 10, 3), 0)  # no room for an output token
+    s.add(req("fits", 0, 9, 1), 0)
+    s.add(req("capped", 0, 7, 8), 0)  # 7 + 8 > 10: stops after 3 output tokens
+    assert [REASONS[r] for r in s.log.reason[:3]] == ["prompt_exceeds_max_model_len", "", ""]
+    assert s.log.status[0] == REJECTED
+    got = [step(s, t) for t in range(4)]
+    assert got == [[("fits", 9), ("capped", 7)], [("capped", 1)], [("capped", 1)], []]
+    assert s.log.output_tokens[1:3].tolist() == [1, 3]
+    assert s.log.status[1:3].tolist() == [FINISHED] * 2 and not s.has_work()
+
+
 def test_prefix_hit_at_admission_skips_cached_tokens() -> None:
     s = make_scheduler()
     shared = np.arange(100, 112)
