@@ -23,6 +23,7 @@ from kvcache.admission import AllocStatus
 from kvcache.manager import KVCacheManager, cdiv
 from kvcache.sequence import Sequence
 from sim.config import SimConfig
+from sim.lazy_decodes import LazyDecodes
 from sim.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
 from workloads.request import Request
 
@@ -40,7 +41,7 @@ class Live:
         if max_len is not None and self.target > max_len:
             self.target = max_len  # vLLM stops the sequence at max_model_len
         self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
-        self.since = -1  # decoding lazily since this step (see Scheduler._lazy_n); -1: not
+        self.since = -1  # decoding lazily since this step (see sim.lazy_decodes); -1: not
         self.wake = 0  # the step at which lazy decoding ends
 
 
@@ -62,7 +63,7 @@ class Batch:
     admitted_prompt_tokens: int = 0
     admitted_hit_tokens: int = 0
 
-    lazy: int = 0  # lazy decodes (see Scheduler._lazy_n)
+    lazy: int = 0  # lazy decodes (see sim.lazy_decodes)
 
     @property
     def num_seqs(self) -> int:
@@ -159,19 +160,13 @@ class Scheduler:
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
         )
-        self._lazy = self._fast_decode and self.lazy_decode
+        self._lazy_ok = self._fast_decode and self.lazy_decode
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self.active: list[Live] = []  # the running lives not decoding lazily
         self._joined = 0  # lives that joined RUNNING so far (their `order`)
         self._k = 0  # steps scheduled so far
-        # Lazy decoding. NOTE: a sequence whose decode tokens land mid-block, one a
-        # step, is only counted: its `seq` lags by the steps since it went lazy, and
-        # these sums (linear in the step) give the batch's totals without visiting it.
-        self._lazy_n = 0  # lazy sequences
-        self._lazy_ctx = 0  # sum of (computed + 1 - since): context at step k is this + n * k
-        self._lazy_frag = 0  # sum of (bs - 2 - computed % bs + since): empty slots are this - n * k
-        self._wakes: dict[int, list[Live]] = {}  # step -> lives whose lazy decoding ends there
+        self.lazy = LazyDecodes(manager.block_size)  # running lives decoding mid-block, not visited
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
         self._blocked: BlockedHead | None = None
@@ -240,20 +235,17 @@ class Scheduler:
             del b.lives[k], b.tokens[k]
 
     def _schedule_running(self, b: Batch, now: float) -> int:
-        k, active = self._k, self.active
-        woken = self._wakes.pop(k, None) if self._wakes else None
+        k, active, lazies = self._k, self.active, self.lazy
+        woken = lazies.due(k)
         if woken:
-            for live in woken:
-                if live.since >= 0 and live.wake == k:
-                    self._end_lazy(live, k)
-                    active.append(live)
+            active.extend(woken)
             active.sort(key=_order)
-        budget = self.max_tokens - self._lazy_n
-        if self._lazy_n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
+        budget = self.max_tokens - lazies.n
+        if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
             self.materialize(k)  # the budget binds: visit everyone, in order
             active, budget = self.active, self.max_tokens
         decodes, finishing = b.decodes, b.finishing
-        alloc, la, lazy, wakes = self.m.allocate_slots, self.lookahead, self._lazy, self._wakes
+        alloc, la, lazy_ok = self.m.allocate_slots, self.lookahead, self._lazy_ok
         fast, bs, tables, decode_slot = self._fast_decode, self.m.block_size, self.m.req_blocks, self.m.decode_slot
         ctx = frag = counted = 0
         i, end = 0, len(active)
@@ -281,14 +273,10 @@ class Scheduler:
                 if in_place:
                     budget -= 1
                     last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
-                    if lazy and last > 0:
+                    if lazy_ok and last > 0:
                         # Only a fork shares a partial block, and only at its prefill's end:
                         # this one stays unshared until it fills.
-                        live.since, live.wake = k, k + last + 1
-                        self._lazy_n += 1
-                        self._lazy_ctx += c + 1 - k
-                        self._lazy_frag += bs - 2 - r + k
-                        wakes.setdefault(k + last + 1, []).append(live)
+                        lazies.add(live, k, last)
                         continue
                     seq.num_computed_tokens = c + 1
                     seq.append_tokens(1)
@@ -302,44 +290,29 @@ class Scheduler:
             if n > budget:
                 n = budget
             if alloc(seq, n, 0, None, la) is None:
-                was = self._lazy_n
+                was = lazies.n
                 if not self._make_room(live, n, b, now):
                     break
-                budget += was - self._lazy_n  # lazy victims give their token back
+                budget += was - lazies.n  # lazy victims give their token back
                 if self.priority:  # victims may have been ahead of it, and scheduled
                     budget = self.max_tokens - sum(b.tokens)
             self._add(b, live, n)
             budget -= n
         self.active = [x for x in active if x.order >= 0 and x.since < 0]
-        nl = b.lazy = self._lazy_n
+        nl = b.lazy = lazies.n
         if decodes or nl:
             self.m.ops.counts["write"] += len(decodes) + nl - counted
             b.decode_tokens += len(decodes) + nl
-            b.context_tokens += ctx + self._lazy_ctx + nl * k
-            b.frag = frag + self._lazy_frag - nl * k
+            b.context_tokens += ctx + lazies.context_tokens(k)
+            b.frag = frag + lazies.empty_slots(k)
         return budget
-
-    def _end_lazy(self, live: Live, k: int) -> None:
-        """Bring a lazy sequence up to date at the start of step `k` and visit it from now on."""
-        seq, d = live.seq, k - live.since
-        c = seq.num_computed_tokens
-        self._lazy_n -= 1
-        self._lazy_ctx -= c + 1 - live.since
-        self._lazy_frag -= self.m.block_size - 2 - c % self.m.block_size + live.since
-        seq.num_computed_tokens = c + d
-        seq.num_tokens += d
-        live.since = -1
 
     def materialize(self, k: int | None = None) -> None:
         """End all lazy decoding: every running sequence's `seq` is exact at the start of
         step `k` (default: the next step)."""
-        if not self._lazy_n:
+        if not self.lazy.n:
             return
-        k = self._k + 1 if k is None else k
-        for live in self.running:
-            if live.since >= 0:
-                self._end_lazy(live, k)
-        self._wakes.clear()
+        self.lazy.drop_all(self.running, self._k + 1 if k is None else k)
         self.active = list(self.running)
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
@@ -360,7 +333,7 @@ class Scheduler:
             else:
                 running.remove(victim)
             if victim.since >= 0:
-                self._end_lazy(victim, self._k)
+                self.lazy.drop(victim, self._k)
             if self.priority and victim in b.lives:  # scheduled earlier this step: undo that
                 self._add(b, victim, b.tokens[b.lives.index(victim)], -1)
             self._preempt(victim, b)

@@ -8,6 +8,7 @@ import pytest
 from engine_fixtures import FlatCost, req, run
 
 from sim.config import SimConfig
+from sim.lazy_decodes import LazyDecodes
 from sim.run import simulate
 from sim.scheduler import BlockedHead, Scheduler
 from workloads.request import Workload
@@ -115,7 +116,7 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     every sequence every step; each is exercised, lazy decoding's fallback too."""
     cfg = _stress(**SHORTCUT_CASES[case])
     seen = {"skips": 0, "lazy": 0, "fallback": 0}
-    still, end_lazy, materialize = BlockedHead.still, Scheduler._end_lazy, Scheduler.materialize
+    still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Scheduler.materialize
 
     def checked_still(head: BlockedHead, live, budget: int, wm: bool) -> bool:
         if not still(head, live, budget, wm):
@@ -129,16 +130,16 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
         seen["skips"] += 1
         return True
 
-    def counted_end_lazy(sched: Scheduler, live, k: int) -> None:
+    def counted_drop(lazies: LazyDecodes, live, k: int) -> None:
         seen["lazy"] += 1
-        end_lazy(sched, live, k)
+        drop(lazies, live, k)
 
     def counted_materialize(sched: Scheduler, k: int | None = None) -> None:
-        seen["fallback"] += sched._lazy_n > 0
+        seen["fallback"] += sched.lazy.n > 0
         materialize(sched, k)
 
     monkeypatch.setattr(BlockedHead, "still", checked_still)
-    monkeypatch.setattr(Scheduler, "_end_lazy", counted_end_lazy)
+    monkeypatch.setattr(LazyDecodes, "drop", counted_drop)
     monkeypatch.setattr(Scheduler, "materialize", counted_materialize)
     fast = simulate(_mixed(), cfg)
     assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0
