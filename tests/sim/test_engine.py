@@ -6,6 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 from engine_fixtures import FlatCost, req, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sim.config import SimConfig
 from sim.lazy_decodes import LazyDecodes
@@ -189,3 +191,38 @@ def test_load_scales_open_loop_arrivals():
     base = simulate(reqs, SimConfig(num_gpu_blocks=200)).requests["arrival"].tolist()
     double = simulate(reqs, SimConfig(num_gpu_blocks=200, load=2.0)).requests["arrival"].tolist()
     assert base == [0.0, 10.0, 20.0] and double == [0.0, 5.0, 10.0]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.sampled_from([4, 8, 16]),
+    num_gpu_blocks=st.integers(24, 120),
+    budget=st.sampled_from([48, 96, 256]),
+    swap=st.booleans(),
+    chunked=st.booleans(),
+)
+def test_shortcuts_change_nothing_on_random_configs(seed: int, block_size: int, num_gpu_blocks: int,
+                                                    budget: int, swap: bool, chunked: bool) -> None:
+    from workloads.arrivals import Poisson
+    from workloads.lengths import LogNormal
+    from workloads.shapes import merge
+
+    def workload() -> Workload:
+        a = shared_prefix(25, num_prefixes=2, prefix_len=LogNormal(40, 0.5, hi=120), user_len=LogNormal(20, 1.0, hi=90),
+                          output_len=LogNormal(30, 1.0, hi=150), arrivals=Poisson(6.0), seed=seed,
+                          token_range=(0, 2**20))
+        b = parallel(6, n=2, prompt_len=LogNormal(30, 0.5, hi=90), output_len=LogNormal(20, 0.5, hi=80),
+                     arrivals=Poisson(2.0), seed=seed + 1, token_range=(2**20, 2**21))
+        return merge(a, b, name="random")
+
+    cfg = SimConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
+                    max_num_seqs=16, enable_chunked_prefill=chunked, preemption="swap" if swap else "recompute",
+                    num_cpu_blocks=300 if swap else 0)
+    fast = simulate(workload(), cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "fast_decode", False)
+        mp.setattr(Scheduler, "skip_blocked_head", False)
+        slow = simulate(workload(), cfg)
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
