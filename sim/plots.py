@@ -31,6 +31,12 @@ def title(result: RunResult) -> str:
     )
 
 
+def _save(fig: plt.Figure, path: str | Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _thin(steps: pd.DataFrame) -> pd.DataFrame:
     k = max(1, len(steps) // MAX_POINTS)
     return steps.iloc[::k]
@@ -60,9 +66,7 @@ def plot_blocks(result: RunResult, path: Path) -> None:
     bottom.set_xlabel("simulated time (s)")
     bottom.legend(loc="upper right", fontsize="small")
     fig.suptitle(title(result), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_hit_rate(result: RunResult, path: Path) -> None:
@@ -75,9 +79,7 @@ def plot_hit_rate(result: RunResult, path: Path) -> None:
     ax.set_ylabel("cumulative hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)
     ax.set_title(title(result), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _cdf(ax, values: pd.Series, label: str | None = None) -> None:
@@ -96,9 +98,7 @@ def plot_latency(result: RunResult, path: Path) -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1)
     fig.suptitle(title(result), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_plots(result: RunResult, out_dir: str | Path) -> list[Path]:
@@ -131,6 +131,4 @@ def plot_overlay(runs: list[tuple[str, RunResult]], path: str | Path) -> None:
     for ax in axes.flat:
         ax.legend(fontsize="small")
     fig.suptitle("comparison: " + ", ".join(label for label, _ in runs), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)

@@ -32,7 +32,7 @@ from typing import Any
 
 from sim.config import ConfigError, SimConfig
 from sim.curves import MODES, capacity_curve
-from sim.sweep import WorkloadSpec, tomllib, write_json_atomic
+from sim.sweep import WorkloadSpec, read_toml, write_json_atomic
 
 REGRESS_VERSION = 1
 KINDS = ("hit_rate_vs_capacity", "fragmentation_over_time")
@@ -122,12 +122,7 @@ def load_baseline(folder: str | Path) -> Baseline:
     """Parse `folder/baseline.toml`; a bad file raises ConfigError naming it and the key."""
     folder = Path(folder)
     path = folder / "baseline.toml"
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path)
     _check_keys(data, TOP_KEYS, str(path))
     kind = data.get("kind")
     if kind not in KINDS:

@@ -130,15 +130,20 @@ class Sweep:
         return WorkloadSpec(path, params.get("format", "auto"))
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's contents; an unreadable or invalid file raises ConfigError naming it."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
 def load_sweep(path: str | Path) -> Sweep:
     """Parse and check a sweep file; every point's config is validated before anything runs."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    data = read_toml(p)
     unknown = sorted(set(data) - {"base", "grid"})
     if unknown:
         raise ConfigError(f"{p}: unknown table or key {unknown[0]!r}; expected [base] and [grid]")
