@@ -73,7 +73,6 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.swapped: dict[str, list[int]] = {}  # seq id -> CPU block ids (-1 for null)
         self.num_cow_copies = 0
-        self.defrag_threshold = defrag_threshold
         self.defrag: Defragmenter | None = None
         if defrag_threshold is not None:
             self.defrag = Defragmenter(num_gpu_blocks, defrag_threshold)
