@@ -148,8 +148,7 @@ class Scheduler:
     """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager."""
 
     # Exact shortcuts, switchable so tests can check they change nothing:
-    fast_decode = True  # count a mid-block decode's write without calling allocate_slots
-    lazy_decode = True  # and leave such a sequence alone until its block is nearly full
+    fast_decode = True  # count a mid-block decode's write without calling allocate_slots; go lazy
     skip_blocked_head = True  # use BlockedHead to skip head-of-line retries that must fail
 
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
@@ -166,7 +165,6 @@ class Scheduler:
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
         )
-        self._lazy_ok = self._fast_decode and self.lazy_decode
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self.active: list[Live] = []  # the running lives not decoding lazily
@@ -251,7 +249,7 @@ class Scheduler:
             self.materialize(k)  # the budget binds: visit everyone, in order
             active, budget = self.active, self.max_tokens
         decodes, finishing = b.decodes, b.finishing
-        alloc, la, lazy_ok = self.m.allocate_slots, self.lookahead, self._lazy_ok
+        alloc, la = self.m.allocate_slots, self.lookahead
         fast, bs, tables, decode_slot = self._fast_decode, self.m.block_size, self.m.req_blocks, self.m.decode_slot
         ctx = frag = counted = 0
         i, end = 0, len(active)
@@ -279,7 +277,7 @@ class Scheduler:
                 if in_place:
                     budget -= 1
                     last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
-                    if lazy_ok and last > 0:
+                    if last > 0:
                         # Only a fork shares a partial block, and only at its prefill's end:
                         # this one stays unshared until it fills.
                         lazies.add(live, k, last)
