@@ -21,11 +21,13 @@ class BlockPool:
     """GPU blocks with ref counts, the prefix-cache map and the eviction policy."""
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = True,
-                 policy: EvictionPolicy | None = None, ops: OpLog | None = None):
+                 policy: EvictionPolicy | None = None, ops: OpLog | None = None,
+                 free_first: bool = True):
         if num_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.free_first = free_first  # uncached freed blocks go to the front (vLLM 0.24+)
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.policy = policy if policy is not None else LRU()
@@ -103,7 +105,8 @@ class BlockPool:
             policy.on_hit(b)
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the free set in this order."""
+        """Drop one reference each; blocks reaching 0 join the free set in this order:
+        with `free_first`, uncached ones at the front, cached ones at the back."""
         freed = []
         for b in ordered:
             if b is self.null_block:
@@ -124,7 +127,38 @@ class BlockPool:
             self.ops.counts["free"] += len(freed)
         if self.tracker is not None:
             self.tracker.release_distinct([b.block_id for b in freed])
+        if not self.free_first:
+            self.policy.free(freed)
+            return
+        first = [b for b in freed if b.block_hash is None]
+        if len(first) == len(freed):
+            self.policy.free_first(freed)
+            return
+        if first:
+            self.policy.free_first(first)
+            freed = [b for b in freed if b.block_hash is not None]
         self.policy.free(freed)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no
+        block is in use (returns False and changes nothing otherwise). Free blocks keep
+        their place in the free set."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        ranked = None if isinstance(self.policy, LRU) else self.policy.pop_n(len(self.policy))
+        for b in self.blocks:
+            if b.block_hash is not None:
+                if self.ops.enabled:
+                    self.ops.emit("evict", b.block_id, h=b.block_hash)
+                else:
+                    self.ops.counts["evict"] += 1
+                b.block_hash = None
+                b.hits = 0
+        self.cached.clear()
+        self.num_cached_free = 0
+        if ranked is not None:  # a ranking policy holds hash-less blocks in its plain FIFO
+            self.policy.free(ranked)
+        return True
 
     def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int,
                      chain: int = 0) -> None:

@@ -1,11 +1,12 @@
 """Eviction policies: which free block is reused next.
 
 A policy holds every free block (ref count 0), cached or not, and answers
-`pop_n`. LRU is vLLM V1 exactly: one queue, freed blocks appended (a finished
-request's tail block first), reuse from the front, whether the block holds a
-cached prefix or not. Every other policy reuses uncached free blocks first
-(a partial or hash-less block is never kept in preference to a full cached
-one) and ranks only the cached, evictable blocks.
+`pop_n`. LRU is vLLM V1 exactly: one queue, reuse from the front; freed
+cached blocks are appended (a finished request's tail block first) and, from
+vLLM 0.24, freed uncached blocks are put at the front (`free_first`). Every
+other policy reuses uncached free blocks first (a partial or hash-less block
+is never kept in preference to a full cached one) and ranks only the cached,
+evictable blocks.
 
 To add a policy: subclass `CachedPolicy`, implement `_insert`, `_discard` and
 `_victim`, add it to `POLICIES`, and write one test.
@@ -30,6 +31,11 @@ class EvictionPolicy:
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Blocks whose ref count just reached 0, evict-first first."""
+        raise NotImplementedError
+
+    def free_first(self, blocks: list[KVCacheBlock]) -> None:
+        """Uncached blocks whose ref count just reached 0, to be reused before any other
+        free block, in their given order (vLLM 0.24+ `BlockPool.free_blocks`)."""
         raise NotImplementedError
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -65,6 +71,9 @@ class LRU(EvictionPolicy):
     def free(self, blocks: list[KVCacheBlock]) -> None:
         self.queue.append_n(blocks)
 
+    def free_first(self, blocks: list[KVCacheBlock]) -> None:
+        self.queue.prepend_n(blocks)
+
     def remove(self, block: KVCacheBlock) -> None:
         self.queue.remove(block)
 
@@ -98,6 +107,9 @@ class CachedPolicy(EvictionPolicy):
             else:
                 self.num_cached += 1
                 self._insert(b)
+
+    def free_first(self, blocks: list[KVCacheBlock]) -> None:
+        self.plain.prepend_n(blocks)
 
     def remove(self, block: KVCacheBlock) -> None:
         if block.tick < 0:

@@ -1,7 +1,8 @@
 """The free-block queue: a doubly linked list with O(1) pop-front, append and remove.
 
 Its order is the LRU eviction order: blocks are reused from the front, freed
-blocks join at the back, and a cache hit on a free block unlinks it in O(1).
+cached blocks join at the back (uncached ones at the front, from vLLM 0.24),
+and a cache hit on a free block unlinks it in O(1).
 
     sentinel_head <-> b1 <-> b2 <-> ... <-> bn <-> sentinel_tail
 """
@@ -80,6 +81,20 @@ class FreeBlockQueue:
             last = block
         last.next = self._tail
         self._tail.prev = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the front, in their given order (the first is reused first)."""
+        if not blocks:
+            return
+        first = self._head.next
+        prev = self._head
+        for block in blocks:
+            block.prev = prev
+            prev.next = block
+            prev = block
+        prev.next = first
+        first.prev = prev
         self.num_free_blocks += len(blocks)
 
     def __iter__(self):

@@ -21,6 +21,7 @@ from kvcache.defrag import Defragmenter
 from kvcache.eviction import EvictionPolicy, make_policy
 from kvcache.id_span import IdSpan
 from kvcache.ops import OpLog
+from kvcache.profiles import DEFAULT_VERSION, profile
 from kvcache.sequence import Sequence
 from kvcache.swap import CpuPool
 
@@ -38,6 +39,7 @@ class KVCacheManager:
     defragmentation need (off only for the fastest cache-only replays).
     defrag_threshold: run the online defragmenter (`defragment()`) when
     max_used_id - num_used exceeds it; None disables moves.
+    vllm_version: the release whose rules to follow (see `kvcache.profiles`).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class KVCacheManager:
         record_ops: bool = False,
         track_ids: bool = True,
         defrag_threshold: int | None = None,
+        vllm_version: str = DEFAULT_VERSION,
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -60,12 +63,16 @@ class KVCacheManager:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.profile = profile(vllm_version)
+        if watermark and not self.profile.watermark:
+            raise ValueError(f"vLLM {self.profile.version} has no watermark (it came in 0.24)")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.ops = OpLog(record_ops)
         policy = make_policy(eviction, block_size) if isinstance(eviction, str) else eviction
-        self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops)
+        self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops,
+                              free_first=self.profile.free_first(enable_caching))
         self.null_block = self.pool.null_block
         self.cpu = CpuPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -284,6 +291,12 @@ class KVCacheManager:
         self.pool.free_blocks(blocks[::-1])
         if self.ops.enabled:
             self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix if no sequence holds blocks (else False, nothing changes)."""
+        if self.req_blocks:
+            return False
+        return self.pool.reset_prefix_cache()
 
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(seq_id, ())]

@@ -31,8 +31,61 @@ def test_prefill_allocates_from_the_front_and_frees_tail_first(lru):
     assert (hit, ids(new)) == (0, [1, 2, 3])
     assert queue(lru) == [4, 5, 6, 7, 8, 9]
     lru.free(a)
-    # the block ending the longest prefix is evicted first
-    assert queue(lru) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    # vLLM 0.33 (vllm/v1/core/block_pool.py BlockPool.free_blocks, since 0.24): the
+    # uncached partial block 3 goes to the front, the cached ones to the back, tail
+    # first, so the block ending the longest prefix is evicted first
+    assert queue(lru) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    check(lru)
+
+
+def test_release_023_appends_every_freed_block():
+    m = KVCacheManager(10, 4, vllm_version="0.23")
+    a = seq("a", range(10))
+    prefill(m, a)
+    m.free(a)
+    # vLLM <= 0.23 BlockPool.free_blocks appended every freed block, tail first
+    assert queue(m) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+
+
+def test_uncached_blocks_freed_together_keep_their_order_at_the_front():
+    # vllm/v1/core/kv_cache_utils.py FreeKVCacheBlockQueue.prepend_n: the first given
+    # is reused first; with caching off every freed block goes to the front (0.28+)
+    m = KVCacheManager(10, 4, enable_caching=False)
+    a = seq("a", range(10))
+    prefill(m, a)
+    m.free(a)
+    assert queue(m) == [3, 2, 1, 4, 5, 6, 7, 8, 9]
+    b = seq("b", range(10), uid=1)
+    prefill(m, b)
+    assert m.block_ids("b") == [3, 2, 1]
+
+
+def test_release_027_appends_freed_blocks_when_caching_is_off():
+    # vLLM 0.27 BlockPool.free_blocks prepended only with prefix caching on
+    m = KVCacheManager(10, 4, enable_caching=False, vllm_version="0.27")
+    a = seq("a", range(10))
+    prefill(m, a)
+    m.free(a)
+    assert queue(m) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    m = KVCacheManager(10, 4, vllm_version="0.27")
+    a = seq("a", range(10))
+    prefill(m, a)
+    m.free(a)
+    assert queue(m) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+
+
+def test_reset_prefix_cache_only_when_nothing_is_used(lru):
+    # vllm/v1/core/block_pool.py BlockPool.reset_prefix_cache: refused while any block
+    # is in use; otherwise every hash is dropped and the free queue keeps its order
+    a = seq("a", range(10))
+    prefill(lru, a)
+    assert lru.reset_prefix_cache() is False
+    assert len(lru.pool.cached) == 2
+    lru.free(a)
+    assert lru.reset_prefix_cache() is True
+    assert lru.pool.cached == {} and lru.pool.num_cached_free == 0
+    assert queue(lru) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    assert lru.get_computed_blocks(seq("b", range(10), uid=1)) == ([], 0)
     check(lru)
 
 
@@ -43,8 +96,10 @@ def test_hit_on_free_blocks_takes_them_out_of_the_queue(lru):
     b = seq("b", list(range(8)) + [99, 98, 97], uid=1)
     hit, new = prefill(lru, b)
     assert hit == 8
-    assert lru.block_ids("b") == [1, 2, 4]
-    assert queue(lru) == [5, 6, 7, 8, 9, 3]
+    # vllm/v1/core/block_pool.py BlockPool.touch unlinks the free hits 1 and 2; the new
+    # block is the freed partial block 3, at the front since 0.24
+    assert lru.block_ids("b") == [1, 2, 3]
+    assert queue(lru) == [4, 5, 6, 7, 8, 9]
     check(lru)
 
 
@@ -171,10 +226,10 @@ def test_swap_out_and_in_round_trip():
     assert m.block_ids("a") == [] and m.swapped["a"] == [0, 1]
     assert m.pool.num_free_blocks == 9
     assert m.can_swap_in([a]) is AllocStatus.OK
-    assert m.swap_in([a]) == [(0, 3), (1, 4)]
-    assert m.block_ids("a") == [3, 4]
+    assert m.swap_in([a]) == [(0, 2), (1, 1)]  # freed tail first to the front (caching off)
+    assert m.block_ids("a") == [2, 1]
     kinds = [(o.kind, o.a, o.b) for o in m.ops.records() if o.kind.startswith("swap")]
-    assert kinds == [("swap_out", 1, 0), ("swap_out", 2, 1), ("swap_in", 0, 3), ("swap_in", 1, 4)]
+    assert kinds == [("swap_out", 1, 0), ("swap_out", 2, 1), ("swap_in", 0, 2), ("swap_in", 1, 1)]
     assert m.cpu.num_free_blocks == 4
     check(m)
 
@@ -202,8 +257,8 @@ def test_swap_in_reuses_blocks_still_cached_on_gpu():
     a = seq("a", range(6))
     prefill(m, a)
     m.swap_out([a])
-    assert m.swap_in([a]) == [(1, 3)]  # full block 1 still cached: touched, not copied
-    assert m.block_ids("a") == [1, 3]
+    assert m.swap_in([a]) == [(1, 2)]  # full block 1 still cached: touched, not copied
+    assert m.block_ids("a") == [1, 2]
     check(m)
 
 

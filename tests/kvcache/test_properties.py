@@ -1,9 +1,11 @@
 """Property-based tests: the manager against a naive reference model, and its invariants.
 
-`RefLRU` re-implements vLLM V1's allocation semantics with plain lists (O(n)
+`RefLRU` re-implements vLLM 0.33's allocation semantics with plain lists (O(n)
 everywhere): the free list is the LRU order, a finished request's blocks are
-appended tail first, a hit on a free block removes it, reusing a cached block
-evicts its key. The manager must agree on every block id, hit and queue order.
+freed tail first, cached ones appended and uncached ones put at the front
+(vllm/v1/core/block_pool.py `BlockPool.free_blocks`, since 0.24), a hit on a
+free block removes it, reusing a cached block evicts its key. The manager must
+agree on every block id, hit and queue order.
 """
 
 import os
@@ -78,7 +80,8 @@ class RefLRU:
             if self.ref[b] == 0:
                 freed.append(b)
         self.ncached.pop(sid)
-        self.free.extend(freed)
+        self.free[:0] = [b for b in freed if self.key[b] is None]
+        self.free.extend(b for b in freed if self.key[b] is not None)
 
 
 class LRUAgainstReference(RuleBasedStateMachine):

@@ -1,0 +1,106 @@
+"""vLLM release profiles: the block-manager and scheduler rules that differ between releases.
+
+kvsim matches vLLM 0.33.0 by default. Each rule that changed between 0.23
+and 0.33 is named here once, with the release that introduced it and the
+vLLM file that holds it; `profile("0.23")` gives the rules of that release.
+Nothing else in kvsim compares version numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_VERSION = "0.33"
+OLDEST, NEWEST = (0, 23), (0, 33)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One behaviour and the releases that have it (inclusive bounds, (major, minor))."""
+
+    name: str
+    since: tuple[int, int]
+    until: tuple[int, int] = NEWEST
+    where: str = ""
+    what: str = ""
+
+
+RULES = (
+    Rule(
+        "free_unhashed_first", (0, 24),
+        where="vllm/v1/core/block_pool.py BlockPool.free_blocks (PR #42656)",
+        what="a freed block with no block hash goes to the front of the free queue "
+             "(reused first, several keep their order); a hashed one is appended at the tail. "
+             "Before 0.24 every freed block was appended.",
+    ),
+    Rule(
+        "free_appends_without_caching", (0, 27), (0, 27),
+        where="vllm/v1/core/block_pool.py BlockPool.free_blocks",
+        what="with prefix caching off, freed blocks are appended, not prepended "
+             "(0.27 only; 0.28 put them back at the front).",
+    ),
+    Rule(
+        "watermark", (0, 24),
+        where="vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots; "
+              "vllm/config/scheduler.py SchedulerConfig.watermark",
+        what="a fraction of the blocks is kept free when admitting a WAITING or PREEMPTED "
+             "request while any request is running (absent before 0.24).",
+    ),
+    Rule(
+        "long_prefill_sole_request", (0, 31),
+        where="vllm/v1/core/sched/scheduler.py Scheduler.schedule",
+        what="long_prefill_token_threshold is ignored while only one request is running or "
+             "waiting (since 0.31; before, it always capped a chunk).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The rules in force for one vLLM release."""
+
+    version: str
+    free_unhashed_first: bool
+    free_appends_without_caching: bool
+    watermark: bool
+    long_prefill_sole_request: bool
+
+    def free_first(self, enable_caching: bool) -> bool:
+        """Whether freed blocks without a hash go to the front of the free queue."""
+        if not self.free_unhashed_first:
+            return False
+        return enable_caching or not self.free_appends_without_caching
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """'0.33', '0.33.0' or 'v0.33.1' -> (0, 33); a clear error otherwise."""
+    text = version.strip().lstrip("v")
+    parts = text.split(".")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        major, minor = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(f"vllm version {version!r}: expected MAJOR.MINOR such as 0.33") from None
+    if not OLDEST <= (major, minor) <= NEWEST:
+        raise ValueError(
+            f"vllm version {version!r} is not modelled; kvsim has the rules of "
+            f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+        )
+    return major, minor
+
+
+def profile(version: str = DEFAULT_VERSION) -> Profile:
+    """The rules of vLLM `version` (any release from 0.23 to 0.33)."""
+    v = parse_version(version)
+    on = {r.name: r.since <= v <= r.until for r in RULES}
+    return Profile(version=f"{v[0]}.{v[1]}", **on)
+
+
+def describe() -> list[str]:
+    """One line per rule, for `--help` texts and the README."""
+    out = []
+    for r in RULES:
+        span = f"{r.since[0]}.{r.since[1]}" + ("+" if r.until == NEWEST else f"-{r.until[0]}.{r.until[1]}")
+        out.append(f"{r.name} ({span}; {r.where}): {r.what}")
+    return out
