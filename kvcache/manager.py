@@ -146,14 +146,17 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         *,
         watermark: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` to be computed (plus lookahead slots).
 
         `new_computed_blocks` / `num_new_computed_tokens` are a new request's
         cache hit from `get_computed_blocks`. Returns the newly allocated
         blocks, or None (and changes nothing) if too few blocks are free.
-        `watermark=True` (for a waiting or preempted request when another
-        request is already scheduled this step) also keeps the watermark free.
+        `watermark=True` (for a waiting or preempted request while any request
+        is running) also keeps the watermark free. `full_sequence_must_fit`
+        (vLLM's `scheduler_reserve_full_isl` admission gate) also asks that the
+        blocks for all of the sequence's known tokens be free, not just the chunk's.
         """
         if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens \
                 and self.sliding_window is None:
@@ -171,9 +174,15 @@ class KVCacheManager:
         if blocks is not None and self.sliding_window is not None:
             # NOTE: as in vLLM V1, dead blocks go back even if this allocation then fails
             self._remove_skipped_blocks(sid, num_computed)
-        n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
         free = self.pool.num_free_blocks
-        if n_alloc > free or (watermark and free - n_alloc < self.watermark_blocks):
+        reserve = self.watermark_blocks if watermark else 0
+        if full_sequence_must_fit and self.sliding_window is None and num_slots < seq.num_tokens:
+            # NOTE: vllm/v1/core/kv_cache_manager.py allocate_slots: blocks for every known
+            # token, hits counted, before the chunk's own check
+            if self.num_blocks_to_allocate(seq, seq.num_tokens, new_computed_blocks) + reserve > free:
+                return None
+        n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
+        if n_alloc + reserve > free:
             return None
         if blocks is None:
             blocks = self.req_blocks[sid] = []

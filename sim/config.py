@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,13 @@ class SimConfig:
     watermark: float = 0.0
     defrag_threshold: int | None = None
     sliding_window: int | None = None  # None: the model's own (if any)
+    # the vLLM release whose manager and scheduler rules to follow (kvcache.profiles)
+    vllm_version: str = "0.33"
     # scheduler (vLLM V1 defaults)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: none
     preemption: str = "recompute"  # or "swap"
     scheduling: str = "fcfs"  # or "priority"
     num_lookahead_tokens: int = 0
@@ -43,7 +47,8 @@ class SimConfig:
     closed_loop_sessions: bool = True
     # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
     load: float = 1.0
-    # cost model
+    # cost model; step_time: every step takes exactly this many seconds on a grid (no cost model)
+    step_time: float | None = None
     calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
     # outputs
     record_ops: bool = False
@@ -73,6 +78,18 @@ class SimConfig:
             raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.step_time is not None and not (math.isfinite(self.step_time) and self.step_time > 0):
+            raise ConfigError(f"step_time must be a positive number of seconds, got {self.step_time}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        from kvcache.profiles import profile
+
+        try:
+            rules = profile(self.vllm_version)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.watermark and not rules.watermark:
+            raise ConfigError(f"vLLM {rules.version} has no watermark (it came in 0.24); use watermark=0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

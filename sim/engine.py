@@ -6,10 +6,16 @@ after the previous turn finished). The `steps` process repeatedly asks the
 scheduler for a batch, advances the clock by the cost model's step time,
 applies the step, and logs it; with nothing to run it sleeps until the next
 arrival instead of spinning.
+
+With a fixed step time S (`SimConfig.step_time`, for step-by-step comparison
+with vLLM) step k starts at k * S, every request that arrived at or before
+k * S is queued before it (in arrival order), and an idle engine wakes on the
+first grid point at or after the next arrival; steps are numbered by k.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -29,6 +35,16 @@ if TYPE_CHECKING:
 PROGRESS_EVERY = 64  # report progress every this many requests done
 OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
 NO_OPS = dict.fromkeys(OP_KINDS, 0)
+
+
+def grid_index(t: float, step_time: float) -> int:
+    """The first step k whose start k * step_time is at or after `t` (exact in floats)."""
+    k = max(math.ceil(t / step_time), 0)
+    while k * step_time < t:
+        k += 1
+    while k > 0 and (k - 1) * step_time >= t:
+        k -= 1
+    return k
 
 
 class Sessions:
@@ -162,6 +178,8 @@ class Engine:
         check = check_invariants if self.cfg.debug_invariants else None
         prev = (0,) * 5  # evict, copy, swap_out, swap_in, move
         k = 0
+        step_time = self.cfg.step_time
+        g = 0  # with a fixed step time: the grid index of the next step
         # NOTE: the engine keeps its own clock and yields to SimPy only when another
         # event (an arrival, a session timer) falls within the step, or before it
         # sleeps: back-to-back steps cost no event each, and the order is unchanged.
@@ -177,15 +195,23 @@ class Engine:
                 yield self._wake
                 self._wake = None
                 clock = env.now
+                if step_time is not None:
+                    g = max(g, grid_index(clock, step_time))
+                    clock = g * step_time
                 continue
+            if step_time is not None:
+                clock = g * step_time
+                if env.peek() <= clock:  # queue every arrival up to and at the step's start
+                    yield env.timeout(clock - env.now)
             t0 = clock
             m.ops.step = k
+            sched.step = k if step_time is None else g
             if defrag:
                 m.defragment()
             b = sched.schedule(t0)
             dropped = self._drain_done(t0) if sched.done else 0
             seqs = b.num_seqs
-            if not seqs:
+            if not seqs and not (b.preempted_recompute or b.preempted_swap):
                 if sched.has_work():
                     raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
                 continue
@@ -194,8 +220,13 @@ class Engine:
                 ops = NO_OPS
             else:
                 ops = {kind: now[j] - prev[j] for j, kind in enumerate(OP_KINDS, 1)}
-            dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
-            clock = t0 + dt
+            if step_time is None:
+                dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
+                clock = t0 + dt
+            else:
+                g += 1
+                clock = g * step_time
+                dt = clock - t0
             if env.peek() <= clock:
                 yield env.timeout(clock - env.now)
             sched.complete(b, clock)

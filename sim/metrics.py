@@ -142,12 +142,20 @@ REQUEST_COLUMNS: dict[str, Any] = {
     "first_scheduled": np.float64,  # start of the step that first scheduled it
     "first_token": np.float64,  # end of the step that completed its prefill
     "finish": np.float64,  # end of the step that sampled its last token (or dropped it)
+    # the engine step (numbered as in the steps table; with a fixed step time, k for the
+    # step starting at k * step_time) that first scheduled it, sampled its first token, ended it
+    "first_scheduled_step": np.float64,
+    "first_token_step": np.float64,
+    "finish_step": np.float64,
     "hit_tokens": np.int32,  # prompt tokens served from cache at first admission
     "output_tokens": np.int64,  # tokens sampled, all samples together
     "preemptions": np.int32,
     "status": np.int8,  # index into STATUS
     "reason": np.int8,  # index into REASONS
 }
+
+
+STEP_INDEX_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step")
 
 
 class RequestLog(Columns):
@@ -174,6 +182,8 @@ class RequestLog(Columns):
         df.insert(0, "id", pd.Series(self.ids, dtype="string"))
         df["status"] = pd.Categorical.from_codes(df["status"], STATUS)
         df["reason"] = pd.Categorical.from_codes(df["reason"], REASONS)
+        for col in STEP_INDEX_COLUMNS:  # NaN (never) -> <NA>
+            df[col] = df[col].astype("Int64")
         return latencies(df)
 
 

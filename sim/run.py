@@ -52,6 +52,7 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
         sliding_window=window,
         record_ops=cfg.record_ops,
         defrag_threshold=cfg.defrag_threshold,
+        vllm_version=cfg.vllm_version,
     )
 
 

@@ -1,12 +1,16 @@
-"""One engine step's scheduling decision, vLLM V1 style; pure Python, no simulated clock.
+"""One engine step's scheduling decision, as vLLM 0.33's `Scheduler.schedule`; no simulated clock.
 
 `schedule(now)` builds a batch under a token budget (`max_num_batched_tokens`)
-and `max_num_seqs`: RUNNING sequences first, each its decode token or next
-prefill chunk, preempting the newest running sequence when blocks run out
-(recompute: free and requeue at the front of WAITING; swap: move its blocks to
-CPU); then swapped sequences, while they can be swapped back in; then WAITING
-requests in FCFS (or priority) order, with a prefix-cache lookup, until the
-first one that cannot be allocated. `complete(batch, now)` applies the step:
+and `max_num_seqs` (vllm/v1/core/sched/scheduler.py): RUNNING sequences
+first, each its decode token or next prefill chunk (capped by
+`long_prefill_token_threshold`), preempting the newest running sequence when
+blocks run out (recompute: free and requeue at the front of WAITING; swap, a
+v0/v2 option: move its blocks to CPU). A step that preempted admits nothing.
+Otherwise swapped sequences come back while they can be swapped in, then
+WAITING requests in FCFS (or priority) order, with a prefix-cache lookup,
+until the first one that cannot be allocated: its whole known context must
+fit (`scheduler_reserve_full_isl`), and while any request runs the watermark
+stays free. `complete(batch, now)` applies the step:
 computed tokens advance, a sequence whose known tokens are all computed samples
 one, a request with n > 1 forks its samples after its prefill, and finished
 sequences are freed.
@@ -121,7 +125,8 @@ class BlockedHead:
 
     def __init__(self, m: KVCacheManager, live: Live, blocks: list, hit: int, n: int, lookahead: int,
                  watermark: bool):
-        need = m.num_blocks_to_allocate(live.seq, hit + n + lookahead, blocks)
+        # the admission gate asks for the whole known context (see KVCacheManager.allocate_slots)
+        need = m.num_blocks_to_allocate(live.seq, max(hit + n + lookahead, live.seq.num_tokens), blocks)
         self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
         self.deficit = need + (m.watermark_blocks if watermark else 0) - m.pool.num_free_blocks
         self.frees, self.evictions = m.ops.counts["free"], m.ops.counts["evict"]
@@ -161,6 +166,8 @@ class Scheduler:
         self.priority = cfg.scheduling == "priority"
         self.lookahead = cfg.num_lookahead_tokens
         self.max_len = cfg.max_model_len
+        self.long_prefill = cfg.long_prefill_token_threshold
+        self.long_prefill_sole_request = manager.profile.long_prefill_sole_request
         # In-place decode shortcut (see _schedule_running); off where allocate_slots does more.
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
@@ -170,6 +177,7 @@ class Scheduler:
         self.active: list[Live] = []  # the running lives not decoding lazily
         self._joined = 0  # lives that joined RUNNING so far (their `order`)
         self._k = 0  # steps scheduled so far
+        self.step = 0  # the engine's number for the step being scheduled (logged per request)
         self.lazy = LazyDecodes(manager.block_size)  # running lives decoding mid-block, not visited
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
@@ -210,10 +218,11 @@ class Scheduler:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         self._k += 1
         b = Batch()
+        self._chunk = self.long_prefill
+        if self.long_prefill_sole_request and len(self.running) + len(self.waiting) <= 1:
+            self._chunk = 0  # vLLM 0.31+: nobody to starve, the one request takes the budget
         budget = self._schedule_running(b, now)
-        if b.num_seqs and (b.preempted_recompute or b.preempted_swap):
-            pass  # vLLM V1: no new admissions in a step that preempted
-        else:
+        if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)
             if self.waiting and not self.swapped:
@@ -252,6 +261,7 @@ class Scheduler:
         alloc, la = self.m.allocate_slots, self.lookahead
         fast, bs, tables, decode_slot = self._fast_decode, self.m.block_size, self.m.req_blocks, self.m.decode_slot
         ctx = frag = counted = 0
+        chunk = self._chunk
         i, end = 0, len(active)
         while i < end and budget > 0:
             live = active[i]
@@ -291,11 +301,17 @@ class Scheduler:
                     elif r < bs - 1:
                         frag += bs - r - 2  # its last block's empty slots
                     continue
+            if 0 < chunk < n:
+                n = chunk
             if n > budget:
                 n = budget
             if alloc(seq, n, 0, None, la) is None:
                 was = lazies.n
                 if not self._make_room(live, n, b, now):
+                    if self.priority and live.seq.seq_id not in self.m.req_blocks:
+                        # vLLM: it preempted itself; those after it may still fit
+                        budget = self.max_tokens - sum(b.tokens)
+                        continue
                     break
                 budget += was - lazies.n  # lazy victims give their token back
                 if self.priority:  # victims may have been ahead of it, and scheduled
@@ -394,20 +410,25 @@ class Scheduler:
             if len(running) + width > self.max_seqs:
                 break
             seq = live.seq if live.seq is not None else self._materialise(live)
-            wm = b.num_seqs > 0
-            held = running or wm  # blocks may free up later
-            if held and self._blocked is not None and self._blocked.still(live, budget, wm):
+            # vLLM allocate_slots(has_scheduled_reqs=bool(self.running)): the watermark
+            # applies while anything runs; then blocks may also free up later
+            held = bool(running)
+            if held and self._blocked is not None and \
+                    self._blocked.still(live, min(budget, self._chunk or budget), held):
                 break
             blocks, hit = m.get_computed_blocks(seq)
             n = seq.num_tokens - hit
+            if 0 < self._chunk < n:
+                n = self._chunk
             if n > budget:
-                if not self.chunked and wm:
+                if not self.chunked and held:
                     break  # the whole prompt must fit one step
                 n = budget
-            if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=wm) is None:
+            if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held,
+                                full_sequence_must_fit=True) is None:
                 if held:  # FCFS head of line: wait for blocks to free
                     if self.skip_blocked_head and m.sliding_window is None:
-                        self._blocked = BlockedHead(m, live, blocks, hit, n, self.lookahead, wm)
+                        self._blocked = BlockedHead(m, live, blocks, hit, n, self.lookahead, held)
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
                 if seq.num_output_tokens:
@@ -423,6 +444,7 @@ class Scheduler:
             row = live.row
             if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
                 log.first_scheduled[row] = now
+                log.first_scheduled_step[row] = self.step
                 log.hit_tokens[row] = hit
                 b.admitted += 1
                 b.admitted_prompt_tokens += seq.num_prompt_tokens
@@ -452,6 +474,7 @@ class Scheduler:
                 t += 1
                 if c == seq.num_prompt_tokens:  # the request's first token
                     log.first_token[live.row] = now
+                    log.first_token_step[live.row] = self.step
                     if live.req.n > 1 and t < live.target:
                         seqs = self._fork(live)
                 if t >= live.target:
@@ -518,6 +541,7 @@ class Scheduler:
                 return
             del self._open[row]
         log.finish[row] = now
+        log.finish_step[row] = self.step
         self.done.append(live.req)
 
 
