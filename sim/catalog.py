@@ -126,6 +126,20 @@ _GPU_ALIASES = {
 }
 
 
+GiB = 1 << 30
+
+
+def vllm_batch_defaults(gpu: GpuSpec) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` 0.33 picks on `gpu`
+    (vllm/engine/arg_utils.py EngineArgs.get_batch_defaults, OPENAI_API_SERVER usage):
+    >= 160 GiB: 16384 and 1024; >= 70 GiB and not an A100: 8192 and 1024; else 2048 and 256."""
+    if gpu.memory_bytes >= 160 * GiB:
+        return 16384, 1024
+    if gpu.memory_bytes >= 70 * GiB and not gpu.name.startswith("a100"):
+        return 8192, 1024
+    return 2048, 256
+
+
 def get_model(name: str) -> ModelSpec:
     """The model called `name` (case-insensitive; a few Hugging Face ids accepted)."""
     return _lookup(name, MODELS, _MODEL_ALIASES, "model")

@@ -11,6 +11,7 @@ import typer
 
 from kvcache.eviction import POLICIES
 from kvcache.manager import KVCacheManager
+from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
 from workloads.default import default_workload
 from workloads.errors import WorkloadError
@@ -27,6 +28,7 @@ def cache_replay(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="write one JSON line per request here")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as one JSON object")] = False,
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="skip bad lines (and report how many)")] = False,
+    vllm_version: Annotated[str, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33")] = DEFAULT_VERSION,
 ) -> None:
     """Replay a workload through the block manager and report its prefix-cache hit rate."""
     if block_size <= 0:
@@ -39,9 +41,10 @@ def cache_replay(
         _fail(f"--max-running must be >= 1, got {max_running}")
     try:
         wl = default_workload() if workload is None else load_workload(workload, format, skip_bad=skip_bad)
-    except WorkloadError as e:
+        manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
+                                 vllm_version=vllm_version)
+    except (WorkloadError, ValueError) as e:
         _fail(str(e))
-    manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False)
     sink = open(out, "w") if out else None
     t0 = time.perf_counter()
 
@@ -69,7 +72,7 @@ def cache_replay(
         return
     name = "default workload" if workload is None else str(workload)
     typer.echo(f"cache replay of {name}: block size {block_size}, {num_blocks:,} blocks, "
-               f"eviction {eviction}, max running {max_running}")
+               f"eviction {eviction}, max running {max_running}, vLLM {manager.profile.version} rules")
     typer.echo(f"requests       {result.requests:,} ({result.rejected:,} rejected, {result.truncated:,} truncated, "
                f"{result.preemptions:,} preemptions)")
     typer.echo(f"prompt tokens  {result.prompt_tokens:,}")

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sim.config import ConfigError
+from sim.config import ConfigError, SimConfig
 from workloads.errors import WorkloadError
 
 _CPUS = os.cpu_count() or 1
@@ -30,12 +30,20 @@ def sweep(
         Path | None,
         typer.Option("--out", "-o", help="output folder [default: sweeps/<config name>]"),
     ] = None,
+    vllm_version: Annotated[
+        str | None,
+        typer.Option("--vllm-version", help="vLLM release for every point (overrides [base]), 0.23-0.33"),
+    ] = None,
 ) -> None:
     """Run every point of a parameter grid; finished points are kept, so a rerun resumes."""
-    from sim.sweep import load_sweep, run_sweep
+    from sim.sweep import check_params, load_sweep, run_sweep
 
     try:
         sw = load_sweep(config)
+        if vllm_version is not None:
+            SimConfig(vllm_version=vllm_version).validate()
+            sw.base["vllm_version"] = vllm_version
+            check_params(sw.base, f"--vllm-version {vllm_version}")
         out_dir = out or Path("sweeps") / config.stem
         total = len(sw.points())
         done = [0]
@@ -89,6 +97,9 @@ def curve(
         Path | None,
         typer.Option("--out", "-o", help="output folder [default: curves/<workload name>]"),
     ] = None,
+    vllm_version: Annotated[
+        str, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33")
+    ] = "0.33",
 ) -> None:
     """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy."""
     from sim.curves import capacity_curve, check_points, format_table, write_curve
@@ -98,10 +109,11 @@ def curve(
         caps = _int_list(capacities, "--capacities")
         pols = [p.strip() for p in policies.split(",") if p.strip()]
         check_points(caps, pols, block_size, mode)
+        SimConfig(vllm_version=vllm_version).validate()
         spec = WorkloadSpec(str(workload), format)
         spec.open()  # fail early on a missing file or an unknown format
         t0 = time.perf_counter()
-        df = capacity_curve(spec, caps, pols, block_size, mode, workers)
+        df = capacity_curve(spec, caps, pols, block_size, mode, workers, vllm_version=vllm_version)
         wall = time.perf_counter() - t0
         out_dir = write_curve(
             df, out or Path("curves") / workload.stem, workload.name, block_size, mode

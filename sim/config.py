@@ -32,9 +32,9 @@ class SimConfig:
     sliding_window: int | None = None  # None: the model's own (if any)
     # the vLLM release whose manager and scheduler rules to follow (kvcache.profiles)
     vllm_version: str = "0.33"
-    # scheduler (vLLM V1 defaults)
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    # scheduler; None: what vLLM 0.33 picks on the GPU (see `batch_limits`)
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: none
     preemption: str = "recompute"  # or "swap"
@@ -91,13 +91,26 @@ class SimConfig:
         if self.watermark and not rules.watermark:
             raise ConfigError(f"vLLM {rules.version} has no watermark (it came in 0.24); use watermark=0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         from kvcache.eviction import POLICIES
 
         if self.eviction not in POLICIES:
             raise ConfigError(f"unknown eviction policy {self.eviction!r}; choose from {', '.join(POLICIES)}")
         return self
+
+    def batch_limits(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs): the given ones, else vLLM 0.33's defaults for
+        the GPU (sim.catalog.vllm_batch_defaults); with chunked prefill off and no token budget
+        given, at least max_model_len, as vLLM's EngineArgs does."""
+        from sim.catalog import get_gpu, vllm_batch_defaults
+
+        tokens, seqs = vllm_batch_defaults(get_gpu(self.gpu))
+        if self.max_num_batched_tokens is not None:
+            tokens = self.max_num_batched_tokens
+        elif not self.enable_chunked_prefill and self.max_model_len is not None:
+            tokens = max(tokens, self.max_model_len)
+        return tokens, self.max_num_seqs if self.max_num_seqs is not None else seqs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

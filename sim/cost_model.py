@@ -197,8 +197,9 @@ class CostModel:
         """
         m, tp = self.model, self.tensor_parallel
         per_token = (3 * m.intermediate_size // tp + 4 * m.hidden_size) * m.dtype_bytes
-        logits = cfg.max_num_seqs * m.vocab_size * 4
-        return cfg.max_num_batched_tokens * per_token + logits + NON_TORCH_RESERVE_BYTES
+        max_tokens, max_seqs = cfg.batch_limits()
+        logits = max_seqs * m.vocab_size * 4
+        return max_tokens * per_token + logits + NON_TORCH_RESERVE_BYTES
 
     def num_gpu_blocks(self, cfg: SimConfig) -> int:
         """cfg.num_gpu_blocks, or what vLLM would allocate: (memory * utilization

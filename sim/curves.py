@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from kvcache.manager import KVCacheManager
+from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
 from kvcache.sequence import Sequence
 from sim.config import ConfigError, SimConfig
@@ -76,10 +77,11 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
 
 
 def replay_point(
-    workload: WorkloadSpec, policy: str, capacity: int, block_size: int
+    workload: WorkloadSpec, policy: str, capacity: int, block_size: int,
+    vllm_version: str = DEFAULT_VERSION,
 ) -> dict[str, Any]:
     """One point by cache-only replay (sequential, as `kvsim cache-replay`)."""
-    m = _SamplingManager(capacity, block_size, eviction=policy)
+    m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
     blocks = {"hit": 0, "prompt": 0}
 
     def count(rec: ReplayRecord) -> None:
@@ -107,13 +109,17 @@ def sim_point(
     capacity: int,
     block_size: int,
     base: SimConfig | None = None,
+    vllm_version: str | None = None,
 ) -> dict[str, Any]:
-    """One point by full simulation of `base` (default config) at this capacity and policy."""
+    """One point by full simulation of `base` (default config) at this capacity and policy;
+    `vllm_version`, when given, replaces base's."""
     from sim.run import simulate
 
     cfg = (base or SimConfig()).replace(
         num_gpu_blocks=capacity, eviction=policy, block_size=block_size
     )
+    if vllm_version is not None:
+        cfg = cfg.replace(vllm_version=vllm_version)
     s = simulate(workload.open(), cfg).summary
     return {
         "policy": policy,
@@ -137,17 +143,21 @@ def capacity_curve(
     workers: int = 1,
     base: SimConfig | None = None,
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    vllm_version: str | None = None,
 ) -> pd.DataFrame:
-    """Every (policy, capacity) point; rows sorted by policy (as given) then capacity."""
+    """Every (policy, capacity) point; rows sorted by policy (as given) then capacity.
+    `vllm_version` defaults to base's (or 0.33)."""
+    if vllm_version is None:
+        vllm_version = base.vllm_version if base is not None else DEFAULT_VERSION
     check_points(capacities, policies, block_size, mode)
     caps = sorted(set(capacities))
     # largest capacities first: the slowest points start first and the pool drains evenly
     order = sorted(((p, c) for p in policies for c in caps), key=lambda pc: -pc[1])
     if mode == "replay":
-        items = [(workload, p, c, block_size) for p, c in order]
+        items = [(workload, p, c, block_size, vllm_version) for p, c in order]
         fn: Callable[..., dict[str, Any]] = replay_point
     else:
-        items = [(workload, p, c, block_size, base) for p, c in order]
+        items = [(workload, p, c, block_size, base, vllm_version) for p, c in order]
         fn = sim_point
     rows = run_parallel(fn, items, workers, (lambda _, row: on_point(row)) if on_point else None)
     rank = {p: i for i, p in enumerate(policies)}

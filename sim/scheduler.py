@@ -159,8 +159,7 @@ class Scheduler:
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
         self.m = manager
         self.log = log
-        self.max_tokens = cfg.max_num_batched_tokens
-        self.max_seqs = cfg.max_num_seqs
+        self.max_tokens, self.max_seqs = cfg.batch_limits()
         self.chunked = cfg.enable_chunked_prefill
         self.swap = cfg.preemption == "swap"
         self.priority = cfg.scheduling == "priority"

@@ -60,3 +60,17 @@ def test_unknown_names_list_the_choices() -> None:
         ConfigError, match=r"unknown gpu 'v100'; choose from a100-80g, h100-sxm, h200, l40s"
     ):
         get_gpu("v100")
+
+
+def test_batch_defaults_are_vllm_serve_0_33s() -> None:
+    # vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (0.33), OPENAI_API_SERVER column:
+    # H100/H200 (>= 70 GiB, not A100) 8192 tokens and 1024 sequences; A100 and smaller 2048, 256
+    from sim.config import SimConfig
+
+    assert SimConfig(gpu="h100-sxm").batch_limits() == (8192, 1024)
+    assert SimConfig(gpu="h200").batch_limits() == (8192, 1024)
+    assert SimConfig(gpu="a100-80g").batch_limits() == (2048, 256)
+    assert SimConfig(gpu="l40s").batch_limits() == (2048, 256)
+    assert SimConfig(gpu="a100-80g", max_num_seqs=7).batch_limits() == (2048, 7)
+    # chunked prefill off: the budget is at least max_model_len
+    assert SimConfig(enable_chunked_prefill=False, max_model_len=32768).batch_limits() == (32768, 1024)

@@ -123,13 +123,14 @@ def test_partial_calibration_keeps_other_defaults(tmp_path: Path) -> None:
 def test_derived_num_gpu_blocks_llama8b_h100() -> None:
     # vLLM's budget: 0.9 of 81559 MiB, less weights, less activations of an 8192-token
     # profiling pass (3 * intermediate + 4 * hidden per token, bf16), fp32 logits for
-    # 256 rows and 1 GiB non-torch memory; divided by 2 MiB blocks
+    # 1024 rows (vLLM 0.33's max_num_seqs on an H100) and 1 GiB non-torch memory;
+    # divided by 2 MiB blocks
     budget = 81559 * 2**20 * 0.9
-    activations = 8192 * (3 * 14336 + 4 * 4096) * 2 + 256 * 128256 * 4 + 2**30
+    activations = 8192 * (3 * 14336 + 4 * 4096) * 2 + 1024 * 128256 * 4 + 2**30
     want = int((budget - LLAMA8_WEIGHTS - activations) // LLAMA8_BLOCK)
-    assert want == 28004
+    assert want == 27816
     cfg = SimConfig()
-    assert CostModel.from_config(cfg).num_gpu_blocks(cfg) == 28004
+    assert CostModel.from_config(cfg).num_gpu_blocks(cfg) == 27816
     cfg = SimConfig(num_gpu_blocks=500)
     assert CostModel.from_config(cfg).num_gpu_blocks(cfg) == 500
 
@@ -142,7 +143,7 @@ def test_model_that_does_not_fit() -> None:
     ):
         CostModel.from_config(cfg).num_gpu_blocks(cfg)
     cfg = SimConfig(model="llama-3-70b", tensor_parallel=2)
-    assert CostModel.from_config(cfg).num_gpu_blocks(cfg) == 1513
+    assert CostModel.from_config(cfg).num_gpu_blocks(cfg) == 1363
 
 
 def test_config_errors(tmp_path: Path) -> None:
