@@ -107,7 +107,8 @@ class BlockPool:
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free set in this order:
         with `free_first`, uncached ones at the front, cached ones at the back."""
-        freed = []
+        freed = []  # reaching 0, in order
+        first = []  # of those, the ones to reuse first (uncached, with free_first)
         for b in ordered:
             if b is self.null_block:
                 continue
@@ -116,7 +117,9 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 freed.append(b)
-                if b.block_hash is not None and not b.pinned:
+                if b.block_hash is None:
+                    first.append(b)
+                elif not b.pinned:
                     self.num_cached_free += 1
         if not freed:
             return
@@ -127,17 +130,13 @@ class BlockPool:
             self.ops.counts["free"] += len(freed)
         if self.tracker is not None:
             self.tracker.release_distinct([b.block_id for b in freed])
-        if not self.free_first:
+        if not self.free_first or not first:
             self.policy.free(freed)
-            return
-        first = [b for b in freed if b.block_hash is None]
-        if len(first) == len(freed):
+        elif len(first) == len(freed):
             self.policy.free_first(freed)
-            return
-        if first:
+        else:
             self.policy.free_first(first)
-            freed = [b for b in freed if b.block_hash is not None]
-        self.policy.free(freed)
+            self.policy.free([b for b in freed if b.block_hash is not None])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sim.cli_cache import register as _register_cache
+from sim.cli_conform import register as _register_conform
 from sim.cli_gpu import register as _register_gpu
 from sim.cli_run import register as _register_run
 from sim.cli_study import register as _register_study
@@ -22,6 +23,7 @@ _register_cache(app)
 _register_gpu(app)
 _register_study(app)
 _register_run(app)
+_register_conform(app)
 
 
 def main() -> None:

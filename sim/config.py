@@ -93,6 +93,9 @@ class SimConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tokens, seqs = self.batch_limits()
+        if tokens < seqs:  # vllm/config/scheduler.py SchedulerConfig.__post_init__
+            raise ConfigError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
         from kvcache.eviction import POLICIES
 
         if self.eviction not in POLICIES:
@@ -102,7 +105,8 @@ class SimConfig:
     def batch_limits(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs): the given ones, else vLLM 0.33's defaults for
         the GPU (sim.catalog.vllm_batch_defaults); with chunked prefill off and no token budget
-        given, at least max_model_len, as vLLM's EngineArgs does."""
+        given, at least max_model_len; with no max_num_seqs given, at most the token budget
+        (vllm/engine/arg_utils.py EngineArgs._set_default_max_num_seqs_and_batched_tokens_args)."""
         from sim.catalog import get_gpu, vllm_batch_defaults
 
         tokens, seqs = vllm_batch_defaults(get_gpu(self.gpu))
@@ -110,7 +114,7 @@ class SimConfig:
             tokens = self.max_num_batched_tokens
         elif not self.enable_chunked_prefill and self.max_model_len is not None:
             tokens = max(tokens, self.max_model_len)
-        return tokens, self.max_num_seqs if self.max_num_seqs is not None else seqs
+        return tokens, self.max_num_seqs if self.max_num_seqs is not None else min(seqs, tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
