@@ -28,9 +28,10 @@ def conform(
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from sim import vllm_ref
-    from sim.conform import MODES, conform as run_conform
-    from sim.config import ConfigError, SimConfig
     from sim.cli_run import open_workload
+    from sim.config import ConfigError, SimConfig
+    from sim.conform import MODES
+    from sim.conform import conform as run_conform
     from workloads.errors import WorkloadError
 
     if mode not in MODES:
