@@ -1,0 +1,450 @@
+"""Reference runs through vLLM 0.33.0's own classes, for diffing against kvsim.
+
+Two drivers, each returning one dict per request:
+
+- `replay_manager`: vLLM's `KVCacheManager` under exactly the loop of
+  `kvcache.replay` (same lookups, allocations and frees, in the same order),
+  so its records compare 1:1 with `kvsim cache-replay --out`.
+- `run_scheduler`: vLLM's synchronous `Scheduler` with a fake model runner in
+  step-time mode (step k starts at k * step_time), recording per request the
+  steps it was first scheduled, sampled its first token and finished.
+
+Both feed vLLM the token ids kvsim uses (`kvcache.sequence.Sequence`), so
+decoded blocks hash alike on both sides. vllm is imported lazily: this module
+imports without it, and `vllm_available()` says how to install it (CPU only).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from kvcache.sequence import Sequence
+from sim.engine import grid_index  # the engine's own grid, so both sides queue alike
+
+VLLM_VERSION = "0.33.0"
+INSTALL_HINT = "bash .ci/install_vllm_cpu.sh"
+STALL_STEPS = 1000  # consecutive empty steps with requests left before run_scheduler gives up
+
+Request = Any  # workloads.request.Request (id, arrival, prompt_len, output_len, prompt, output)
+FINISHED, TRUNCATED, REJECTED = "finished", "truncated", "rejected"
+
+
+def _quiet_offline_env() -> None:
+    # NOTE: set before vllm is first imported; values the user already set win.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def vllm_version() -> str | None:
+    """The installed vllm distribution's version (without importing it), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def vllm_available() -> str | None:
+    """None if vLLM 0.33.0's scheduler and cache manager import here, else how to install it."""
+    version = vllm_version()
+    if version is None:
+        return f"vllm is not installed; install vLLM {VLLM_VERSION} (CPU only): `{INSTALL_HINT}`"
+    if version != VLLM_VERSION:
+        return f"vllm {version} is installed but kvsim matches {VLLM_VERSION}; run `{INSTALL_HINT}`"
+    _quiet_offline_env()
+    try:
+        import vllm.config  # noqa: F401
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+        import vllm.v1.outputs  # noqa: F401
+    except Exception as e:  # a missing dependency surfaces as any of several errors
+        return f"vllm {version} does not import ({type(e).__name__}: {e}); run `{INSTALL_HINT}`"
+    return None
+
+
+def _require_vllm() -> None:
+    msg = vllm_available()
+    if msg is not None:
+        raise RuntimeError(msg)
+
+
+def _token_ids(req: Request, uid: int) -> list[int]:
+    """Prompt then every token the request will sample, as kvsim numbers them."""
+    seq = Sequence(req.id, req.prompt, uid=uid, output=req.output)
+    return seq.token_ids(0, req.prompt_len + max(req.output_len, 1)).tolist()
+
+
+def _kv_cache_config(block_size: int, num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0.self_attn"], spec)],
+    )
+
+
+def _block_hasher(block_size: int, hash_algo: str):
+    """The per-request block hasher vLLM's engine core builds when prefix caching is on."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def _vllm_request(req: Request, tokens: list[int], hasher, *, arrival: float = 0.0):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request as VllmRequest
+
+    params = SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True)
+    return VllmRequest(
+        request_id=req.id, prompt_token_ids=tokens[: req.prompt_len], sampling_params=params,
+        pooling_params=None, arrival_time=arrival, priority=req.priority, block_hasher=hasher,
+    )
+
+
+def _check_ids(reqs: list[Request]) -> None:
+    seen: set[str] = set()
+    for r in reqs:
+        if r.id in seen:
+            raise ValueError(f"request id {r.id!r} appears twice; vLLM needs unique ids")
+        seen.add(r.id)
+
+
+# --------------------------------------------------------------------------- manager replay
+class _Live:
+    """A request in flight in the manager replay: vLLM request, record, tokens."""
+
+    __slots__ = ("vreq", "tokens", "rec", "target")
+
+    def __init__(self, req: Request, uid: int, hasher):
+        self.tokens = _token_ids(req, uid)
+        self.vreq = _vllm_request(req, self.tokens, hasher)
+        self.rec = {"id": req.id, "prompt_tokens": req.prompt_len, "hit_tokens": 0,
+                    "output_tokens": 0, "status": FINISHED, "preemptions": 0}
+        self.target = max(req.output_len, 1)
+
+    def sample(self, n: int = 1) -> None:
+        """Append the next `n` tokens; vLLM hashes any block they complete."""
+        v = self.vreq
+        v.append_output_token_ids(self.tokens[v.num_tokens : v.num_tokens + n])
+
+    def unsample(self, n: int, block_size: int) -> None:
+        """Take back the last `n` appended tokens (and hashes of blocks they completed)."""
+        # NOTE: vLLM never un-samples; this mirrors replay.py's `seq.num_tokens -= n`
+        # after its one-shot decode allocation fails, so the per-token retry sees
+        # the same request. The allocation that failed changed nothing in the pool.
+        v = self.vreq
+        del v._output_token_ids[-n:]
+        del v._all_token_ids[-n:]
+        del v.block_hashes[v.num_tokens // block_size :]
+
+
+def replay_manager(
+    requests: Iterable[Request], *, block_size: int, num_blocks: int, max_running: int = 1,
+    enable_caching: bool = True,
+) -> list[dict]:
+    """Run vLLM's KVCacheManager under kvsim's cache-replay loop; records in completion order.
+
+    num_blocks counts vLLM's null block 0, as KVCacheConfig.num_blocks does.
+    """
+    if max_running < 1:
+        raise ValueError(f"max_running must be >= 1, got {max_running}")
+    _require_vllm()
+    from vllm.config import CacheConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    reqs = list(requests)
+    _check_ids(reqs)
+    max_len = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1) + block_size
+    manager = KVCacheManager(
+        _kv_cache_config(block_size, num_blocks), max_model_len=max_len,
+        scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=enable_caching,
+    )
+    algo = CacheConfig().prefix_caching_hash_algo
+    hasher = _block_hasher(block_size, algo) if enable_caching else None
+    lives = [_Live(r, uid, hasher) for uid, r in enumerate(reqs)]
+    done: list[dict] = []
+    if max_running == 1:
+        _sequential(lives, manager, block_size, done)
+    else:
+        _concurrent(lives, manager, max_running, done)
+    return done
+
+
+def _admit(m, live: _Live) -> int | None:
+    """Look up the cached prefix and allocate the rest of the context; the hit, or None."""
+    v = live.vreq
+    blocks, hit, _ = m.get_computed_blocks(v)
+    if m.allocate_slots(v, v.num_tokens - hit, hit, blocks) is None:
+        return None
+    return hit
+
+
+def _sequential(lives: list[_Live], m, block_size: int, done: list[dict]) -> None:
+    for live in lives:
+        v, rec = live.vreq, live.rec
+        hit = _admit(m, live)
+        if hit is None:
+            rec["status"] = REJECTED
+            done.append(rec)
+            continue
+        rec["hit_tokens"] = hit
+        v.num_computed_tokens = v.num_tokens
+        live.sample(1)
+        sampled = 1
+        n = live.target - 1
+        if n > 0:
+            live.sample(n)
+            if m.allocate_slots(v, n) is not None:
+                v.num_computed_tokens += n
+                sampled += n
+            else:
+                live.unsample(n, block_size)
+        while sampled < live.target:
+            if m.allocate_slots(v, 1) is None:
+                rec["status"] = TRUNCATED
+                break
+            v.num_computed_tokens += 1
+            live.sample(1)
+            sampled += 1
+        rec["output_tokens"] = sampled
+        m.free(v)
+        done.append(rec)
+
+
+def _concurrent(lives: list[_Live], m, k: int, done: list[dict]) -> None:
+    waiting: deque[_Live] = deque(lives)
+    running: list[_Live] = []
+    while waiting or running:
+        decoded, stalled = [], False
+        for live in running:
+            if m.allocate_slots(live.vreq, 1) is None:
+                stalled = True
+            else:
+                decoded.append(live)
+        admitted: list[_Live] = []
+        while not stalled and waiting and len(running) + len(admitted) < k:
+            live = waiting[0]
+            hit = _admit(m, live)
+            if hit is None:
+                if running or admitted:
+                    break
+                waiting.popleft()
+                live.rec["status"] = REJECTED
+                live.rec["hit_tokens"] = 0
+                done.append(live.rec)
+                continue
+            waiting.popleft()
+            if live.rec["output_tokens"] == 0 and live.rec["preemptions"] == 0:
+                live.rec["hit_tokens"] = hit
+            admitted.append(live)
+        for live in decoded:
+            live.vreq.num_computed_tokens += 1
+            live.sample(1)
+            live.rec["output_tokens"] += 1
+        for live in admitted:
+            live.vreq.num_computed_tokens = live.vreq.num_tokens
+            live.sample(1)
+            live.rec["output_tokens"] += 1
+        running.extend(admitted)
+        for live in decoded + admitted:
+            if live.rec["output_tokens"] >= live.target:
+                running.remove(live)
+                m.free(live.vreq)
+                done.append(live.rec)
+        if not decoded and not admitted and running:
+            if len(running) == 1:
+                live = running.pop()
+                live.rec["status"] = TRUNCATED
+                m.free(live.vreq)
+                done.append(live.rec)
+            else:
+                live = running.pop()
+                m.free(live.vreq)
+                live.vreq.num_computed_tokens = 0
+                live.rec["preemptions"] += 1
+                waiting.appendleft(live)
+
+
+# --------------------------------------------------------------------------- scheduler run
+def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,
+                     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
+                     enable_prefix_caching: bool, long_prefill_token_threshold: int,
+                     watermark: float, scheduling: str):
+    """vLLM's synchronous Scheduler for a one-layer Llama described in `tmp`/config.json."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import (
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False,
+    }
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    model_config = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len,
+                               dtype="float32", seed=0)
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+        policy=scheduling, async_scheduling=False,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                             scheduler_config=scheduler_config,
+                             device_config=DeviceConfig(device="cpu"))
+    # What EngineCore does once it has sized the KV cache (here: given, not profiled).
+    kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks)
+    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_bs
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, sched_bs, hash_bs)
+    scheduler = Scheduler(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=sched_bs, hash_block_size=hash_bs, log_stats=False,
+    )
+    hasher = _block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
+        if enable_prefix_caching else None
+    return scheduler, hasher
+
+
+def run_scheduler(
+    requests: Iterable[Request], *, block_size: int, num_gpu_blocks: int,
+    max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
+) -> list[dict]:
+    """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
+
+    Each record: id, first_scheduled_step, first_token_step, finish_step, preemptions,
+    hit_tokens (local prefix-cache hit at first admission). num_gpu_blocks counts block 0.
+    """
+    if step_time <= 0:
+        raise ValueError(f"step_time must be positive, got {step_time}")
+    if scheduling not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
+    _require_vllm()
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    reqs = list(requests)
+    _check_ids(reqs)
+    longest = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1)
+    # NOTE: any max_model_len >= the longest request schedules the same; the other
+    # terms only keep vLLM's config checks quiet (its warnings, its threshold check).
+    max_model_len = max(longest, -(-max_num_batched_tokens // max_num_seqs),
+                        long_prefill_token_threshold)
+    if not enable_chunked_prefill:
+        if longest > max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill vLLM needs max_num_batched_tokens >= the longest "
+                f"request ({longest} tokens), got {max_num_batched_tokens}")
+        max_model_len = min(max_model_len, max_num_batched_tokens)
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
+    tokens = [_token_ids(r, uid) for uid, r in enumerate(reqs)]
+    recs = {r.id: {"id": r.id, "first_scheduled_step": None, "first_token_step": None,
+                   "finish_step": None, "preemptions": 0, "hit_tokens": 0} for r in reqs}
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        sched, hasher = _build_scheduler(
+            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+            scheduling=scheduling)
+        live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
+        nxt, step, idle = 0, 0, 0
+        while nxt < len(order) or sched.get_num_unfinished_requests():
+            if not sched.get_num_unfinished_requests():
+                step = max(step, grid_index(reqs[order[nxt]].arrival, step_time))
+            while nxt < len(order) and reqs[order[nxt]].arrival <= step * step_time:
+                i = order[nxt]
+                vreq = _vllm_request(reqs[i], tokens[i], hasher, arrival=reqs[i].arrival)
+                live[reqs[i].id] = (vreq, tokens[i])
+                sched.add_request(vreq)
+                nxt += 1
+            out = sched.schedule()
+            _record_admissions(out, live, recs, step)
+            ids = list(out.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                vreq, toks = live[rid]
+                # NOTE: schedule() already advanced num_computed_tokens by this step's chunk.
+                done_prefill = vreq.num_computed_tokens >= vreq.num_tokens
+                sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                                    sampled_token_ids=sampled)
+            sched.update_from_output(out, mro)
+            for rid, toks in zip(ids, sampled, strict=True):
+                rec, vreq = recs[rid], live[rid][0]
+                if toks and rec["first_token_step"] is None:
+                    rec["first_token_step"] = step
+                if vreq.is_finished():
+                    rec["finish_step"] = step
+                    rec["preemptions"] = vreq.num_preemptions
+                    del live[rid]
+            idle = 0 if ids else idle + 1
+            if idle >= STALL_STEPS:
+                stuck = ", ".join(sorted(live)[:5])
+                raise RuntimeError(
+                    f"vLLM scheduled nothing for {STALL_STEPS} steps (up to step {step}) with "
+                    f"requests left ({stuck}); a request that can never fit in {num_gpu_blocks} "
+                    f"blocks of {block_size} stalls vLLM")
+            step += 1
+    return [recs[r.id] for r in reqs]
+
+
+def _record_admissions(out, live: dict, recs: dict, step: int) -> None:
+    """First scheduling of each request: its step and vLLM's own record of its prefix hit."""
+    for rid in out.num_scheduled_tokens:
+        rec = recs[rid]
+        if rec["first_scheduled_step"] is not None:
+            continue
+        rec["first_scheduled_step"] = step
+        # prefill_stats is set at the admission lookup (and kept across preemptions);
+        # it is handed out with the request's first output, after this point.
+        stats = live[rid][0].prefill_stats
+        rec["hit_tokens"] = stats.num_local_cached_tokens if stats is not None else 0
+
+
+def _selfcheck() -> None:
+    """Both drivers on two requests sharing a block; run by .ci/install_vllm_cpu.sh."""
+    from workloads.request import make_request
+
+    msg = vllm_available()
+    if msg is not None:
+        raise SystemExit(msg)
+    reqs = [make_request(f"r{i}", float(i), list(range(20)), 2) for i in range(2)]
+    hits = [r["hit_tokens"] for r in replay_manager(reqs, block_size=16, num_blocks=8)]
+    steps = run_scheduler(reqs, block_size=16, num_gpu_blocks=8, max_num_batched_tokens=32,
+                          max_num_seqs=2)
+    got = (hits, [(s["hit_tokens"], s["finish_step"]) for s in steps])
+    if got != ([0, 16], [(0, 1), (16, 2)]):
+        raise SystemExit(f"vLLM self-check failed: got {got}")
+    print(f"vLLM {vllm_version()}: both reference drivers run")
+
+
+if __name__ == "__main__":
+    _selfcheck()
