@@ -81,11 +81,12 @@ class Batch:
 
 
 class WaitQueue:
-    """WAITING requests: FCFS (a deque) or by (priority, arrival) (a heap)."""
+    """WAITING requests: FCFS (a deque) or by (priority, arrival, id) (a heap), the order of
+    vllm/v1/request.py `Request.__lt__`."""
 
     def __init__(self, priority: bool):
         self.priority = priority
-        self._q: deque[Live] | list[tuple[int, int, int, Live]] = [] if priority else deque()
+        self._q: deque[Live] | list[tuple] = [] if priority else deque()
         self._tie = itertools.count()  # forked samples share a row: keep heap keys unique
 
     def __len__(self) -> int:
@@ -94,7 +95,8 @@ class WaitQueue:
     def push(self, live: Live, front: bool = False) -> None:
         """Queue at the back (new) or the front (recompute-preempted); priority mode ignores `front`."""
         if self.priority:
-            heapq.heappush(self._q, (live.req.priority, live.row, next(self._tie), live))
+            r = live.req
+            heapq.heappush(self._q, (r.priority, r.arrival, r.id, next(self._tie), live))
         elif front:
             self._q.appendleft(live)
         else:
@@ -544,8 +546,10 @@ class Scheduler:
         self.done.append(live.req)
 
 
-def _priority_key(live: Live) -> tuple[int, int]:
-    return (live.req.priority, live.row)
+def _priority_key(live: Live) -> tuple[int, float]:
+    """The preemption victim is the running request with the largest key, the first such in
+    RUNNING order (vLLM: `max(self.running, key=lambda r: (r.priority, r.arrival_time))`)."""
+    return (live.req.priority, live.req.arrival)
 
 
 def _order(live: Live) -> int:

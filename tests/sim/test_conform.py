@@ -19,6 +19,7 @@ from sim.cli import app
 from sim.config import SimConfig
 from sim.conform import SCHEDULER_FIELDS, compare, conform, run_manager
 from workloads.default import default_workload
+from workloads.request import make_request
 from workloads.traces import load_workload
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "workloads"
@@ -63,6 +64,22 @@ def test_kvsim_matches_vllm_request_by_request(case: str):
     diffs = conform(_wl(name), cfg, "both", max_running=k)
     assert [d.format() for d in diffs if not d.ok] == []
     assert [d.mode for d in diffs] == ["manager", "scheduler"]
+
+
+@needs_vllm
+def test_priority_scheduling_with_ties_matches_vllm():
+    # six requests per arrival time and three priorities: ties in (priority, arrival) are
+    # broken by request id as a string in vLLM (r10 < r2), preemption takes the first
+    # running request with the largest (priority, arrival)
+    import random
+
+    rng = random.Random(5)
+    reqs = [make_request(f"r{i}", float(i // 6), range(i * 1000, i * 1000 + rng.randint(5, 120)),
+                         rng.randint(1, 30), priority=rng.randint(-1, 1)) for i in range(60)]
+    cfg = SimConfig(block_size=16, step_time=1.0, closed_loop_sessions=False, num_gpu_blocks=30,
+                    max_num_batched_tokens=128, max_num_seqs=8, scheduling="priority").validate()
+    d = conform(reqs, cfg, "scheduler")[0]
+    assert d.ok, d.format()
 
 
 @needs_vllm

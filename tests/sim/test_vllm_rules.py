@@ -93,3 +93,12 @@ def test_hit_tokens_are_those_of_the_first_scheduling():
     c = make_request("c", 2, range(1000, 1008), 1)
     res = simulate([a, b, c], SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20))
     assert res.requests["hit_tokens"].tolist() == [0, 8, 4]
+
+
+def test_priority_order_is_priority_then_arrival_then_request_id():
+    # vllm/v1/request.py Request.__lt__: ties in priority and arrival go by request id as a
+    # string, so "r10" runs before "r2"; one sequence at a time makes the order visible
+    reqs = [req("r2", 0, 8, 1), req("r10", 0, 8, 1), req("r1", 0, 8, 1)]
+    reqs[2].priority = -1
+    got = steps(reqs, scheduling="priority", max_num_seqs=1, num_gpu_blocks=20)
+    assert {k: v[0] for k, v in got.items()} == {"r1": 0, "r10": 1, "r2": 2}
