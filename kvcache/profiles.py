@@ -79,7 +79,7 @@ def parse_version(version: str) -> tuple[int, int]:
     try:
         if len(parts) not in (2, 3):
             raise ValueError
-        major, minor = int(parts[0]), int(parts[1])
+        major, minor, *_ = (int(p) for p in parts)
     except ValueError:
         raise ValueError(f"vllm version {version!r}: expected MAJOR.MINOR such as 0.33") from None
     if not OLDEST <= (major, minor) <= NEWEST:
