@@ -47,7 +47,8 @@ class SimConfig:
     closed_loop_sessions: bool = True
     # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
     load: float = 1.0
-    # cost model; step_time: every step takes exactly this many seconds on a grid (no cost model)
+    # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
+    # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
     calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
     # outputs

@@ -9,8 +9,9 @@ arrival instead of spinning.
 
 With a fixed step time S (`SimConfig.step_time`, for step-by-step comparison
 with vLLM) step k starts at k * S, every request that arrived at or before
-k * S is queued before it (in arrival order), and an idle engine wakes on the
-first grid point at or after the next arrival; steps are numbered by k.
+k * S is queued before it (in arrival order; sessions are open loop then),
+and an idle engine wakes on the first grid point at or after the next
+arrival; steps are numbered by k.
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ class Engine:
         self.requests = RequestLog()
         self.steps = StepLog()
         self.sched = Scheduler(cfg, manager, self.requests)
-        self.sessions = Sessions(env, self._release) if cfg.closed_loop_sessions else None
+        # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
+        # request at its arrival time: open loop
+        closed = cfg.closed_loop_sessions and cfg.step_time is None
+        self.sessions = Sessions(env, self._release) if closed else None
         self.progress = progress
         self.num_done = 0
         self._wake: simpy.Event | None = None

@@ -102,3 +102,14 @@ def test_priority_order_is_priority_then_arrival_then_request_id():
     reqs[2].priority = -1
     got = steps(reqs, scheduling="priority", max_num_seqs=1, num_gpu_blocks=20)
     assert {k: v[0] for k, v in got.items()} == {"r1": 0, "r10": 1, "r2": 2}
+
+
+def test_step_time_runs_queue_session_turns_at_their_arrival():
+    # closed-loop sessions would hold turn 2 until turn 1 finished (step 4) plus its think
+    # time; a step-time run is open loop, as the comparison with vLLM needs
+    t1 = req("t1", 0, 8, 5)
+    t2 = req("t2", 1, 8, 1)
+    for r in (t1, t2):
+        r.session, r.think_time = "s", 10.0
+    got = steps([t1, t2], num_gpu_blocks=20, closed_loop_sessions=True)
+    assert got == {"t1": (0, 0, 4, 0), "t2": (1, 1, 1, 0)}
