@@ -19,6 +19,7 @@ def ids(blocks):
 
 
 def test_null_block_is_reserved(lru):
+    # vllm/v1/core/block_pool.py BlockPool.__init__: block 0 is popped as the null block
     assert lru.pool.num_free_blocks == 9
     assert queue(lru) == list(range(1, 10))
     with pytest.raises(ValueError, match="at least 2"):
@@ -90,6 +91,7 @@ def test_reset_prefix_cache_only_when_nothing_is_used(lru):
 
 
 def test_hit_on_free_blocks_takes_them_out_of_the_queue(lru):
+    # vllm/v1/core/block_pool.py BlockPool.touch: a hit with ref count 0 leaves the free queue
     a = seq("a", range(10))
     prefill(lru, a)
     lru.free(a)
@@ -104,6 +106,7 @@ def test_hit_on_free_blocks_takes_them_out_of_the_queue(lru):
 
 
 def test_full_prompt_hit_recomputes_last_token(lru):
+    # vllm/v1/core/kv_cache_manager.py get_computed_blocks: max_cache_hit_length = num_tokens - 1
     a = seq("a", range(8))
     prefill(lru, a)
     lru.free(a)
@@ -113,6 +116,7 @@ def test_full_prompt_hit_recomputes_last_token(lru):
 
 
 def test_popping_a_cached_block_evicts_its_hash(lru):
+    # vllm/v1/core/block_pool.py get_new_blocks -> _maybe_evict_cached_block drops the hash
     a = seq("a", range(36))  # 9 blocks: the whole pool
     prefill(lru, a)
     lru.free(a)
@@ -127,6 +131,8 @@ def test_popping_a_cached_block_evicts_its_hash(lru):
 
 
 def test_blocks_are_cached_when_decode_fills_them(lru):
+    # vllm/v1/core/kv_cache_manager.py allocate_slots caches min(computed + new, num_tokens)
+    # tokens' full blocks (BlockPool.cache_full_blocks), during prefill and decode alike
     a = seq("a", range(6), output=[50, 51, 52])
     prefill(lru, a)  # 7 tokens known (6 + first sampled), 6 computed
     assert lru.num_cached_block["a"] == 1
@@ -149,6 +155,7 @@ def test_unknown_decoded_tokens_never_hit(lru):
 
 
 def test_identical_concurrent_blocks_are_both_cached(lru):
+    # vllm/v1/core/block_pool.py BlockHashToBlockMap: no de-duplication; lookup takes the first
     a, b = seq("a", range(8)), seq("b", range(8), uid=1)
     prefill(lru, a)
     # b may hit only 1 block (its last token is recomputed), so it fills its own
@@ -164,6 +171,7 @@ def test_identical_concurrent_blocks_are_both_cached(lru):
 
 
 def test_admission_counts_evictable_hits(lru):
+    # vllm/v1/core/single_type_kv_cache_manager.py get_num_blocks_to_allocate counts free hits
     a = seq("a", range(36))
     prefill(lru, a)
     lru.free(a)
