@@ -64,8 +64,7 @@ class KVCacheManager:
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.profile = profile(vllm_version)
-        if watermark and not self.profile.watermark:
-            raise ValueError(f"vLLM {self.profile.version} has no watermark (it came in 0.24)")
+        self.profile.check_watermark(watermark)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window

@@ -65,6 +65,11 @@ class Profile:
     watermark: bool
     long_prefill_sole_request: bool
 
+    def check_watermark(self, watermark: float) -> None:
+        """ValueError if a watermark is asked of a release that has none (before 0.24)."""
+        if watermark and not self.watermark:
+            raise ValueError(f"vLLM {self.version} has no watermark (it came in 0.24); use watermark=0")
+
     def free_first(self, enable_caching: bool) -> bool:
         """Whether freed blocks without a hash go to the front of the free queue."""
         if not self.free_unhashed_first:

@@ -86,11 +86,9 @@ class SimConfig:
         from kvcache.profiles import profile
 
         try:
-            rules = profile(self.vllm_version)
+            profile(self.vllm_version).check_watermark(self.watermark)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.watermark and not rules.watermark:
-            raise ConfigError(f"vLLM {rules.version} has no watermark (it came in 0.24); use watermark=0")
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -169,6 +169,7 @@ class Scheduler:
         self.max_len = cfg.max_model_len
         self.long_prefill = cfg.long_prefill_token_threshold
         self.long_prefill_sole_request = manager.profile.long_prefill_sole_request
+        self._chunk = self.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
         # In-place decode shortcut (see _schedule_running); off where allocate_slots does more.
         self._fast_decode = self.fast_decode and not (
             manager.sliding_window or self.lookahead or manager.ops.enabled or self.priority
