@@ -1,162 +1,419 @@
-"""Benchmark: the gpu harness's Triton kernels against plain torch on one CUDA GPU.
+"""Benchmark: the gpu harness's Triton kernels against plain torch on one CUDA GPU, side by side on the same data.
 
-    python benchmarks/bench_gpu.py [--model llama-3-8b] [--block-size 16] [--pairs 256] [--gpu NAME] [--json FILE]
+    python benchmarks/bench_gpu.py [--model llama-3-8b] [--dtype float16|bfloat16] [--block-size 16|32]
+                                   [--pairs 256] [--gpu NAME] [--only block,swap,write,decode]
+                                   [--block-n 64] [--json FILE] [--quick [--allow-cpu]]
 
-Targets (reported, not asserted):
-- block copy and defrag exchange >= 90 % of a torch device-to-device copy of the same bytes;
-- swap out / in >= 80 % of a pinned torch copy of the same bytes, each way (both swap methods);
-- decode attention <= 1.25x dense SDPA at >= 4k context, and >= 70 % of the datasheet
-  HBM bandwidth at batch >= 32.
-Without CUDA it says so and exits 0.
+Figures and targets (reported, not asserted; `--json` records each with its target and pass/fail):
+- copy_blocks (copy-on-write) and exchange_blocks (defrag) on the storage of the model's
+  layers: >= 90 % of torch's own gather/index copy of the same block ids
+  (index_select + index_copy_); the fraction of a plain contiguous device copy of the
+  same bytes is reported beside it (no target);
+- swap out / in, both swap methods: >= 80 % of a pinned-memory torch copy of the same
+  bytes, each way; also as a fraction of the catalog's PCIe bandwidth for the GPU
+  (`sim.catalog` GpuSpec.pcie_bw: effective one-direction host <-> device, e.g. 50 GB/s
+  for h100-sxm; no target);
+- write_kv (K/V by slot mapping, one layer) at several token counts: >= 90 % of torch's
+  index_copy_ of the same tokens into the same cache (a bar this script sets: the same
+  as the block ops'); indexed assignment (index_put_) reported beside it (no target);
+- decode attention against torch's scaled_dot_product_attention over the same tokens
+  laid out densely (enable_gqa), contexts 1k/4k/16k, batch 1/8/32/64: <= 1.25x SDPA's
+  time at >= 4k context, and >= 70 % of the datasheet HBM bandwidth (K and V bytes
+  read) at batch >= 32 (catalog: h100-sxm 3.35 TB/s, h200 4.8 TB/s).
+Figures with no target carry "target": null and "pass": null.
+
+Time per point adapts (about 0.2 s of calls each, fewer for big points); a full run
+is about a minute on an H100. Without CUDA it says so and exits 0, unless
+`--quick --allow-cpu`: then everything is tiny and runs on CPU under Triton's
+interpreter (TRITON_INTERPRET=1), which only exercises the code paths (the timings
+mean nothing). `--quick` on a GPU is the same tiny run, compiled.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import shlex
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+SECTIONS = ("block", "swap", "write", "decode")
 
-def main() -> int:
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: the model's shape (or a tiny one) and the point grids."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    pairs: int
+    write_tokens: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    sdpa_min_context: int  # the SDPA-ratio target applies from this context on
+    hbm_min_batch: int  # the HBM-fraction target applies from this batch on
+    seconds_per_point: float  # 0: one call, no warm-up beyond one
+
+
+COPY_TARGET, SWAP_TARGET, WRITE_TARGET, SDPA_TARGET, HBM_TARGET = 0.9, 0.8, 0.9, 1.25, 0.7
+
+
+def make_plan(m, pairs: int, quick: bool) -> Plan:
+    if quick:
+        group = m.num_heads // m.num_kv_heads
+        return Plan(2, 2 * group, 2, 32, 48 if m.sliding_window else None, 4, (1, 8), (1, 4), (32, 128),
+                    128, 4, 0.0)
+    return Plan(m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.sliding_window, pairs,
+                (1, 16, 256, 4096, 16384), (1, 8, 32, 64), (1024, 4096, 16384), 4096, 32, 0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3-8b")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    ap.add_argument("--block-size", type=int, choices=(16, 32), default=16)
     ap.add_argument("--pairs", type=int, default=256, help="block pairs per batched block op")
-    ap.add_argument("--gpu", default=None, help="datasheet for the HBM fraction (default: detected)")
+    ap.add_argument("--gpu", default=None, help="datasheet for the HBM/PCIe fractions (default: detected)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
+    ap.add_argument("--block-n", type=int, default=64, help="decode_attention's tokens per tile")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, one call per point (a smoke test)")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="with --quick: without CUDA, run on CPU under Triton's interpreter")
+    args = ap.parse_args(argv)
+    sections = tuple(s.strip() for s in args.only.split(",") if s.strip())
+    if bad := [s for s in sections if s not in SECTIONS]:
+        ap.error(f"--only: unknown section(s) {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
+    if args.allow_cpu and not args.quick:
+        ap.error("--allow-cpu needs --quick (full-size points under the interpreter would take hours)")
     try:
         import torch
     except ImportError:
         print("bench_gpu: torch is not installed (pip install -e '.[gpu]'); nothing to measure")
         return 0
     if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA GPU (torch.cuda.is_available() is False); the kernels are only "
-              "checked for correctness on CPU (pytest tests/gpu). Nothing to measure.")
-        return 0
-    results = run(args)
+        if not args.allow_cpu:
+            print("bench_gpu: no CUDA GPU (torch.cuda.is_available() is False); the kernels are only "
+                  "checked for correctness on CPU (pytest tests/gpu). Nothing to measure "
+                  "(--quick --allow-cpu runs a tiny smoke test under Triton's interpreter).")
+            return 0
+        if "triton" not in sys.modules:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    import gpu.kernels  # noqa: F401  (chooses compiled or interpreted Triton before anything imports triton)
+
+    results = run(args, sections)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
-def _verdict(ok: bool) -> str:
-    return "meets target" if ok else "MISSES target"
+class Figures:
+    """Named figures, each with its target (or None) and whether it meets it."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def add(self, name: str, value: float, unit: str, what: str, target: float | None = None,
+            compare: str = ">=") -> str:
+        ok = None if target is None else bool(value >= target if compare == ">=" else value <= target)
+        self.rows[name] = {"value": value, "unit": unit, "target": target,
+                           "compare": None if target is None else compare, "pass": ok, "what": what}
+        return "" if ok is None else ("meets target" if ok else "MISSES target")
 
 
-def run(args) -> dict:
-    """All three benchmarks; returns their numbers."""
+def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
+    """Every benchmark section asked for; returns the JSON-able record."""
     import torch
+    import triton
 
     from gpu.calibrate import detect_gpu
+    from gpu.kernels import interpreting
     from sim.catalog import get_gpu, get_model
 
-    dev = torch.device("cuda")
-    spec, m = get_gpu(detect_gpu(dev, args.gpu)), get_model(args.model)
-    print(f"{torch.cuda.get_device_name(dev)} ({spec.name} datasheet: {spec.hbm_bw / 1e12:.2f} TB/s HBM), "
-          f"{m.name} blocks: {m.num_layers} layers x {m.num_kv_heads} KV heads x {m.head_dim} dims, "
-          f"block size {args.block_size}, fp16")
-    out: dict = {"device": torch.cuda.get_device_name(dev), "gpu": spec.name, "model": m.name}
-    out.update(bench_block_ops(dev, m, args.block_size, args.pairs))
-    out.update(bench_decode(dev, m, args.block_size, spec.hbm_bw))
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    gpu_name = detect_gpu(dev, args.gpu)
+    spec, m = get_gpu(gpu_name), get_model(args.model)
+    plan = make_plan(m, args.pairs, args.quick)
+    device_name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({platform.processor() or platform.machine()})"
+    print(f"{device_name}: datasheet {spec.name} (sim.catalog: HBM {spec.hbm_bw / 1e12:.2f} TB/s, PCIe "
+          f"{spec.pcie_bw / 1e9:.0f} GB/s effective one direction); torch {torch.__version__}, triton "
+          f"{triton.__version__}{', Triton interpreter' if interpreting() else ''}")
+    print(f"{m.name}{' (quick: tiny shapes)' if args.quick else ''}: {plan.layers} layers x {plan.kv_heads} KV heads "
+          f"x {plan.head_dim} dims, {plan.heads} query heads, window {plan.window}, block size {args.block_size}, "
+          f"{args.dtype}")
+    fig = Figures()
+    out: dict = {
+        "device": device_name, "gpu": spec.name, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "argv": list(sys.argv), "command": shlex.join(sys.argv),
+        "dtype": args.dtype, "model": m.name, "block_size": args.block_size, "quick": args.quick,
+        "interpreted": interpreting(), "sections": list(sections), "decode_block_n": args.block_n,
+        "datasheet": {"name": spec.name, "hbm_bw": spec.hbm_bw, "pcie_bw": spec.pcie_bw,
+                      "source": f"sim.catalog.GPUS[{spec.name!r}] (hbm_bw, pcie_bw: effective one direction)"},
+        "plan": asdict(plan),
+        "results": {},
+    }
+    bench = Bench(dev, plan.seconds_per_point)
+    if "block" in sections or "swap" in sections:
+        out["results"].update(bench_block_ops(bench, fig, plan, args.block_size, dtype, sections, spec.pcie_bw))
+    if "write" in sections:
+        out["results"].update(bench_write_kv(bench, fig, plan, args.block_size, dtype))
+    if "decode" in sections:
+        out["results"].update(bench_decode(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n))
+    out["figures"] = fig.rows
+    targeted = [r["pass"] for r in fig.rows.values() if r["pass"] is not None]
+    out["passed"] = sum(targeted)
+    out["failed"] = len(targeted) - sum(targeted)
+    out["all_pass"] = all(targeted)
+    out["seconds"] = time.perf_counter() - t_start
+    print(f"{out['passed']} of {len(targeted)} targets met ({out['seconds']:.0f} s)")
     return out
 
 
-def _time(fn, dev) -> float:
-    from gpu.timing import time_call
+class Bench:
+    """Times a call: a warm-up, then as many calls as fit in `seconds` (3 to 50); one call when 0."""
 
-    return time_call(fn, dev, warmup=5, iters=50)
+    def __init__(self, dev, seconds: float):
+        self.dev, self.seconds = dev, seconds
+
+    def __call__(self, fn) -> float:
+        from gpu.timing import time_call
+
+        if not self.seconds:
+            return time_call(fn, self.dev, warmup=1, iters=1)
+        first = time_call(fn, self.dev, warmup=2, iters=1)
+        iters = int(min(50, max(3, self.seconds / max(first, 1e-7))))
+        return time_call(fn, self.dev, warmup=0, iters=iters)
 
 
-def bench_block_ops(dev, m, block_size: int, n: int) -> dict:
-    """Copy and exchange against a device copy of the same bytes; swaps against pinned torch copies."""
+def _pin() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def bench_block_ops(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, sections, pcie_bw: float) -> dict:
+    """Copy and exchange against torch's index copy of the same blocks and a contiguous copy of the
+    same bytes; swaps (both methods, each way) against a pinned torch copy, and the PCIe fraction."""
     import torch
 
     from gpu.kernels import SWAP_METHODS, copy_blocks, exchange_blocks, swap_blocks
+    from gpu.kernels.copy_blocks import planes
     from gpu.storage import PagedKVStorage
 
-    out = {}
-    st = PagedKVStorage(m.num_layers, 2 * n + 1, block_size, m.num_kv_heads, m.head_dim,
-                        num_cpu_blocks=n, dtype=torch.float16, device=dev)
+    dev, n = bench.dev, plan.pairs
+    out: dict = {}
+    st = PagedKVStorage(plan.layers, 2 * n + 1, bs, plan.kv_heads, plan.head_dim,
+                        num_cpu_blocks=n if "swap" in sections else 0, dtype=dtype, device=dev)
     st.gpu.normal_()
     bb = st.block_bytes
+    view = planes(st.gpu)  # [layers * 2, blocks, block elements]
     ids = torch.randperm(2 * n, device=dev) + 1
-    pairs = torch.stack([ids[:n], ids[n:]], 1).contiguous()
-    src = torch.empty(n * bb, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t_dev1 = _time(lambda: dst[: n * bb // 2].copy_(src[: n * bb // 2]), dev)
-    t_dev2 = _time(lambda: dst.copy_(src), dev)  # an exchange moves twice the bytes
-    for name, fn, t_base, nbytes in (
-        ("copy_blocks", lambda: copy_blocks(st.gpu, st.gpu, pairs), t_dev1, 2 * n * bb),
-        ("exchange_blocks", lambda: exchange_blocks(st.gpu, pairs), t_dev2, 4 * n * bb),
-    ):
-        tk = _time(fn, dev)
-        frac = t_base / tk
-        print(f"{name:<16} {n} pairs  {tk * 1e6:9.1f} us  {nbytes / tk / 1e9:8.1f} GB/s  "
-              f"{frac:6.1%} of torch device copy  {_verdict(frac >= 0.9)}")
-        out[name] = {"seconds": tk, "GB_per_s": nbytes / tk / 1e9, "fraction_of_device_copy": frac}
+    src_ids, dst_ids = ids[:n].contiguous(), ids[n:].contiguous()
+    pairs = torch.stack([src_ids, dst_ids], 1).contiguous()
+    print(f"block ops: {n} pairs of {bb / 2**20:.2f} MiB blocks (all layers, K and V); GB/s count bytes read + written")
 
-    host = torch.empty(n * bb, dtype=torch.uint8, pin_memory=True)
-    base = {"swap_out": _time(lambda: host.copy_(src, non_blocking=True), dev),
-            "swap_in": _time(lambda: src.copy_(host, non_blocking=True), dev)}
-    out_pairs = torch.stack([ids[:n], torch.randperm(n, device=dev)], 1).contiguous()
-    for kind, a, b, p in (("swap_out", st.gpu, st.cpu, out_pairs),
-                          ("swap_in", st.cpu, st.gpu, out_pairs.flip(1).contiguous())):
-        for meth in SWAP_METHODS:
-            pp = p if meth == "kernel" else p.cpu()
-            tk = _time(lambda a=a, b=b, pp=pp, meth=meth: swap_blocks(a, b, pp, meth), dev)
-            frac = base[kind] / tk
-            print(f"{kind:<9} {meth:<6} {n} blocks {tk * 1e6:9.1f} us  {n * bb / tk / 1e9:8.1f} GB/s  "
-                  f"{frac:6.1%} of pinned torch copy  {_verdict(frac >= 0.8)}")
-            out[f"{kind}_{meth}"] = {"seconds": tk, "GB_per_s": n * bb / tk / 1e9, "fraction_of_pinned_copy": frac}
+    if "block" in sections:
+        buf_a = torch.empty(2 * n * bb, dtype=torch.uint8, device=dev)
+        buf_b = torch.empty_like(buf_a)
+        both_src, both_dst = torch.cat([src_ids, dst_ids]), torch.cat([dst_ids, src_ids])
+
+        def torch_copy():
+            view.index_copy_(1, dst_ids, view.index_select(1, src_ids))
+
+        def torch_exchange():
+            view.index_copy_(1, both_dst, view.index_select(1, both_src))
+
+        # the kernels and torch's index copies give identical caches (checked once, bit for bit)
+        st.gpu.normal_()
+        saved = st.gpu.clone()
+        copy_blocks(st.gpu, st.gpu, pairs)
+        ours = st.gpu.clone()
+        st.gpu.copy_(saved)
+        torch_copy()
+        same_copy = bool(torch.equal(st.gpu, ours))
+        st.gpu.copy_(saved)
+        exchange_blocks(st.gpu, pairs)
+        ours = st.gpu.clone()
+        st.gpu.copy_(saved)
+        torch_exchange()
+        same_exchange = bool(torch.equal(st.gpu, ours))
+        del saved, ours
+
+        for name, fn, torch_fn, payload, same in (
+            ("copy_blocks", lambda: copy_blocks(st.gpu, st.gpu, pairs), torch_copy, n * bb, same_copy),
+            ("exchange_blocks", lambda: exchange_blocks(st.gpu, pairs), torch_exchange, 2 * n * bb, same_exchange),
+        ):
+            t_contig = bench(lambda payload=payload: buf_b[:payload].copy_(buf_a[:payload]))
+            t_index = bench(torch_fn)
+            tk = bench(fn)
+            traffic = 2 * payload
+            f_index, f_contig = t_index / tk, t_contig / tk
+            verdict = fig.add(f"{name}.fraction_of_index_copy", f_index, "fraction",
+                              "torch index_select + index_copy_ time on the same block ids / kernel time",
+                              COPY_TARGET)
+            fig.add(f"{name}.fraction_of_contiguous_copy", f_contig, "fraction",
+                    "contiguous device copy of the same bytes / kernel time")
+            fig.add(f"{name}.matches_torch", float(same), "bool", "kernel result equals torch's bit for bit",
+                    1.0)
+            print(f"  {name:<16} {tk * 1e6:9.1f} us {traffic / tk / 1e9:7.1f} GB/s | torch index copy "
+                  f"{t_index * 1e6:9.1f} us: {f_index:6.1%} {verdict} | contiguous copy {t_contig * 1e6:9.1f} us: "
+                  f"{f_contig:6.1%} | {'same result' if same else 'RESULT DIFFERS'}")
+            out[name] = {"seconds": tk, "GB_per_s": traffic / tk / 1e9, "index_copy_seconds": t_index,
+                         "contiguous_copy_seconds": t_contig, "bytes_copied": payload,
+                         "fraction_of_index_copy": f_index, "fraction_of_contiguous_copy": f_contig,
+                         "matches_torch": same}
+        del buf_a, buf_b
+
+    if "swap" in sections:
+        dev_buf = torch.empty(n * bb, dtype=torch.uint8, device=dev)
+        host = torch.empty(n * bb, dtype=torch.uint8, pin_memory=_pin())
+        base = {"swap_out": bench(lambda: host.copy_(dev_buf, non_blocking=True)),
+                "swap_in": bench(lambda: dev_buf.copy_(host, non_blocking=True))}
+        for kind, t in base.items():
+            fig.add(f"{kind}.pinned_copy.fraction_of_pcie", n * bb / t / pcie_bw, "fraction",
+                    "pinned torch copy GB/s / catalog pcie_bw")
+            print(f"  {kind:<9} pinned torch copy {t * 1e6:9.1f} us {n * bb / t / 1e9:6.1f} GB/s = "
+                  f"{n * bb / t / pcie_bw:6.1%} of PCIe ({pcie_bw / 1e9:.0f} GB/s)")
+        out_pairs = torch.stack([src_ids, torch.randperm(n, device=dev)], 1).contiguous()
+        for kind, a, b, p in (("swap_out", st.gpu, st.cpu, out_pairs),
+                              ("swap_in", st.cpu, st.gpu, out_pairs.flip(1).contiguous())):
+            for meth in SWAP_METHODS:
+                pp = p if meth == "kernel" else p.cpu()
+                tk = bench(lambda a=a, b=b, pp=pp, meth=meth: swap_blocks(a, b, pp, meth))
+                frac, pcie = base[kind] / tk, n * bb / tk / pcie_bw
+                verdict = fig.add(f"{kind}.{meth}.fraction_of_pinned_copy", frac, "fraction",
+                                  "pinned torch copy time of the same bytes / swap time", SWAP_TARGET)
+                fig.add(f"{kind}.{meth}.fraction_of_pcie", pcie, "fraction", "swap GB/s / catalog pcie_bw")
+                print(f"  {kind:<9} {meth:<6} {n} blocks {tk * 1e6:9.1f} us {n * bb / tk / 1e9:6.1f} GB/s: "
+                      f"{frac:6.1%} of pinned torch copy {verdict} | {pcie:6.1%} of PCIe")
+                out[f"{kind}_{meth}"] = {"seconds": tk, "GB_per_s": n * bb / tk / 1e9, "pinned_copy_seconds": base[kind],
+                                         "fraction_of_pinned_copy": frac, "fraction_of_pcie": pcie}
     return out
 
 
-def bench_decode(dev, m, block_size: int, hbm_bw: float) -> dict:
+def bench_write_kv(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype) -> dict:
+    """write_kv against torch's index_copy_ (and indexed assignment) of the same tokens, same cache."""
+    import torch
+
+    from gpu.kernels import write_kv
+
+    dev, hq, hkv, d = bench.dev, plan.heads, plan.kv_heads, plan.head_dim
+    most = max(plan.write_tokens)
+    nb = 2 * -(-most // bs) + 1
+    kc = torch.zeros((nb, bs, hkv, d), dtype=dtype, device=dev)
+    vc = torch.zeros_like(kc)
+    kflat, vflat = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    out = {}
+    print(f"write_kv: one layer's cache ({nb} blocks), K/V as views of a fused qkv; tokens in shuffled blocks")
+    for tokens in plan.write_tokens:
+        qkv = torch.randn((tokens, hq + 2 * hkv, d), dtype=dtype, device=dev)
+        key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        blocks = torch.randperm(nb - 1, device=dev)[: -(-tokens // bs)] + 1
+        pos = torch.arange(tokens, device=dev)
+        slots = blocks[pos // bs] * bs + pos % bs
+
+        def index_copy(key=key, value=value, slots=slots):
+            kflat.index_copy_(0, slots, key)
+            vflat.index_copy_(0, slots, value)
+
+        def index_put(key=key, value=value, slots=slots):
+            kflat[slots] = key
+            vflat[slots] = value
+
+        def ours(key=key, value=value, slots=slots):
+            write_kv(key, value, kc, vc, slots)
+
+        kc.zero_()
+        vc.zero_()
+        ours()
+        k1, v1 = kc.clone(), vc.clone()
+        kc.zero_()
+        vc.zero_()
+        index_copy()
+        same = bool(torch.equal(kc, k1) and torch.equal(vc, v1))
+        t_copy, t_put, tk = bench(index_copy), bench(index_put), bench(ours)
+        nbytes = 2 * 2 * tokens * hkv * d * kc.element_size()  # K and V, read and written
+        f_copy, f_put = t_copy / tk, t_put / tk
+        name = f"write_kv_t{tokens}"
+        verdict = fig.add(f"{name}.fraction_of_index_copy", f_copy, "fraction",
+                          "torch index_copy_ (K then V) time / write_kv time (target set by this script)",
+                          WRITE_TARGET)
+        fig.add(f"{name}.fraction_of_index_put", f_put, "fraction", "torch indexed assignment time / write_kv time")
+        fig.add(f"{name}.matches_torch", float(same), "bool", "cache equals index_copy_'s bit for bit", 1.0)
+        print(f"  {tokens:6d} tokens {tk * 1e6:9.1f} us {nbytes / tk / 1e9:7.1f} GB/s | index_copy_ "
+              f"{t_copy * 1e6:9.1f} us: {f_copy:6.1%} {verdict} | indexed assignment {t_put * 1e6:9.1f} us: "
+              f"{f_put:6.1%} | {'same result' if same else 'RESULT DIFFERS'}")
+        out[name] = {"seconds": tk, "GB_per_s": nbytes / tk / 1e9, "index_copy_seconds": t_copy,
+                     "index_put_seconds": t_put, "fraction_of_index_copy": f_copy, "fraction_of_index_put": f_put,
+                     "matches_torch": same}
+    return out
+
+
+def bench_decode(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, block_n: int) -> dict:
     """Paged decode attention against dense SDPA on the same tokens, and its HBM bandwidth."""
     out = {}
-    for batch in (1, 8, 32, 64):
-        for ctx in (1024, 4096, 16384):
-            out[f"decode_b{batch}_c{ctx}"] = _decode_point(dev, m, block_size, hbm_bw, batch, ctx)
+    print(f"decode attention (block_n {block_n}): paged kernel vs SDPA over the same tokens, dense; "
+          f"HBM fraction of K+V bytes read")
+    for batch in plan.batches:
+        for ctx in plan.contexts:
+            out[f"decode_b{batch}_c{ctx}"] = _decode_point(bench, fig, plan, bs, dtype, hbm_bw, batch, ctx, block_n)
     return out
 
 
-def _decode_point(dev, m, bs: int, hbm_bw: float, batch: int, ctx: int) -> dict:
+def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, batch: int, ctx: int,
+                  block_n: int) -> dict:
     import torch
     import torch.nn.functional as F
 
     from gpu.kernels import decode_attention
 
-    hkv, hq, d = m.num_kv_heads, m.num_heads, m.head_dim
+    dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
     pages = -(-ctx // bs)
-    kc = torch.randn((batch * pages + 1, bs, hkv, d), dtype=torch.float16, device=dev)
+    kc = torch.randn((batch * pages + 1, bs, hkv, d), dtype=dtype, device=dev)
     vc = torch.randn_like(kc)
     tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn((batch, hq, d), dtype=torch.float16, device=dev)
-    slots = tables.long().repeat_interleave(bs, 1)[:, :ctx] * bs + torch.arange(ctx, device=dev) % bs
-    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()  # dense [B, Hkv, ctx, D]
+    q = torch.randn((batch, hq, d), dtype=dtype, device=dev)
+    seen = min(ctx, window) if window else ctx  # SDPA gets the tokens the window keeps
+    pos = torch.arange(ctx - seen, ctx, device=dev)
+    slots = tables.long()[:, pos // bs] * bs + pos % bs
+    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()  # dense [B, Hkv, seen, D]
     vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
+    del slots
 
     def ours():
-        return decode_attention(q, kc, vc, tables, lens, max_context=ctx)
+        return decode_attention(q, kc, vc, tables, lens, sliding_window=window, max_context=ctx, block_n=block_n)
 
     def sdpa():
         return F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)[:, :, 0]
 
     err = float((ours().float() - sdpa().float()).abs().max())
-    t_ours, t_sdpa = _time(ours, dev), _time(sdpa, dev)
-    nbytes = 2 * batch * ctx * hkv * d * 2
-    hbm = nbytes / t_ours / hbm_bw
-    notes = []
-    if ctx >= 4096:
-        notes.append(f"{t_ours / t_sdpa:.2f}x SDPA {_verdict(t_ours <= 1.25 * t_sdpa)}")
-    if batch >= 32:
-        notes.append(f"HBM {_verdict(hbm >= 0.7)}")
-    print(f"decode  batch {batch:3d} ctx {ctx:6d}  {t_ours * 1e6:9.1f} us (SDPA {t_sdpa * 1e6:9.1f} us)  "
-          f"{nbytes / t_ours / 1e9:7.1f} GB/s = {hbm:6.1%} of HBM  max err {err:.1e}  {'; '.join(notes)}")
-    return {"seconds": t_ours, "sdpa_seconds": t_sdpa, "hbm_fraction": hbm, "max_abs_error": err}
+    t_sdpa, t_ours = bench(sdpa), bench(ours)
+    nbytes = 2 * batch * seen * hkv * d * kc.element_size()
+    hbm, hbm_sdpa, ratio = nbytes / t_ours / hbm_bw, nbytes / t_sdpa / hbm_bw, t_ours / t_sdpa
+    name = f"decode_b{batch}_c{ctx}"
+    v_ratio = fig.add(f"{name}.sdpa_ratio", ratio, "x", "paged kernel time / dense SDPA time",
+                      SDPA_TARGET if ctx >= plan.sdpa_min_context else None, "<=")
+    v_hbm = fig.add(f"{name}.hbm_fraction", hbm, "fraction", "K+V bytes read / kernel time / datasheet HBM",
+                    HBM_TARGET if batch >= plan.hbm_min_batch else None)
+    fig.add(f"{name}.sdpa_hbm_fraction", hbm_sdpa, "fraction", "the same for SDPA")
+    print(f"  batch {batch:3d} ctx {ctx:6d}  {t_ours * 1e6:9.1f} us ({ratio:4.2f}x SDPA {t_sdpa * 1e6:9.1f} us) "
+          f"{v_ratio:<13} | {nbytes / t_ours / 1e9:7.1f} GB/s = {hbm:6.1%} of HBM {v_hbm:<13} "
+          f"(SDPA {hbm_sdpa:6.1%}) | max |diff| {err:.1e}")
+    return {"seconds": t_ours, "sdpa_seconds": t_sdpa, "sdpa_ratio": ratio, "hbm_fraction": hbm,
+            "sdpa_hbm_fraction": hbm_sdpa, "tokens_read": seen, "max_abs_diff_vs_sdpa": err}
 
 
 if __name__ == "__main__":

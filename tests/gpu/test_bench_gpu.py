@@ -1,0 +1,85 @@
+"""benchmarks/bench_gpu.py end to end at tiny sizes (`--quick`): every code path, and the JSON it writes.
+
+Without CUDA it runs on CPU under Triton's interpreter (`--allow-cpu`); with CUDA the
+same tiny run is compiled. The timings mean nothing here; only the record's shape is checked.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gpu_env import HAS_CUDA
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "bench_gpu.py"
+
+
+def _run(*args: str, interpret: bool = not HAS_CUDA) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def test_quick_run_writes_every_figure_with_target_and_verdict(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run("--quick", "--allow-cpu", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    for key in ("device", "torch", "triton", "argv", "command", "dtype", "model", "block_size", "datasheet",
+                "figures", "results", "all_pass"):
+        assert key in rec, key
+    assert rec["argv"][0].endswith("bench_gpu.py") and rec["argv"][1:] == ["--quick", "--allow-cpu", "--json", str(out)]
+    assert (rec["dtype"], rec["model"], rec["block_size"], rec["quick"]) == ("float16", "llama-3-8b", 16, True)
+    assert rec["interpreted"] is (not HAS_CUDA) and rec["datasheet"]["pcie_bw"] > 0
+    figs = rec["figures"]
+    want = {"copy_blocks.fraction_of_index_copy", "copy_blocks.fraction_of_contiguous_copy",
+            "exchange_blocks.fraction_of_index_copy", "exchange_blocks.fraction_of_contiguous_copy",
+            "swap_out.pinned_copy.fraction_of_pcie", "swap_in.pinned_copy.fraction_of_pcie",
+            "write_kv_t1.fraction_of_index_copy", "write_kv_t8.fraction_of_index_put",
+            "decode_b4_c128.sdpa_ratio", "decode_b4_c128.hbm_fraction", "decode_b1_c32.sdpa_hbm_fraction"}
+    want |= {f"{k}.{m}.fraction_of_{b}" for k in ("swap_out", "swap_in") for m in ("kernel", "torch")
+             for b in ("pinned_copy", "pcie")}
+    assert want <= set(figs), sorted(want - set(figs))
+    for name, f in figs.items():
+        assert set(f) == {"value", "unit", "target", "compare", "pass", "what"}, name
+        assert isinstance(f["value"], float), name
+        assert (f["target"] is None) == (f["pass"] is None), name
+    targets = {n: (f["target"], f["compare"]) for n, f in figs.items()}
+    assert targets["copy_blocks.fraction_of_index_copy"] == (0.9, ">=")
+    assert targets["swap_in.torch.fraction_of_pinned_copy"] == (0.8, ">=")
+    assert targets["decode_b4_c128.sdpa_ratio"] == (1.25, "<=")  # the largest quick context stands in for >= 4k
+    assert targets["decode_b1_c32.sdpa_ratio"] == (None, None)
+    assert targets["decode_b4_c32.hbm_fraction"] == (0.7, ">=") and targets["decode_b1_c32.hbm_fraction"][0] is None
+    # the kernels produced torch's results, bit for bit, and attention agrees with SDPA
+    assert all(figs[n]["pass"] for n in figs if n.endswith(".matches_torch"))
+    assert all(rec["results"][f"decode_b{b}_c{c}"]["max_abs_diff_vs_sdpa"] < 5e-3 for b in (1, 4) for c in (32, 128))
+
+
+def test_quick_decode_with_a_window_in_bf16(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run("--quick", "--allow-cpu", "--only", "decode", "--model", "mistral-7b", "--dtype", "bfloat16",
+             "--block-size", "32", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    assert (rec["dtype"], rec["model"], rec["block_size"], rec["sections"]) == ("bfloat16", "mistral-7b", 32, ["decode"])
+    assert set(rec["results"]) == {f"decode_b{b}_c{c}" for b in (1, 4) for c in (32, 128)}
+    assert rec["results"]["decode_b4_c128"]["tokens_read"] == rec["plan"]["window"] == 48
+    assert all(r["max_abs_diff_vs_sdpa"] < 3e-2 for r in rec["results"].values())
+
+
+def test_without_cuda_it_exits_0_and_measures_nothing():
+    if HAS_CUDA:
+        pytest.skip("CUDA is present")
+    r = _run(interpret=False)
+    assert r.returncode == 0 and "no CUDA GPU" in r.stdout
+
+
+def test_allow_cpu_needs_quick():
+    r = _run("--allow-cpu", interpret=False)
+    assert r.returncode == 2 and "--allow-cpu needs --quick" in r.stderr
