@@ -14,7 +14,7 @@ dtype's rounding, plus needle tests that fail loudly if a masked position
 Every test is marked `cuda`: without a GPU the conftest skips them. Setting
 KVSIM_CUDA_TESTS_TINY=1 runs the same test bodies at tiny shapes (same group
 sizes, block sizes and dtypes; small heads, contexts and windows), on CPU under
-Triton's interpreter when there is no GPU (about a minute), to check the tests
+Triton's interpreter when there is no GPU (about two minutes), to check the tests
 themselves:
 
     KVSIM_CUDA_TESTS_TINY=1 python -m pytest tests/gpu/test_kernels_cuda.py
