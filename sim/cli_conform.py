@@ -24,6 +24,7 @@ def conform(
     scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
     step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
@@ -51,13 +52,14 @@ def conform(
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
             watermark=watermark, enable_prefix_caching=not no_prefix_caching,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
-            closed_loop_sessions=False, vllm_version=theirs,
+            closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling,
         ).validate()
         requests = list(open_workload(workload, format, False, cfg.seed))
         name = "the default workload" if workload is None else str(workload)
         tokens, seqs = cfg.batch_limits()
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, block size "
-                   f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs")
+                   f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs"
+                   + (", async scheduling" if async_scheduling else ""))
         diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
     except (ConfigError, WorkloadError, ValueError) as e:
         _fail(str(e))

@@ -86,6 +86,7 @@ def run(
     long_prefill_token_threshold: Annotated[int | None, typer.Option(help="most prefill tokens of one request per step (0: no cap)")] = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs")] = False,
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
@@ -112,6 +113,8 @@ def run(
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:
         changes["enable_chunked_prefill"] = False
+    if async_scheduling:
+        changes["async_scheduling"] = True
     if record_ops:
         changes["record_ops"] = True
     if debug_invariants:

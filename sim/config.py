@@ -40,6 +40,9 @@ class SimConfig:
     preemption: str = "recompute"  # or "swap"
     scheduling: str = "fcfs"  # or "priority"
     num_lookahead_tokens: int = 0
+    # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
+    # (sim.async_scheduler); recompute preemption only, no lookahead slots
+    async_scheduling: bool = False
     # vLLM's --max-model-len: a prompt must leave room for one output token, and a
     # sequence stops growing at this length; None: no limit (the catalog has each model's)
     max_model_len: int | None = None
@@ -75,6 +78,10 @@ class SimConfig:
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_blocks <= 0:
             raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
+        if self.async_scheduling and self.preemption != "recompute":
+            raise ConfigError(f"async_scheduling needs preemption='recompute' (vLLM V1 has no swap), got {self.preemption!r}")
+        if self.async_scheduling and self.num_lookahead_tokens:
+            raise ConfigError(f"async_scheduling does not model lookahead slots, got num_lookahead_tokens={self.num_lookahead_tokens}")
         if self.scheduling not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

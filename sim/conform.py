@@ -4,7 +4,8 @@ Two modes. `manager`: the cache-replay loop (`kvcache.replay`) over kvsim's
 KVCacheManager and over vLLM's real KVCacheManager; per request, the hit
 tokens, output tokens, status and preemptions must agree. `scheduler`: a
 step-time run of kvsim's engine against vLLM's real Scheduler with a fake
-model runner (`sim.vllm_ref_scheduler`); per request, the steps that first scheduled
+model runner (`sim.vllm_ref_scheduler`; with `SimConfig.async_scheduling`, vLLM's
+AsyncScheduler behind EngineCore's batch queue); per request, the steps that first scheduled
 it, sampled its first token and finished it, its preemptions and its hit
 tokens must agree. vLLM is imported only by `sim.vllm_ref` and `sim.vllm_ref_scheduler`.
 """
@@ -126,7 +127,7 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         max_num_batched_tokens=tokens, max_num_seqs=seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
         enable_prefix_caching=cfg.enable_prefix_caching,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold, watermark=cfg.watermark,
-        step_time=cfg.step_time, scheduling=cfg.scheduling,
+        step_time=cfg.step_time, scheduling=cfg.scheduling, async_scheduling=cfg.async_scheduling,
     )
     return compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
 

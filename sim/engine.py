@@ -12,6 +12,10 @@ with vLLM) step k starts at k * S, every request that arrived at or before
 k * S is queued before it (in arrival order; sessions are open loop then),
 and an idle engine wakes on the first grid point at or after the next
 arrival; steps are numbered by k.
+
+With `SimConfig.async_scheduling` the steps process is `_async_steps`: vLLM's
+batch queue, two deep, over `sim.async_scheduler` (each batch is scheduled
+while the previous one runs, and its output applied after it ends).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     from sim.cost_model import CostModel
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
+STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
 OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
 NO_OPS = dict.fromkeys(OP_KINDS, 0)
 
@@ -116,7 +121,12 @@ class Engine:
         self.m = manager
         self.requests = RequestLog()
         self.steps = StepLog()
-        self.sched = Scheduler(cfg, manager, self.requests)
+        if cfg.async_scheduling:
+            from sim.async_scheduler import AsyncScheduler
+
+            self.sched: Scheduler = AsyncScheduler(cfg, manager, self.requests)
+        else:
+            self.sched = Scheduler(cfg, manager, self.requests)
         # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
         # request at its arrival time: open loop
         closed = cfg.closed_loop_sessions and cfg.step_time is None
@@ -126,7 +136,7 @@ class Engine:
         self._wake: simpy.Event | None = None
         self._source_done = False
         env.process(self._arrivals(iter(workload)))
-        self.process = env.process(self._steps())
+        self.process = env.process(self._async_steps() if cfg.async_scheduling else self._steps())
 
     # ------------------------------------------------------------- arrivals
     def _arrivals(self, stream: Iterator[Request]):
@@ -253,5 +263,102 @@ class Engine:
                 if sched.internal_fragmentation != exact:
                     raise AssertionError(f"step {k}: internal fragmentation {sched.internal_fragmentation} != {exact}")
             k += 1
+        if self.progress is not None:
+            self.progress(self.num_done)
+
+    # ---------------------------------------------------------- async steps
+    def _async_steps(self):
+        """vLLM's EngineCore.step_with_batch_queue over sim.async_scheduler, two batches deep.
+
+        Each iteration at clock time T queues the arrivals <= T; if the scheduler has
+        requests it schedules a batch, and unless the queue is full (2) or the batch is
+        empty with nothing left to schedule, iterates again; otherwise the oldest batch
+        is popped, the clock waits for its end, and its output is applied. A batch with
+        tokens runs from max(T, the previous batch's end) for one step (on the grid, with
+        a fixed step time) or its cost; an empty one takes no time, but with no batch
+        running the engine spins a step. Step numbers are grid slots (fixed step time)
+        or batches with tokens so far. Mirrors sim.vllm_ref_scheduler `run_async`.
+        """
+        env, m, sched, cost = self.env, self.m, self.sched, self.cost
+        get = m.ops.counts.get
+        pool = m.pool
+        usable = pool.num_usable_blocks
+        record = self.steps.record
+        defrag = self.cfg.defrag_threshold is not None
+        check = check_invariants if self.cfg.debug_invariants else None
+        S = self.cfg.step_time
+        grid = S is not None
+
+        def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
+            return x * S if grid else x
+
+        spin = 1 if grid else cost.step_time(0, 0, 0, 0, NO_OPS)
+        queue: deque[tuple] = deque()  # (batch, start, end, step, op deltas, drops); start None: no tokens
+        clock = 0 if grid else env.now
+        free = clock  # when the device is next free
+        k = 0  # batches with tokens so far
+        empties = 0
+        while True:
+            t = at(clock)
+            while env.peek() <= t:  # queue every arrival up to and at the clock
+                yield env.timeout(max(t - env.now, 0.0))
+            if not sched.has_requests() and not queue:
+                if self._idle():
+                    break
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                clock = max(clock, grid_index(env.now, S) if grid else env.now)
+                continue
+            if sched.has_requests():
+                start = max(free, clock)
+                step = start if grid else k
+                before = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+                m.ops.step = sched.step = step
+                if defrag:
+                    m.defragment()
+                b = sched.schedule(at(start))
+                dropped = self._drain_done(at(start)) if sched.done else 0
+                after = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+                deltas = tuple(a - p for a, p in zip(after, before, strict=True))
+                if b.lives:
+                    if grid:
+                        end = start + 1
+                    else:
+                        ops = dict(zip(OP_KINDS, deltas[1:], strict=True))
+                        end = start + cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                                                     b.num_seqs, ops)
+                    free = end
+                    k += 1
+                    empties = 0
+                    queue.appendleft((b, start, end, step, deltas, dropped))
+                else:
+                    empties += 1
+                    if empties >= STALL_STEPS:
+                        raise RuntimeError(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
+                    if all(q[1] is None for q in queue):
+                        clock += spin  # nothing running: the engine spins
+                    queue.appendleft((b, None, None, step, deltas, dropped))
+                if len(queue) < 2 and (b.lives or sched.has_requests()):
+                    continue
+            b, start, end, step, deltas, dropped = queue.pop()
+            if start is None:
+                sched.apply(b, at(clock))  # nothing ran; the scheduler only hears of it
+                continue
+            clock = max(clock, end)
+            m.ops.step = sched.step = step
+            sched.apply(b, at(end))
+            done = dropped + (self._drain_done(at(end)) if sched.done else 0)
+            free_blocks = pool.num_free_blocks
+            record((
+                at(start), at(end) - at(start), len(sched.running), len(sched.waiting), 0, b.num_seqs,
+                b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                free_blocks, pool.num_cached_free, usable - free_blocks,
+                m.id_space_fragmentation(), sched.internal_fragmentation,
+                deltas[0], b.preempted_recompute, 0, deltas[1], deltas[2], deltas[3], deltas[4],
+                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
+            ))  # fmt: skip
+            if check is not None:
+                check(m)
         if self.progress is not None:
             self.progress(self.num_done)

@@ -108,6 +108,14 @@ class WaitQueue:
     def pop(self) -> Live:
         return heapq.heappop(self._q)[-1] if self.priority else self._q.popleft()
 
+    def remove(self, live: Live) -> None:
+        """Take `live` out wherever it is (vLLM's `RequestQueue.remove_request`)."""
+        if self.priority:
+            self._q = [e for e in self._q if e[-1] is not live]
+            heapq.heapify(self._q)
+        else:
+            self._q.remove(live)
+
 
 class BlockedHead:
     """The head of WAITING failed to allocate; tells cheaply, and exactly, when a retry must fail too.
@@ -157,6 +165,7 @@ class Scheduler:
     # Exact shortcuts, switchable so tests can check they change nothing:
     fast_decode = True  # count a mid-block decode's write without calling allocate_slots; go lazy
     skip_blocked_head = True  # use BlockedHead to skip head-of-line retries that must fail
+    live_type: type[Live] = Live  # what `add` makes for a request (sim.async_scheduler keeps more)
 
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
         self.m = manager
@@ -199,7 +208,7 @@ class Scheduler:
             self.log.finish[row] = now
             self.done.append(req)
             return
-        self.waiting.push(Live(req, row, self.max_len))
+        self.waiting.push(self.live_type(req, row, self.max_len))
 
     def _never_fits(self, req: Request) -> str:
         if self.max_len is not None and req.prompt_len >= self.max_len:
