@@ -15,7 +15,7 @@ import torch
 from gpu.kernels import copy_blocks, exchange_blocks, swap_blocks, write_kv
 from gpu.storage import PagedKVStorage
 from gpu.timing import Timer
-from gpu.values import kv_values
+from gpu.values import DeviceValues, device_keys
 
 PAIR_KINDS = ("copy", "swap_out", "swap_in", "move")
 
@@ -34,8 +34,9 @@ def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
 class OpExecutor:
     """Batches data ops and runs them on `storage`, timing each launch under (step, kind)."""
 
-    def __init__(self, storage: PagedKVStorage, timer: Timer, swap_method: str = "kernel"):
+    def __init__(self, storage: PagedKVStorage, timer: Timer, values: DeviceValues, swap_method: str = "kernel"):
         self.st = storage
+        self.values = values
         self.timer = timer
         self.swap_method = swap_method
         self.step = 0
@@ -82,8 +83,7 @@ class OpExecutor:
     def _run_writes(self) -> None:
         st = self.st
         slots = torch.from_numpy(np.concatenate(self._slots)).to(st.device)
-        vals = kv_values(np.concatenate(self._keys), st.num_layers, st.num_kv_heads, st.head_dim)
-        vals = torch.from_numpy(vals).to(device=st.device, dtype=st.dtype)
+        vals = self.values.kv(device_keys(np.concatenate(self._keys), st.device))
         with self.timer(self.step, "write"):
             for layer in range(st.num_layers):
                 write_kv(vals[:, layer, 0], vals[:, layer, 1], st.key(layer), st.value(layer), slots)

@@ -24,13 +24,19 @@ import torch
 from gpu.executor import PAIR_KINDS, OpExecutor
 from gpu.kernels import decode_attention, interpreting
 from gpu.predict import predictor
-from gpu.reference import dense_attention
 from gpu.report import ReplayReport, StepTime
 from gpu.storage import PagedKVStorage
 from gpu.tables import BlockTables
 from gpu.timing import Timer
-from gpu.values import kv_values, prefix_keys, query_values
-from gpu.verify import IntegrityError, Mismatch, compare_attention, compare_kv
+from gpu.values import DeviceValues, device_keys, prefix_keys
+from gpu.verify import (
+    IntegrityError,
+    Mismatch,
+    attention_errors,
+    compare_kv,
+    dense_decode,
+    first_bad,
+)
 from kvcache.ops import Op, read_ops, read_tokens
 
 MAX_ERRORS = 10
@@ -153,11 +159,13 @@ class _Replayer:
                                  dtype=dtype, device=device)
         self.num_heads = kv_heads * q_per_kv
         self.timer = Timer(device)
-        self.ex = OpExecutor(self.st, self.timer, swap_method)
+        self.values = DeviceValues(layers, kv_heads, self.num_heads, head_dim, self.st.device, dtype)
+        self.ex = OpExecutor(self.st, self.timer, self.values, swap_method)
         self.tables = BlockTables()
         self.pred = predictor(config)
         self.window = self.pred.sliding_window
         self._keys: dict[str, np.ndarray] = {}
+        self._step_units: list[tuple[int, str, int]] = []
         geometry = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": self.num_heads,
                     "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu}
         self.report = ReplayReport("", str(device), str(dtype).removeprefix("torch."), geometry,
@@ -178,6 +186,8 @@ class _Replayer:
         rep.predicted_s = {k: self.pred(k, n) for k, n in rep.units.items()}
         for t in rep.step_times:
             t.measured_s = per_step.get(t.step, 0.0)
+        rep.step_kinds = [[step, kind, units, self.timer.calls.get((step, kind), 0), totals.get((step, kind), 0.0)]
+                          for step, kind, units in self._step_units]
         return rep
 
     def _step(self, step: int, ops: list[Op], check: bool) -> None:
@@ -218,8 +228,9 @@ class _Replayer:
         ex.flush()
         if check and written:
             self._verify(step, written)
-        predicted = sum(self.pred(k, n - before[k]) for k, n in rep.units.items())
-        rep.step_times.append(StepTime(step, 0.0, predicted))
+        done = {k: n - before[k] for k, n in rep.units.items() if n > before[k]}
+        self._step_units.extend((step, k, n) for k, n in done.items())
+        rep.step_times.append(StepTime(step, 0.0, sum(self.pred(k, n) for k, n in done.items())))
 
     def _seq_keys(self, seq: str, upto: int, step: int) -> np.ndarray:
         keys = self._keys.get(seq)
@@ -234,61 +245,87 @@ class _Replayer:
 
     # ---------------------------------------------------------------- checks
     def _verify(self, step: int, written: Mapping[str, list[int]]) -> None:
-        """Check each written sequence's K/V, then decode attention for the one-token ones."""
-        st, rep = self.st, self.report
-        decodes = []
+        """Check each written sequence's K/V (all of them in one pass, one device sync), then
+        decode attention for the one-token ones."""
+        rep, bs = self.report, self.bs
+        checks = []  # (seq, tokens this step, extent, positions, blocks)
         for seq, (n_new, newest) in written.items():
             extent = newest + 1
-            pos, blocks, missing = self.tables.slots(seq, extent, self.bs)
+            pos, blocks, missing = self.tables.slots(seq, extent, bs)
             rep.sequence_checks += 1
             if missing >= 0:
-                self._mismatch(1, Mismatch(step, seq, missing, "table", entry=missing // self.bs))
-                continue
-            keys = self._keys[seq]
-            expected = torch.from_numpy(kv_values(keys[pos], st.num_layers, st.num_kv_heads, st.head_dim))
-            n_bad, first = compare_kv(st, pos, blocks, expected.to(st.device, st.dtype), step=step, seq=seq)
-            rep.tokens_verified += len(pos)
-            if first is not None:
-                self._mismatch(n_bad, first)
-            elif n_new == 1:
-                decodes.append((seq, extent, pos, expected))
+                self._mismatch(1, Mismatch(step, seq, missing, "table", entry=missing // bs))
+            else:
+                checks.append((seq, n_new, extent, pos, blocks))
+        if not checks:
+            return
+        pos = np.concatenate([c[3] for c in checks])
+        slots = np.concatenate([c[4] for c in checks]) * bs + pos % bs
+        keys = np.concatenate([self._keys[c[0]][c[3]] for c in checks])
+        rep.tokens_verified += len(pos)
+        bad = set()
+        if self._any_wrong(slots, keys):
+            for seq, _, _, p, b in checks:
+                expected = self.values.kv(device_keys(self._keys[seq][p], self.st.device))
+                n_bad, first = compare_kv(self.st, p, b, expected, step=step, seq=seq)
+                if first is not None:
+                    bad.add(seq)
+                    self._mismatch(n_bad, first)
+        decodes = [(c[0], c[2]) for c in checks if c[1] == 1 and c[0] not in bad]
         if decodes:
             self._check_decodes(step, decodes)
 
-    def _check_decodes(self, step: int, decodes: list) -> None:
+    def _any_wrong(self, slots: np.ndarray, keys: np.ndarray) -> bool:
+        """Whether any of `slots` (every layer, K and V) differs from what its prefix key implies."""
+        st = self.st
+        width = st.num_layers * 2 * st.num_kv_heads * st.head_dim
+        chunk = max(1, (1 << 26) // width)
+        planes = st.slots()
+        wrong = torch.zeros((), dtype=torch.bool, device=st.device)
+        for i in range(0, len(slots), chunk):
+            idx = torch.from_numpy(slots[i : i + chunk]).to(st.device)
+            got = planes.index_select(2, idx).permute(2, 0, 1, 3, 4)
+            wrong |= (got != self.values.kv(device_keys(keys[i : i + chunk], st.device))).any()
+        return bool(wrong)
+
+    def _check_decodes(self, step: int, decodes: list[tuple[str, int]]) -> None:
+        """The paged kernel against dense attention over the expected K/V, every layer, all the
+        step's decodes in one batch (one device sync)."""
         st, rep, bs = self.st, self.report, self.bs
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)
         tables = torch.zeros((len(decodes), pages), dtype=torch.int32)
-        for i, (seq, n, _, _) in enumerate(decodes):
+        for i, (seq, n) in enumerate(decodes):
             row = [max(b, 0) for b in self.tables.rows[seq][: -(-n // bs)]]
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         tables = tables.to(st.device)
         ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
-        q = query_values(np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)]),
-                         st.num_layers, self.num_heads, st.head_dim)
-        q = torch.from_numpy(q).to(st.device, st.dtype)
+        # keys of each sequence's attended positions, right-aligned in a padded [B, span] grid
+        starts = [max(0, n - self.window) if self.window else 0 for n in ctx]
+        span = max(n - a for n, a in zip(ctx, starts, strict=True))
+        grid = np.zeros((len(decodes), span), dtype=np.uint64)
+        valid = np.zeros((len(decodes), span), dtype=bool)
+        for i, (seq, n) in enumerate(decodes):
+            k = self._keys[seq][starts[i] : n]
+            grid[i, span - len(k):] = k
+            valid[i, span - len(k):] = True
+        grid_t, valid_t = device_keys(grid.ravel(), st.device), torch.from_numpy(valid).to(st.device)
+        q = self.values.query(device_keys(grid[:, -1], st.device))  # [B, layers, heads, dim]
+        exact = torch.float64 if st.dtype == torch.float32 else torch.float32
+        errs = []
         for layer in range(st.num_layers):
             with self.timer(step, "attention"):
                 out = decode_attention(q[:, layer], st.key(layer), st.value(layer), tables, ctx_t,
                                        sliding_window=self.window, max_context=max(ctx))
-            dense = torch.stack([self._dense(q[i, layer], d, layer) for i, d in enumerate(decodes)])
-            n_bad, first = compare_attention(out, dense, step=step, seqs=seqs, positions=[n - 1 for n in ctx],
-                                             layer=layer)
-            if first is not None:
-                self._mismatch(n_bad, first)
+            kv = self.values.kv(grid_t, layer, exact).view(len(decodes), span, 2, st.num_kv_heads, st.head_dim)
+            errs.append(attention_errors(out, dense_decode(q[:, layer].to(exact), kv[:, :, 0], kv[:, :, 1], valid_t)))
+        first = first_bad(torch.stack(errs), st.dtype, step=step, seqs=seqs, positions=[n - 1 for n in ctx])
+        if first is not None:
+            self._mismatch(*first)
         self.ex.launches += st.num_layers
         rep.decode_checks += len(decodes)
-        rep.units["attention"] += sum(min(n, self.window or n) for n in ctx)
-
-    def _dense(self, q: torch.Tensor, decode: tuple, layer: int) -> torch.Tensor:
-        """Dense attention of one decode query over the expected K/V of its window."""
-        _, n, pos, expected = decode
-        start = max(0, n - self.window) if self.window else 0
-        keep = torch.from_numpy(pos >= start)
-        kv = expected[keep, layer]  # [n, 2, heads, dim], float32
-        return dense_attention(q.cpu(), kv[:, 0], kv[:, 1])
+        rep.units["attention"] += sum(n - a for n, a in zip(ctx, starts, strict=True))
 
     def _mismatch(self, n: int, first: Mismatch) -> None:
         if self.strict:

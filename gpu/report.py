@@ -39,6 +39,8 @@ class ReplayReport:
     model: str = ""
     gpu: str = ""
     step_times: list[StepTime] = field(default_factory=list)
+    # per (step, kind): [step, kind, units, timed batches, measured seconds]; what `gpu.accuracy` fits
+    step_kinds: list[list] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -53,6 +55,7 @@ class ReplayReport:
             "mismatches": self.mismatches, "errors": self.errors, "measured_s": self.measured_s,
             "predicted_s": self.predicted_s, "scale": self.scale, "model": self.model, "gpu": self.gpu,
             "step_times": [[t.step, t.measured_s, t.predicted_s] for t in self.step_times],
+            "step_kinds": self.step_kinds,
         }
 
     def format(self) -> str:

@@ -15,24 +15,31 @@ class BlockTables:
     def __init__(self) -> None:
         self.rows: dict[str, list[int]] = {}
         self.holders: defaultdict[int, set[str]] = defaultdict(set)
+        self._where: dict[str, dict[int, list[int]]] = {}  # seq -> block -> its entries in the row
 
     def set(self, seq: str, index: int, block: int) -> None:
         """Entry `index` of `seq`'s row is now physical `block`."""
         row = self.rows.setdefault(seq, [])
+        where = self._where.setdefault(seq, {})
         if index >= len(row):
             row.extend([-1] * (index + 1 - len(row)))
         old = row[index]
-        if old > 0 and row.count(old) == 1:
-            self.holders[old].discard(seq)
+        if old > 0:
+            entries = where[old]
+            entries.remove(index)
+            if not entries:
+                del where[old]
+                self.holders[old].discard(seq)
         row[index] = block
         if block > 0:
+            where.setdefault(block, []).append(index)
             self.holders[block].add(seq)
 
     def release(self, seq: str) -> None:
         """Forget `seq`'s row (it was freed, preempted or swapped out)."""
-        for b in self.rows.pop(seq, ()):
-            if b > 0:
-                self.holders[b].discard(seq)
+        self.rows.pop(seq, None)
+        for b in self._where.pop(seq, ()):
+            self.holders[b].discard(seq)
 
     def free(self, block: int) -> list[str]:
         """A free of `block` (ref count 0): every sequence still holding it is gone; returns them."""
@@ -42,10 +49,19 @@ class BlockTables:
         return seqs
 
     def exchange(self, a: int, b: int) -> None:
-        """A defrag move: ids `a` and `b` trade places in every row."""
+        """A defrag move: ids `a` and `b` trade places in every row (cost: the entries they hold)."""
         ha, hb = self.holders.pop(a, set()), self.holders.pop(b, set())
         for s in ha | hb:
-            self.rows[s] = [b if x == a else a if x == b else x for x in self.rows[s]]
+            row, where = self.rows[s], self._where[s]
+            at_a, at_b = where.pop(a, None), where.pop(b, None)
+            if at_a:
+                for i in at_a:
+                    row[i] = b
+                where[b] = at_a
+            if at_b:
+                for i in at_b:
+                    row[i] = a
+                where[a] = at_b
         if ha:
             self.holders[b] = ha
         if hb:

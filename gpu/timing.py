@@ -17,9 +17,11 @@ class Timer:
         self.cuda = device.type == "cuda"
         self._events: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._totals: defaultdict[tuple[int, str], float] = defaultdict(float)
+        self.calls: defaultdict[tuple[int, str], int] = defaultdict(int)  # timed regions per (step, kind)
 
     @contextmanager
     def __call__(self, step: int, kind: str) -> Iterator[None]:
+        self.calls[(step, kind)] += 1
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

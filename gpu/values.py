@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from kvcache import hashing
 
@@ -65,3 +66,48 @@ def kv_values(keys: np.ndarray, num_layers: int, num_kv_heads: int, head_dim: in
 def query_values(keys: np.ndarray, num_layers: int, num_heads: int, head_dim: int) -> np.ndarray:
     """The query a decode step at each of those positions asks: float32 [n, layers, heads, head_dim]."""
     return _quarters(np.asarray(keys, dtype=np.uint64), (num_layers, num_heads, head_dim), 1)
+
+
+class DeviceValues:
+    """`kv_values` and `query_values` computed on the storage's device, bit-equal to the numpy
+    versions: the replay writes and checks millions of tokens, so values never cross PCIe.
+
+    uint64 arithmetic is done in int64 (multiplication wraps mod 2^64 alike); the top 3
+    bits are `(x >> 61) & 7`, which an arithmetic shift gives too.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, num_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.kv_shape = (num_layers, 2, num_kv_heads, head_dim)
+        self.q_shape = (num_layers, num_heads, head_dim)
+        self.dtype = dtype
+        self._kv = self._salts(self.kv_shape, 0, device)
+        self._q = self._salts(self.q_shape, 1, device)
+
+    @staticmethod
+    def _salts(shape: tuple[int, ...], stream: int, device: torch.device) -> torch.Tensor:
+        s = _salts(int(np.prod(shape)), stream).view(np.int64)
+        return torch.from_numpy(s.copy()).to(device).view(shape)
+
+    def _quarters(self, keys: torch.Tensor, salts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = salts.reshape(-1)
+        out = torch.empty((len(keys), flat.numel()), dtype=dtype, device=flat.device)
+        step = max(1, _CHUNK // flat.numel())
+        for i in range(0, len(keys), step):
+            top = ((keys[i : i + step, None] * flat[None, :]) >> 61) & 7
+            out[i : i + step] = (top - 4).to(dtype) * 0.25
+        return out.view(len(keys), *salts.shape)
+
+    def kv(self, keys: torch.Tensor, layer: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """K/V of int64 prefix `keys`: [n, layers, 2, kv heads, dim], or [n, 2, kv heads, dim] of one layer."""
+        salts = self._kv if layer is None else self._kv[layer]
+        return self._quarters(keys, salts, dtype or self.dtype)
+
+    def query(self, keys: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode queries of int64 prefix `keys`: [n, layers, heads, dim]."""
+        return self._quarters(keys, self._q, dtype or self.dtype)
+
+
+def device_keys(keys: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint64 prefix keys as an int64 tensor on `device` (same bits)."""
+    return torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,16 +68,30 @@ def compare_kv(storage: PagedKVStorage, positions: np.ndarray, blocks: np.ndarra
     )
 
 
-def compare_attention(out: torch.Tensor, dense: torch.Tensor, *, step: int, seqs: list[str],
-                      positions: list[int], layer: int) -> tuple[int, Mismatch | None]:
-    """Decode output [B, heads, dim] against dense attention over the expected K/V;
-    returns the number of wrong (sequence, head) rows and the first of them."""
-    atol = ATTENTION_ATOL[out.dtype]
-    err = (out.double() - dense.to(out.device)).abs().amax(-1)  # [B, heads]
-    bad = err > atol
-    n_bad = int(bad.sum())
-    if not n_bad:
-        return 0, None
-    b, head = (int(x) for x in bad.nonzero()[0])
-    return n_bad, Mismatch(step, seqs[b], positions[b], "attention", layer, head,
-                           error=float(err[b, head]), atol=atol)
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Reference decode attention, batched: q [B, heads, D] over k/v [B, S, kv heads, D] where
+    `valid` [B, S]; in q's dtype (pick float32 or float64), explicit softmax. Returns [B, heads, D]."""
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bkgd,bskd->bkgs", qg, k) / math.sqrt(d)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.einsum("bkgs,bskd->bkgd", torch.softmax(scores, dim=-1), v).reshape(b, hq, d)
+
+
+def attention_errors(out: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Largest absolute error per (sequence, head) of a decode output against the reference."""
+    return (out.to(dense.dtype) - dense).abs().amax(-1)
+
+
+def first_bad(errors: torch.Tensor, dtype: torch.dtype, *, step: int, seqs: list[str],
+              positions: list[int]) -> tuple[int, Mismatch] | None:
+    """errors [layers, B, heads] against the dtype's tolerance: None if all within it (one device
+    sync), else the number of wrong (layer, sequence, head) rows and the first of them."""
+    atol = ATTENTION_ATOL[dtype]
+    bad = errors > atol
+    if not bool(bad.any()):
+        return None
+    layer, b, head = (int(x) for x in bad.nonzero()[0])
+    return int(bad.sum()), Mismatch(step, seqs[b], positions[b], "attention", layer, head,
+                                    error=float(errors[layer, b, head]), atol=atol)

@@ -8,7 +8,7 @@ from gpu.executor import OpExecutor
 from gpu.storage import PagedKVStorage
 from gpu.tables import BlockTables
 from gpu.timing import Timer
-from gpu.values import kv_values, prefix_keys
+from gpu.values import DeviceValues, kv_values, prefix_keys
 
 
 def test_table_ops_moves_and_frees():
@@ -37,7 +37,8 @@ def test_null_entries_are_skipped():
 
 def _executor(blocks=8, cpu=4):
     st = PagedKVStorage(1, blocks, 2, 1, 4, num_cpu_blocks=cpu, dtype=torch.float32, device=DEVICE)
-    return st, OpExecutor(st, Timer(st.device))
+    values = DeviceValues(st.num_layers, st.num_kv_heads, st.num_kv_heads, st.head_dim, st.device, st.dtype)
+    return st, OpExecutor(st, Timer(st.device), values)
 
 
 def _block(st, b):

@@ -37,3 +37,16 @@ def test_values_differ_for_a_different_prefix_and_between_k_v_and_q():
     assert not np.array_equal(v[:, :, 0], v[:, :, 1])
     q = query_values(keys, 1, 2, 16)
     assert q.shape == (3, 1, 2, 16) and not np.array_equal(q[:, 0], v[:, 0, 0])
+
+
+def test_device_values_equal_the_numpy_ones_bit_for_bit():
+    from gpu.values import DeviceValues, device_keys
+
+    keys = prefix_keys(np.arange(300) * 7919 % 5003)
+    dv = DeviceValues(3, 2, 4, 16, torch.device("cpu"), torch.float32)
+    t = device_keys(keys, torch.device("cpu"))
+    want = kv_values(keys, 3, 2, 16)
+    assert np.array_equal(dv.kv(t).numpy(), want)
+    assert np.array_equal(dv.kv(t, layer=2).numpy(), want[:, 2])
+    assert np.array_equal(dv.kv(t, dtype=torch.bfloat16).float().numpy(), want)
+    assert np.array_equal(dv.query(t).numpy(), query_values(keys, 3, 4, 16))
