@@ -47,6 +47,7 @@ def gpu_replay(
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
     swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
     as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
+    save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
 ) -> None:
     """Replay a run's block ops on paged KV storage and verify every cached token exactly."""
     dev = _device(device)
@@ -62,6 +63,8 @@ def gpu_replay(
                          swap_method=swap_method, strict=False)
     except (RunFilesError, ConfigError, ValueError) as e:
         _fail(str(e))
+    if save is not None:
+        save.write_text(json.dumps(rep.as_dict()) + "\n")
     typer.echo(json.dumps(rep.as_dict()) if as_json else rep.format())
     if rep.mismatches:
         typer.echo(f"integrity error: {rep.errors[0]}", err=True)
@@ -74,6 +77,7 @@ def calibrate(
     model: Annotated[str, typer.Option("--model", "-m", help="model whose block the op costs are for")] = "llama-3-8b",
     gpu: Annotated[str | None, typer.Option("--gpu", help="datasheet the efficiencies divide by (default: detected)")] = None,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="tokens per block")] = 16,
+    rows: Annotated[Path | None, typer.Option("--rows", help="also write every measurement here (JSON)")] = None,
 ) -> None:
     """Measure the harness's kernels and write a calibration profile for `kvsim run --calibration`."""
     dev = _device(device)
@@ -84,16 +88,18 @@ def calibrate(
     from sim.config import ConfigError
 
     try:
-        profile, rows = measure(dev, model, gpu, block_size)
+        profile, measured = measure(dev, model, gpu, block_size)
     except ConfigError as e:
         _fail(str(e))
     text = json.dumps(profile, indent=2) + "\n"
+    if rows is not None:
+        rows.write_text(json.dumps(measured, indent=1) + "\n")
     if out is None:
         typer.echo(text, nl=False)
-        typer.echo(format_rows(rows), err=True)
+        typer.echo(format_rows(measured), err=True)
         return
     out.write_text(text)
-    typer.echo(format_rows(rows))
+    typer.echo(format_rows(measured))
     typer.echo(f"wrote {out}")
 
 

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Every GPU measurement behind benchmarks/results, in one command, on a bare CUDA machine.
+#
+#   bash benchmarks/gpu_session.sh OUTDIR [PART ...]      PART: env tests bench calibrate steps replay
+#
+# - tests:     every `cuda`-marked test (each kernel against its torch twin at real shapes)
+# - bench:     benchmarks/bench_gpu.py, fp16 at block size 16 and bf16 at block size 32
+# - calibrate: `kvsim calibrate --device cuda` (the profile and every measurement behind it)
+# - steps:     whole synthetic forward steps (gpu.forward_step): Llama-3-8B, and a Llama-3-70B TP-2 rank
+# - replay:    `kvsim run --record-ops` of the default workload and of the first 2,000 Mooncake
+#              conversation requests (swap preemption, online defragmenter), each replayed with
+#              `kvsim gpu-replay --device cuda`, every step verified
+# A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
+# benchmarks/results/README.md). MOONCAKE names the trace (default ../shared/traces/...).
+# QUICK=1 shrinks everything to run on a CPU under Triton's interpreter (a smoke test of this script).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_session.sh OUTDIR [PART ...]}
+shift
+parts=${*:-env tests bench calibrate steps replay}
+mkdir -p "$out"
+if ! python3 -c "import simpy" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvsim-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/kvsim-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+quick=${QUICK:-0}
+device=cuda
+[ "$quick" = 1 ] && device=cpu
+kvsim() { python3 -m sim.cli "$@"; }
+say() { echo "== $(date +%T) $*"; }
+mooncake=${MOONCAKE:-../shared/traces/mooncake/conversation_trace.jsonl}
+
+for part in $parts; do
+    start=$SECONDS
+    case $part in
+    env)
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
+        python3 -c "
+import json, platform, torch, triton
+cuda = torch.cuda.is_available()
+print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 'torch': torch.__version__,
+                  'triton': triton.__version__, 'cuda': torch.version.cuda, 'python': platform.python_version()}))
+" | tee "$out/env.json"
+        ;;
+    tests)
+        say "cuda tests"
+        timeout 300 python3 -m pytest tests/gpu -m cuda -q -p no:cacheprovider -rs 2>&1 | tee "$out/cuda_tests.log" | tail -15
+        ;;
+    bench)
+        q=(); [ "$quick" = 1 ] && q=(--quick --allow-cpu)
+        say "bench fp16 block 16"
+        timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --dtype float16 --block-size 16 \
+            --json "$out/bench_fp16_b16.json" 2>&1 | tee "$out/bench_fp16_b16.log"
+        say "bench bf16 block 32"
+        timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --dtype bfloat16 --block-size 32 \
+            --json "$out/bench_bf16_b32.json" 2>&1 | tee "$out/bench_bf16_b32.log"
+        ;;
+    calibrate)
+        say "calibrate"
+        timeout 240 python3 -m sim.cli calibrate --device $device --out "$out/calibration.json" \
+            --rows "$out/calibration_rows.json" 2>&1 | tee "$out/calibrate.log"
+        ;;
+    steps)
+        if [ "$quick" = 1 ]; then
+            timeout 120 python3 -m gpu.forward_step --quick --out "$out/steps_quick.json" 2>&1 | tail -3
+        else
+            say "forward steps llama-3-8b"
+            timeout 200 python3 -m gpu.forward_step --model llama-3-8b --tp 1 --out "$out/steps_llama-3-8b_tp1.json" \
+                2>&1 | tee "$out/steps_llama-3-8b_tp1.log"
+            say "forward steps llama-3-70b tp2"
+            timeout 200 python3 -m gpu.forward_step --model llama-3-70b --tp 2 --out "$out/steps_llama-3-70b_tp2.json" \
+                2>&1 | tee "$out/steps_llama-3-70b_tp2.log"
+        fi
+        ;;
+    replay)
+        runs=$out/runs
+        mkdir -p "$runs"
+        if [ "$quick" = 1 ]; then
+            printf '{"timestamp": %d, "input_length": 40, "output_length": 3, "hash_ids": [0]}\n' 0 0 1 \
+                > "$runs/mooncake.jsonl"
+            head -3 tests/golden/workloads/multi-turn.jsonl > "$runs/small.jsonl"
+            common=(--num-gpu-blocks 16 --num-cpu-blocks 64 --defrag-threshold 2)
+            geometry_default=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
+            geometry_mooncake=("${geometry_default[@]}")
+            default_src=("$runs/small.jsonl" --num-gpu-blocks 24 --num-cpu-blocks 64 --defrag-threshold 2)
+        else
+            head -2000 "$mooncake" > "$runs/mooncake.jsonl"
+            common=(--num-gpu-blocks 20000 --num-cpu-blocks 20000 --defrag-threshold 256)
+            geometry_default=(--layers 32 --kv-heads 8 --head-dim 128 --q-per-kv 4)  # Llama-3-8B, all layers
+            geometry_mooncake=(--layers "${MOONCAKE_LAYERS:-2}" --kv-heads 8 --head-dim 128 --q-per-kv 4)
+            default_src=(--num-gpu-blocks 300 --num-cpu-blocks 2048 --defrag-threshold 32)
+        fi
+        say "record default"
+        kvsim run "${default_src[@]}" --preemption swap --record-ops --no-plots --out "$runs/default" | tail -12
+        say "replay default"
+        timeout 300 python3 -m sim.cli gpu-replay "$runs/default" --device $device "${geometry_default[@]}" \
+            --save "$runs/replay_default.json"
+        echo "rc $?"
+        say "record mooncake"
+        kvsim run "$runs/mooncake.jsonl" "${common[@]}" --preemption swap --record-ops --no-plots \
+            --out "$runs/mooncake" | tail -12
+        say "replay mooncake"
+        timeout 420 python3 -m sim.cli gpu-replay "$runs/mooncake" --device $device "${geometry_mooncake[@]}" \
+            --save "$runs/replay_mooncake.json"
+        echo "rc $?"
+        mkdir -p "$out/replay"
+        for r in default mooncake; do
+            cp "$runs/replay_$r.json" "$runs/$r/config.json" "$out/replay/" 2>/dev/null
+            mv "$out/replay/config.json" "$out/replay/config_$r.json" 2>/dev/null
+            cp "$runs/$r/summary.json" "$out/replay/summary_$r.json" 2>/dev/null
+        done
+        rm -rf "$runs"
+        ;;
+    *) echo "unknown part $part (env tests bench calibrate steps replay)"; exit 2 ;;
+    esac
+    say "$part took $((SECONDS - start)) s"
+done
