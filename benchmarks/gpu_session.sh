@@ -88,7 +88,8 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
             head -2000 "$mooncake" > "$runs/mooncake.jsonl"
             common=(--num-gpu-blocks 20000 --num-cpu-blocks 20000 --defrag-threshold 256)
             geometry_default=(--layers 32 --kv-heads 8 --head-dim 128 --q-per-kv 4)  # Llama-3-8B, all layers
-            geometry_mooncake=(--layers "${MOONCAKE_LAYERS:-2}" --kv-heads 8 --head-dim 128 --q-per-kv 4)
+            # ~11G token reads to verify: a narrower geometry (real head dim) keeps it inside one run
+            read -ra geometry_mooncake <<< "${MOONCAKE_GEOMETRY:---layers 4 --kv-heads 1 --head-dim 128 --q-per-kv 4}"
             default_src=(--num-gpu-blocks 300 --num-cpu-blocks 2048 --defrag-threshold 32)
         fi
         say "record default"

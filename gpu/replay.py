@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu.executor import PAIR_KINDS, OpExecutor
-from gpu.kernels import decode_attention, interpreting
+from gpu.kernels import count_wrong, decode_attention, interpreting
 from gpu.predict import predictor
 from gpu.report import ReplayReport, StepTime
 from gpu.storage import PagedKVStorage
@@ -84,15 +84,19 @@ def replay_run(
     q_per_kv: int = 2,
     swap_method: str = "kernel",
     strict: bool = True,
+    attention_layers: int | None = None,
 ) -> ReplayReport:
     """Replay `run_dir`'s ops on `device` and verify them (see the module docstring).
 
     dtype: float16 / bfloat16 / float32 (default float16 on CUDA, float32 on CPU).
     strict: raise IntegrityError at the first mismatch; else count them in the report.
+    attention_layers: layers whose decode output is checked against dense attention (default all;
+    the kernel runs, and is timed, on every layer either way).
     """
     ops, tokens, config = load_run(run_dir)
     return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
-                      q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir))
+                      q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir),
+                      attention_layers=attention_layers)
 
 
 def replay_ops(
@@ -110,6 +114,7 @@ def replay_ops(
     swap_method: str = "kernel",
     strict: bool = True,
     run: str = "<ops>",
+    attention_layers: int | None = None,
 ) -> ReplayReport:
     """`replay_run` on ops, tokens and config already in memory (tests inject faults here)."""
     if check_every < 1:
@@ -124,6 +129,7 @@ def replay_ops(
         dtype = DTYPES[dtype]
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     r = _Replayer(ops, tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict)
+    r.attention_layers = layers if attention_layers is None else attention_layers
     r.report.run = run
     return r.run(check_every)
 
@@ -271,61 +277,62 @@ class _Replayer:
                 if first is not None:
                     bad.add(seq)
                     self._mismatch(n_bad, first)
-        decodes = [(c[0], c[2]) for c in checks if c[1] == 1 and c[0] not in bad]
+        decodes = [(c[0], c[2], c[3], c[4]) for c in checks if c[1] == 1 and c[0] not in bad]
         if decodes:
             self._check_decodes(step, decodes)
 
     def _any_wrong(self, slots: np.ndarray, keys: np.ndarray) -> bool:
         """Whether any of `slots` (every layer, K and V) differs from what its prefix key implies."""
         st = self.st
-        width = st.num_layers * 2 * st.num_kv_heads * st.head_dim
-        chunk = max(1, (1 << 26) // width)
-        planes = st.slots()
-        wrong = torch.zeros((), dtype=torch.bool, device=st.device)
-        for i in range(0, len(slots), chunk):
-            idx = torch.from_numpy(slots[i : i + chunk]).to(st.device)
-            got = planes.index_select(2, idx).permute(2, 0, 1, 3, 4)
-            wrong |= (got != self.values.kv(device_keys(keys[i : i + chunk], st.device))).any()
-        return bool(wrong)
+        planes = st.gpu.view(st.num_layers * 2, -1, st.num_kv_heads * st.head_dim)
+        wrong = count_wrong(planes, torch.from_numpy(slots).to(st.device), device_keys(keys, st.device),
+                            self.values.kv_salts)
+        return bool(wrong.any())
 
-    def _check_decodes(self, step: int, decodes: list[tuple[str, int]]) -> None:
-        """The paged kernel against dense attention over the expected K/V, every layer, all the
-        step's decodes in one batch (one device sync)."""
+    def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
+        """The paged kernel on every layer; on the first `attention_layers` layers, its output against
+        dense attention over the same (already verified) K/V gathered densely, all decodes in one batch."""
         st, rep, bs = self.st, self.report, self.bs
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)
         tables = torch.zeros((len(decodes), pages), dtype=torch.int32)
-        for i, (seq, n) in enumerate(decodes):
+        for i, (seq, n, _, _) in enumerate(decodes):
             row = [max(b, 0) for b in self.tables.rows[seq][: -(-n // bs)]]
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         tables = tables.to(st.device)
         ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
-        # keys of each sequence's attended positions, right-aligned in a padded [B, span] grid
-        starts = [max(0, n - self.window) if self.window else 0 for n in ctx]
-        span = max(n - a for n, a in zip(ctx, starts, strict=True))
-        grid = np.zeros((len(decodes), span), dtype=np.uint64)
+        # slots of each sequence's attended positions, right-aligned in a padded [B, span] grid
+        spans = []
+        for _, n, pos, blocks in decodes:
+            keep = pos >= (n - self.window if self.window else 0)
+            spans.append(blocks[keep] * bs + pos[keep] % bs)
+        span = max(len(x) for x in spans)
+        grid = np.zeros((len(decodes), span), dtype=np.int64)
         valid = np.zeros((len(decodes), span), dtype=bool)
-        for i, (seq, n) in enumerate(decodes):
-            k = self._keys[seq][starts[i] : n]
-            grid[i, span - len(k):] = k
-            valid[i, span - len(k):] = True
-        grid_t, valid_t = device_keys(grid.ravel(), st.device), torch.from_numpy(valid).to(st.device)
-        q = self.values.query(device_keys(grid[:, -1], st.device))  # [B, layers, heads, dim]
+        for i, x in enumerate(spans):
+            grid[i, span - len(x):] = x
+            valid[i, span - len(x):] = True
+        grid_t, valid_t = torch.from_numpy(grid).to(st.device), torch.from_numpy(valid).to(st.device)
+        last = np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)], dtype=np.uint64)
+        q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
         exact = torch.float64 if st.dtype == torch.float32 else torch.float32
         errs = []
         for layer in range(st.num_layers):
             with self.timer(step, "attention"):
                 out = decode_attention(q[:, layer], st.key(layer), st.value(layer), tables, ctx_t,
                                        sliding_window=self.window, max_context=max(ctx))
-            kv = self.values.kv(grid_t, layer, exact).view(len(decodes), span, 2, st.num_kv_heads, st.head_dim)
-            errs.append(attention_errors(out, dense_decode(q[:, layer].to(exact), kv[:, :, 0], kv[:, :, 1], valid_t)))
-        first = first_bad(torch.stack(errs), st.dtype, step=step, seqs=seqs, positions=[n - 1 for n in ctx])
-        if first is not None:
-            self._mismatch(*first)
+            if layer < self.attention_layers:
+                k = st.key(layer).reshape(-1, st.num_kv_heads, st.head_dim)[grid_t].to(exact)
+                v = st.value(layer).reshape(-1, st.num_kv_heads, st.head_dim)[grid_t].to(exact)
+                errs.append(attention_errors(out, dense_decode(q[:, layer].to(exact), k, v, valid_t)))
+        if errs:
+            first = first_bad(torch.stack(errs), st.dtype, step=step, seqs=seqs, positions=[n - 1 for n in ctx])
+            if first is not None:
+                self._mismatch(*first)
+            rep.decode_checks += len(decodes)
         self.ex.launches += st.num_layers
-        rep.decode_checks += len(decodes)
-        rep.units["attention"] += sum(n - a for n, a in zip(ctx, starts, strict=True))
+        rep.units["attention"] += sum(len(x) for x in spans)
 
     def _mismatch(self, n: int, first: Mismatch) -> None:
         if self.strict:

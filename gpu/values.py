@@ -89,6 +89,11 @@ class DeviceValues:
         s = _salts(int(np.prod(shape)), stream).view(np.int64)
         return torch.from_numpy(s.copy()).to(device).view(shape)
 
+    @property
+    def kv_salts(self) -> torch.Tensor:
+        """The K/V salts as [layers * 2 planes, kv heads * dim]: `gpu.kernels.count_wrong`'s layout."""
+        return self._kv.view(self.kv_shape[0] * 2, -1)
+
     def _quarters(self, keys: torch.Tensor, salts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = salts.reshape(-1)
         out = torch.empty((len(keys), flat.numel()), dtype=dtype, device=flat.device)

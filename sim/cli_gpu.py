@@ -44,6 +44,8 @@ def gpu_replay(
     head_dim: Annotated[int, typer.Option("--head-dim", help="dimension per head")] = 16,
     q_per_kv: Annotated[int, typer.Option("--q-per-kv", help="query heads per KV head (GQA)")] = 2,
     check_every: Annotated[int, typer.Option("--check-every", help="verify every N-th step")] = 1,
+    attention_layers: Annotated[int | None, typer.Option(
+        "--attention-layers", help="layers whose decode output is checked against dense attention (default all)")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
     swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
     as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
@@ -60,7 +62,7 @@ def gpu_replay(
 
     try:
         rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
-                         swap_method=swap_method, strict=False)
+                         swap_method=swap_method, strict=False, attention_layers=attention_layers)
     except (RunFilesError, ConfigError, ValueError) as e:
         _fail(str(e))
     if save is not None:

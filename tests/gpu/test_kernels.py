@@ -139,3 +139,21 @@ def test_decode_attention_long_context_on_cuda():
     out = decode_attention(q, kc, vc, tables, ctx)
     ref = decode_attention_ref(q, kc, vc, tables, ctx)
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)
+
+
+def test_count_wrong_counts_exactly_the_values_that_differ_from_their_keys():
+    import numpy as np
+
+    from gpu.kernels import count_wrong
+    from gpu.values import DeviceValues, device_keys, prefix_keys
+
+    dv = DeviceValues(2, H, 2 * H, D, torch.device(DEVICE), torch.float16)
+    keys = device_keys(prefix_keys(np.arange(40) % 13), torch.device(DEVICE))
+    planes = torch.zeros((2 * 2, 64, H * D), dtype=torch.float16, device=DEVICE)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40].to(DEVICE)
+    planes[:, slots] = dv.kv(keys).reshape(40, 4, H * D).permute(1, 0, 2)
+    assert int(count_wrong(planes, slots, keys, dv.kv_salts).sum()) == 0
+    planes[3, slots[7], 5] += 0.25
+    planes[0, slots[39], :3] = 9.0
+    wrong = count_wrong(planes, slots, keys, dv.kv_salts)
+    assert wrong.nonzero().tolist() == [[0, 39], [3, 7]] and wrong[0, 39] == 3
