@@ -58,8 +58,8 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         ;;
     calibrate)
         say "calibrate"
-        timeout 240 python3 -m sim.cli calibrate --device $device --out "$out/calibration.json" \
-            --rows "$out/calibration_rows.json" 2>&1 | tee "$out/calibrate.log"
+        timeout 300 python3 -m sim.cli calibrate --device $device --out "$out/calibration.json" \
+            --rows "$out/calibration_rows.json" 2>&1 | tee "$out/calibrate.log" | grep -v "^\["
         ;;
     steps)
         if [ "$quick" = 1 ]; then
@@ -96,7 +96,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         kvsim run "${default_src[@]}" --preemption swap --record-ops --no-plots --out "$runs/default" | tail -12
         say "replay default"
         timeout 300 python3 -m sim.cli gpu-replay "$runs/default" --device $device "${geometry_default[@]}" \
-            --save "$runs/replay_default.json"
+            ${DEFAULT_REPLAY_ARGS:-} --save "$runs/replay_default.json"
         echo "rc $?"
         say "record mooncake"
         kvsim run "$runs/mooncake.jsonl" "${common[@]}" --preemption swap --record-ops --no-plots \
@@ -107,11 +107,12 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         echo "rc $?"
         mkdir -p "$out/replay"
         for r in default mooncake; do
+            [ -f "$runs/replay_$r.json" ] || continue
             cp "$runs/replay_$r.json" "$runs/$r/config.json" "$out/replay/" 2>/dev/null
             mv "$out/replay/config.json" "$out/replay/config_$r.json" 2>/dev/null
             cp "$runs/$r/summary.json" "$out/replay/summary_$r.json" 2>/dev/null
         done
-        rm -rf "$runs"
+        rm -rf "$runs"/default "$runs"/mooncake "$runs"/*.jsonl
         ;;
     *) echo "unknown part $part (env tests bench calibrate steps replay)"; exit 2 ;;
     esac

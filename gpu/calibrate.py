@@ -62,7 +62,12 @@ def detect_gpu(device: torch.device, gpu: str | None = None) -> str:
     """The catalogue name of `gpu`, or of the CUDA device by its name (default h100-sxm)."""
     if gpu is not None or device.type != "cuda":
         return gpu or "h100-sxm"
-    name = torch.cuda.get_device_name(device).lower()
+    return gpu_of_name(torch.cuda.get_device_name(device))
+
+
+def gpu_of_name(device_name: str | None) -> str:
+    """The catalogue GPU of a device name as torch reports it (h100-sxm if unknown)."""
+    name = (device_name or "").lower()
     for key, spec in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g"), ("l40s", "l40s")):
         if key in name:
             return spec
@@ -160,39 +165,102 @@ def _launch_floor(bench: _Bench, g: Geometry, dtype: torch.dtype) -> float:
     return bench("launch_floor_step", step, 0.0, layers=g.layers)
 
 
+STEP_MODELS = (("llama-3-8b", 1), ("llama-3-70b", 2))  # whole forward steps measured on CUDA (model, TP)
+
+
 def calibrate(device: str = "cuda", model: str = "llama-3-8b", gpu: str | None = None,
-              block_size: int = 16) -> tuple[dict, list[dict]]:
-    """Run the measurements; returns (the calibration profile, every measurement as a dict)."""
-    from sim.catalog import get_gpu, get_model
-    from sim.cost_model import CALIBRATION_VERSION, DEFAULT_OVERHEAD_S, OP_KINDS, CostModel
+              block_size: int = 16, step_models: tuple[tuple[str, int], ...] | None = None,
+              progress=None) -> tuple[dict, list[dict]]:
+    """Run the measurements; returns (the calibration profile, every measurement as a dict).
+
+    On CUDA this also times whole synthetic forward steps of `step_models` (`gpu.forward_step`),
+    from which the cost model's efficiencies and overhead are fitted (`gpu.accuracy.fit_steps`).
+    """
+    from gpu.forward_step import run_grid
+    from sim.catalog import get_model
 
     dev = torch.device(device)
-    spec, m = get_gpu(detect_gpu(dev, gpu)), get_model(model)
-    block_bytes = CostModel(m, spec, block_size=block_size).kv_bytes_per_block
+    gpu_name = detect_gpu(dev, gpu)
+    m = get_model(model)
     g = _geometry(dev, m, block_size)
     bench = _Bench(dev, g.iters)
     dtype = torch.float16
-    rate = _block_op_rates(bench, g, dtype)
+    _block_op_rates(bench, g, dtype)
     _write_kv(bench, g, dtype)
-    memory = _decode_best_rate(bench, g, dtype) / spec.hbm_bw
-    compute = _matmul_flops(bench, g) / spec.peak_flops
-    floor = _launch_floor(bench, g, dtype)
-    profile = {
-        "version": CALIBRATION_VERSION,
-        "device": spec.name if dev.type == "cuda" else "cpu-interpreter",
-        "efficiency": {"compute": min(1.0, compute), "memory": min(1.0, memory)},
-        "overhead_s": max(DEFAULT_OVERHEAD_S, floor),
-        "op_cost_s": {k: block_bytes / rate[k] for k in OP_KINDS},
-    }
-    return profile, bench.rows
+    _decode_best_rate(bench, g, dtype)
+    _matmul_flops(bench, g)
+    _launch_floor(bench, g, dtype)
+    rows = [{**r, "block_bytes": _geometry_block_bytes(g, dtype)} if r["name"] in _OP_ROWS else r
+            for r in bench.rows]
+    if step_models is None:
+        step_models = STEP_MODELS if dev.type == "cuda" else ()
+    for name, tp in step_models:
+        for r in run_grid(name, tp, dev, progress=progress):
+            rows.append({**r, "name": "forward_step", "seconds": r["measured_s"], "bytes": 0.0})
+    profile = build_profile(rows, model, gpu_name, block_size, cuda=dev.type == "cuda")
+    return profile, rows
+
+
+_OP_ROWS = {"copy_blocks": ("copy", 2), "exchange_blocks": ("move", 4), "swap_out": ("swap_out", 1),
+            "swap_in": ("swap_in", 1)}  # row name -> (op kind, bytes moved per block of the op)
+
+
+def _geometry_block_bytes(g: Geometry, dtype: torch.dtype) -> int:
+    return 2 * g.layers * g.block_size * g.kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, cuda: bool = True) -> dict:
+    """The calibration profile from measurements (also those of an earlier run: `kvsim calibrate --refit`).
+
+    op_cost_s: the model's block over the best bandwidth each block op reached. Efficiencies,
+    serial fraction and overhead: fitted to the forward steps when there are any; else the
+    best decode bandwidth and matmul rate as fractions of the datasheet, and the launch floor.
+    """
+    from gpu.accuracy import fit_steps
+    from sim.catalog import get_gpu, get_model
+    from sim.cost_model import CALIBRATION_VERSION, DEFAULT_OVERHEAD_S, OP_KINDS, CostModel
+
+    spec = get_gpu(gpu)
+    block_bytes = CostModel(get_model(model), spec, block_size=block_size).kv_bytes_per_block
+    rate: dict[str, float] = {}
+    for r in rows:
+        if r["name"] in _OP_ROWS:
+            kind, per_block = _OP_ROWS[r["name"]]
+            rate[kind] = max(rate.get(kind, 0.0), r["bytes"] / per_block / r["seconds"])
+    missing = [k for k in OP_KINDS if k not in rate]
+    if missing:
+        raise ValueError(f"the measurements lack the block ops {', '.join(missing)}")
+    profile = {"version": CALIBRATION_VERSION, "device": spec.name if cuda else "cpu-interpreter"}
+    steps = [r for r in rows if r["name"] == "forward_step"]
+    if steps:
+        cal = fit_steps(steps, spec.name)
+        profile["efficiency"] = {"compute": cal.compute, "attention": cal.attention, "memory": cal.memory}
+        profile["serial_fraction"] = cal.serial_fraction
+        profile["overhead_s"] = cal.overhead_s
+    else:
+        decode = max(r["bytes"] / r["seconds"] for r in rows if r["name"] == "decode_attention")
+        matmul = max(r["TFLOP_per_s"] * 1e12 for r in rows if r["name"] == "matmul")
+        floor = max(r["seconds"] for r in rows if r["name"] == "launch_floor_step")
+        profile["efficiency"] = {"compute": min(1.0, matmul / spec.peak_flops),
+                                 "memory": min(1.0, decode / spec.hbm_bw)}
+        profile["overhead_s"] = max(DEFAULT_OVERHEAD_S, floor)
+    profile["op_cost_s"] = {k: block_bytes / rate[k] for k in OP_KINDS}
+    return profile
 
 
 def format_rows(rows: list[dict]) -> str:
-    """The measurements as one line each."""
+    """The measurements as one line each (forward steps: one line per model)."""
     lines = []
     for r in rows:
+        if r["name"] == "forward_step":
+            continue
         params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                           for k, v in r.items() if k not in ("name", "seconds", "bytes", "GB_per_s"))
+                           for k, v in r.items() if k not in ("name", "seconds", "bytes", "GB_per_s", "block_bytes"))
         rate = f"{r['GB_per_s']:10.2f} GB/s" if r["bytes"] else " " * 15
         lines.append(f"{r['name']:<18} {r['seconds'] * 1e6:12.1f} us {rate}  {params}")
+    steps: dict[tuple, int] = {}
+    for r in rows:
+        if r["name"] == "forward_step":
+            steps[(r["model"], r["tp"])] = steps.get((r["model"], r["tp"]), 0) + 1
+    lines += [f"forward_step       {n} steps of {model} tp {tp}" for (model, tp), n in steps.items()]
     return "\n".join(lines)

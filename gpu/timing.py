@@ -1,4 +1,10 @@
-"""Kernel time per (step, kind): CUDA events on a GPU, read once at the end; perf_counter on CPU."""
+"""Kernel time per (step, kind): CUDA events on a GPU, read once at the end; perf_counter on CPU.
+
+A replay launches its kernels from Python, often slower than the GPU runs them, and events
+around such a region would time the host. So each region starts with a spin kernel a little
+longer than the host took to enqueue that kind's last region: the GPU reaches the start event
+only once the region's kernels are queued, and the events time the kernels alone.
+"""
 
 from __future__ import annotations
 
@@ -18,14 +24,20 @@ class Timer:
         self._events: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._totals: defaultdict[tuple[int, str], float] = defaultdict(float)
         self.calls: defaultdict[tuple[int, str], int] = defaultdict(int)  # timed regions per (step, kind)
+        self._enqueue_s: dict[str, float] = {}  # host seconds the last region of each kind took
+        # SM clock (kHz in the properties, where torch has it) for the spin's cycle count
+        self._hz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 1_980_000) * 1e3 if self.cuda else 0.0
 
     @contextmanager
     def __call__(self, step: int, kind: str) -> Iterator[None]:
         self.calls[(step, kind)] += 1
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(self._hz * (1.5 * self._enqueue_s.get(kind, 1e-3) + 20e-6)))
             start.record()
+            t0 = time.perf_counter()
             yield
+            self._enqueue_s[kind] = time.perf_counter() - t0
             end.record()
             self._events.append((step, kind, start, end))
         else:

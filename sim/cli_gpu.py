@@ -80,19 +80,27 @@ def calibrate(
     gpu: Annotated[str | None, typer.Option("--gpu", help="datasheet the efficiencies divide by (default: detected)")] = None,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="tokens per block")] = 16,
     rows: Annotated[Path | None, typer.Option("--rows", help="also write every measurement here (JSON)")] = None,
+    refit: Annotated[Path | None, typer.Option(
+        "--refit", help="no measuring: build the profile from the measurements an earlier --rows wrote")] = None,
 ) -> None:
-    """Measure the harness's kernels and write a calibration profile for `kvsim run --calibration`."""
-    dev = _device(device)
+    """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
+    and write a calibration profile for `kvsim run --calibration`."""
     if block_size < 1:
         _fail(f"--block-size must be >= 1, got {block_size}")
-    from gpu.calibrate import calibrate as measure
-    from gpu.calibrate import format_rows
-    from sim.config import ConfigError
+    if refit is not None:
+        measured, profile = _refit(refit, model, gpu, block_size)
+    else:
+        dev = _device(device)
+        from gpu.calibrate import calibrate as measure
+        from sim.config import ConfigError
 
-    try:
-        profile, measured = measure(dev, model, gpu, block_size)
-    except ConfigError as e:
-        _fail(str(e))
+        try:
+            profile, measured = measure(dev, model, gpu, block_size,
+                                        progress=lambda line: typer.echo(line, err=True))
+        except ConfigError as e:
+            _fail(str(e))
+    from gpu.calibrate import format_rows
+
     text = json.dumps(profile, indent=2) + "\n"
     if rows is not None:
         rows.write_text(json.dumps(measured, indent=1) + "\n")
@@ -103,6 +111,28 @@ def calibrate(
     out.write_text(text)
     typer.echo(format_rows(measured))
     typer.echo(f"wrote {out}")
+
+
+def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[list[dict], dict]:
+    """Measurements from `path` and the profile built from them; bad files fail naming the file."""
+    from sim.config import ConfigError
+
+    try:
+        measured = json.loads(path.read_text())
+    except OSError as e:
+        _fail(f"{path}: cannot read ({e.strerror or e})")
+    except json.JSONDecodeError as e:
+        _fail(f"{path}: not JSON ({e.msg}, line {e.lineno})")
+    if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):
+        _fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
+    from gpu.calibrate import build_profile, gpu_of_name
+
+    device = next((r["device"] for r in measured if r.get("name") == "forward_step"), None)
+    name = gpu or gpu_of_name(device)
+    try:
+        return measured, build_profile(measured, model, name, block_size, cuda=device is not None)
+    except (ConfigError, KeyError, ValueError) as e:
+        _fail(f"{path}: {e}")
 
 
 def register(app: typer.Typer) -> None:

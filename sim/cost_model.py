@@ -7,7 +7,8 @@ shards. Per GPU:
               / (peak_flops * efficiency.compute)
     memory  = (weight bytes/TP + KV bytes per token * (context + tokens))
               / (hbm_bw * efficiency.memory)
-    step    = max(compute, memory) + block ops + TP all-reduce + overhead_s
+    step    = max(compute, memory) + serial_fraction * min(compute, memory)
+              + block ops + TP all-reduce + overhead_s
 
 `pairs` are the (query, key) pairs attention scores; it is estimated from the
 step's totals (exact for an all-decode step and for a single prefill chunk):
@@ -20,13 +21,21 @@ Block ops cost, each: copy 2 * block bytes / HBM bw (read + write), move
 swap_out / swap_in block bytes / PCIe bw. The TP all-reduce is two per layer
 of tokens * hidden * dtype bytes over NVLink (PCIe without it).
 
-Defaults: efficiency.compute 0.5, efficiency.memory 0.8, overhead_s 1 ms
-(scheduler + launch + sampling on the host). A calibration profile measured
-on a GPU (`SimConfig.calibration`) overrides any of them; its JSON schema,
+The attention-score term divides by efficiency.attention instead (attention
+kernels reach a different fraction of peak than GEMMs), and serial_fraction is
+the share of the shorter of compute and memory time that does not overlap the
+longer (0: a pure roofline).
+
+Defaults: efficiency.compute 0.5, efficiency.attention = compute,
+efficiency.memory 0.8, serial_fraction 0, overhead_s 1 ms (scheduler + launch
++ sampling on the host). A calibration profile measured on a GPU
+(`SimConfig.calibration`, written by `kvsim calibrate`, which fits these
+factors to measured forward steps) overrides any of them; its JSON schema,
 every key optional:
 
     {"version": 1, "device": "h100-sxm",
-     "efficiency": {"compute": 0.55, "memory": 0.82}, "overhead_s": 0.0012,
+     "efficiency": {"compute": 0.55, "attention": 0.4, "memory": 0.82},
+     "serial_fraction": 0.3, "overhead_s": 0.0012,
      "op_cost_s": {"copy": 2e-6, "swap_out": 5e-5, "swap_in": 5e-5, "move": 4e-6}}
 """
 
@@ -58,6 +67,8 @@ class Calibration:
     compute: float = DEFAULT_COMPUTE_EFFICIENCY
     memory: float = DEFAULT_MEMORY_EFFICIENCY
     overhead_s: float = DEFAULT_OVERHEAD_S
+    attention: float | None = None  # None: the compute efficiency
+    serial_fraction: float = 0.0
     op_cost_s: tuple[tuple[str, float], ...] = ()
     device: str | None = None
 
@@ -73,7 +84,7 @@ def load_calibration(path: str | Path) -> Calibration:
         raise ConfigError(f"calibration {p}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"calibration {p}: expected a JSON object")
-    _check_keys(p, "", data, {"version", "device", "efficiency", "overhead_s", "op_cost_s"})
+    _check_keys(p, "", data, {"version", "device", "efficiency", "serial_fraction", "overhead_s", "op_cost_s"})
     version = data.get("version", CALIBRATION_VERSION)
     if version != CALIBRATION_VERSION:
         raise ConfigError(
@@ -85,7 +96,7 @@ def load_calibration(path: str | Path) -> Calibration:
     eff = data.get("efficiency", {})
     if not isinstance(eff, dict):
         raise ConfigError(f"calibration {p}: 'efficiency' must be an object")
-    _check_keys(p, "efficiency.", eff, {"compute", "memory"})
+    _check_keys(p, "efficiency.", eff, {"compute", "attention", "memory"})
     ops = data.get("op_cost_s", {})
     if not isinstance(ops, dict):
         raise ConfigError(f"calibration {p}: 'op_cost_s' must be an object")
@@ -98,6 +109,8 @@ def load_calibration(path: str | Path) -> Calibration:
             p, "efficiency.memory", eff.get("memory", DEFAULT_MEMORY_EFFICIENCY), positive=True
         ),
         overhead_s=_number(p, "overhead_s", data.get("overhead_s", DEFAULT_OVERHEAD_S)),
+        attention=_number(p, "efficiency.attention", eff["attention"], positive=True) if "attention" in eff else None,
+        serial_fraction=_number(p, "serial_fraction", data.get("serial_fraction", 0.0)),
         op_cost_s=tuple((k, _number(p, f"op_cost_s.{k}", v)) for k, v in ops.items()),
         device=device,
     )
@@ -153,13 +166,15 @@ class CostModel:
         compute_rate = gpu.peak_flops * cal.compute
         mem_rate = gpu.hbm_bw * cal.memory
         self._s_per_token_flops = 2 * model.num_params / tp / compute_rate
+        attention_rate = gpu.peak_flops * (cal.attention or cal.compute)
         self._s_per_pair = (
-            4 * model.num_layers * (model.num_heads // tp) * model.head_dim / compute_rate
+            4 * model.num_layers * (model.num_heads // tp) * model.head_dim / attention_rate
         )
+        self._serial = cal.serial_fraction
         self._s_weights = self.weight_bytes / mem_rate
         self._s_per_kv_token = self.kv_bytes_per_token / mem_rate
         link = gpu.nvlink_bw or gpu.pcie_bw
-        self._s_allreduce_per_token = (
+        self.allreduce_s_per_token = (
             2 * model.num_layers * model.hidden_size * dt / link if tp > 1 else 0.0
         )
         self.overhead_s = cal.overhead_s
@@ -254,7 +269,11 @@ class CostModel:
                 pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
             compute = tokens * self._s_per_token_flops + pairs * self._s_per_pair
             memory = self._s_weights + (ctx + tokens) * self._s_per_kv_token
-            t += (compute if compute > memory else memory) + tokens * self._s_allreduce_per_token
+            if compute > memory:
+                t += compute + self._serial * memory
+            else:
+                t += memory + self._serial * compute
+            t += tokens * self.allreduce_s_per_token
         if op_counts:
             for kind, cost in self._op_items:
                 n = op_counts.get(kind)

@@ -1,0 +1,122 @@
+"""How far the cost model's step and op times are from measured ones, and the calibration that
+brings them closest (numpy only: runs on any machine from measurements taken on a GPU).
+
+Step rows come from `gpu.forward_step` (one synthetic forward step each, in `CostModel.step_time`'s
+terms); the TP all-reduce is not in those measurements, so it is left out of the prediction too.
+Fitting follows Vidur's approach of profiling operators, with the cost model's five factors
+(efficiency.compute / attention / memory, serial_fraction, overhead_s) chosen to minimise the
+mean squared log error over every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from sim.catalog import get_gpu, get_model
+from sim.cost_model import Calibration, CostModel
+
+_OFF = 1e12  # an efficiency that makes a term vanish
+
+
+def error_stats(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, float]:
+    """Median, p90 and max of |predicted / measured - 1| (and the count)."""
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    e = np.abs(p / m - 1.0)
+    if not len(e):
+        return {"n": 0}
+    return {"n": int(len(e)), "median": float(np.median(e)), "p90": float(np.percentile(e, 90)),
+            "max": float(e.max())}
+
+
+def _terms(rows: Sequence[Mapping], gpu: str) -> np.ndarray:
+    """Per row at efficiency 1: GEMM seconds, attention-score seconds, memory seconds."""
+    out = []
+    for r in rows:
+        args = (r["prefill_tokens"], r["decode_tokens"], r["context_tokens"], r["num_seqs"])
+        cols = []
+        for c, a, m in ((1.0, _OFF, _OFF), (_OFF, 1.0, _OFF), (_OFF, _OFF, 1.0)):
+            cal = Calibration(compute=c, attention=a, memory=m, overhead_s=0.0)
+            cm = CostModel(get_model(r["model"]), get_gpu(gpu), int(r["tp"]), calibration=cal)
+            cols.append(cm.step_time(*args) - (args[0] + args[1]) * cm.allreduce_s_per_token)
+        out.append(cols)
+    return np.array(out)
+
+
+def _predict(terms: np.ndarray, compute: float, attention: float, memory: float, serial: float,
+             overhead: float) -> np.ndarray:
+    c = terms[:, 0] / compute + terms[:, 1] / attention
+    m = terms[:, 2] / memory
+    return overhead + np.maximum(c, m) + serial * np.minimum(c, m)
+
+
+def predict_steps(rows: Sequence[Mapping], calibration: Calibration | None, gpu: str) -> np.ndarray:
+    """The cost model's step time for each measured row (TP all-reduce excluded)."""
+    cal = calibration or Calibration()
+    return _predict(_terms(rows, gpu), cal.compute, cal.attention or cal.compute, cal.memory,
+                    cal.serial_fraction, cal.overhead_s)
+
+
+def fit_steps(rows: Sequence[Mapping], gpu: str) -> Calibration:
+    """The efficiencies, serial fraction and overhead that fit the measured steps best."""
+    if len(rows) < 5:
+        raise ValueError(f"fitting five factors needs at least 5 measured steps, got {len(rows)}")
+    terms = _terms(rows, gpu)
+    measured = np.array([r["measured_s"] for r in rows], dtype=float)
+
+    def unpack(x: np.ndarray) -> tuple[float, ...]:
+        eff = 1.0 / (1.0 + np.exp(-x[:3]))  # each efficiency in (0, 1)
+        serial = 1.0 / (1.0 + np.exp(-x[3]))
+        return (*eff, serial, float(np.exp(x[4])))
+
+    def loss(x: np.ndarray) -> float:
+        return float(np.mean(np.log(_predict(terms, *unpack(x)) / measured) ** 2))
+
+    x = _nelder_mead(loss, np.array([0.0, 0.0, 1.4, -2.0, np.log(1e-3)]))
+    c, a, m, s, o = unpack(x)
+    return replace(Calibration(), compute=c, attention=a, memory=m, serial_fraction=s, overhead_s=o)
+
+
+def _nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 4000, tol: float = 1e-12) -> np.ndarray:
+    """Minimise f from x0 (the standard reflect / expand / contract / shrink simplex)."""
+    n = len(x0)
+    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] < tol:
+            break
+        centre = np.mean(pts[:-1], axis=0)
+        refl = centre + (centre - pts[-1])
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = centre + 2 * (centre - pts[-1])
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = centre + 0.5 * (pts[-1] - centre)
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
+                vals = [f(p) for p in pts]
+    return pts[int(np.argmin(vals))]
+
+
+def step_accuracy(rows: Sequence[Mapping], gpu: str, calibration: Calibration | None) -> dict:
+    """Step-time error of the uncalibrated and the calibrated model, overall and per (model, tp)."""
+    measured = [r["measured_s"] for r in rows]
+    out: dict = {}
+    for name, cal in (("uncalibrated", None), ("calibrated", calibration)):
+        pred = predict_steps(rows, cal, gpu)
+        out[name] = {"all": error_stats(pred, measured)}
+        for key in sorted({(r["model"], int(r["tp"])) for r in rows}):
+            idx = [i for i, r in enumerate(rows) if (r["model"], int(r["tp"])) == key]
+            out[name][f"{key[0]} tp{key[1]}"] = error_stats(pred[idx], [measured[i] for i in idx])
+    return out
