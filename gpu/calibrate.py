@@ -256,7 +256,7 @@ def format_rows(rows: list[dict]) -> str:
             continue
         params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in r.items() if k not in ("name", "seconds", "bytes", "GB_per_s", "block_bytes"))
-        rate = f"{r['GB_per_s']:10.2f} GB/s" if r["bytes"] else " " * 15
+        rate = f"{r['bytes'] / r['seconds'] / 1e9:10.2f} GB/s" if r["bytes"] else " " * 15
         lines.append(f"{r['name']:<18} {r['seconds'] * 1e6:12.1f} us {rate}  {params}")
     steps: dict[tuple, int] = {}
     for r in rows:
