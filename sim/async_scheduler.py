@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from kvcache.manager import KVCacheManager
 from kvcache.sequence import Sequence
 from sim.config import ConfigError, SimConfig
-from sim.metrics import FINISHED, REJECTED, TRUNCATED, RequestLog
+from sim.metrics import FINISHED, RequestLog
 from sim.scheduler import Batch, Live, Scheduler
 from workloads.request import Request
 
@@ -172,7 +172,7 @@ class AsyncScheduler(Scheduler):
         b.preempted_recompute += 1
 
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
-        m, log, running, waiting = self.m, self.log, self.running, self.waiting
+        m, running, waiting = self.m, self.running, self.waiting
         skipped: list[Live] = []
         while waiting and budget > 0:
             if len(running) >= self.max_seqs:
@@ -195,24 +195,11 @@ class AsyncScheduler(Scheduler):
                 if held:
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
-                if seq.num_output_tokens:
-                    self._retire(live, TRUNCATED, "context_exceeds_cache", now)
-                else:
-                    self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+                self._retire_never_fits(live, now)
                 continue
             waiting.pop()
-            seq.num_computed_tokens = hit
-            self._join(live)
-            self._add(b, live, n)
+            self._admit(b, live, hit, n, now)
             budget -= n
-            row = live.row
-            if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
-                log.first_scheduled[row] = now
-                log.first_scheduled_step[row] = self.step
-                log.hit_tokens[row] = hit
-                b.admitted += 1
-                b.admitted_prompt_tokens += seq.num_prompt_tokens
-                b.admitted_hit_tokens += hit
         for live in reversed(skipped):
             waiting.push(live, front=True)
 

@@ -414,7 +414,7 @@ class Scheduler:
         self._retire(live, TRUNCATED, "context_exceeds_cache", now)
 
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
-        m, log, running, waiting = self.m, self.log, self.running, self.waiting
+        m, running, waiting = self.m, self.running, self.waiting
         while waiting and budget > 0:
             live = waiting.peek()
             width = live.req.n if live.seq is None else 1
@@ -442,24 +442,33 @@ class Scheduler:
                         self._blocked = BlockedHead(m, live, blocks, hit, n, self.lookahead, held)
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit
-                if seq.num_output_tokens:
-                    self._retire(live, TRUNCATED, "context_exceeds_cache", now)
-                else:
-                    self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+                self._retire_never_fits(live, now)
                 continue
             waiting.pop()
-            seq.num_computed_tokens = hit
-            self._join(live)
-            self._add(b, live, n)
+            self._admit(b, live, hit, n, now)
             budget -= n
-            row = live.row
-            if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
-                log.first_scheduled[row] = now
-                log.first_scheduled_step[row] = self.step
-                log.hit_tokens[row] = hit
-                b.admitted += 1
-                b.admitted_prompt_tokens += seq.num_prompt_tokens
-                b.admitted_hit_tokens += hit
+
+    def _retire_never_fits(self, live: Live, now: float) -> None:
+        """A waiting request that cannot fit even with nothing else holding blocks."""
+        if live.seq.num_output_tokens:
+            self._retire(live, TRUNCATED, "context_exceeds_cache", now)
+        else:
+            self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+
+    def _admit(self, b: Batch, live: Live, hit: int, n: int, now: float) -> None:
+        """Run a waiting request whose `n` tokens after `hit` cached ones got slots; log a first admission."""
+        seq = live.seq
+        seq.num_computed_tokens = hit
+        self._join(live)
+        self._add(b, live, n)
+        log, row = self.log, live.row
+        if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
+            log.first_scheduled[row] = now
+            log.first_scheduled_step[row] = self.step
+            log.hit_tokens[row] = hit
+            b.admitted += 1
+            b.admitted_prompt_tokens += seq.num_prompt_tokens
+            b.admitted_hit_tokens += hit
 
     def _materialise(self, live: Live) -> Sequence:
         req = live.req
