@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Install vLLM 0.33.0 on a CPU-only machine, for `kvsim conform` and tests/sim/test_vllm_ref.py.
+# Install vLLM 0.33.0 on a CPU-only machine, for `kvsim conform` and tests/sim/conform/test_vllm_ref.py.
 #
-# kvsim drives only vLLM's scheduler and KV-cache manager (sim/vllm_ref.py). The vllm wheel
+# kvsim drives only vLLM's scheduler and KV-cache manager (sim/conform/vllm_cache.py). The vllm wheel
 # declares a CUDA torch 2.14 and ~80 GPU and serving packages, so it goes in with --no-deps,
 # followed by exactly what those modules import (.ci/vllm-cpu-requirements.txt, the whole
 # closure, also --no-deps so nothing can pull a CUDA torch). torch (CPU) must already be
@@ -29,4 +29,4 @@ fi
 
 # Both reference drivers on a two-request workload; the first run also has vLLM inspect the
 # Llama model class once (~15 s) and cache it under ~/.cache/vllm, so later runs start fast.
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m sim.vllm_ref
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m sim.conform

@@ -11,7 +11,7 @@ Figures and targets (reported, not asserted; `--json` records each with its targ
   same bytes is reported beside it (no target);
 - swap out / in, both swap methods: >= 80 % of a pinned-memory torch copy of the same
   bytes, each way; also as a fraction of the catalog's PCIe bandwidth for the GPU
-  (`sim.catalog` GpuSpec.pcie_bw: effective one-direction host <-> device, e.g. 50 GB/s
+  (`sim.engine.catalog` GpuSpec.pcie_bw: effective one-direction host <-> device, e.g. 50 GB/s
   for h100-sxm; no target);
 - write_kv (K/V by slot mapping, one layer) at several token counts: >= 90 % of torch's
   index_copy_ of the same tokens into the same cache (a bar this script sets: the same
@@ -137,7 +137,7 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
 
     from gpu.calibrate import detect_gpu
     from gpu.kernels import interpreting
-    from sim.catalog import get_gpu, get_model
+    from sim.engine.catalog import get_gpu, get_model
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -147,7 +147,7 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
     spec, m = get_gpu(gpu_name), get_model(args.model)
     plan = make_plan(m, args.pairs, args.quick)
     device_name = torch.cuda.get_device_name(dev) if cuda else f"cpu ({platform.processor() or platform.machine()})"
-    print(f"{device_name}: datasheet {spec.name} (sim.catalog: HBM {spec.hbm_bw / 1e12:.2f} TB/s, PCIe "
+    print(f"{device_name}: datasheet {spec.name} (sim.engine.catalog: HBM {spec.hbm_bw / 1e12:.2f} TB/s, PCIe "
           f"{spec.pcie_bw / 1e9:.0f} GB/s effective one direction); torch {torch.__version__}, triton "
           f"{triton.__version__}{', Triton interpreter' if interpreting() else ''}")
     print(f"{m.name}{' (quick: tiny shapes)' if args.quick else ''}: {plan.layers} layers x {plan.kv_heads} KV heads "
@@ -160,7 +160,7 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
         "dtype": args.dtype, "model": m.name, "block_size": args.block_size, "quick": args.quick,
         "interpreted": interpreting(), "sections": list(sections), "decode_block_n": args.block_n,
         "datasheet": {"name": spec.name, "hbm_bw": spec.hbm_bw, "pcie_bw": spec.pcie_bw,
-                      "source": f"sim.catalog.GPUS[{spec.name!r}] (hbm_bw, pcie_bw: effective one direction)"},
+                      "source": f"sim.engine.catalog.GPUS[{spec.name!r}] (hbm_bw, pcie_bw: effective one direction)"},
         "plan": asdict(plan),
         "results": {},
     }

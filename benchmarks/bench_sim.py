@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["mooncake", "azure", "curve"])
     ap.add_argument("--traces", type=Path, default=TRACES)
     args = ap.parse_args()
-    kvsim = [sys.executable, "-m", "sim.cli"]
+    kvsim = [sys.executable, "-m", "sim.cli.app"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, (argv, target, requests) in cases(args.traces, Path(tmp)).items():
             if args.only and name != args.only:

@@ -20,7 +20,7 @@ import numpy as np
 from gpu.accuracy import error_stats, step_accuracy
 from gpu.calibrate import gpu_of_name
 from gpu.predict import predictor
-from sim.cost_model import load_calibration
+from sim.engine.cost_model import load_calibration
 
 
 def replay_accuracy(report: dict, config: dict, calibration: Path) -> dict:

@@ -27,7 +27,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 quick=${QUICK:-0}
 device=cuda
 [ "$quick" = 1 ] && device=cpu
-kvsim() { python3 -m sim.cli "$@"; }
+kvsim() { python3 -m sim.cli.app "$@"; }
 say() { echo "== $(date +%T) $*"; }
 mooncake=${MOONCAKE:-../shared/traces/mooncake/conversation_trace.jsonl}
 
@@ -58,7 +58,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         ;;
     calibrate)
         say "calibrate"
-        timeout 300 python3 -m sim.cli calibrate --device $device --out "$out/calibration.json" \
+        timeout 300 python3 -m sim.cli.app calibrate --device $device --out "$out/calibration.json" \
             --rows "$out/calibration_rows.json" 2>&1 | tee "$out/calibrate.log" | grep -v "^\["
         ;;
     steps)
@@ -95,14 +95,14 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         say "record default"
         kvsim run "${default_src[@]}" --preemption swap --record-ops --no-plots --out "$runs/default" | tail -12
         say "replay default"
-        timeout 300 python3 -m sim.cli gpu-replay "$runs/default" --device $device "${geometry_default[@]}" \
+        timeout 300 python3 -m sim.cli.app gpu-replay "$runs/default" --device $device "${geometry_default[@]}" \
             ${DEFAULT_REPLAY_ARGS:-} --save "$runs/replay_default.json"
         echo "rc $?"
         say "record mooncake"
         kvsim run "$runs/mooncake.jsonl" "${common[@]}" --preemption swap --record-ops --no-plots \
             --out "$runs/mooncake" | tail -12
         say "replay mooncake"
-        timeout 420 python3 -m sim.cli gpu-replay "$runs/mooncake" --device $device "${geometry_mooncake[@]}" \
+        timeout 420 python3 -m sim.cli.app gpu-replay "$runs/mooncake" --device $device "${geometry_mooncake[@]}" \
             --save "$runs/replay_mooncake.json"
         echo "rc $?"
         mkdir -p "$out/replay"

@@ -1,6 +1,6 @@
 """Measure the harness's kernels and write the calibration profile `kvsim run --calibration` reads.
 
-The profile follows `sim.cost_model`'s schema exactly:
+The profile follows `sim.engine.cost_model`'s schema exactly:
 
     {"version": 1, "device": ..., "efficiency": {"compute": .., "memory": ..},
      "overhead_s": .., "op_cost_s": {"copy": .., "swap_out": .., "swap_in": .., "move": ..}}
@@ -177,7 +177,7 @@ def calibrate(device: str = "cuda", model: str = "llama-3-8b", gpu: str | None =
     from which the cost model's efficiencies and overhead are fitted (`gpu.accuracy.fit_steps`).
     """
     from gpu.forward_step import run_grid
-    from sim.catalog import get_model
+    from sim.engine.catalog import get_model
 
     dev = torch.device(device)
     gpu_name = detect_gpu(dev, gpu)
@@ -217,8 +217,8 @@ def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, 
     best decode bandwidth and matmul rate as fractions of the datasheet, and the launch floor.
     """
     from gpu.accuracy import fit_steps
-    from sim.catalog import get_gpu, get_model
-    from sim.cost_model import CALIBRATION_VERSION, DEFAULT_OVERHEAD_S, OP_KINDS, CostModel
+    from sim.engine.catalog import get_gpu, get_model
+    from sim.engine.cost_model import CALIBRATION_VERSION, DEFAULT_OVERHEAD_S, OP_KINDS, CostModel
 
     spec = get_gpu(gpu)
     block_bytes = CostModel(get_model(model), spec, block_size=block_size).kv_bytes_per_block

@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 from gpu.kernels import decode_attention, write_kv
 from gpu.timing import time_call
-from sim.catalog import ModelSpec, get_gpu, get_model
-from sim.cost_model import CostModel
+from sim.engine.catalog import ModelSpec, get_gpu, get_model
+from sim.engine.cost_model import CostModel
 
 ROPE_THETA = 500_000.0  # Llama-3's
 RMS_EPS = 1e-5

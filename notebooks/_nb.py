@@ -23,9 +23,9 @@ def trace(relpath: str) -> Path | None:
 
 
 def spec(relpath: str, n: int | None, fallback: dict):
-    """A `sim.sweep.WorkloadSpec` for the first `n` requests of trace `relpath`, or, when the trace
+    """A `sim.studies.sweep.WorkloadSpec` for the first `n` requests of trace `relpath`, or, when the trace
     is absent, for the generated workload `fallback` (`kvsim workload generate` options, with `kind`)."""
-    from sim.sweep import WorkloadSpec
+    from sim.studies.sweep import WorkloadSpec
 
     p = trace(relpath)
     if p is None:
@@ -38,7 +38,7 @@ def head(path: str | Path, n: int | None) -> Path:
     """A copy of the first `n` requests of a JSONL or CSV trace (a CSV keeps its header), in a temp folder.
 
     `n=None` returns `path` itself. A file path (not a Workload) keeps study points picklable
-    for `sim.curves` and `sim.sweep`, which run them on worker processes.
+    for `sim.studies.curves` and `sim.studies.sweep`, which run them on worker processes.
     """
     path = Path(path)
     if n is None:

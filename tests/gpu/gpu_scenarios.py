@@ -112,8 +112,8 @@ def concurrent(folder: Path, sliding_window: int | None = None) -> Path:
 
 def simulated(folder: Path) -> Path:
     """The simulator's own engine on a tight cache: swap preemption, defrag moves, prefix hits, evictions."""
-    from sim.config import SimConfig
-    from sim.run import simulate
+    from sim.engine.config import SimConfig
+    from sim.engine.run import simulate
     from workloads.request import make_request
 
     rng = np.random.default_rng(3)

@@ -8,8 +8,8 @@ from gpu_env import HAS_CUDA
 from typer.testing import CliRunner
 
 from kvcache.ops import read_ops
-from sim.cli import app
-from sim.cost_model import load_calibration
+from sim.cli.app import app
+from sim.engine.cost_model import load_calibration
 
 runner = CliRunner()
 
@@ -92,7 +92,7 @@ def test_a_fresh_process_picks_the_interpreter_itself(run):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", "from sim.cli import app; app()", "gpu-replay", str(run),
+    out = subprocess.run([sys.executable, "-c", "from sim.cli.app import app; app()", "gpu-replay", str(run),
                           "--device", "cpu", "--layers", "1", "--head-dim", "8", "--check-every", "4"],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """Every Triton kernel against its plain-torch twin in `gpu.reference`, on CUDA, at the catalog models' shapes.
 
-Shapes come from `sim.catalog` (query heads, KV heads, head dim, layers, sliding
+Shapes come from `sim.engine.catalog` (query heads, KV heads, head dim, layers, sliding
 window): Llama-3-8B (32/8 heads, GQA group 4), Llama-3-70B sharded for TP2
 (32/4 heads per GPU, group 8, 80 layers), Qwen2.5-7B (28/4, group 7: not a power
 of two) and Mistral-7B (32/8, sliding window 4096); fp16 and bf16; block sizes
@@ -40,7 +40,7 @@ from gpu.reference import (
     write_kv_ref,
 )
 from gpu.storage import PagedKVStorage
-from sim.catalog import get_model
+from sim.engine.catalog import get_model
 
 TINY = os.environ.get("KVSIM_CUDA_TESTS_TINY", "") == "1"
 if not TINY:

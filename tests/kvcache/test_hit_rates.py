@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvcache.manager import KVCacheManager
 from kvcache.replay import replay
-from sim.cli import app
+from sim.cli.app import app
 from workloads.request import make_request
 from workloads.traces import load_workload
 

@@ -1,0 +1,77 @@
+"""`kvsim conform`: run a workload through kvsim and through the installed vLLM, diff per request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def conform(
+    workload: Annotated[Path | None, typer.Argument(help="workload file (any `kvsim workload` format); default: the embedded workload")] = None,
+    mode: Annotated[str, typer.Option("--mode", "-m", help="manager | scheduler | both")] = "both",
+    format: Annotated[str, typer.Option("--format", "-f", help="workload format (auto by default)")] = "auto",
+    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    num_gpu_blocks: Annotated[int, typer.Option(help="KV blocks, block 0 (the null block) included")] = 2000,
+    max_running: Annotated[int, typer.Option("--max-running", "-k", help="manager mode: 1 sequential, K > 1 concurrent")] = 1,
+    max_num_seqs: Annotated[int | None, typer.Option(help="most sequences per step (default: vLLM's for the GPU)")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="token budget per step (default: vLLM's for the GPU)")] = None,
+    long_prefill_token_threshold: Annotated[int, typer.Option(help="most prefill tokens of one request per step (0: no cap)")] = 0,
+    watermark: Annotated[float, typer.Option(help="fraction of blocks kept free at admission")] = 0.0,
+    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
+    no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
+    scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
+    gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
+    step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
+    vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
+) -> None:
+    """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
+    from sim.cli.run import open_workload
+    from sim.conform import vllm_setup
+    from sim.conform.check import MODES
+    from sim.conform.check import conform as run_conform
+    from sim.engine.config import ConfigError, SimConfig
+    from workloads.errors import WorkloadError
+
+    if mode not in MODES:
+        _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    missing = vllm_setup.vllm_available()
+    if missing:
+        _fail(missing)
+    installed = vllm_setup.vllm_version()
+    try:
+        from kvcache.profiles import profile
+
+        theirs = profile(installed).version
+        if vllm_version is not None and profile(vllm_version).version != theirs:
+            _fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
+        cfg = SimConfig(
+            gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+            watermark=watermark, enable_prefix_caching=not no_prefix_caching,
+            enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
+            closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling,
+        ).validate()
+        requests = list(open_workload(workload, format, False, cfg.seed))
+        name = "the default workload" if workload is None else str(workload)
+        tokens, seqs = cfg.batch_limits()
+        typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, block size "
+                   f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs"
+                   + (", async scheduling" if async_scheduling else ""))
+        diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
+    except (ConfigError, WorkloadError, ValueError) as e:
+        _fail(str(e))
+    if not all(d.ok for d in diffs):
+        raise typer.Exit(1)
+    typer.echo("identical")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("conform")(conform)

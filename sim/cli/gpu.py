@@ -1,0 +1,140 @@
+"""`kvsim gpu-replay` and `kvsim calibrate`: the GPU validation harness (torch is imported only when they run)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+_DEVICE_HELP = "cuda|cpu (default: cuda if available; cpu runs Triton's interpreter)"
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _device(device: str | None) -> str:
+    """Resolve --device and, for cpu, switch Triton to its interpreter before any kernel is imported."""
+    if device not in (None, "cuda", "cpu"):
+        _fail(f"--device must be cuda or cpu, got {device!r}")
+    import importlib.util
+
+    missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
+    if missing:
+        _fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
+    import torch  # NOTE: not triton yet: TRITON_INTERPRET must be set before triton is imported
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
+def gpu_replay(
+    run_dir: Annotated[Path, typer.Argument(help="run folder with ops.parquet, op_tokens.parquet, config.json")],
+    device: Annotated[str | None, typer.Option("--device", "-d", help=_DEVICE_HELP)] = None,
+    layers: Annotated[int, typer.Option("--layers", help="layers of the replay storage")] = 2,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads per layer")] = 2,
+    head_dim: Annotated[int, typer.Option("--head-dim", help="dimension per head")] = 16,
+    q_per_kv: Annotated[int, typer.Option("--q-per-kv", help="query heads per KV head (GQA)")] = 2,
+    check_every: Annotated[int, typer.Option("--check-every", help="verify every N-th step")] = 1,
+    attention_layers: Annotated[int | None, typer.Option(
+        "--attention-layers", help="layers whose decode output is checked against dense attention (default all)")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
+    swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
+    save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
+) -> None:
+    """Replay a run's block ops on paged KV storage and verify every cached token exactly."""
+    dev = _device(device)
+    for name, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
+                    ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
+        if v < 1:
+            _fail(f"{name} must be >= 1, got {v}")
+    from gpu.replay import RunFilesError, replay_run
+    from sim.engine.config import ConfigError
+
+    try:
+        rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
+                         swap_method=swap_method, strict=False, attention_layers=attention_layers)
+    except (RunFilesError, ConfigError, ValueError) as e:
+        _fail(str(e))
+    if save is not None:
+        save.write_text(json.dumps(rep.as_dict()) + "\n")
+    typer.echo(json.dumps(rep.as_dict()) if as_json else rep.format())
+    if rep.mismatches:
+        typer.echo(f"integrity error: {rep.errors[0]}", err=True)
+        raise typer.Exit(1)
+
+
+def calibrate(
+    device: Annotated[str | None, typer.Option("--device", "-d", help=_DEVICE_HELP)] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="write the profile here (default: stdout)")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="model whose block the op costs are for")] = "llama-3-8b",
+    gpu: Annotated[str | None, typer.Option("--gpu", help="datasheet the efficiencies divide by (default: detected)")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", "-b", help="tokens per block")] = 16,
+    rows: Annotated[Path | None, typer.Option("--rows", help="also write every measurement here (JSON)")] = None,
+    refit: Annotated[Path | None, typer.Option(
+        "--refit", help="no measuring: build the profile from the measurements an earlier --rows wrote")] = None,
+) -> None:
+    """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
+    and write a calibration profile for `kvsim run --calibration`."""
+    if block_size < 1:
+        _fail(f"--block-size must be >= 1, got {block_size}")
+    if refit is not None:
+        measured, profile = _refit(refit, model, gpu, block_size)
+    else:
+        dev = _device(device)
+        from gpu.calibrate import calibrate as measure
+        from sim.engine.config import ConfigError
+
+        try:
+            profile, measured = measure(dev, model, gpu, block_size,
+                                        progress=lambda line: typer.echo(line, err=True))
+        except ConfigError as e:
+            _fail(str(e))
+    from gpu.calibrate import format_rows
+
+    text = json.dumps(profile, indent=2) + "\n"
+    if rows is not None:
+        rows.write_text(json.dumps(measured, indent=1) + "\n")
+    if out is None:
+        typer.echo(text, nl=False)
+        typer.echo(format_rows(measured), err=True)
+        return
+    out.write_text(text)
+    typer.echo(format_rows(measured))
+    typer.echo(f"wrote {out}")
+
+
+def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[list[dict], dict]:
+    """Measurements from `path` and the profile built from them; bad files fail naming the file."""
+    from sim.engine.config import ConfigError
+
+    try:
+        measured = json.loads(path.read_text())
+    except OSError as e:
+        _fail(f"{path}: cannot read ({e.strerror or e})")
+    except json.JSONDecodeError as e:
+        _fail(f"{path}: not JSON ({e.msg}, line {e.lineno})")
+    if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):
+        _fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
+    from gpu.calibrate import build_profile, gpu_of_name
+
+    device = next((r["device"] for r in measured if r.get("name") == "forward_step"), None)
+    name = gpu or gpu_of_name(device)
+    try:
+        return measured, build_profile(measured, model, name, block_size, cuda=device is not None)
+    except (ConfigError, KeyError, ValueError) as e:
+        _fail(f"{path}: {e}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("gpu-replay")(gpu_replay)
+    app.command("calibrate")(calibrate)

@@ -1,0 +1,124 @@
+"""Summary tables for one run or several side by side: `kvsim report` and `kvsim compare`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from sim.engine.run import RunResult
+from sim.studies.run_folder import load_run
+
+
+def _num(fmt: str) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else fmt.format(v)
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def _p3(key: str) -> Callable[[dict], str]:
+    """p50 / p90 / p99 of a latency, in ms."""
+    def cell(s: dict) -> str:
+        vals = [s.get(f"{key}_p{p}") for p in (50, 90, 99)]
+        return " / ".join("-" if v is None else f"{1000 * v:,.1f}" for v in vals)
+    return cell
+
+
+# (label, key or function of the summary, formatter)
+ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] | None]] = [
+    ("requests", "requests", _num("{:,}")),
+    ("finished", "finished", _num("{:,}")),
+    ("rejected / truncated", lambda s: f"{s.get('rejected', 0):,} / {s.get('truncated', 0):,}", None),
+    ("simulated time (s)", "duration_s", _num("{:,.1f}")),
+    ("engine steps", "steps", _num("{:,}")),
+    ("hit rate, tokens", "hit_rate", _pct),
+    ("hit rate, blocks", "block_hit_rate", _pct),
+    ("throughput (req/s)", "throughput_rps", _num("{:,.3f}")),
+    ("output tokens/s", "output_tokens_per_s", _num("{:,.1f}")),
+    ("goodput (req/s)", "goodput_rps", _num("{:,.3f}")),
+    ("TTFT p50/p90/p99 (ms)", _p3("ttft"), None),
+    ("TPOT p50/p90/p99 (ms)", _p3("tpot"), None),
+    ("e2e p50/p90/p99 (ms)", _p3("e2e"), None),
+    ("queueing p50/p90/p99 (ms)", _p3("queueing"), None),
+    ("GPU blocks", "num_gpu_blocks", _num("{:,}")),
+    ("peak / mean block usage", lambda s: f"{_pct(s.get('peak_block_usage'))} / {_pct(s.get('mean_block_usage'))}", None),
+    ("evictions", "evictions", _num("{:,}")),
+    ("preemptions (recompute / swap)",
+     lambda s: f"{s.get('preemptions_recompute', 0):,} / {s.get('preemptions_swap', 0):,}", None),
+    ("swapped blocks (out / in)",
+     lambda s: f"{s.get('swapped_out_blocks', 0):,} / {s.get('swapped_in_blocks', 0):,}", None),
+    ("CoW copies", "cow_copies", _num("{:,}")),
+    ("defrag moves", "defrag_moves", _num("{:,}")),
+    ("mean id-space fragmentation (blocks)", "mean_id_fragmentation", _num("{:,.1f}")),
+    ("mean internal fragmentation (slots)", "mean_internal_fragmentation", _num("{:,.1f}")),
+]
+
+
+def cells(summary: dict[str, Any]) -> list[str]:
+    """One formatted value per row of ROWS."""
+    out = []
+    for _, key, fmt in ROWS:
+        out.append(key(summary) if callable(key) else fmt(summary.get(key)))
+    return out
+
+
+def format_table(summaries: list[dict[str, Any]], headers: list[str] | None = None) -> str:
+    """Rows of ROWS, one column per summary (right-aligned), with optional column headers."""
+    cols = [cells(s) for s in summaries]
+    label_w = max(len(label) for label, _, _ in ROWS)
+    widths = [max(len(c) for c in col) for col in cols]
+    lines = []
+    if headers:
+        widths = [max(w, len(h)) for w, h in zip(widths, headers, strict=True)]
+        lines.append(" " * label_w + "".join(f"  {h:>{w}}" for h, w in zip(headers, widths, strict=True)))
+    for i, (label, _, _) in enumerate(ROWS):
+        lines.append(f"{label:<{label_w}}" + "".join(f"  {col[i]:>{w}}" for col, w in zip(cols, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def format_summary(result: RunResult) -> str:
+    """A run's title line and its summary table."""
+    from sim.studies.plots import title
+
+    return title(result) + "\n" + format_table([result.summary])
+
+
+def _open(run_dir: Path) -> RunResult:
+    try:
+        return load_run(run_dir)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="a run folder written by `kvsim run`")],
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="regenerate the PNG plots")] = True,
+) -> None:
+    """Print a run's summary table and regenerate its plots."""
+    result = _open(run_dir)
+    typer.echo(format_summary(result))
+    if plots:
+        from sim.studies.plots import write_plots
+
+        for p in write_plots(result, run_dir):
+            typer.echo(f"wrote {p}")
+
+
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="run folders to set side by side")],
+    plot: Annotated[Path | None, typer.Option("--plot", help="write an overlay plot (PNG) here")] = None,
+) -> None:
+    """Side-by-side summary of several runs, and optionally an overlay plot."""
+    results = [_open(d) for d in run_dirs]
+    labels = [d.name or str(d) for d in run_dirs]
+    typer.echo(format_table([r.summary for r in results], labels))
+    if plot is not None:
+        from sim.studies.plots import plot_overlay
+
+        plot_overlay(list(zip(labels, results, strict=True)), plot)
+        typer.echo(f"wrote {plot}")

@@ -1,0 +1,120 @@
+"""`kvsim workload ...`: generate synthetic workloads and describe any workload file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from workloads.arrivals import ARRIVALS
+from workloads.build import KINDS, build_workload
+from workloads.default import default_workload
+from workloads.errors import WorkloadError
+from workloads.jsonl import write_jsonl
+from workloads.stats import describe, format_stats
+from workloads.traces import FORMATS, detect_format, load_workload
+
+workload_app = typer.Typer(
+    help="Generate workloads and print their statistics.", no_args_is_help=True
+)
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
+
+
+@workload_app.command()
+def generate(
+    kind: Annotated[str, typer.Argument(help=f"one of: {', '.join(KINDS)}")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="kvsim JSONL file to write")],
+    num_requests: Annotated[int, typer.Option("--num-requests", "-n", min=1)] = 200,
+    rate: Annotated[
+        float, typer.Option(help="arrivals per second (sessions/s for multi-turn, agent)")
+    ] = 1.0,
+    arrival: Annotated[
+        str, typer.Option(help=f"arrival process: {', '.join(ARRIVALS)}")
+    ] = "poisson",
+    cv: Annotated[
+        float, typer.Option(help="gamma arrivals: coefficient of variation (burstiness)")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    prefix_len: Annotated[
+        str | None, typer.Option(help="shared prefix length spec (system prompt, instruction)")
+    ] = None,
+    user_len: Annotated[
+        str | None,
+        typer.Option(help="per-request text length spec (message, query, tool result, prompt)"),
+    ] = None,
+    output_len: Annotated[str | None, typer.Option(help="output length spec")] = None,
+    num_prefixes: Annotated[
+        int | None, typer.Option(help="number of shared prompts (few-shot: tasks)")
+    ] = None,
+    zipf: Annotated[float | None, typer.Option(help="Zipf exponent of prompt popularity")] = None,
+    turns: Annotated[
+        str | None, typer.Option(help="turns (agent: steps) per session, length spec")
+    ] = None,
+    think_time: Annotated[
+        float | None, typer.Option(help="mean pause between turns, seconds")
+    ] = None,
+    samples: Annotated[int | None, typer.Option(help="parallel: samples per request (n)")] = None,
+    shots: Annotated[int | None, typer.Option(help="few-shot: most examples per prompt")] = None,
+    example_len: Annotated[str | None, typer.Option(help="few-shot: example length spec")] = None,
+) -> None:
+    """Write a seeded synthetic workload as kvsim JSONL.
+
+    Length specs: fixed:N, uniform:LO,HI, lognormal:MEAN,CV, empirical:FILE[:prompt|output].
+    """
+    if kind not in KINDS:
+        raise _fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    options = {
+        "prefix_len": prefix_len,
+        "user_len": user_len,
+        "output_len": output_len,
+        "num_prefixes": num_prefixes,
+        "zipf": zipf,
+        "turns": turns,
+        "think_time": think_time,
+        "samples": samples,
+        "shots": shots,
+        "example_len": example_len,
+    }
+    try:
+        wl = build_workload(kind, num_requests, rate, arrival, cv, seed, options)
+        count = write_jsonl(wl, out)
+    except (WorkloadError, ValueError) as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"wrote {count} requests to {out}")
+
+
+@workload_app.command()
+def stats(
+    file: Annotated[
+        Path | None,
+        typer.Argument(help="workload file or RAGPulse folder; default: the embedded workload"),
+    ] = None,
+    format: Annotated[str, typer.Option("--format", "-f", help="|".join(FORMATS))] = "auto",
+    block_size: Annotated[int, typer.Option("--block-size", "-b", min=1)] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    skip_bad: Annotated[
+        bool, typer.Option("--skip-bad", help="skip bad lines (and report how many)")
+    ] = False,
+) -> None:
+    """Requests, time span, rate, length percentiles and the ideal prefix-cache hit rate."""
+    try:
+        if file is None:
+            wl, fmt = default_workload(), "default"
+        else:
+            fmt = detect_format(file) if format == "auto" else format
+            wl = load_workload(file, fmt, skip_bad=skip_bad)
+        s = describe(wl, block_size)
+    except WorkloadError as e:
+        raise _fail(str(e)) from None
+    if s.skipped:
+        typer.echo(f"skipped {s.skipped} bad lines (first: {wl.skipped_errors[0]})", err=True)
+    if as_json:
+        typer.echo(json.dumps({"format": fmt, **s.to_dict()}))
+    else:
+        typer.echo(f"format         {fmt}")
+        typer.echo(format_stats(s))

@@ -1,0 +1,310 @@
+"""vLLM 0.33.0's own Scheduler on kvsim's step grid, for diffing against `kvsim run --step-time`.
+
+`run_scheduler` drives the synchronous `Scheduler` (or, with async_scheduling,
+the `AsyncScheduler` behind EngineCore's two-deep batch queue) with a fake
+model runner, and records per request the steps it was first scheduled,
+sampled its first token and finished. Shared set-up is in `sim.conform.vllm_setup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from sim.conform.vllm_setup import (
+    STALL_STEPS,
+    Request,
+    block_hasher,
+    check_ids,
+    kv_cache_config,
+    require_vllm,
+    token_ids,
+    vllm_request,
+)
+from sim.engine.loop import grid_index  # the engine's own grid, so both sides queue alike
+
+
+def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,
+                     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
+                     enable_prefix_caching: bool, long_prefill_token_threshold: int,
+                     watermark: float, scheduling: str, async_scheduling: bool = False):
+    """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`.
+
+    Returns (scheduler, block hasher, vllm_config.max_concurrent_batches).
+    """
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import (
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False,
+    }
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    model_config = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len,
+                               dtype="float32", seed=0)
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+        policy=scheduling, async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                             scheduler_config=scheduler_config,
+                             device_config=DeviceConfig(device="cpu"))
+    # What EngineCore does once it has sized the KV cache (here: given, not profiled).
+    kv_config = kv_cache_config(block_size, num_gpu_blocks)
+    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
+    kv_config.hash_block_size = hash_bs
+    kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_config, vllm_config, sched_bs, hash_bs)
+    # EngineCore picks the class the same way (vllm/v1/engine/core.py).
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    scheduler = scheduler_cls(
+        vllm_config=vllm_config, kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=sched_bs, hash_block_size=hash_bs, log_stats=False,
+    )
+    hasher = block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
+        if enable_prefix_caching else None
+    return scheduler, hasher, vllm_config.max_concurrent_batches
+
+
+def run_scheduler(
+    requests: Iterable[Request], *, block_size: int, num_gpu_blocks: int,
+    max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
+    async_scheduling: bool = False,
+) -> list[dict]:
+    """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
+
+    Each record: id, first_scheduled_step, first_token_step, finish_step, preemptions,
+    hit_tokens (local prefix-cache hit at first admission). num_gpu_blocks counts block 0.
+    Steps are slots of the grid: step k executes during [k * step_time, (k+1) * step_time).
+    first_scheduled_step is the step of the first batch that gives the request tokens,
+    first_token_step the step of the batch that samples its first token (a stale output
+    that vLLM still delivers counts), finish_step that of the batch that samples its last.
+
+    Sync (`async_scheduling=False`): step k is scheduled at k * step_time, sees arrivals
+    <= k * step_time and its output is applied before step k+1 is scheduled; a step that
+    schedules nothing still takes its slot.
+
+    Async (`async_scheduling=True`): vLLM's AsyncScheduler, driven as EngineCore's
+    `step_with_batch_queue` drives it with a batch queue of vllm_config.max_concurrent_batches
+    (2). Each engine iteration at clock time T adds the arrivals <= T; if the scheduler has
+    requests it schedules a batch and queues it, and if the queue is not full and (the batch
+    has tokens or the scheduler has requests) the iteration ends; otherwise the oldest batch
+    is popped, the clock waits for its end, and its output is applied (`update_from_output`).
+    A batch with tokens takes the next free slot b = max(last slot + 1, T / step_time) and
+    ends at (b+1) * step_time; a batch without tokens takes no slot and ends at once (the
+    runner skips it). So an idle engine woken by an arrival schedules slot b at b * step_time
+    and slot b+1 at once as well (both see arrivals <= b * step_time); in a busy period slot
+    b+1 is scheduled at b * step_time (when slot b-1 ends and b starts), one step earlier
+    than in sync, so an arrival in ((b-1) * step_time, b * step_time] first gets slot b+1,
+    not b. When the engine schedules an empty batch with no batch with tokens in flight it
+    spins; the clock then moves one step per empty schedule, as idle sync steps do. The fake
+    runner samples, when the batch is scheduled, the request's next token (after its output
+    placeholders) for every request whose chunk is not a partial prefill.
+    """
+    if step_time <= 0:
+        raise ValueError(f"step_time must be positive, got {step_time}")
+    if scheduling not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
+    require_vllm()
+
+    reqs = list(requests)
+    check_ids(reqs)
+    longest = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1)
+    # NOTE: any max_model_len >= the longest request schedules the same; the other
+    # terms only keep vLLM's config checks quiet (its warnings, its threshold check).
+    max_model_len = max(longest, -(-max_num_batched_tokens // max_num_seqs),
+                        long_prefill_token_threshold)
+    if not enable_chunked_prefill:
+        if longest > max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill vLLM needs max_num_batched_tokens >= the longest "
+                f"request ({longest} tokens), got {max_num_batched_tokens}")
+        max_model_len = min(max_model_len, max_num_batched_tokens)
+    tokens = [token_ids(r, uid) for uid, r in enumerate(reqs)]
+    recs = {r.id: {"id": r.id, "first_scheduled_step": None, "first_token_step": None,
+                   "finish_step": None, "preemptions": 0, "hit_tokens": 0} for r in reqs}
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        sched, hasher, queue_size = _build_scheduler(
+            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+            scheduling=scheduling, async_scheduling=async_scheduling)
+        run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
+        if async_scheduling:
+            if queue_size != 2:
+                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
+            run.run_async(queue_size, num_gpu_blocks, block_size)
+        else:
+            run.run_sync(num_gpu_blocks, block_size)
+    return [recs[r.id] for r in reqs]
+
+
+class _SchedRun:
+    """Arrivals, live requests and records shared by the sync and async scheduler loops."""
+
+    def __init__(self, sched, reqs: list[Request], tokens: list[list[int]], hasher,
+                 recs: dict, step_time: float):
+        self.sched, self.reqs, self.tokens, self.hasher = sched, reqs, tokens, hasher
+        self.recs, self.step_time = recs, step_time
+        self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
+        self.nxt = 0
+        self.live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
+
+    def pending(self) -> bool:
+        return self.nxt < len(self.order)
+
+    def next_arrival_step(self) -> int:
+        return grid_index(self.reqs[self.order[self.nxt]].arrival, self.step_time)
+
+    def add_arrivals(self, step: int) -> None:
+        """Hand vLLM every request that arrived by `step` * step_time."""
+        reqs, order = self.reqs, self.order
+        while self.nxt < len(order) and reqs[order[self.nxt]].arrival <= step * self.step_time:
+            i = order[self.nxt]
+            vreq = vllm_request(reqs[i], self.tokens[i], self.hasher, arrival=reqs[i].arrival)
+            self.live[reqs[i].id] = (vreq, self.tokens[i])
+            self.sched.add_request(vreq)
+            self.nxt += 1
+
+    def stalled(self, steps: int, step: int, num_gpu_blocks: int, block_size: int):
+        stuck = ", ".join(sorted(self.live)[:5])
+        return RuntimeError(
+            f"vLLM scheduled nothing for {steps} steps (up to step {step}) with "
+            f"requests left ({stuck}); a request that can never fit in {num_gpu_blocks} "
+            f"blocks of {block_size} stalls vLLM")
+
+    def run_sync(self, num_gpu_blocks: int, block_size: int) -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sched, live, recs = self.sched, self.live, self.recs
+        step, idle = 0, 0
+        while self.pending() or sched.get_num_unfinished_requests():
+            if not sched.get_num_unfinished_requests():
+                step = max(step, self.next_arrival_step())
+            self.add_arrivals(step)
+            out = sched.schedule()
+            _record_admissions(out, live, recs, step)
+            ids = list(out.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                vreq, toks = live[rid]
+                # NOTE: schedule() already advanced num_computed_tokens by this step's chunk.
+                done_prefill = vreq.num_computed_tokens >= vreq.num_tokens
+                sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                                    sampled_token_ids=sampled)
+            sched.update_from_output(out, mro)
+            for rid, toks in zip(ids, sampled, strict=True):
+                rec, vreq = recs[rid], live[rid][0]
+                if toks and rec["first_token_step"] is None:
+                    rec["first_token_step"] = step
+                if vreq.is_finished():
+                    rec["finish_step"] = step
+                    rec["preemptions"] = vreq.num_preemptions
+                    del live[rid]
+            idle = 0 if ids else idle + 1
+            if idle >= STALL_STEPS:
+                raise self.stalled(STALL_STEPS, step, num_gpu_blocks, block_size)
+            step += 1
+
+    def run_async(self, queue_size: int, num_gpu_blocks: int, block_size: int) -> None:
+        """EngineCore.run_busy_loop over step_with_batch_queue, on the step grid."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sched, live, recs = self.sched, self.live, self.recs
+        # (scheduler output, fake runner output, slot or None for a batch without tokens)
+        queue: deque[tuple[Any, Any, int | None]] = deque()
+        clock = 0  # the engine's time, in steps (always on the grid)
+        free_slot = 0  # first slot the device has not been given yet
+        empties = 0  # consecutive batches scheduled without tokens
+        while self.pending() or sched.has_requests() or queue:
+            if not sched.has_requests() and not queue:  # idle: wait for the next arrival
+                clock = max(clock, self.next_arrival_step())
+            self.add_arrivals(clock)
+            if sched.has_requests():
+                out = sched.schedule()
+                executed = out.total_num_scheduled_tokens > 0
+                slot = None
+                if executed:
+                    slot = max(free_slot, clock)
+                    free_slot = slot + 1
+                    empties = 0
+                    _record_admissions(out, live, recs, slot)
+                else:
+                    empties += 1
+                    if empties >= STALL_STEPS:
+                        raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
+                    if all(s is None for _, _, s in queue):
+                        clock += 1  # nothing executing: the engine spins for a step
+                queue.appendleft((out, self._fake_async_output(out, ModelRunnerOutput), slot))
+                if len(queue) < queue_size and (executed or sched.has_requests()):
+                    continue
+            elif not queue:
+                continue
+            out, mro, slot = queue.pop()
+            if slot is not None:
+                clock = max(clock, slot + 1)  # block until the batch's slot ends
+            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
+            sched.update_from_output(out, mro)
+            for rid, n in before.items():
+                rec, vreq = recs[rid], live[rid][0]
+                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
+                    rec["first_token_step"] = slot
+                if vreq.is_finished():
+                    rec["finish_step"] = slot
+                    rec["preemptions"] = vreq.num_preemptions
+                    del live[rid]
+
+    def _fake_async_output(self, out, output_cls):
+        """What the runner returns for `out`, fixed when it is scheduled (as a device is)."""
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            vreq, toks = self.live[rid]
+            if vreq.is_prefill_chunk:
+                sampled.append([])
+                continue
+            # schedule() already counted this batch's placeholder: the token it samples
+            # follows the known tokens and the earlier in-flight placeholders.
+            pos = vreq.num_tokens + vreq.num_output_placeholders - 1
+            # NOTE: past the request's last token only if vLLM schedules a step beyond
+            # max_tokens; update_from_output then drops it (the request has finished).
+            sampled.append([toks[pos] if pos < len(toks) else 0])
+        return output_cls(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                          sampled_token_ids=sampled)
+
+
+def _record_admissions(out, live: dict, recs: dict, step: int) -> None:
+    """First scheduling of each request: its step and vLLM's own record of its prefix hit."""
+    for rid in out.num_scheduled_tokens:
+        rec = recs[rid]
+        if rec["first_scheduled_step"] is not None:
+            continue
+        rec["first_scheduled_step"] = step
+        # prefill_stats is set at the admission lookup (and kept across preemptions);
+        # it is handed out with the request's first output, after this point.
+        stats = live[rid][0].prefill_stats
+        rec["hit_tokens"] = stats.num_local_cached_tokens if stats is not None else 0

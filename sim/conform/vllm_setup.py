@@ -1,0 +1,112 @@
+"""Shared set-up for the vLLM 0.33.0 reference drivers: whether vLLM is importable, and
+vLLM's own objects (KV-cache config, block hasher, requests) built from kvsim's requests.
+
+vllm is imported lazily: this module imports without it, and `vllm_available()` says how
+to install it (CPU only).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from kvcache.sequence import Sequence
+
+VLLM_VERSION = "0.33.0"
+INSTALL_HINT = "bash .ci/install_vllm_cpu.sh"
+STALL_STEPS = 1000  # consecutive empty steps with requests left before run_scheduler gives up
+
+Request = Any  # workloads.request.Request (id, arrival, prompt_len, output_len, prompt, output)
+FINISHED, TRUNCATED, REJECTED = "finished", "truncated", "rejected"
+
+
+def quiet_offline_env() -> None:
+    # NOTE: set before vllm is first imported; values the user already set win.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def vllm_version() -> str | None:
+    """The installed vllm distribution's version (without importing it), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def vllm_available() -> str | None:
+    """None if vLLM 0.33.0's scheduler and cache manager import here, else how to install it."""
+    version = vllm_version()
+    if version is None:
+        return f"vllm is not installed; install vLLM {VLLM_VERSION} (CPU only): `{INSTALL_HINT}`"
+    if version != VLLM_VERSION:
+        return f"vllm {version} is installed but kvsim matches {VLLM_VERSION}; run `{INSTALL_HINT}`"
+    quiet_offline_env()
+    try:
+        import vllm.config  # noqa: F401
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+        import vllm.v1.outputs  # noqa: F401
+    except Exception as e:  # a missing dependency surfaces as any of several errors
+        return f"vllm {version} does not import ({type(e).__name__}: {e}); run `{INSTALL_HINT}`"
+    return None
+
+
+def require_vllm() -> None:
+    msg = vllm_available()
+    if msg is not None:
+        raise RuntimeError(msg)
+
+
+def token_ids(req: Request, uid: int) -> list[int]:
+    """Prompt then every token the request will sample, as kvsim numbers them."""
+    seq = Sequence(req.id, req.prompt, uid=uid, output=req.output)
+    return seq.token_ids(0, req.prompt_len + max(req.output_len, 1)).tolist()
+
+
+def kv_cache_config(block_size: int, num_blocks: int):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0.self_attn"], spec)],
+    )
+
+
+def block_hasher(block_size: int, hash_algo: str):
+    """The per-request block hasher vLLM's engine core builds when prefix caching is on."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def vllm_request(req: Request, tokens: list[int], hasher, *, arrival: float = 0.0):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request as VllmRequest
+
+    params = SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True)
+    return VllmRequest(
+        request_id=req.id, prompt_token_ids=tokens[: req.prompt_len], sampling_params=params,
+        pooling_params=None, arrival_time=arrival, priority=req.priority, block_hasher=hasher,
+    )
+
+
+def check_ids(reqs: list[Request]) -> None:
+    seen: set[str] = set()
+    for r in reqs:
+        if r.id in seen:
+            raise ValueError(f"request id {r.id!r} appears twice; vLLM needs unique ids")
+        seen.add(r.id)
+
+
+# --------------------------------------------------------------------------- manager replay

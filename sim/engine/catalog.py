@@ -1,0 +1,162 @@
+"""Models and GPUs the cost model knows, with their published numbers.
+
+Model shapes are the fields of each model's Hugging Face `config.json`;
+parameter counts are the safetensors totals (and equal `ModelSpec.count_params()`).
+GPU numbers are the vendor datasheets' (dense bf16, no sparsity); memory is the
+total the driver reports (`nvidia-smi --query-gpu=memory.total`), which is what
+vLLM's memory profiler starts from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A bad configuration value (an unknown model or GPU name, say); the message names the
+    field and the value. `sim.engine.config` hands it on; the catalog, lowest of the
+    engine's modules, defines it so that neither imports the other in a circle."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape, as far as memory and FLOPs need it."""
+
+    name: str
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    dtype_bytes: int = 2
+    sliding_window: int | None = None
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+
+    def count_params(self) -> int:
+        """Parameters from the shape (Llama-style: gated MLP, RMSNorm, no other biases)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU's peak rates (bytes and FLOPs per second) and memory."""
+
+    name: str
+    peak_flops: float  # dense bf16 tensor-core FLOP/s
+    hbm_bw: float  # device memory bandwidth, bytes/s
+    memory_bytes: int  # total device memory as the driver reports it
+    pcie_bw: float  # effective host <-> device bandwidth, one direction, bytes/s
+    nvlink_bw: float | None  # GPU <-> GPU bandwidth, one direction, bytes/s; None: over PCIe
+
+
+MODELS: dict[str, ModelSpec] = {
+    # meta-llama/Meta-Llama-3-8B config.json; 8,030,261,248 params
+    "llama-3-8b": ModelSpec(
+        name="llama-3-8b", num_params=8_030_261_248, num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+        vocab_size=128256, max_model_len=8192,
+    ),
+    # meta-llama/Meta-Llama-3-70B config.json; 70,553,706,496 params
+    "llama-3-70b": ModelSpec(
+        name="llama-3-70b", num_params=70_553_706_496, num_layers=80, hidden_size=8192,
+        num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
+        vocab_size=128256, max_model_len=8192,
+    ),
+    # Qwen/Qwen2.5-7B config.json (use_sliding_window: false; q/k/v biases); 7,615,616,512 params
+    "qwen2.5-7b": ModelSpec(
+        name="qwen2.5-7b", num_params=7_615_616_512, num_layers=28, hidden_size=3584,
+        num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
+        vocab_size=152064, max_model_len=131072, qkv_bias=True,
+    ),
+    # mistralai/Mistral-7B-v0.1 config.json (sliding_window: 4096); 7,241,732,096 params
+    "mistral-7b": ModelSpec(
+        name="mistral-7b", num_params=7_241_732_096, num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+        vocab_size=32000, max_model_len=32768, sliding_window=4096,
+    ),
+}  # fmt: skip
+
+GPUS: dict[str, GpuSpec] = {
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e,
+    # NVLink 3 600 GB/s (300 per direction); PCIe gen4 x16, ~25 GB/s effective; 81920 MiB
+    "a100-80g": GpuSpec("a100-80g", 312e12, 2.039e12, 81920 * MiB, 25e9, 300e9),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3,
+    # NVLink 4 900 GB/s (450 per direction); PCIe gen5 x16, ~50 GB/s effective; 81559 MiB
+    "h100-sxm": GpuSpec("h100-sxm", 989e12, 3.35e12, 81559 * MiB, 50e9, 450e9),
+    # NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB,
+    # NVLink 4 900 GB/s (450 per direction); PCIe gen5 x16, ~50 GB/s effective; 143771 MiB
+    "h200": GpuSpec("h200", 989e12, 4.8e12, 143771 * MiB, 50e9, 450e9),
+    # NVIDIA L40S datasheet: 362.05 TFLOP/s bf16 dense, 864 GB/s GDDR6, 48 GB,
+    # no NVLink (GPU <-> GPU over PCIe); PCIe gen4 x16, ~25 GB/s effective; 46068 MiB
+    "l40s": GpuSpec("l40s", 362.05e12, 0.864e12, 46068 * MiB, 25e9, None),
+}
+
+_MODEL_ALIASES = {
+    "meta-llama-3-8b": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
+    "llama3-8b": "llama-3-8b",
+    "meta-llama-3-70b": "llama-3-70b",
+    "meta-llama/meta-llama-3-70b": "llama-3-70b",
+    "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
+    "llama3-70b": "llama-3-70b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "mistralai/mistral-7b-v0.1": "mistral-7b",
+    "mistral-7b-v0.1": "mistral-7b",
+}
+_GPU_ALIASES = {
+    "a100": "a100-80g",
+    "a100-80gb": "a100-80g",
+    "a100-sxm4-80gb": "a100-80g",
+    "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",
+    "h100-sxm5": "h100-sxm",
+    "h200-sxm": "h200",
+    "h200-141gb": "h200",
+    "l40s-48gb": "l40s",
+}
+
+
+GiB = 1 << 30
+
+
+def vllm_batch_defaults(gpu: GpuSpec) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that `vllm serve` 0.33 picks on `gpu`
+    (vllm/engine/arg_utils.py EngineArgs.get_batch_defaults, OPENAI_API_SERVER usage):
+    >= 160 GiB: 16384 and 1024; >= 70 GiB and not an A100: 8192 and 1024; else 2048 and 256."""
+    if gpu.memory_bytes >= 160 * GiB:
+        return 16384, 1024
+    if gpu.memory_bytes >= 70 * GiB and not gpu.name.startswith("a100"):
+        return 8192, 1024
+    return 2048, 256
+
+
+def get_model(name: str) -> ModelSpec:
+    """The model called `name` (case-insensitive; a few Hugging Face ids accepted)."""
+    return _lookup(name, MODELS, _MODEL_ALIASES, "model")
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The GPU called `name` (case-insensitive; a few common spellings accepted)."""
+    return _lookup(name, GPUS, _GPU_ALIASES, "gpu")
+
+
+def _lookup(name: str, table: dict, aliases: dict[str, str], what: str):
+    key = name.strip().lower()
+    key = aliases.get(key, key)
+    if key not in table:
+        raise ConfigError(f"unknown {what} {name!r}; choose from {', '.join(table)}")
+    return table[key]

@@ -1,0 +1,140 @@
+"""One simulation's configuration: engine limits, cache policy, model, GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
+
+__all__ = ["ConfigError", "SimConfig"]
+
+
+@dataclass
+class SimConfig:
+    """Everything a run depends on besides the workload (with it and `seed`, a run is deterministic)."""
+
+    # model and hardware (names from sim.engine.catalog)
+    model: str = "llama-3-8b"
+    gpu: str = "h100-sxm"
+    tensor_parallel: int = 1
+    # KV cache
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: derived from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_cpu_blocks: int = 0  # swap space; needed for preemption="swap"
+    enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    watermark: float = 0.0
+    defrag_threshold: int | None = None
+    sliding_window: int | None = None  # None: the model's own (if any)
+    # the vLLM release whose manager and scheduler rules to follow (kvcache.profiles)
+    vllm_version: str = "0.33"
+    # scheduler; None: what vLLM 0.33 picks on the GPU (see `batch_limits`)
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: none
+    preemption: str = "recompute"  # or "swap"
+    scheduling: str = "fcfs"  # or "priority"
+    num_lookahead_tokens: int = 0
+    # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
+    # (sim.engine.async_scheduler); recompute preemption only, no lookahead slots
+    async_scheduling: bool = False
+    # vLLM's --max-model-len: a prompt must leave room for one output token, and a
+    # sequence stops growing at this length; None: no limit (the catalog has each model's)
+    max_model_len: int | None = None
+    # sessions: multi-turn requests arrive think_time after the previous turn finished
+    closed_loop_sessions: bool = True
+    # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
+    load: float = 1.0
+    # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
+    # model), and every request is queued at its arrival time (sessions open loop)
+    step_time: float | None = None
+    calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
+    # outputs
+    record_ops: bool = False
+    debug_invariants: bool = False
+    slo_ttft: float | None = None  # seconds, for goodput
+    slo_tpot: float | None = None
+    seed: int = 0
+
+    def validate(self) -> SimConfig:
+        """Raise ConfigError for values no run could use."""
+        bs = self.block_size
+        if bs <= 0 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {bs}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not self.load > 0:
+            raise ConfigError(f"load must be positive, got {self.load}")
+        if self.preemption not in ("recompute", "swap"):
+            raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if self.preemption == "swap" and self.num_cpu_blocks <= 0:
+            raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
+        if self.async_scheduling and self.preemption != "recompute":
+            raise ConfigError(f"async_scheduling needs preemption='recompute' (vLLM V1 has no swap), got {self.preemption!r}")
+        if self.async_scheduling and self.num_lookahead_tokens:
+            raise ConfigError(f"async_scheduling does not model lookahead slots, got num_lookahead_tokens={self.num_lookahead_tokens}")
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.step_time is not None and not (math.isfinite(self.step_time) and self.step_time > 0):
+            raise ConfigError(f"step_time must be a positive number of seconds, got {self.step_time}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        from kvcache.profiles import profile
+
+        try:
+            profile(self.vllm_version).check_watermark(self.watermark)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        tokens, seqs = self.batch_limits()
+        if tokens < seqs:  # vllm/config/scheduler.py SchedulerConfig.__post_init__
+            raise ConfigError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
+        from kvcache.eviction import POLICIES
+
+        if self.eviction not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction!r}; choose from {', '.join(POLICIES)}")
+        return self
+
+    def batch_limits(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs): the given ones, else vLLM 0.33's defaults for
+        the GPU (sim.engine.catalog.vllm_batch_defaults); with chunked prefill off and no token budget
+        given, at least max_model_len; with no max_num_seqs given, at most the token budget
+        (vllm/engine/arg_utils.py EngineArgs._set_default_max_num_seqs_and_batched_tokens_args)."""
+        tokens, seqs = vllm_batch_defaults(get_gpu(self.gpu))
+        if self.max_num_batched_tokens is not None:
+            tokens = self.max_num_batched_tokens
+        elif not self.enable_chunked_prefill and self.max_model_len is not None:
+            tokens = max(tokens, self.max_model_len)
+        return tokens, self.max_num_seqs if self.max_num_seqs is not None else min(seqs, tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> SimConfig:
+        """Build from a dict (a TOML table, a run's config.json); unknown keys are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            import difflib
+
+            hints = [difflib.get_close_matches(k, names, 1) for k in unknown]
+            msg = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints, strict=True))
+            raise ConfigError(f"{source}: unknown config key(s) {msg}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> SimConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,282 @@
+"""Step time and KV-cache capacity from a roofline over the model and the GPU.
+
+One engine step runs one forward pass over the batch on each of the TP
+shards. Per GPU:
+
+    compute = (2 * params/TP * tokens + 4 * layers * heads/TP * head_dim * pairs)
+              / (peak_flops * efficiency.compute)
+    memory  = (weight bytes/TP + KV bytes per token * (context + tokens))
+              / (hbm_bw * efficiency.memory)
+    step    = max(compute, memory) + serial_fraction * min(compute, memory)
+              + block ops + TP all-reduce + overhead_s
+
+`pairs` are the (query, key) pairs attention scores; it is estimated from the
+step's totals (exact for an all-decode step and for a single prefill chunk):
+with prior context spread evenly over the sequences, c = (context - tokens)
+/ num_seqs, a decode token scores c + 1 keys and a prefill chunk of n tokens
+n*c + n*(n+1)/2. A sliding window caps c and the context read.
+
+Block ops cost, each: copy 2 * block bytes / HBM bw (read + write), move
+4 * block bytes / HBM bw (an exchange reads and writes both blocks),
+swap_out / swap_in block bytes / PCIe bw. The TP all-reduce is two per layer
+of tokens * hidden * dtype bytes over NVLink (PCIe without it).
+
+The attention-score term divides by efficiency.attention instead (attention
+kernels reach a different fraction of peak than GEMMs), and serial_fraction is
+the share of the shorter of compute and memory time that does not overlap the
+longer (0: a pure roofline).
+
+Defaults: efficiency.compute 0.5, efficiency.attention = compute,
+efficiency.memory 0.8, serial_fraction 0, overhead_s 1 ms (scheduler + launch
++ sampling on the host). A calibration profile measured on a GPU
+(`SimConfig.calibration`, written by `kvsim calibrate`, which fits these
+factors to measured forward steps) overrides any of them; its JSON schema,
+every key optional:
+
+    {"version": 1, "device": "h100-sxm",
+     "efficiency": {"compute": 0.55, "attention": 0.4, "memory": 0.82},
+     "serial_fraction": 0.3, "overhead_s": 0.0012,
+     "op_cost_s": {"copy": 2e-6, "swap_out": 5e-5, "swap_in": 5e-5, "move": 4e-6}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
+from sim.engine.config import ConfigError, SimConfig
+
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+DEFAULT_MEMORY_EFFICIENCY = 0.8
+DEFAULT_OVERHEAD_S = 1e-3
+OP_KINDS = ("copy", "swap_out", "swap_in", "move")
+CALIBRATION_VERSION = 1
+# Memory vLLM's profiler finds taken besides weights and activations: CUDA graphs,
+# cuBLAS workspaces, NCCL buffers, allocator slack. ~1 GiB on an 8B model.
+NON_TORCH_RESERVE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiency factors and per-op costs; None: use the roofline default."""
+
+    compute: float = DEFAULT_COMPUTE_EFFICIENCY
+    memory: float = DEFAULT_MEMORY_EFFICIENCY
+    overhead_s: float = DEFAULT_OVERHEAD_S
+    attention: float | None = None  # None: the compute efficiency
+    serial_fraction: float = 0.0
+    op_cost_s: tuple[tuple[str, float], ...] = ()
+    device: str | None = None
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read a calibration profile; a bad file or key raises ConfigError naming both."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"calibration {p}: cannot read ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"calibration {p}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"calibration {p}: expected a JSON object")
+    _check_keys(p, "", data, {"version", "device", "efficiency", "serial_fraction", "overhead_s", "op_cost_s"})
+    version = data.get("version", CALIBRATION_VERSION)
+    if version != CALIBRATION_VERSION:
+        raise ConfigError(
+            f"calibration {p}: version {version!r}, this kvsim reads {CALIBRATION_VERSION}"
+        )
+    device = data.get("device")
+    if device is not None and not isinstance(device, str):
+        raise ConfigError(f"calibration {p}: 'device' must be a string, got {device!r}")
+    eff = data.get("efficiency", {})
+    if not isinstance(eff, dict):
+        raise ConfigError(f"calibration {p}: 'efficiency' must be an object")
+    _check_keys(p, "efficiency.", eff, {"compute", "attention", "memory"})
+    ops = data.get("op_cost_s", {})
+    if not isinstance(ops, dict):
+        raise ConfigError(f"calibration {p}: 'op_cost_s' must be an object")
+    _check_keys(p, "op_cost_s.", ops, set(OP_KINDS))
+    return Calibration(
+        compute=_number(
+            p, "efficiency.compute", eff.get("compute", DEFAULT_COMPUTE_EFFICIENCY), positive=True
+        ),
+        memory=_number(
+            p, "efficiency.memory", eff.get("memory", DEFAULT_MEMORY_EFFICIENCY), positive=True
+        ),
+        overhead_s=_number(p, "overhead_s", data.get("overhead_s", DEFAULT_OVERHEAD_S)),
+        attention=_number(p, "efficiency.attention", eff["attention"], positive=True) if "attention" in eff else None,
+        serial_fraction=_number(p, "serial_fraction", data.get("serial_fraction", 0.0)),
+        op_cost_s=tuple((k, _number(p, f"op_cost_s.{k}", v)) for k, v in ops.items()),
+        device=device,
+    )
+
+
+def _check_keys(path: Path, prefix: str, d: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"calibration {path}: unknown key {prefix}{unknown[0]}; expected {', '.join(sorted(allowed))}"
+        )
+
+
+def _number(path: Path, key: str, value: Any, positive: bool = False) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (positive and value == 0)
+    ):
+        need = "a positive number" if positive else "a number >= 0"
+        raise ConfigError(f"calibration {path}: {key} must be {need}, got {value!r}")
+    return float(value)
+
+
+class CostModel:
+    """Seconds per engine step and KV blocks per GPU for one model on one GPU type."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GpuSpec,
+        tensor_parallel: int = 1,
+        block_size: int = 16,
+        calibration: Calibration | None = None,
+        sliding_window: int | None = None,
+    ):
+        tp = tensor_parallel
+        if tp < 1 or model.num_heads % tp:
+            raise ConfigError(
+                f"tensor_parallel {tp} must divide {model.name}'s {model.num_heads} attention heads"
+            )
+        cal = calibration or Calibration()
+        self.model, self.gpu, self.tensor_parallel, self.block_size = model, gpu, tp, block_size
+        self.calibration = cal
+        self.sliding_window = sliding_window if sliding_window is not None else model.sliding_window
+        kv_heads = max(1, model.num_kv_heads // tp)  # fewer KV heads than shards: replicated
+        dt = model.dtype_bytes
+        self.kv_bytes_per_token = 2 * model.num_layers * kv_heads * model.head_dim * dt
+        self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
+        self.weight_bytes = model.num_params * dt / tp
+        # per-step constants, in seconds per unit
+        compute_rate = gpu.peak_flops * cal.compute
+        mem_rate = gpu.hbm_bw * cal.memory
+        self._s_per_token_flops = 2 * model.num_params / tp / compute_rate
+        attention_rate = gpu.peak_flops * (cal.attention or cal.compute)
+        self._s_per_pair = (
+            4 * model.num_layers * (model.num_heads // tp) * model.head_dim / attention_rate
+        )
+        self._serial = cal.serial_fraction
+        self._s_weights = self.weight_bytes / mem_rate
+        self._s_per_kv_token = self.kv_bytes_per_token / mem_rate
+        link = gpu.nvlink_bw or gpu.pcie_bw
+        self.allreduce_s_per_token = (
+            2 * model.num_layers * model.hidden_size * dt / link if tp > 1 else 0.0
+        )
+        self.overhead_s = cal.overhead_s
+        bb = self.kv_bytes_per_block
+        op_cost = {
+            "copy": 2 * bb / gpu.hbm_bw,
+            "swap_out": bb / gpu.pcie_bw,
+            "swap_in": bb / gpu.pcie_bw,
+            "move": 4 * bb / gpu.hbm_bw,
+        }
+        op_cost.update(cal.op_cost_s)
+        self.op_cost_s: dict[str, float] = op_cost
+        self._op_items = tuple(op_cost.items())
+
+    @classmethod
+    def from_config(cls, cfg: SimConfig) -> CostModel:
+        """The cost model `cfg` names: model, GPU, TP, block size, calibration, window."""
+        cal = load_calibration(cfg.calibration) if cfg.calibration else None
+        return cls(
+            get_model(cfg.model),
+            get_gpu(cfg.gpu),
+            cfg.tensor_parallel,
+            cfg.block_size,
+            cal,
+            cfg.sliding_window,
+        )
+
+    def activation_reserve_bytes(self, cfg: SimConfig) -> int:
+        """Peak non-KV memory vLLM's profiling run would find, per GPU (our estimate).
+
+        A forward of max_num_batched_tokens tokens peaks in the MLP: gate/up
+        output (2 * intermediate) and activation (intermediate) per token, plus
+        four hidden-size buffers (residual, normed, attention in/out); fp32
+        logits for max_num_seqs sampled rows; and NON_TORCH_RESERVE_BYTES.
+        """
+        m, tp = self.model, self.tensor_parallel
+        per_token = (3 * m.intermediate_size // tp + 4 * m.hidden_size) * m.dtype_bytes
+        max_tokens, max_seqs = cfg.batch_limits()
+        logits = max_seqs * m.vocab_size * 4
+        return max_tokens * per_token + logits + NON_TORCH_RESERVE_BYTES
+
+    def num_gpu_blocks(self, cfg: SimConfig) -> int:
+        """cfg.num_gpu_blocks, or what vLLM would allocate: (memory * utilization
+        - weights - activation reserve) // bytes per block, all per GPU."""
+        if cfg.num_gpu_blocks is not None:
+            return cfg.num_gpu_blocks
+        budget = self.gpu.memory_bytes * cfg.gpu_memory_utilization
+        free = budget - self.weight_bytes - self.activation_reserve_bytes(cfg)
+        blocks = int(free // self.kv_bytes_per_block)
+        if blocks < 2:
+            gb = 1e9
+            raise ConfigError(
+                f"{self.model.name} does not fit on {self.gpu.name} with tensor_parallel="
+                f"{self.tensor_parallel}, gpu_memory_utilization={cfg.gpu_memory_utilization}: "
+                f"{budget / gb:.1f} GB usable, {self.weight_bytes / gb:.1f} GB weights and "
+                f"{self.activation_reserve_bytes(cfg) / gb:.1f} GB activations per GPU"
+            )
+        return blocks
+
+    def step_time(
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        context_tokens: int,
+        num_seqs: int,
+        op_counts: Mapping[str, int] | None = None,
+    ) -> float:
+        """Seconds for one engine step.
+
+        prefill_tokens / decode_tokens: tokens computed this step (prompt chunks /
+        one per decoding sequence); context_tokens: sum over the scheduled
+        sequences of their length after the step (cached before + computed now);
+        num_seqs: sequences scheduled; op_counts: block ops by kind (others ignored).
+        """
+        t = self.overhead_s
+        tokens = prefill_tokens + decode_tokens
+        if tokens > 0:
+            seqs = num_seqs if num_seqs > 0 else 1
+            prior = (context_tokens - tokens) / seqs
+            if prior < 0.0:
+                prior = 0.0
+            ctx = context_tokens
+            w = self.sliding_window
+            if w is not None:
+                if prior > w:
+                    prior = w
+                if ctx > seqs * w:
+                    ctx = seqs * w
+            pairs = tokens * prior + decode_tokens
+            if prefill_tokens:
+                chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
+                pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
+            compute = tokens * self._s_per_token_flops + pairs * self._s_per_pair
+            memory = self._s_weights + (ctx + tokens) * self._s_per_kv_token
+            if compute > memory:
+                t += compute + self._serial * memory
+            else:
+                t += memory + self._serial * compute
+            t += tokens * self.allreduce_s_per_token
+        if op_counts:
+            for kind, cost in self._op_items:
+                n = op_counts.get(kind)
+                if n:
+                    t += n * cost
+        return t

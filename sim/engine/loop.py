@@ -1,0 +1,364 @@
+"""The simulated inference engine: two SimPy processes around one scheduler.
+
+Scenario: requests stream in from a workload at their arrival times (the
+`arrivals` process; closed-loop session turns are released `think_time`
+after the previous turn finished). The `steps` process repeatedly asks the
+scheduler for a batch, advances the clock by the cost model's step time,
+applies the step, and logs it; with nothing to run it sleeps until the next
+arrival instead of spinning.
+
+With a fixed step time S (`SimConfig.step_time`, for step-by-step comparison
+with vLLM) step k starts at k * S, every request that arrived at or before
+k * S is queued before it (in arrival order; sessions are open loop then),
+and an idle engine wakes on the first grid point at or after the next
+arrival; steps are numbered by k.
+
+With `SimConfig.async_scheduling` the steps process is `_async_steps`: vLLM's
+batch queue, two deep, over `sim.engine.async_scheduler` (each batch is scheduled
+while the previous one runs, and its output applied after it ends).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import simpy
+
+from kvcache.invariants import check as check_invariants
+from kvcache.manager import KVCacheManager
+from sim.engine.config import SimConfig
+from sim.engine.metrics import RequestLog, StepLog
+from sim.engine.scheduler import Scheduler
+from workloads.request import Request
+
+if TYPE_CHECKING:
+    from sim.engine.cost_model import CostModel
+
+PROGRESS_EVERY = 64  # report progress every this many requests done
+STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
+OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
+NO_OPS = dict.fromkeys(OP_KINDS, 0)
+
+
+def grid_index(t: float, step_time: float) -> int:
+    """The first step k whose start k * step_time is at or after `t` (exact in floats)."""
+    k = max(math.ceil(t / step_time), 0)
+    while k * step_time < t:
+        k += 1
+    while k > 0 and (k - 1) * step_time >= t:
+        k -= 1
+    return k
+
+
+class Sessions:
+    """Closed-loop multi-turn sessions: turn i is released `think_time` after turn i-1 is done."""
+
+    def __init__(self, env: simpy.Environment, release: Callable[[Request], None]):
+        self.env = env
+        self.release = release
+        self.last_done: dict[str, float | None] = {}  # session -> when its last turn was done; None: in flight
+        self.held: dict[str, deque[Request]] = {}  # turns whose previous turn is still in flight
+        self.outstanding = 0  # turns held or on a timer
+
+    def arrive(self, req: Request) -> None:
+        """A turn reached its open-loop arrival time in the stream."""
+        sid = req.session
+        if req.think_time is None or sid not in self.last_done:  # a first turn
+            self.last_done[sid] = None
+            self.release(req)
+            return
+        last = self.last_done[sid]
+        if last is None:
+            self.held.setdefault(sid, deque()).append(req)
+            self.outstanding += 1
+        else:
+            self.last_done[sid] = None
+            self._at(max(self.env.now, last + req.think_time), req)
+
+    def done(self, req: Request, now: float) -> None:
+        """A turn finished (or was dropped) at `now`: release the session's next turn, if held."""
+        sid = req.session
+        if sid not in self.last_done:
+            return
+        q = self.held.get(sid)
+        if q:
+            nxt = q.popleft()
+            if not q:
+                del self.held[sid]
+            self.outstanding -= 1
+            self._at(now + (nxt.think_time or 0.0), nxt)
+        else:
+            self.last_done[sid] = now
+
+    def _at(self, t: float, req: Request) -> None:
+        self.outstanding += 1
+
+        def fire(_: simpy.Event) -> None:
+            self.outstanding -= 1
+            self.release(req)
+
+        self.env.timeout(t - self.env.now).callbacks.append(fire)
+
+
+class Engine:
+    """An arrival process and a step process sharing one scheduler, cost model and logs."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        workload: Iterable[Request],
+        cfg: SimConfig,
+        cost: CostModel,
+        manager: KVCacheManager,
+        progress: Callable[[int], None] | None = None,
+    ):
+        self.env = env
+        self.cfg = cfg
+        self.cost = cost
+        self.m = manager
+        self.requests = RequestLog()
+        self.steps = StepLog()
+        if cfg.async_scheduling:
+            from sim.engine.async_scheduler import AsyncScheduler
+
+            self.sched: Scheduler = AsyncScheduler(cfg, manager, self.requests)
+        else:
+            self.sched = Scheduler(cfg, manager, self.requests)
+        # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
+        # request at its arrival time: open loop
+        closed = cfg.closed_loop_sessions and cfg.step_time is None
+        self.sessions = Sessions(env, self._release) if closed else None
+        self.progress = progress
+        self.num_done = 0
+        self._wake: simpy.Event | None = None
+        self._source_done = False
+        env.process(self._arrivals(iter(workload)))
+        self.process = env.process(self._async_steps() if cfg.async_scheduling else self._steps())
+
+    # ------------------------------------------------------------- arrivals
+    def _arrivals(self, stream: Iterator[Request]):
+        env, sessions = self.env, self.sessions
+        load = self.cfg.load
+        for req in stream:
+            delay = req.arrival / load - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            if sessions is not None and req.session is not None:
+                sessions.arrive(req)
+            else:
+                self._release(req)
+        self._source_done = True
+        self._poke()
+
+    def _release(self, req: Request) -> None:
+        """The request reaches the engine now."""
+        self.sched.add(req, self.env.now)
+        self._drain_done(self.env.now)
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _drain_done(self, now: float) -> int:
+        done = self.sched.done
+        if not done:
+            return 0
+        if self.sessions is not None:
+            for req in done:
+                if req.session is not None:
+                    self.sessions.done(req, now)
+        n = len(done)
+        done.clear()
+        self.num_done += n
+        if self.progress is not None and self.num_done // PROGRESS_EVERY != (self.num_done - n) // PROGRESS_EVERY:
+            self.progress(self.num_done)
+        return n
+
+    # ---------------------------------------------------------------- steps
+    def _idle(self) -> bool:
+        return self._source_done and (self.sessions is None or self.sessions.outstanding == 0)
+
+    def _steps(self):
+        env, m, sched, cost = self.env, self.m, self.sched, self.cost
+        get = m.ops.counts.get  # NOTE: not counts[...]: a missing key would call Counter.__missing__
+        pool = m.pool
+        usable = pool.num_usable_blocks
+        record = self.steps.record
+        defrag = self.cfg.defrag_threshold is not None
+        check = check_invariants if self.cfg.debug_invariants else None
+        prev = (0,) * 5  # evict, copy, swap_out, swap_in, move
+        k = 0
+        step_time = self.cfg.step_time
+        g = 0  # with a fixed step time: the grid index of the next step
+        # NOTE: the engine keeps its own clock and yields to SimPy only when another
+        # event (an arrival, a session timer) falls within the step, or before it
+        # sleeps: back-to-back steps cost no event each, and the order is unchanged.
+        clock = env.now
+        while True:
+            if not sched.has_work():
+                if clock > env.now:  # catch up first: an arrival may be due meanwhile
+                    yield env.timeout(clock - env.now)
+                    continue
+                if self._idle():
+                    break
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                clock = env.now
+                if step_time is not None:
+                    g = max(g, grid_index(clock, step_time))
+                    clock = g * step_time
+                continue
+            if step_time is not None:
+                clock = g * step_time
+                if env.peek() <= clock:  # queue every arrival up to and at the step's start
+                    yield env.timeout(clock - env.now)
+            t0 = clock
+            m.ops.step = k
+            sched.step = k if step_time is None else g
+            if defrag:
+                m.defragment()
+            b = sched.schedule(t0)
+            dropped = self._drain_done(t0) if sched.done else 0
+            seqs = b.num_seqs
+            if not seqs and not (b.preempted_recompute or b.preempted_swap):
+                if sched.has_work():
+                    raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
+                continue
+            now = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+            if now[1:] == prev[1:]:
+                ops = NO_OPS
+            else:
+                ops = {kind: now[j] - prev[j] for j, kind in enumerate(OP_KINDS, 1)}
+            if step_time is None:
+                dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
+                clock = t0 + dt
+            else:
+                g += 1
+                clock = g * step_time
+                dt = clock - t0
+            if env.peek() <= clock:
+                yield env.timeout(clock - env.now)
+            sched.complete(b, clock)
+            done = dropped + (self._drain_done(clock) if sched.done else 0)
+            free = pool.num_free_blocks
+            record((
+                t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), seqs,
+                b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                free, pool.num_cached_free, usable - free,
+                m.id_space_fragmentation(), sched.internal_fragmentation,
+                now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
+                ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
+                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
+            ))  # fmt: skip
+            prev = now
+            if check is not None:
+                check(m)
+                sched.materialize()  # lazy decodes' sequences lag; the check reads them
+                exact = m.internal_fragmentation([x.seq for x in sched.running])
+                if sched.internal_fragmentation != exact:
+                    raise AssertionError(f"step {k}: internal fragmentation {sched.internal_fragmentation} != {exact}")
+            k += 1
+        if self.progress is not None:
+            self.progress(self.num_done)
+
+    # ---------------------------------------------------------- async steps
+    def _async_steps(self):
+        """vLLM's EngineCore.step_with_batch_queue over sim.engine.async_scheduler, two batches deep.
+
+        Each iteration at clock time T queues the arrivals <= T; if the scheduler has
+        requests it schedules a batch, and unless the queue is full (2) or the batch is
+        empty with nothing left to schedule, iterates again; otherwise the oldest batch
+        is popped, the clock waits for its end, and its output is applied. A batch with
+        tokens runs from max(T, the previous batch's end) for one step (on the grid, with
+        a fixed step time) or its cost; an empty one takes no time, but with no batch
+        running the engine spins a step. Step numbers are grid slots (fixed step time)
+        or batches with tokens so far. Mirrors sim.conform.vllm_scheduler `run_async`.
+        """
+        env, m, sched, cost = self.env, self.m, self.sched, self.cost
+        get = m.ops.counts.get
+        pool = m.pool
+        usable = pool.num_usable_blocks
+        record = self.steps.record
+        defrag = self.cfg.defrag_threshold is not None
+        check = check_invariants if self.cfg.debug_invariants else None
+        S = self.cfg.step_time
+        grid = S is not None
+
+        def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
+            return x * S if grid else x
+
+        spin = 1 if grid else cost.step_time(0, 0, 0, 0, NO_OPS)
+        queue: deque[tuple] = deque()  # (batch, start, end, step, op deltas, drops); start None: no tokens
+        clock = 0 if grid else env.now
+        free = clock  # when the device is next free
+        k = 0  # batches with tokens so far
+        empties = 0
+        while True:
+            t = at(clock)
+            while env.peek() <= t:  # queue every arrival up to and at the clock
+                yield env.timeout(max(t - env.now, 0.0))
+            if not sched.has_requests() and not queue:
+                if self._idle():
+                    break
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                clock = max(clock, grid_index(env.now, S) if grid else env.now)
+                continue
+            if sched.has_requests():
+                start = max(free, clock)
+                step = start if grid else k
+                before = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+                m.ops.step = sched.step = step
+                if defrag:
+                    m.defragment()
+                b = sched.schedule(at(start))
+                dropped = self._drain_done(at(start)) if sched.done else 0
+                after = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+                deltas = tuple(a - p for a, p in zip(after, before, strict=True))
+                if b.lives:
+                    if grid:
+                        end = start + 1
+                    else:
+                        ops = dict(zip(OP_KINDS, deltas[1:], strict=True))
+                        end = start + cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                                                     b.num_seqs, ops)
+                    free = end
+                    k += 1
+                    empties = 0
+                    queue.appendleft((b, start, end, step, deltas, dropped))
+                else:
+                    empties += 1
+                    if empties >= STALL_STEPS:
+                        raise RuntimeError(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
+                    if all(q[1] is None for q in queue):
+                        clock += spin  # nothing running: the engine spins
+                    queue.appendleft((b, None, None, step, deltas, dropped))
+                if len(queue) < 2 and (b.lives or sched.has_requests()):
+                    continue
+            b, start, end, step, deltas, dropped = queue.pop()
+            if start is None:
+                sched.apply(b, at(clock))  # nothing ran; the scheduler only hears of it
+                continue
+            clock = max(clock, end)
+            m.ops.step = sched.step = step
+            sched.apply(b, at(end))
+            done = dropped + (self._drain_done(at(end)) if sched.done else 0)
+            free_blocks = pool.num_free_blocks
+            record((
+                at(start), at(end) - at(start), len(sched.running), len(sched.waiting), 0, b.num_seqs,
+                b.prefill_tokens, b.decode_tokens, b.context_tokens,
+                free_blocks, pool.num_cached_free, usable - free_blocks,
+                m.id_space_fragmentation(), sched.internal_fragmentation,
+                deltas[0], b.preempted_recompute, 0, deltas[1], deltas[2], deltas[3], deltas[4],
+                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
+            ))  # fmt: skip
+            if check is not None:
+                check(m)
+        if self.progress is not None:
+            self.progress(self.num_done)

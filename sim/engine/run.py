@@ -1,0 +1,85 @@
+"""Run one simulation: build the block manager and engine a config describes, replay a
+workload through them and summarize what happened (`sim.studies.run_folder` keeps it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+import simpy
+
+from kvcache.manager import KVCacheManager
+from sim.engine.config import SimConfig
+from sim.engine.loop import Engine
+from sim.engine.metrics import summarize
+from workloads.request import Request
+
+if TYPE_CHECKING:
+    from sim.engine.cost_model import CostModel
+
+
+@dataclass
+class RunResult:
+    """A finished run: its tables, summary, config and (in memory only) the manager."""
+
+    config: SimConfig
+    workload: str
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    summary: dict[str, Any]
+    manager: KVCacheManager | None = None
+
+
+def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
+    """The block manager `cfg` describes, sized by the cost model."""
+    window = cfg.sliding_window if cfg.sliding_window is not None else cost.sliding_window
+    return KVCacheManager(
+        cost.num_gpu_blocks(cfg),
+        cfg.block_size,
+        num_cpu_blocks=cfg.num_cpu_blocks,
+        enable_caching=cfg.enable_prefix_caching,
+        eviction=cfg.eviction,
+        watermark=cfg.watermark,
+        sliding_window=window,
+        record_ops=cfg.record_ops,
+        defrag_threshold=cfg.defrag_threshold,
+        vllm_version=cfg.vllm_version,
+    )
+
+
+def simulate(
+    workload: Iterable[Request],
+    cfg: SimConfig,
+    progress: Callable[[int], None] | None = None,
+    *,
+    cost_model: CostModel | None = None,
+) -> RunResult:
+    """Replay `workload` through the engine `cfg` describes; deterministic for a given
+    workload and config. `progress(n)` is called as requests finish;
+    `cost_model` defaults to `CostModel.from_config(cfg)`."""
+    cfg.validate()
+    if cost_model is None:
+        from sim.engine.cost_model import CostModel
+
+        cost_model = CostModel.from_config(cfg)
+    manager = make_manager(cfg, cost_model)
+    env = simpy.Environment()
+    engine = Engine(env, workload, cfg, cost_model, manager, progress)
+    env.run()
+    steps = engine.steps.frame()
+    requests = engine.requests.frame()
+    counters = {"skipped_lines": getattr(workload, "skipped", 0)}
+    summary = summarize(
+        steps,
+        requests,
+        block_size=cfg.block_size,
+        num_gpu_blocks=manager.pool.num_blocks,
+        slo_ttft=cfg.slo_ttft,
+        slo_tpot=cfg.slo_tpot,
+        counters=counters,
+    )
+    name = getattr(workload, "name", "workload")
+    summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
+    return RunResult(cfg, name, steps, requests, summary, manager)

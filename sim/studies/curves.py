@@ -1,0 +1,221 @@
+"""Hit rate and fragmentation against cache capacity, one curve per eviction policy.
+
+A point is (policy, capacity in GPU blocks). Two ways to compute it:
+
+- `replay` (default): the cache-only replay (`kvcache.replay`, one request at
+  a time, no time model). Fragmentation is sampled once per request, just
+  before its blocks are freed (its peak footprint), and averaged over requests.
+- `sim`: the full simulator (`sim.engine.run.simulate`) with `num_gpu_blocks` =
+  capacity; fragmentation is its time-weighted mean.
+
+Points are independent and run in parallel on local processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvcache.manager import KVCacheManager
+from kvcache.profiles import DEFAULT_VERSION
+from kvcache.replay import ReplayRecord, replay
+from kvcache.sequence import Sequence
+from sim.engine.config import ConfigError, SimConfig
+from sim.studies.sweep import WorkloadSpec, run_parallel
+
+MODES = ("replay", "sim")
+COLUMNS = (
+    "policy",
+    "capacity",
+    "hit_rate",
+    "block_hit_rate",
+    "evicted_blocks",
+    "mean_id_fragmentation",
+    "mean_internal_fragmentation",
+    "requests",
+    "rejected",
+)
+
+
+class _SamplingManager(KVCacheManager):
+    """A block manager that samples fragmentation as each request is freed."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.samples = 0
+        self.id_frag_total = 0
+        self.internal_frag_total = 0
+
+    def free(self, seq: Sequence) -> None:
+        self.samples += 1
+        self.id_frag_total += self.id_space_fragmentation()
+        self.internal_frag_total += self.internal_fragmentation([seq])
+        super().free(seq)
+
+
+def check_points(capacities: list[int], policies: list[str], block_size: int, mode: str) -> None:
+    """Raise ConfigError for a point no run could compute."""
+    from kvcache.eviction import POLICIES
+
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if not capacities:
+        raise ConfigError("no capacities given")
+    for c in capacities:
+        if c < 2:
+            raise ConfigError(f"capacity must be at least 2 blocks (block 0 is reserved), got {c}")
+    if not policies:
+        raise ConfigError("no policies given")
+    for p in policies:
+        if p not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {p!r}; choose from {', '.join(POLICIES)}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ConfigError(f"block size must be a positive power of two, got {block_size}")
+
+
+def replay_point(
+    workload: WorkloadSpec, policy: str, capacity: int, block_size: int,
+    vllm_version: str = DEFAULT_VERSION,
+) -> dict[str, Any]:
+    """One point by cache-only replay (sequential, as `kvsim cache-replay`)."""
+    m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
+    blocks = {"hit": 0, "prompt": 0}
+
+    def count(rec: ReplayRecord) -> None:
+        blocks["hit"] += rec.hit_tokens // block_size
+        blocks["prompt"] += -(-rec.prompt_tokens // block_size)
+
+    r = replay(workload.open(), m, 1, count)
+    n = m.samples or 1
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "hit_rate": r.hit_rate,
+        "block_hit_rate": blocks["hit"] / blocks["prompt"] if blocks["prompt"] else 0.0,
+        "evicted_blocks": r.evicted_blocks,
+        "mean_id_fragmentation": m.id_frag_total / n,
+        "mean_internal_fragmentation": m.internal_frag_total / n,
+        "requests": r.requests,
+        "rejected": r.rejected,
+    }
+
+
+def sim_point(
+    workload: WorkloadSpec,
+    policy: str,
+    capacity: int,
+    block_size: int,
+    base: SimConfig | None = None,
+    vllm_version: str | None = None,
+) -> dict[str, Any]:
+    """One point by full simulation of `base` (default config) at this capacity and policy;
+    `vllm_version`, when given, replaces base's."""
+    from sim.engine.run import simulate
+
+    cfg = (base or SimConfig()).replace(
+        num_gpu_blocks=capacity, eviction=policy, block_size=block_size
+    )
+    if vllm_version is not None:
+        cfg = cfg.replace(vllm_version=vllm_version)
+    s = simulate(workload.open(), cfg).summary
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "hit_rate": s["hit_rate"],
+        "block_hit_rate": s["block_hit_rate"],
+        "evicted_blocks": s["evictions"],
+        "mean_id_fragmentation": s["mean_id_fragmentation"],
+        "mean_internal_fragmentation": s["mean_internal_fragmentation"],
+        "requests": s["requests"],
+        "rejected": s["rejected"],
+    }
+
+
+def capacity_curve(
+    workload: WorkloadSpec,
+    capacities: list[int],
+    policies: list[str],
+    block_size: int = 16,
+    mode: str = "replay",
+    workers: int = 1,
+    base: SimConfig | None = None,
+    on_point: Callable[[dict[str, Any]], None] | None = None,
+    vllm_version: str | None = None,
+) -> pd.DataFrame:
+    """Every (policy, capacity) point; rows sorted by policy (as given) then capacity.
+    `vllm_version` defaults to base's (or 0.33)."""
+    if vllm_version is None:
+        vllm_version = base.vllm_version if base is not None else DEFAULT_VERSION
+    check_points(capacities, policies, block_size, mode)
+    caps = sorted(set(capacities))
+    # largest capacities first: the slowest points start first and the pool drains evenly
+    order = sorted(((p, c) for p in policies for c in caps), key=lambda pc: -pc[1])
+    if mode == "replay":
+        items = [(workload, p, c, block_size, vllm_version) for p, c in order]
+        fn: Callable[..., dict[str, Any]] = replay_point
+    else:
+        items = [(workload, p, c, block_size, base, vllm_version) for p, c in order]
+        fn = sim_point
+    rows = run_parallel(fn, items, workers, (lambda _, row: on_point(row)) if on_point else None)
+    rank = {p: i for i, p in enumerate(policies)}
+    rows.sort(key=lambda r: (rank[r["policy"]], r["capacity"]))
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = True) -> str:
+    """A capacity x policy text table of one column."""
+    wide = df.pivot(index="capacity", columns="policy", values=column)[
+        list(dict.fromkeys(df["policy"]))
+    ]
+    cells = [["capacity", *wide.columns]]
+    for cap, row in wide.iterrows():
+        fmt = (lambda v: f"{v * 100:.2f}") if percent else (lambda v: f"{v:,.1f}")
+        cells.append([f"{cap:,}", *(fmt(v) for v in row)])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def plot_curve(
+    df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str
+) -> None:
+    """Hit rate (left) and mean id-space fragmentation as a share of the cache (right)
+    against capacity, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_hit, ax_frag) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy, g in df.groupby("policy", sort=False):
+        ax_hit.plot(g["capacity"], g["hit_rate"] * 100, marker="o", label=policy)
+        frag = g["mean_id_fragmentation"] / (g["capacity"] - 1) * 100  # usable blocks
+        ax_frag.plot(g["capacity"], frag, marker="o", label=policy)
+    unit = f"GPU blocks of {block_size} tokens"
+    ax_hit.set(xlabel=f"cache capacity ({unit})", ylabel="prefix hit rate (% of prompt tokens)")
+    ax_frag.set(
+        xlabel=f"cache capacity ({unit})", ylabel="mean id-space holes (% of usable blocks)"
+    )
+    for ax in (ax_hit, ax_frag):
+        ax.grid(alpha=0.3)
+        if df["capacity"].max() > 10 * df["capacity"].min():
+            ax.set_xscale("log")
+    ax_hit.set_ylim(bottom=0)
+    ax_hit.legend(title="eviction")
+    fig.suptitle(f"Prefix hit rate vs cache capacity: {workload} ({mode})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_curve(
+    df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str
+) -> Path:
+    """`curve.parquet` and `curve.png` in `out_dir`; returns the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(out / "curve.parquet", index=False)
+    plot_curve(df, out / "curve.png", workload, block_size, mode)
+    return out

@@ -1,0 +1,102 @@
+"""`kvsim run`, `kvsim report` and `kvsim compare` through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli.app import app
+from sim.cli.run import run_name
+from sim.engine.config import SimConfig
+from tests.sim.engine.engine_fixtures import req
+from workloads.jsonl import write_jsonl
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "default"
+    r = runner.invoke(app, ["run", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("default: llama-3-8b on h100-sxm x1, block 16, lru, ")
+    assert r.stdout.endswith(f"wrote {out}\n")
+    return out
+
+
+def test_run_without_a_workload_simulates_the_default(default_run: Path) -> None:
+    s = json.loads((default_run / "summary.json").read_text())
+    assert (s["workload"], s["requests"], s["finished"]) == ("default", 300, 300)
+    assert 0.5 < s["hit_rate"] < 1.0  # shared system prompts and chat turns hit
+    assert (default_run / "blocks.png").is_file() and not (default_run / "ops.parquet").exists()
+
+
+def test_run_a_workload_file_with_options(tmp_path: Path) -> None:
+    wl = tmp_path / "two.jsonl"
+    write_jsonl([req("a", 0, 40, 5), req("b", 0.1, 40, 5)], wl)
+    out = tmp_path / "r"
+    args = ["run", str(wl), "--num-gpu-blocks", "64", "--block-size", "8", "--eviction", "fifo",
+            "--record-ops", "--no-plots", "--max-num-seqs", "1", "--max-model-len", "44", "--out", str(out)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_gpu_blocks"], cfg["block_size"], cfg["eviction"], cfg["max_num_seqs"]) == (64, 8, "fifo", 1)
+    assert (out / "ops.parquet").is_file() and not (out / "blocks.png").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["finished"], summary["output_tokens"]) == (2, 8)  # 40 + 5 capped at 44
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "0"], "error: block_size must be a positive power of two, got 0\n"),
+        (["--block-size", "12"], "error: block_size must be a positive power of two, got 12\n"),
+        (["--model", "gpt-9"], "error: unknown model 'gpt-9'; choose from "),
+        (["--gpu", "tpu-v5"], "error: unknown gpu 'tpu-v5'; choose from "),
+        (["--eviction", "mru"], "error: unknown eviction policy 'mru'; choose from lru, "),
+        (["--preemption", "drop"], "error: preemption must be 'recompute' or 'swap', got 'drop'\n"),
+        (["--max-model-len", "1"], "error: max_model_len must be >= 2, got 1\n"),
+        (["--num-gpu-blocks", "4"],
+         "error: the KV cache (4 blocks of 16 tokens) is too small for any request of default "
+         "(smallest dropped prompt: 139 tokens)\n"),
+        (["--model", "llama-3-70b", "--gpu", "a100-80g"], "error: llama-3-70b does not fit on a100-80g"),
+        (["missing.jsonl"], "error: missing.jsonl: no such file or directory\n"),
+    ],
+)
+def test_bad_configs_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    r = runner.invoke(app, ["run", *args, "--no-plots", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and r.stderr.startswith(message), r.output
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_bad_trace_line_is_an_error_or_skipped(tmp_path: Path) -> None:
+    wl = tmp_path / "bad.jsonl"
+    write_jsonl([req("a", 0, 40, 5)], wl)
+    with open(wl, "a") as f:
+        f.write('{"id": "b", "arrival": 1, "prompt": [1, 2], "output_len": -3}\n')
+    r = runner.invoke(app, ["run", str(wl), "--no-plots", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: {wl}:2: "), r.output
+    r = runner.invoke(app, ["run", str(wl), "--skip-bad", "--no-plots", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 0 and r.stderr.startswith("skipped 1 bad lines"), r.output
+
+
+def test_report_and_compare(default_run: Path, tmp_path: Path) -> None:
+    r = runner.invoke(app, ["report", str(default_run), "--no-plots"])
+    assert r.exit_code == 0 and "hit rate, tokens" in r.stdout
+    plot = tmp_path / "cmp.png"
+    r = runner.invoke(app, ["compare", str(default_run), str(default_run), "--plot", str(plot)])
+    assert r.exit_code == 0, r.output
+    header = r.stdout.splitlines()[0].split()
+    assert header == ["default", "default"] and plot.read_bytes()[:4] == b"\x89PNG"
+    r = runner.invoke(app, ["report", str(tmp_path)])
+    assert r.exit_code == 2 and "not a run folder" in r.stderr
+
+
+def test_default_run_names_are_deterministic() -> None:
+    cfg = SimConfig()
+    assert run_name("traces/conv.jsonl", cfg) == run_name("traces/conv.jsonl", SimConfig())
+    assert run_name("traces/conv.jsonl", cfg).startswith("conv-llama-3-8b-h100-sxm-tp1-bs16-")
+    assert run_name("traces/conv.jsonl", cfg) != run_name("traces/conv.jsonl", cfg.replace(watermark=0.1))

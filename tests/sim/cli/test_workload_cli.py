@@ -1,0 +1,139 @@
+"""`kvsim workload generate` and `kvsim workload stats` through typer's CliRunner."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli.app import app
+from workloads.traces import load_workload
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, ["workload", *map(str, args)])
+
+
+def test_stats_default_workload_text():
+    r = invoke("stats")
+    assert r.exit_code == 0, r.output
+    assert "format         default" in r.output
+    assert "requests       300 in 40 sessions" in r.output
+    assert "blocks       83.72% (8,369 / 9,996 full blocks)" in r.output
+
+
+def test_stats_json_keys():
+    r = invoke("stats", "--json", "--block-size", "32")
+    d = json.loads(r.stdout)
+    assert d["requests"] == 300 and d["block_size"] == 32 and d["prompt_tokens"] == 162122
+    for key in (
+        "ideal_block_hit_rate",
+        "ideal_token_hit_rate",
+        "time_span",
+        "mean_rate",
+        "prompt_len",
+    ):
+        assert key in d
+
+
+def test_stats_bad_file_is_a_clear_error_exit_1(write):
+    path = write(
+        "bad.jsonl", '{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n'
+    )
+    r = invoke("stats", path)
+    assert r.exit_code == 1
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert (
+        r.stderr
+        == f"error: {path}:1: field 'input_length': expected a non-negative integer, got -3\n"
+    )
+    assert "Traceback" not in r.output
+
+
+def test_stats_skip_bad_reports_count(write):
+    good = '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [7]}'
+    path = write("m.jsonl", f"{good}\nnot json\n{good}\n")
+    r = invoke("stats", path, "--skip-bad", "--json")
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["requests"] == 2 and json.loads(r.stdout)["skipped"] == 1
+    assert r.stderr.startswith("skipped 1 bad lines (first: ")
+
+
+def test_stats_format_option(write):
+    path = write(
+        "m.txt", '{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [7]}\n'
+    )
+    r = invoke("stats", path, "--format", "mooncake", "--json")
+    assert json.loads(r.stdout)["prompt_tokens"] == 3
+    assert invoke("stats", path, "--format", "kvsim").exit_code == 1
+
+
+@pytest.mark.parametrize(
+    "kind", ["shared-prefix", "multi-turn", "few-shot", "agent", "parallel", "unique", "default"]
+)
+def test_generate_each_kind_round_trips(tmp_path, kind):
+    out = tmp_path / f"{kind}.jsonl"
+    r = invoke("generate", kind, "-n", 30, "--out", out, "--seed", 3)
+    assert r.exit_code == 0, r.output
+    n = 300 if kind == "default" else 30
+    assert r.stdout == f"wrote {n} requests to {out}\n"
+    reqs = list(load_workload(out))
+    assert len(reqs) == n
+
+
+def test_generate_is_deterministic_and_options_apply(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    args = [
+        "-n",
+        40,
+        "--rate",
+        5,
+        "--arrival",
+        "gamma",
+        "--cv",
+        2,
+        "--samples",
+        2,
+        "--user-len",
+        "uniform:10,20",
+        "--output-len",
+        "fixed:7",
+    ]
+    invoke("generate", "parallel", "--out", a, *args)
+    invoke("generate", "parallel", "--out", b, *args)
+    assert a.read_bytes() == b.read_bytes()
+    reqs = list(load_workload(a))
+    assert {r.n for r in reqs} == {2} and {r.output_len for r in reqs} == {7}
+    assert all(10 <= r.prompt_len <= 20 for r in reqs)
+
+
+def test_generate_multi_turn_writes_outputs_and_think_times(tmp_path):
+    out = tmp_path / "mt.jsonl"
+    invoke(
+        "generate", "multi-turn", "-n", 20, "--out", out, "--turns", "fixed:3", "--think-time", 2
+    )
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(len(r["output"]) == r["output_len"] and r["session"] for r in recs)
+    assert sum("think_time" in r for r in recs) == sum(r["id"][-2:] != "-0" for r in recs)
+
+
+def test_generate_rejects_bad_options(tmp_path):
+    out = tmp_path / "x.jsonl"
+    r = invoke("generate", "parallel", "--out", out, "--turns", "fixed:3")
+    assert (r.exit_code, r.stderr) == (1, "error: kind 'parallel' does not take --turns\n")
+    r = invoke("generate", "chat", "--out", out)
+    assert r.exit_code == 1 and "unknown kind 'chat'" in r.stderr
+    r = invoke("generate", "unique", "--out", out, "--user-len", "gauss:1")
+    assert r.exit_code == 1 and "bad length spec 'gauss:1'" in r.stderr
+
+
+def test_stats_on_real_mooncake_trace(traces):
+    r = invoke("stats", traces / "mooncake/conversation_trace.jsonl", "--block-size", 512, "--json")
+    d = json.loads(r.stdout)
+    assert (d["requests"], d["prompt_tokens"], d["hit_blocks"], d["full_blocks"]) == (
+        12031,
+        144793823,
+        105592,
+        276491,
+    )

@@ -1,0 +1,64 @@
+"""Helpers for the engine, scheduler and run tests: a flat cost model, tiny requests, a stepper."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcache.manager import KVCacheManager
+from sim.engine.config import SimConfig
+from sim.engine.metrics import RequestLog
+from sim.engine.run import RunResult, simulate
+from sim.engine.scheduler import Batch, Scheduler
+from workloads.request import Request, Workload, make_request
+
+
+class FlatCost:
+    """Stand-in cost model: every step takes `step_s` seconds; records what it was asked."""
+
+    sliding_window = None
+
+    def __init__(self, step_s: float = 1.0):
+        self.step_s = step_s
+        self.calls: list[tuple] = []
+
+    def num_gpu_blocks(self, cfg: SimConfig) -> int:
+        return cfg.num_gpu_blocks
+
+    def step_time(self, prefill, decode, context, num_seqs, op_counts) -> float:
+        self.calls.append((prefill, decode, context, num_seqs, dict(op_counts)))
+        return self.step_s
+
+
+def req(rid: str, arrival: float, prompt, output_len: int, **kw) -> Request:
+    """A request; `prompt` is a token count (fresh tokens from a per-id range) or token ids."""
+    if isinstance(prompt, int):
+        base = 1000 * (sum(map(ord, rid)) % 997) * 100
+        prompt = np.arange(base, base + prompt)
+    return make_request(rid, arrival, prompt, output_len, **kw)
+
+
+def run(requests: list[Request], step_s: float = 1.0, **cfg) -> RunResult:
+    """Simulate `requests` with the flat cost model; cfg defaults to 16 blocks of 4 tokens."""
+    cfg = {"block_size": 4, "num_gpu_blocks": 16, **cfg}
+    return simulate(Workload.from_list(requests, "test"), SimConfig(**cfg), cost_model=FlatCost(step_s))
+
+
+def make_scheduler(**cfg) -> Scheduler:
+    """A scheduler over a fresh manager (16 blocks of 4 tokens unless given)."""
+    c = SimConfig(**{"block_size": 4, "num_gpu_blocks": 16, **cfg}).validate()
+    m = KVCacheManager(
+        c.num_gpu_blocks, c.block_size, num_cpu_blocks=c.num_cpu_blocks, watermark=c.watermark,
+        enable_caching=c.enable_prefix_caching,
+    )
+    return Scheduler(c, m, RequestLog())
+
+
+def step(s: Scheduler, t: float) -> list[tuple[str, int]]:
+    """One step from `t` to `t + 1`: the (sequence id, tokens) it computed, in batch order."""
+    b: Batch = s.schedule(t)
+    pos = {id(x): k for k, x in enumerate(s.running)}  # batch order is running order
+    lazy = [x for x in s.running if x.since >= 0]  # decoding without being visited
+    batch = sorted([*((x, 1) for x in [*b.decodes, *lazy]), *zip(b.lives, b.tokens, strict=True)],
+                   key=lambda e: pos[id(e[0])])
+    s.complete(b, t + 1)
+    return [(live.seq.seq_id, n) for live, n in batch]

@@ -1,0 +1,229 @@
+"""The SimPy engine: arrival timing, closed-loop sessions, step times, latencies, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.engine.config import SimConfig
+from sim.engine.lazy_decodes import LazyDecodes
+from sim.engine.run import simulate
+from sim.engine.scheduler import BlockedHead, Scheduler
+from tests.sim.engine.engine_fixtures import FlatCost, req, run
+from workloads.request import Workload
+from workloads.shapes import parallel, shared_prefix
+
+
+def test_latencies_follow_the_steps() -> None:
+    r = run([req("a", 0.5, 8, 4)]).requests.iloc[0]
+    # steps start at 0.5 (prefill), 1.5, 2.5, 3.5 (decodes); each takes 1 s
+    assert (r.first_scheduled, r.first_token, r.finish) == (0.5, 1.5, 4.5)
+    assert (r.ttft, r.tpot, r.e2e, r.queueing) == (1.0, 1.0, 4.0, 0.0)
+    assert r.status == "finished" and r.output_tokens == 4
+
+
+def test_engine_sleeps_until_the_next_arrival() -> None:
+    res = run([req("a", 0, 4, 2), req("b", 100, 4, 2)])
+    assert res.steps["time"].tolist() == [0.0, 1.0, 100.0, 101.0]
+    assert res.requests["first_scheduled"].tolist() == [0.0, 100.0]
+
+
+def test_a_request_arriving_mid_step_waits_for_the_next_step() -> None:
+    res = run([req("a", 0, 4, 3), req("b", 0.25, 4, 1)])
+    assert res.requests["first_scheduled"].tolist() == [0.0, 1.0]
+    assert res.requests["queueing"].tolist() == [0.0, 0.75]
+
+
+def test_cost_model_sees_the_step_totals() -> None:
+    cost = FlatCost()
+    simulate(Workload.from_list([req("a", 0, 6, 2), req("b", 0, 3, 2)]),
+             SimConfig(block_size=4, num_gpu_blocks=16), cost_model=cost)
+    ops = {"copy": 0, "swap_out": 0, "swap_in": 0, "move": 0}
+    assert cost.calls == [(9, 0, 9, 2, ops), (0, 2, 7 + 4, 2, ops)]
+
+
+def test_closed_loop_turn_arrives_think_time_after_the_previous_finished() -> None:
+    turns = [
+        req("s-0", 0, 8, 2, session="s"),
+        req("s-1", 5, 12, 2, session="s", think_time=5.0),  # open loop: 5.0
+        req("s-2", 5.5, 16, 1, session="s", think_time=0.5),  # arrives while s-1 is still pending
+    ]
+    res = run(turns)
+    rq = res.requests.set_index("id")
+    assert rq.loc["s-0", "finish"] == 2.0
+    assert rq.loc["s-1", "arrival"] == 7.0  # finish 2.0 + think 5.0
+    assert rq.loc["s-1", "finish"] == 9.0
+    assert rq.loc["s-2", "arrival"] == 9.5  # held until s-1 finished, then 0.5 s
+    open_loop = run(turns, closed_loop_sessions=False).requests
+    assert open_loop["arrival"].tolist() == [0.0, 5.0, 5.5]
+
+
+def test_known_answers_make_the_next_turn_hit() -> None:
+    sys_prompt, out0 = np.arange(100, 108), np.arange(500, 504)
+    t0 = req("s-0", 0, sys_prompt, 4, output=out0, session="s")
+    t1 = req("s-1", 1, np.concatenate([sys_prompt, out0, [7, 8]]), 1, session="s", think_time=1.0)
+    # turn 0 computes its 8 prompt tokens and the first 3 of its 4 answer tokens (the last
+    # sampled token is never computed): 2 full blocks of 4 tokens, or 5 of 2 tokens
+    assert run([t0, t1]).requests["hit_tokens"].tolist() == [0, 8]
+    assert run([t0, t1], block_size=2).requests["hit_tokens"].tolist() == [0, 10]
+
+
+def test_a_request_that_outgrows_the_cache_is_truncated_not_hung() -> None:
+    res = run([req("a", 0, 6, 10)], num_gpu_blocks=3)  # 2 usable blocks: 8 slots
+    r = res.requests.iloc[0]
+    assert (r.status, r.reason, r.output_tokens) == ("truncated", "context_exceeds_cache", 3)
+    assert res.summary["truncated"] == 1 and res.summary["finished"] == 0
+
+
+def test_recompute_preemption_is_counted_per_step_and_request() -> None:
+    res = run([req(x, 0, 8, 3) for x in "abc"], num_gpu_blocks=7)
+    assert res.steps["preempt_recompute"].tolist()[:2] == [0, 1]
+    assert res.requests["preemptions"].tolist() == [0, 0, 1]
+    assert res.summary["preemptions"] == 1 and res.requests["status"].eq("finished").all()
+
+
+def _stress(**cfg) -> SimConfig:
+    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64}
+    return SimConfig(**{**base, **cfg})
+
+
+def _mixed() -> Workload:
+    """Shared prefixes and parallel sampling, arriving fast enough to preempt."""
+    from workloads.arrivals import Poisson
+    from workloads.lengths import Fixed, LogNormal
+    from workloads.shapes import merge
+
+    a = shared_prefix(60, num_prefixes=3, prefix_len=Fixed(96), user_len=LogNormal(40, 1.0, hi=200),
+                      output_len=LogNormal(60, 1.0, hi=300), arrivals=Poisson(8.0), seed=3,
+                      token_range=(0, 2**20))
+    b = parallel(15, n=3, prompt_len=LogNormal(80, 0.5, hi=300), output_len=LogNormal(40, 0.5, hi=200),
+                 arrivals=Poisson(3.0), seed=4, token_range=(2**20, 2**21))
+    return merge(a, b, name="mixed")
+
+
+SHORTCUT_CASES = {
+    "recompute": {},
+    "swap": {"preemption": "swap", "num_cpu_blocks": 400},
+    "defrag+watermark": {"defrag_threshold": 4, "watermark": 0.05},
+    "no-chunking": {"enable_chunked_prefill": False, "max_num_batched_tokens": 320, "block_size": 8},
+}
+
+
+@pytest.mark.parametrize("case", SHORTCUT_CASES)
+def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """In-place and lazy decodes and blocked-head skips give the same tables as visiting
+    every sequence every step; each is exercised, lazy decoding's fallback too."""
+    cfg = _stress(**SHORTCUT_CASES[case])
+    seen = {"skips": 0, "lazy": 0, "fallback": 0}
+    still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Scheduler.materialize
+
+    def checked_still(head: BlockedHead, live, budget: int, wm: bool) -> bool:
+        if not still(head, live, budget, wm):
+            return False
+        seq, m = live.seq, head.m  # the skip must be sound: the retry it saves would fail
+        blocks, hit = m.get_computed_blocks(seq)
+        n = seq.num_tokens - hit
+        if not (n > budget and wm and not cfg.enable_chunked_prefill):
+            # the admission gate asks for the whole known context (scheduler_reserve_full_isl)
+            need = m.num_blocks_to_allocate(seq, max(hit + min(n, budget), seq.num_tokens), blocks)
+            assert need + (m.watermark_blocks if wm else 0) > m.pool.num_free_blocks
+        seen["skips"] += 1
+        return True
+
+    def counted_drop(lazies: LazyDecodes, live, k: int) -> None:
+        seen["lazy"] += 1
+        drop(lazies, live, k)
+
+    def counted_materialize(sched: Scheduler, k: int | None = None) -> None:
+        seen["fallback"] += sched.lazy.n > 0
+        materialize(sched, k)
+
+    monkeypatch.setattr(BlockedHead, "still", checked_still)
+    monkeypatch.setattr(LazyDecodes, "drop", counted_drop)
+    monkeypatch.setattr(Scheduler, "materialize", counted_materialize)
+    fast = simulate(_mixed(), cfg)
+    assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0
+    # (without chunking no running sequence holds a chunk that could outrun the budget)
+    assert seen["skips"] and seen["lazy"] and (seen["fallback"] or not cfg.enable_chunked_prefill), seen
+    tokens = fast.steps["prefill_tokens"] + fast.steps["decode_tokens"]
+    assert tokens.max() <= cfg.max_num_batched_tokens  # the budget holds
+    assert tokens.max() == cfg.max_num_batched_tokens or not cfg.enable_chunked_prefill  # and binds
+    monkeypatch.setattr(Scheduler, "fast_decode", False)
+    monkeypatch.setattr(Scheduler, "skip_blocked_head", False)
+    slow = simulate(_mixed(), cfg)
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
+    assert fast.manager.ops.counts == slow.manager.ops.counts
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"preemption": "swap", "num_cpu_blocks": 400, "defrag_threshold": 8, "watermark": 0.05},
+        {"num_lookahead_tokens": 3, "sliding_window": 64, "scheduling": "priority"},
+    ],
+)
+def test_invariants_hold_every_step(extra: dict) -> None:
+    """debug_invariants checks the manager and the derived internal fragmentation each step."""
+    res = simulate(_mixed(), _stress(debug_invariants=True, **extra))
+    s = res.summary
+    assert s["finished"] == 75 and s["preemptions"] > 0 and s["cow_copies"] > 0
+    assert res.manager.num_used_blocks() == 0 and res.manager.cpu.num_free_blocks == extra.get("num_cpu_blocks", 0)
+    if "defrag_threshold" in extra:
+        assert s["preemptions_swap"] > 0 and s["defrag_moves"] > 0
+
+
+def test_runs_are_deterministic() -> None:
+    a, b = simulate(_mixed(), _stress()), simulate(_mixed(), _stress())
+    pd.testing.assert_frame_equal(a.steps, b.steps)
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert a.summary == b.summary
+
+
+def test_load_scales_open_loop_arrivals():
+    from sim.engine.config import SimConfig
+    from sim.engine.run import simulate
+    from workloads.request import make_request
+
+    reqs = [make_request(f"r{i}", 10.0 * i, np.arange(40, dtype=np.int32) + 100 * i, 4) for i in range(3)]
+    base = simulate(reqs, SimConfig(num_gpu_blocks=200)).requests["arrival"].tolist()
+    double = simulate(reqs, SimConfig(num_gpu_blocks=200, load=2.0)).requests["arrival"].tolist()
+    assert base == [0.0, 10.0, 20.0] and double == [0.0, 5.0, 10.0]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.sampled_from([4, 8, 16]),
+    num_gpu_blocks=st.integers(24, 120),
+    budget=st.sampled_from([48, 96, 256]),
+    swap=st.booleans(),
+    chunked=st.booleans(),
+)
+def test_shortcuts_change_nothing_on_random_configs(seed: int, block_size: int, num_gpu_blocks: int,
+                                                    budget: int, swap: bool, chunked: bool) -> None:
+    from workloads.arrivals import Poisson
+    from workloads.lengths import LogNormal
+    from workloads.shapes import merge
+
+    def workload() -> Workload:
+        a = shared_prefix(25, num_prefixes=2, prefix_len=LogNormal(40, 0.5, hi=120), user_len=LogNormal(20, 1.0, hi=90),
+                          output_len=LogNormal(30, 1.0, hi=150), arrivals=Poisson(6.0), seed=seed,
+                          token_range=(0, 2**20))
+        b = parallel(6, n=2, prompt_len=LogNormal(30, 0.5, hi=90), output_len=LogNormal(20, 0.5, hi=80),
+                     arrivals=Poisson(2.0), seed=seed + 1, token_range=(2**20, 2**21))
+        return merge(a, b, name="random")
+
+    cfg = SimConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
+                    max_num_seqs=16, enable_chunked_prefill=chunked, preemption="swap" if swap else "recompute",
+                    num_cpu_blocks=300 if swap else 0)
+    fast = simulate(workload(), cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "fast_decode", False)
+        mp.setattr(Scheduler, "skip_blocked_head", False)
+        slow = simulate(workload(), cfg)
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)

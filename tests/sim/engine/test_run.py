@@ -1,0 +1,82 @@
+"""simulate / write_run / load_run: exact hit accounting, the run folder and its round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvcache.ops import read_ops
+from sim.engine.metrics import STEP_FIELDS
+from sim.studies.plots import PLOTS
+from sim.studies.run_folder import load_run, write_run
+from tests.sim.engine.engine_fixtures import req, run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def shared_prefix_requests() -> list:
+    """Three 36- to 48-token prompts behind one 32-token system prompt, one after another."""
+    system = np.arange(1000, 1032)
+    return [
+        req("a", 0, np.concatenate([system, np.arange(4)]), 2),
+        req("b", 10, np.concatenate([system, np.arange(10, 26)]), 2),
+        req("c", 20, np.concatenate([system, np.arange(10, 26)]), 2),  # b's whole prompt again
+    ]
+
+
+def test_hit_tokens_on_a_shared_prefix() -> None:
+    res = run(shared_prefix_requests(), block_size=16, num_gpu_blocks=32)
+    # b hits the 2 system blocks; c hits b's 3 full blocks, and not its last token's block
+    assert res.requests["hit_tokens"].tolist() == [0, 32, 32]
+    s = res.summary
+    assert (s["prompt_tokens"], s["hit_tokens"]) == (36 + 48 + 48, 64)
+    assert s["hit_rate"] == 64 / 132
+    assert s["block_hit_rate"] == 4 / (3 + 3 + 3)
+    assert res.steps["admitted_hit_tokens"].sum() == 64
+
+
+def test_summary_counts_and_latencies() -> None:
+    s = run([req("a", 0, 8, 4), req("b", 0, 8, 2)]).summary
+    assert (s["requests"], s["finished"], s["rejected"], s["steps"]) == (2, 2, 0, 4)
+    assert s["duration_s"] == 4.0 and s["throughput_rps"] == 0.5
+    assert s["output_tokens"] == 6 and s["output_tokens_per_s"] == 1.5
+    assert (s["ttft_p50"], s["e2e_p50"], s["tpot_p50"]) == (1.0, 3.0, 1.0)
+    assert s["peak_used_blocks"] == 4 and s["num_gpu_blocks"] == 16  # at step ends, after frees
+
+
+def test_goodput_counts_requests_within_the_slos() -> None:
+    reqs = [req("a", 0, 8, 4), req("b", 0.5, 8, 2)]
+    assert run(reqs).summary["goodput_rps"] == 0.5
+    slo = run(reqs, slo_ttft=1.0).summary  # b waits for the next step: ttft 1.5
+    assert (slo["goodput_rps"], slo["slo_attainment"]) == (1 / 4, 0.5)
+
+
+def test_run_folder_round_trip(tmp_path: Path) -> None:
+    res = run(shared_prefix_requests(), block_size=16, num_gpu_blocks=32, record_ops=True)
+    out = write_run(res, tmp_path / "r")
+    names = {"config.json", "steps.parquet", "requests.parquet", "summary.json", "ops.parquet", "op_tokens.parquet", *PLOTS}
+    assert {p.name for p in out.iterdir()} == names
+    assert all((out / p).read_bytes()[:8] == PNG for p in PLOTS)
+    assert json.loads((out / "config.json").read_text())["block_size"] == 16
+    back = load_run(out)
+    pd.testing.assert_frame_equal(back.steps, res.steps)
+    pd.testing.assert_frame_equal(back.requests, res.requests)
+    assert back.summary == json.loads(json.dumps(res.summary)) and back.config == res.config
+    assert list(back.steps.columns) == list(STEP_FIELDS)
+    ops = read_ops(out / "ops.parquet")
+    assert sum(op.kind == "write" for op in ops) == res.manager.ops.counts["write"]
+
+
+def test_ops_are_written_only_when_recorded(tmp_path: Path) -> None:
+    out = write_run(run([req("a", 0, 8, 2)]), tmp_path / "r", plots=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "requests.parquet", "steps.parquet", "summary.json"]
+
+
+def test_load_run_names_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        load_run(tmp_path)

@@ -1,0 +1,115 @@
+"""vLLM 0.33 scheduler rules, pinned with exact step numbers in step-time runs.
+
+Each test names the vLLM function the rule comes from (vllm/v1/core/sched/scheduler.py
+`Scheduler.schedule` unless said otherwise). With `step_time=1`, step k starts at
+t = k; a request is queued before the first step at or after its arrival.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.engine.config import SimConfig
+from sim.engine.loop import grid_index
+from sim.engine.run import simulate
+from workloads.request import make_request
+
+_next = [0]
+
+
+def req(rid: str, arrival: float, prompt_len: int, output_len: int):
+    """A request with prompt tokens no other request shares."""
+    start = _next[0]
+    _next[0] += prompt_len
+    return make_request(rid, arrival, range(start, start + prompt_len), output_len)
+
+
+def steps(reqs, **cfg) -> dict[str, tuple[int, int, int, int]]:
+    """id -> (first_scheduled_step, first_token_step, finish_step, preemptions)."""
+    base = {"step_time": 1.0, "block_size": 4, "closed_loop_sessions": False}
+    res = simulate(reqs, SimConfig(**{**base, **cfg}))
+    rq = res.requests
+    cols = ["first_scheduled_step", "first_token_step", "finish_step", "preemptions"]
+    return {r.id: tuple(int(getattr(r, c)) for c in cols) for r in rq.itertuples()}
+
+
+def test_grid_index_is_the_first_step_at_or_after():
+    assert [grid_index(t, 1.0) for t in (0.0, 0.5, 1.0, 10.2)] == [0, 1, 1, 11]
+    assert grid_index(0.3, 0.1) == 3 and grid_index(0.7, 0.1) == 7  # 0.7 / 0.1 = 6.999...
+
+
+def test_steps_start_on_the_grid_and_an_idle_engine_waits_for_the_next_arrival():
+    got = steps([req("a", 0.0, 40, 3), req("b", 0.5, 20, 1), req("c", 10.2, 10, 2)],
+                block_size=16, num_gpu_blocks=100, max_num_batched_tokens=64)
+    # a: whole prompt in step 0, decodes in 1 and 2; b queued before step 1; c wakes step 11
+    assert got == {"a": (0, 0, 2, 0), "b": (1, 1, 1, 0), "c": (11, 11, 12, 0)}
+
+
+def test_newest_running_request_is_preempted_and_nothing_is_admitted_that_step():
+    # 3 usable blocks of 4 slots, caching off. Step 1: a takes the last free block for its
+    # decode, b (running[-1]) finds none and preempts itself (vLLM: `self.running.pop()`,
+    # `_preempt_request` requeues it at the front of WAITING); the step admits nothing
+    # (`if not preempted_reqs`) though c's one block is free. b's recompute needs 2 blocks
+    # for its 5 known tokens, so b, and c behind it, wait until a ends at step 5.
+    got = steps([req("a", 0, 4, 6), req("b", 0, 4, 6), req("c", 0.5, 1, 1)],
+                num_gpu_blocks=4, enable_prefix_caching=False)
+    assert got == {"a": (0, 0, 5, 0), "b": (0, 0, 10, 1), "c": (6, 6, 6, 0)}
+
+
+@pytest.mark.parametrize("watermark,c_first", [(0.2, 2), (0.0, 0)])
+def test_watermark_applies_while_anything_runs(watermark, c_first):
+    # vllm/v1/core/kv_cache_manager.py allocate_slots(has_scheduled_reqs=bool(self.running)):
+    # 10 usable blocks, watermark int(0.2 * 11) = 2. a (7 blocks) is admitted with nothing
+    # running, b (1 block) leaves exactly 2 free, c would eat into them and waits.
+    got = steps([req("a", 0, 28, 2), req("b", 0, 4, 2), req("c", 0, 4, 1)],
+                num_gpu_blocks=11, watermark=watermark)
+    assert got["c"][0] == c_first
+    assert got["a"] == (0, 0, 1, 0) and got["b"][0] == 0
+
+
+def test_a_waiting_request_is_admitted_only_if_its_whole_prompt_fits():
+    # scheduler_reserve_full_isl (default True) -> allocate_slots(full_sequence_must_fit=True):
+    # b's first 4-token chunk would fit in the 2 free blocks, its 12-token prompt does not
+    got = steps([req("a", 0, 12, 4), req("b", 0, 12, 1)], num_gpu_blocks=6, max_num_batched_tokens=8)
+    assert got == {"a": (0, 1, 4, 0), "b": (5, 6, 6, 0)}
+
+
+def test_long_prefill_threshold_caps_chunks_unless_one_request_is_alone():
+    kw = {"block_size": 16, "num_gpu_blocks": 100, "max_num_batched_tokens": 64,
+          "long_prefill_token_threshold": 16}
+    # 0.31+: a lone request takes the whole budget (num_running + num_waiting == 1)
+    assert steps([req("a", 0, 40, 1)], **kw) == {"a": (0, 0, 0, 0)}
+    # 0.28: 16 + 16 + 8 tokens
+    assert steps([req("a", 0, 40, 1)], vllm_version="0.28", **kw) == {"a": (0, 2, 2, 0)}
+    # two requests: 16 tokens each per step, both finish their prompt in step 2
+    assert steps([req("a", 0, 40, 1), req("b", 0, 40, 1)], **kw) == {"a": (0, 2, 2, 0), "b": (0, 2, 2, 0)}
+
+
+def test_hit_tokens_are_those_of_the_first_scheduling():
+    # b shares a's first two full blocks (8 tokens); a full-prompt hit still recomputes its
+    # last token (vllm/v1/core/kv_cache_manager.py get_computed_blocks: num_tokens - 1)
+    a = make_request("a", 0, range(1000, 1010), 1)
+    b = make_request("b", 1, [*range(1000, 1008), 7, 8], 1)
+    c = make_request("c", 2, range(1000, 1008), 1)
+    res = simulate([a, b, c], SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20))
+    assert res.requests["hit_tokens"].tolist() == [0, 8, 4]
+
+
+def test_priority_order_is_priority_then_arrival_then_request_id():
+    # vllm/v1/request.py Request.__lt__: ties in priority and arrival go by request id as a
+    # string, so "r10" runs before "r2"; one sequence at a time makes the order visible
+    reqs = [req("r2", 0, 8, 1), req("r10", 0, 8, 1), req("r1", 0, 8, 1)]
+    reqs[2].priority = -1
+    got = steps(reqs, scheduling="priority", max_num_seqs=1, num_gpu_blocks=20)
+    assert {k: v[0] for k, v in got.items()} == {"r1": 0, "r10": 1, "r2": 2}
+
+
+def test_step_time_runs_queue_session_turns_at_their_arrival():
+    # closed-loop sessions would hold turn 2 until turn 1 finished (step 4) plus its think
+    # time; a step-time run is open loop, as the comparison with vLLM needs
+    t1 = req("t1", 0, 8, 5)
+    t2 = req("t2", 1, 8, 1)
+    for r in (t1, t2):
+        r.session, r.think_time = "s", 10.0
+    got = steps([t1, t2], num_gpu_blocks=20, closed_loop_sessions=True)
+    assert got == {"t1": (0, 0, 4, 0), "t2": (1, 1, 1, 0)}
