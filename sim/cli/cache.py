@@ -13,6 +13,7 @@ from kvcache.eviction import POLICIES
 from kvcache.manager import KVCacheManager
 from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
+from sim.cli.common import fail
 from workloads.default import default_workload
 from workloads.errors import WorkloadError
 from workloads.traces import FORMATS, load_workload
@@ -32,19 +33,19 @@ def cache_replay(
 ) -> None:
     """Replay a workload through the block manager and report its prefix-cache hit rate."""
     if block_size <= 0:
-        _fail(f"--block-size must be positive, got {block_size}")
+        raise fail(f"--block-size must be positive, got {block_size}")
     if eviction not in POLICIES:
-        _fail(f"unknown eviction policy {eviction!r}; choose from {', '.join(POLICIES)}")
+        raise fail(f"unknown eviction policy {eviction!r}; choose from {', '.join(POLICIES)}")
     if num_blocks < 2:
-        _fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        raise fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:
-        _fail(f"--max-running must be >= 1, got {max_running}")
+        raise fail(f"--max-running must be >= 1, got {max_running}")
     try:
         wl = default_workload() if workload is None else load_workload(workload, format, skip_bad=skip_bad)
         manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
                                  vllm_version=vllm_version)
     except (WorkloadError, ValueError) as e:
-        _fail(str(e))
+        raise fail(str(e)) from None
     sink = open(out, "w") if out else None
     t0 = time.perf_counter()
 
@@ -58,7 +59,7 @@ def cache_replay(
     try:
         result = replay(wl, manager, max_running, on_record)
     except WorkloadError as e:
-        _fail(str(e))
+        raise fail(str(e)) from None
     finally:
         if sink:
             sink.close()
@@ -79,11 +80,6 @@ def cache_replay(
     typer.echo(f"hit tokens     {result.hit_tokens:,}  ({result.hit_rate:.2%})")
     typer.echo(f"evicted blocks {result.evicted_blocks:,}")
     typer.echo(f"wall time      {wall:.2f} s ({result.requests / wall:,.0f} requests/s)")
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from sim.cli.common import fail, open_workload
+
 
 def conform(
     workload: Annotated[Path | None, typer.Argument(help="workload file (any `kvsim workload` format); default: the embedded workload")] = None,
@@ -28,7 +30,6 @@ def conform(
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
-    from sim.cli.run import open_workload
     from sim.conform import vllm_setup
     from sim.conform.check import MODES
     from sim.conform.check import conform as run_conform
@@ -36,17 +37,17 @@ def conform(
     from workloads.errors import WorkloadError
 
     if mode not in MODES:
-        _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     missing = vllm_setup.vllm_available()
     if missing:
-        _fail(missing)
+        raise fail(missing)
     installed = vllm_setup.vllm_version()
     try:
         from kvcache.profiles import profile
 
         theirs = profile(installed).version
         if vllm_version is not None and profile(vllm_version).version != theirs:
-            _fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
+            raise fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -62,15 +63,10 @@ def conform(
                    + (", async scheduling" if async_scheduling else ""))
         diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
     except (ConfigError, WorkloadError, ValueError) as e:
-        _fail(str(e))
+        raise fail(str(e)) from None
     if not all(d.ok for d in diffs):
         raise typer.Exit(1)
     typer.echo("identical")
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
 
 
 def register(app: typer.Typer) -> None:

@@ -9,28 +9,25 @@ from typing import Annotated
 
 import typer
 
+from sim.cli.common import fail
+
 _DEVICE_HELP = "cuda|cpu (default: cuda if available; cpu runs Triton's interpreter)"
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
 
 
 def _device(device: str | None) -> str:
     """Resolve --device and, for cpu, switch Triton to its interpreter before any kernel is imported."""
     if device not in (None, "cuda", "cpu"):
-        _fail(f"--device must be cuda or cpu, got {device!r}")
+        raise fail(f"--device must be cuda or cpu, got {device!r}")
     import importlib.util
 
     missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
     if missing:
-        _fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
+        raise fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
     import torch  # NOTE: not triton yet: TRITON_INTERPRET must be set before triton is imported
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        _fail("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+        raise fail("--device cuda: no CUDA device (torch.cuda.is_available() is False); use --device cpu")
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     return device
@@ -56,7 +53,7 @@ def gpu_replay(
     for name, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
                     ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
         if v < 1:
-            _fail(f"{name} must be >= 1, got {v}")
+            raise fail(f"{name} must be >= 1, got {v}")
     from gpu.replay import RunFilesError, replay_run
     from sim.engine.config import ConfigError
 
@@ -64,7 +61,7 @@ def gpu_replay(
         rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
                          swap_method=swap_method, strict=False, attention_layers=attention_layers)
     except (RunFilesError, ConfigError, ValueError) as e:
-        _fail(str(e))
+        raise fail(str(e)) from None
     if save is not None:
         save.write_text(json.dumps(rep.as_dict()) + "\n")
     typer.echo(json.dumps(rep.as_dict()) if as_json else rep.format())
@@ -86,7 +83,7 @@ def calibrate(
     """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
     and write a calibration profile for `kvsim run --calibration`."""
     if block_size < 1:
-        _fail(f"--block-size must be >= 1, got {block_size}")
+        raise fail(f"--block-size must be >= 1, got {block_size}")
     if refit is not None:
         measured, profile = _refit(refit, model, gpu, block_size)
     else:
@@ -98,7 +95,7 @@ def calibrate(
             profile, measured = measure(dev, model, gpu, block_size,
                                         progress=lambda line: typer.echo(line, err=True))
         except ConfigError as e:
-            _fail(str(e))
+            raise fail(str(e)) from None
     from gpu.calibrate import format_rows
 
     text = json.dumps(profile, indent=2) + "\n"
@@ -120,11 +117,11 @@ def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[li
     try:
         measured = json.loads(path.read_text())
     except OSError as e:
-        _fail(f"{path}: cannot read ({e.strerror or e})")
+        raise fail(f"{path}: cannot read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
-        _fail(f"{path}: not JSON ({e.msg}, line {e.lineno})")
+        raise fail(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):
-        _fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
+        raise fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
     from gpu.calibrate import build_profile, gpu_of_name
 
     device = next((r["device"] for r in measured if r.get("name") == "forward_step"), None)
@@ -132,7 +129,7 @@ def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[li
     try:
         return measured, build_profile(measured, model, name, block_size, cuda=device is not None)
     except (ConfigError, KeyError, ValueError) as e:
-        _fail(f"{path}: {e}")
+        raise fail(f"{path}: {e}") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from sim.cli.common import fail
 from sim.engine.run import RunResult
 from sim.studies.run_folder import load_run
 
@@ -91,8 +92,7 @@ def _open(run_dir: Path) -> RunResult:
     try:
         return load_run(run_dir)
     except (OSError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail(str(e)) from None
 
 
 def report(

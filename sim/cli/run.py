@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from sim.cli.common import fail, open_workload
 from sim.cli.report import compare, format_summary, report
 from sim.engine.config import ConfigError, SimConfig
 from workloads.errors import WorkloadError
@@ -18,27 +19,11 @@ from workloads.request import Workload
 RUNS_DIR = Path("runs")
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
-
-
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
     digest = hashlib.sha256(json.dumps([workload, cfg.to_dict()], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
     return f"{stem}-{cfg.model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
-
-
-def open_workload(path: Path | None, fmt: str, skip_bad: bool, seed: int) -> Workload:
-    """The workload file, or the embedded default workload (seeded) when none is given."""
-    if path is None:
-        from workloads.default import default_workload
-
-        return default_workload(seed)
-    from workloads.traces import load_workload
-
-    return load_workload(path, fmt, skip_bad=skip_bad)
 
 
 def _progress_bar(workload: Workload):
@@ -130,7 +115,7 @@ def run(
         wl = open_workload(workload, format, skip_bad, cfg.seed)
         bar, progress = _progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     name = str(workload) if workload is not None else "default"
     try:
         if bar is not None:
@@ -139,10 +124,10 @@ def run(
         else:
             result = simulate(wl, cfg, cost_model=cost)
     except (ConfigError, WorkloadError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     s = result.summary
     if s["requests"] and not s["finished"] and s["rejected"] + s["truncated"] == s["requests"]:
-        raise _fail(
+        raise fail(
             f"the KV cache ({blocks:,} blocks of {cfg.block_size} tokens) is too small for any "
             f"request of {name} (smallest dropped prompt: {_smallest_drop(result)} tokens)"
         )

@@ -9,15 +9,11 @@ from typing import Annotated
 
 import typer
 
+from sim.cli.common import fail
 from sim.engine.config import ConfigError, SimConfig
 from workloads.errors import WorkloadError
 
 _CPUS = os.cpu_count() or 1
-
-
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
 
 
 def sweep(
@@ -63,7 +59,7 @@ def sweep(
         t0 = time.perf_counter()
         table = run_sweep(sw, out_dir, workers, ray, report)
     except (ConfigError, WorkloadError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     typer.echo(
         f"wrote {out_dir / 'sweep.parquet'} ({len(table)} points, {time.perf_counter() - t0:.1f} s)"
     )
@@ -119,7 +115,7 @@ def curve(
             df, out or Path("curves") / workload.stem, workload.name, block_size, mode
         )
     except (ConfigError, WorkloadError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     typer.echo(f"{workload.name}: block size {block_size}, mode {mode}, {len(df)} points")
     typer.echo("\nprefix hit rate (% of prompt tokens)")
     typer.echo(format_table(df))
@@ -160,7 +156,7 @@ def regress(
             else:
                 typer.echo(f"ok   {folder}: {len(cmp.rows)} values within tolerance ({wall:.1f} s)")
     except (ConfigError, WorkloadError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     if failed:
         raise typer.Exit(1)
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from sim.cli.common import fail
 from workloads.arrivals import ARRIVALS
 from workloads.build import KINDS, build_workload
 from workloads.default import default_workload
@@ -19,10 +20,6 @@ from workloads.traces import FORMATS, detect_format, load_workload
 workload_app = typer.Typer(
     help="Generate workloads and print their statistics.", no_args_is_help=True
 )
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(1)
 
 
 @workload_app.command()
@@ -67,7 +64,7 @@ def generate(
     Length specs: fixed:N, uniform:LO,HI, lognormal:MEAN,CV, empirical:FILE[:prompt|output].
     """
     if kind not in KINDS:
-        raise _fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", code=1)
     options = {
         "prefix_len": prefix_len,
         "user_len": user_len,
@@ -84,7 +81,7 @@ def generate(
         wl = build_workload(kind, num_requests, rate, arrival, cv, seed, options)
         count = write_jsonl(wl, out)
     except (WorkloadError, ValueError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e), code=1) from None
     typer.echo(f"wrote {count} requests to {out}")
 
 
@@ -110,7 +107,7 @@ def stats(
             wl = load_workload(file, fmt, skip_bad=skip_bad)
         s = describe(wl, block_size)
     except WorkloadError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e), code=1) from None
     if s.skipped:
         typer.echo(f"skipped {s.skipped} bad lines (first: {wl.skipped_errors[0]})", err=True)
     if as_json:
