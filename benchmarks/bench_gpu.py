@@ -27,6 +27,9 @@ is about a minute on an H100. Without CUDA it says so and exits 0, unless
 `--quick --allow-cpu`: then everything is tiny and runs on CPU under Triton's
 interpreter (TRITON_INTERPRET=1), which only exercises the code paths (the timings
 mean nothing). `--quick` on a GPU is the same tiny run, compiled.
+
+This file is the command line, the plan of points and the record; the measurements
+(one function per kernel family) are in `gpu_benches.py` beside it.
 """
 
 from __future__ import annotations
@@ -38,34 +41,17 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+
+# NOTE: a sibling file, found because this file runs as a script (its folder is sys.path[0])
+from gpu_benches import Bench, Figures, Plan, bench_block_ops, bench_decode, bench_write_kv
 
 SECTIONS = ("block", "swap", "write", "decode")
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What one run measures: the model's shape (or a tiny one) and the point grids."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    window: int | None
-    pairs: int
-    write_tokens: tuple[int, ...]
-    batches: tuple[int, ...]
-    contexts: tuple[int, ...]
-    sdpa_min_context: int  # the SDPA-ratio target applies from this context on
-    hbm_min_batch: int  # the HBM-fraction target applies from this batch on
-    seconds_per_point: float  # 0: one call, no warm-up beyond one
-
-
-COPY_TARGET, SWAP_TARGET, WRITE_TARGET, SDPA_TARGET, HBM_TARGET = 0.9, 0.8, 0.9, 1.25, 0.7
-
-
 def make_plan(m, pairs: int, quick: bool) -> Plan:
+    """The model's own shape and the full point grids, or tiny ones for `--quick`."""
     if quick:
         group = m.num_heads // m.num_kv_heads
         return Plan(2, 2 * group, 2, 32, 48 if m.sliding_window else None, 4, (1, 8), (1, 4), (32, 128),
@@ -114,20 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
-
-
-class Figures:
-    """Named figures, each with its target (or None) and whether it meets it."""
-
-    def __init__(self):
-        self.rows: dict[str, dict] = {}
-
-    def add(self, name: str, value: float, unit: str, what: str, target: float | None = None,
-            compare: str = ">=") -> str:
-        ok = None if target is None else bool(value >= target if compare == ">=" else value <= target)
-        self.rows[name] = {"value": value, "unit": unit, "target": target,
-                           "compare": None if target is None else compare, "pass": ok, "what": what}
-        return "" if ok is None else ("meets target" if ok else "MISSES target")
 
 
 def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
@@ -179,241 +151,6 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
     out["seconds"] = time.perf_counter() - t_start
     print(f"{out['passed']} of {len(targeted)} targets met ({out['seconds']:.0f} s)")
     return out
-
-
-class Bench:
-    """Times a call: a warm-up, then as many calls as fit in `seconds` (3 to 50); one call when 0."""
-
-    def __init__(self, dev, seconds: float):
-        self.dev, self.seconds = dev, seconds
-
-    def __call__(self, fn) -> float:
-        from gpu.timing import time_call
-
-        if not self.seconds:
-            return time_call(fn, self.dev, warmup=1, iters=1)
-        first = time_call(fn, self.dev, warmup=2, iters=1)
-        iters = int(min(50, max(3, self.seconds / max(first, 1e-7))))
-        return time_call(fn, self.dev, warmup=0, iters=iters)
-
-
-def _pin() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def bench_block_ops(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, sections, pcie_bw: float) -> dict:
-    """Copy and exchange against torch's index copy of the same blocks and a contiguous copy of the
-    same bytes; swaps (both methods, each way) against a pinned torch copy, and the PCIe fraction."""
-    import torch
-
-    from gpu.kernels import SWAP_METHODS, copy_blocks, exchange_blocks, swap_blocks
-    from gpu.kernels.copy_blocks import planes
-    from gpu.storage import PagedKVStorage
-
-    dev, n = bench.dev, plan.pairs
-    out: dict = {}
-    st = PagedKVStorage(plan.layers, 2 * n + 1, bs, plan.kv_heads, plan.head_dim,
-                        num_cpu_blocks=n if "swap" in sections else 0, dtype=dtype, device=dev)
-    st.gpu.normal_()
-    bb = st.block_bytes
-    view = planes(st.gpu)  # [layers * 2, blocks, block elements]
-    ids = torch.randperm(2 * n, device=dev) + 1
-    src_ids, dst_ids = ids[:n].contiguous(), ids[n:].contiguous()
-    pairs = torch.stack([src_ids, dst_ids], 1).contiguous()
-    print(f"block ops: {n} pairs of {bb / 2**20:.2f} MiB blocks (all layers, K and V); GB/s count bytes read + written")
-
-    if "block" in sections:
-        buf_a = torch.empty(2 * n * bb, dtype=torch.uint8, device=dev)
-        buf_b = torch.empty_like(buf_a)
-        both_src, both_dst = torch.cat([src_ids, dst_ids]), torch.cat([dst_ids, src_ids])
-
-        def torch_copy():
-            view.index_copy_(1, dst_ids, view.index_select(1, src_ids))
-
-        def torch_exchange():
-            view.index_copy_(1, both_dst, view.index_select(1, both_src))
-
-        # the kernels and torch's index copies give identical caches (checked once, bit for bit)
-        st.gpu.normal_()
-        saved = st.gpu.clone()
-        copy_blocks(st.gpu, st.gpu, pairs)
-        ours = st.gpu.clone()
-        st.gpu.copy_(saved)
-        torch_copy()
-        same_copy = bool(torch.equal(st.gpu, ours))
-        st.gpu.copy_(saved)
-        exchange_blocks(st.gpu, pairs)
-        ours = st.gpu.clone()
-        st.gpu.copy_(saved)
-        torch_exchange()
-        same_exchange = bool(torch.equal(st.gpu, ours))
-        del saved, ours
-
-        for name, fn, torch_fn, payload, same in (
-            ("copy_blocks", lambda: copy_blocks(st.gpu, st.gpu, pairs), torch_copy, n * bb, same_copy),
-            ("exchange_blocks", lambda: exchange_blocks(st.gpu, pairs), torch_exchange, 2 * n * bb, same_exchange),
-        ):
-            t_contig = bench(lambda payload=payload: buf_b[:payload].copy_(buf_a[:payload]))
-            t_index = bench(torch_fn)
-            tk = bench(fn)
-            traffic = 2 * payload
-            f_index, f_contig = t_index / tk, t_contig / tk
-            verdict = fig.add(f"{name}.fraction_of_index_copy", f_index, "fraction",
-                              "torch index_select + index_copy_ time on the same block ids / kernel time",
-                              COPY_TARGET)
-            fig.add(f"{name}.fraction_of_contiguous_copy", f_contig, "fraction",
-                    "contiguous device copy of the same bytes / kernel time")
-            fig.add(f"{name}.matches_torch", float(same), "bool", "kernel result equals torch's bit for bit",
-                    1.0)
-            print(f"  {name:<16} {tk * 1e6:9.1f} us {traffic / tk / 1e9:7.1f} GB/s | torch index copy "
-                  f"{t_index * 1e6:9.1f} us: {f_index:6.1%} {verdict} | contiguous copy {t_contig * 1e6:9.1f} us: "
-                  f"{f_contig:6.1%} | {'same result' if same else 'RESULT DIFFERS'}")
-            out[name] = {"seconds": tk, "GB_per_s": traffic / tk / 1e9, "index_copy_seconds": t_index,
-                         "contiguous_copy_seconds": t_contig, "bytes_copied": payload,
-                         "fraction_of_index_copy": f_index, "fraction_of_contiguous_copy": f_contig,
-                         "matches_torch": same}
-        del buf_a, buf_b
-
-    if "swap" in sections:
-        dev_buf = torch.empty(n * bb, dtype=torch.uint8, device=dev)
-        host = torch.empty(n * bb, dtype=torch.uint8, pin_memory=_pin())
-        base = {"swap_out": bench(lambda: host.copy_(dev_buf, non_blocking=True)),
-                "swap_in": bench(lambda: dev_buf.copy_(host, non_blocking=True))}
-        for kind, t in base.items():
-            fig.add(f"{kind}.pinned_copy.fraction_of_pcie", n * bb / t / pcie_bw, "fraction",
-                    "pinned torch copy GB/s / catalog pcie_bw")
-            print(f"  {kind:<9} pinned torch copy {t * 1e6:9.1f} us {n * bb / t / 1e9:6.1f} GB/s = "
-                  f"{n * bb / t / pcie_bw:6.1%} of PCIe ({pcie_bw / 1e9:.0f} GB/s)")
-        out_pairs = torch.stack([src_ids, torch.randperm(n, device=dev)], 1).contiguous()
-        for kind, a, b, p in (("swap_out", st.gpu, st.cpu, out_pairs),
-                              ("swap_in", st.cpu, st.gpu, out_pairs.flip(1).contiguous())):
-            for meth in SWAP_METHODS:
-                pp = p if meth == "kernel" else p.cpu()
-                tk = bench(lambda a=a, b=b, pp=pp, meth=meth: swap_blocks(a, b, pp, meth))
-                frac, pcie = base[kind] / tk, n * bb / tk / pcie_bw
-                verdict = fig.add(f"{kind}.{meth}.fraction_of_pinned_copy", frac, "fraction",
-                                  "pinned torch copy time of the same bytes / swap time", SWAP_TARGET)
-                fig.add(f"{kind}.{meth}.fraction_of_pcie", pcie, "fraction", "swap GB/s / catalog pcie_bw")
-                print(f"  {kind:<9} {meth:<6} {n} blocks {tk * 1e6:9.1f} us {n * bb / tk / 1e9:6.1f} GB/s: "
-                      f"{frac:6.1%} of pinned torch copy {verdict} | {pcie:6.1%} of PCIe")
-                out[f"{kind}_{meth}"] = {"seconds": tk, "GB_per_s": n * bb / tk / 1e9, "pinned_copy_seconds": base[kind],
-                                         "fraction_of_pinned_copy": frac, "fraction_of_pcie": pcie}
-    return out
-
-
-def bench_write_kv(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype) -> dict:
-    """write_kv against torch's index_copy_ (and indexed assignment) of the same tokens, same cache."""
-    import torch
-
-    from gpu.kernels import write_kv
-
-    dev, hq, hkv, d = bench.dev, plan.heads, plan.kv_heads, plan.head_dim
-    most = max(plan.write_tokens)
-    nb = 2 * -(-most // bs) + 1
-    kc = torch.zeros((nb, bs, hkv, d), dtype=dtype, device=dev)
-    vc = torch.zeros_like(kc)
-    kflat, vflat = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
-    out = {}
-    print(f"write_kv: one layer's cache ({nb} blocks), K/V as views of a fused qkv; tokens in shuffled blocks")
-    for tokens in plan.write_tokens:
-        qkv = torch.randn((tokens, hq + 2 * hkv, d), dtype=dtype, device=dev)
-        key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-        blocks = torch.randperm(nb - 1, device=dev)[: -(-tokens // bs)] + 1
-        pos = torch.arange(tokens, device=dev)
-        slots = blocks[pos // bs] * bs + pos % bs
-
-        def index_copy(key=key, value=value, slots=slots):
-            kflat.index_copy_(0, slots, key)
-            vflat.index_copy_(0, slots, value)
-
-        def index_put(key=key, value=value, slots=slots):
-            kflat[slots] = key
-            vflat[slots] = value
-
-        def ours(key=key, value=value, slots=slots):
-            write_kv(key, value, kc, vc, slots)
-
-        kc.zero_()
-        vc.zero_()
-        ours()
-        k1, v1 = kc.clone(), vc.clone()
-        kc.zero_()
-        vc.zero_()
-        index_copy()
-        same = bool(torch.equal(kc, k1) and torch.equal(vc, v1))
-        t_copy, t_put, tk = bench(index_copy), bench(index_put), bench(ours)
-        nbytes = 2 * 2 * tokens * hkv * d * kc.element_size()  # K and V, read and written
-        f_copy, f_put = t_copy / tk, t_put / tk
-        name = f"write_kv_t{tokens}"
-        verdict = fig.add(f"{name}.fraction_of_index_copy", f_copy, "fraction",
-                          "torch index_copy_ (K then V) time / write_kv time (target set by this script)",
-                          WRITE_TARGET)
-        fig.add(f"{name}.fraction_of_index_put", f_put, "fraction", "torch indexed assignment time / write_kv time")
-        fig.add(f"{name}.matches_torch", float(same), "bool", "cache equals index_copy_'s bit for bit", 1.0)
-        print(f"  {tokens:6d} tokens {tk * 1e6:9.1f} us {nbytes / tk / 1e9:7.1f} GB/s | index_copy_ "
-              f"{t_copy * 1e6:9.1f} us: {f_copy:6.1%} {verdict} | indexed assignment {t_put * 1e6:9.1f} us: "
-              f"{f_put:6.1%} | {'same result' if same else 'RESULT DIFFERS'}")
-        out[name] = {"seconds": tk, "GB_per_s": nbytes / tk / 1e9, "index_copy_seconds": t_copy,
-                     "index_put_seconds": t_put, "fraction_of_index_copy": f_copy, "fraction_of_index_put": f_put,
-                     "matches_torch": same}
-    return out
-
-
-def bench_decode(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, block_n: int) -> dict:
-    """Paged decode attention against dense SDPA on the same tokens, and its HBM bandwidth."""
-    out = {}
-    print(f"decode attention (block_n {block_n}): paged kernel vs SDPA over the same tokens, dense; "
-          f"HBM fraction of K+V bytes read")
-    for batch in plan.batches:
-        for ctx in plan.contexts:
-            out[f"decode_b{batch}_c{ctx}"] = _decode_point(bench, fig, plan, bs, dtype, hbm_bw, batch, ctx, block_n)
-    return out
-
-
-def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, batch: int, ctx: int,
-                  block_n: int) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from gpu.kernels import decode_attention
-
-    dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
-    pages = -(-ctx // bs)
-    kc = torch.randn((batch * pages + 1, bs, hkv, d), dtype=dtype, device=dev)
-    vc = torch.randn_like(kc)
-    tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn((batch, hq, d), dtype=dtype, device=dev)
-    seen = min(ctx, window) if window else ctx  # SDPA gets the tokens the window keeps
-    pos = torch.arange(ctx - seen, ctx, device=dev)
-    slots = tables.long()[:, pos // bs] * bs + pos % bs
-    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()  # dense [B, Hkv, seen, D]
-    vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
-    del slots
-
-    def ours():
-        return decode_attention(q, kc, vc, tables, lens, sliding_window=window, max_context=ctx, block_n=block_n)
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)[:, :, 0]
-
-    err = float((ours().float() - sdpa().float()).abs().max())
-    t_sdpa, t_ours = bench(sdpa), bench(ours)
-    nbytes = 2 * batch * seen * hkv * d * kc.element_size()
-    hbm, hbm_sdpa, ratio = nbytes / t_ours / hbm_bw, nbytes / t_sdpa / hbm_bw, t_ours / t_sdpa
-    name = f"decode_b{batch}_c{ctx}"
-    v_ratio = fig.add(f"{name}.sdpa_ratio", ratio, "x", "paged kernel time / dense SDPA time",
-                      SDPA_TARGET if ctx >= plan.sdpa_min_context else None, "<=")
-    v_hbm = fig.add(f"{name}.hbm_fraction", hbm, "fraction", "K+V bytes read / kernel time / datasheet HBM",
-                    HBM_TARGET if batch >= plan.hbm_min_batch else None)
-    fig.add(f"{name}.sdpa_hbm_fraction", hbm_sdpa, "fraction", "the same for SDPA")
-    print(f"  batch {batch:3d} ctx {ctx:6d}  {t_ours * 1e6:9.1f} us ({ratio:4.2f}x SDPA {t_sdpa * 1e6:9.1f} us) "
-          f"{v_ratio:<13} | {nbytes / t_ours / 1e9:7.1f} GB/s = {hbm:6.1%} of HBM {v_hbm:<13} "
-          f"(SDPA {hbm_sdpa:6.1%}) | max |diff| {err:.1e}")
-    return {"seconds": t_ours, "sdpa_seconds": t_sdpa, "sdpa_ratio": ratio, "hbm_fraction": hbm,
-            "sdpa_hbm_fraction": hbm_sdpa, "tokens_read": seen, "max_abs_diff_vs_sdpa": err}
 
 
 if __name__ == "__main__":
