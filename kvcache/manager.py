@@ -5,32 +5,36 @@ Its API and semantics follow vLLM V1's KVCacheManager: the scheduler asks
 `allocate_slots` for the tokens it schedules (and again every step it runs),
 and `free` when the request finishes or is preempted by recompute. Fork with
 copy-on-write, swapping to CPU blocks, sliding-window reclamation and the
-watermark come from the v0/v2 managers. Every physical effect is an op in
-`self.ops` (see `kvcache.ops`).
+watermark come from the v0/v2 managers (fork and swap are mixed in from
+`kvcache.fork` and `kvcache.swap`). Every physical effect is an op in
+`self.ops` (see `kvcache.ops`); callers use the public methods and properties.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from kvcache import sliding_window as sw
 from kvcache.admission import AllocStatus, watermark_status
 from kvcache.block import KVCacheBlock
-from kvcache.block_pool import BlockPool, OutOfBlocksError
+from kvcache.block_pool import BlockPool
 from kvcache.defrag import Defragmenter
 from kvcache.eviction import EvictionPolicy, make_policy
+from kvcache.fork import Forking
 from kvcache.id_span import IdSpan
 from kvcache.ops import OpLog
 from kvcache.profiles import DEFAULT_VERSION, profile
 from kvcache.sequence import Sequence
-from kvcache.swap import CpuPool
+from kvcache.swap import CpuPool, Swapping
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(Forking, Swapping):
     """Paged KV-cache block manager for one KV-cache group.
 
     num_gpu_blocks: as vLLM reports it; block 0 is the null block.
@@ -199,7 +203,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(n_new) if n_new > 0 else []
         blocks.extend(new_blocks)
         if self.ops.enabled:
-            self._emit_table(sid, blocks, first_new_entry)
+            self.ops.emit_table(sid, blocks, first_new_entry)
 
         if num_new_tokens:
             self._emit_writes(sid, blocks, num_computed, num_computed + num_new_tokens)
@@ -230,7 +234,7 @@ class KVCacheManager:
             return False
         if self.ops.enabled:
             if new:
-                self._emit_table(seq.seq_id, blocks, idx)
+                self.ops.emit_table(seq.seq_id, blocks, idx)
             self.ops.emit("write", blocks[idx].block_id, nc % bs, nc % bs + 1, seq.seq_id, pos=nc)
         else:
             self.ops.counts["write"] += 1
@@ -249,9 +253,10 @@ class KVCacheManager:
             hi = min(end, (i + 1) * bs) - i * bs
             self.ops.emit("write", blocks[i].block_id, lo, hi, sid, pos=i * bs + lo)
 
-    def _emit_table(self, sid: str, blocks: list[KVCacheBlock], start: int, end: int | None = None) -> None:
-        for i in range(start, len(blocks) if end is None else end):
-            self.ops.emit("table", blocks[i].block_id, i, seq=sid)
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
+        if self.enable_caching:
+            self._cache_full_blocks(seq, self.req_blocks[seq.seq_id], num_tokens)
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         sid = seq.seq_id
@@ -263,17 +268,6 @@ class KVCacheManager:
         self.pool.cache_blocks(blocks, hashes, n_cached, n_full, seq.num_prompt_tokens // self.block_size)
         self.num_cached_block[sid] = n_full
 
-    def _copy_on_write(self, seq: Sequence, blocks: list[KVCacheBlock]) -> None:
-        i = seq.num_computed_tokens // self.block_size
-        src = blocks[i]
-        (dst,) = self.pool.get_new_blocks(1)
-        self.ops.emit("copy", src.block_id, dst.block_id, seq=seq.seq_id)
-        self.num_cow_copies += 1
-        blocks[i] = dst
-        if self.ops.enabled:
-            self._emit_table(seq.seq_id, blocks, i, i + 1)
-        self.pool.free_blocks([src])
-
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:
         blocks = self.req_blocks[sid]
         n_skip = min(sw.num_skipped_blocks(num_computed, self.sliding_window, self.block_size), len(blocks))
@@ -284,7 +278,7 @@ class KVCacheManager:
             removed.append(blocks[i])
             blocks[i] = self.null_block
             if self.ops.enabled:
-                self._emit_table(sid, blocks, i, i + 1)
+                self.ops.emit_table(sid, blocks, i, i + 1)
         if removed:
             self.pool.free_blocks(removed)
 
@@ -317,109 +311,6 @@ class KVCacheManager:
             n = min(n, self.sliding_window // self.block_size + 2)
         return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
 
-    # ------------------------------------------------------------------ fork
-    def fork(self, parent: Sequence, child_id: str, uid: int) -> Sequence:
-        """A child sharing all of the parent's blocks; a later write into the
-        shared partial last block copies it first (copy-on-write)."""
-        if child_id in self.req_blocks:
-            raise ValueError(f"sequence {child_id!r} already has blocks")
-        blocks = self.req_blocks[parent.seq_id]
-        for b in blocks:
-            if b is not self.null_block:
-                b.ref_cnt += 1
-        child = parent.fork(child_id, uid)
-        self.req_blocks[child_id] = list(blocks)
-        if self.ops.enabled:
-            self._emit_table(child_id, blocks, 0)
-        self.num_cached_block[child_id] = self.num_cached_block.get(parent.seq_id, 0)
-        return child
-
-    # ------------------------------------------------------------------ swap
-    def can_swap_in(self, seqs: list[Sequence], num_lookahead_tokens: int = 0) -> AllocStatus:
-        cpu_ids = {c for s in seqs for c in self.swapped[s.seq_id] if c >= 0}
-        n = len(cpu_ids) + len(seqs) * cdiv(num_lookahead_tokens + 1, self.block_size)
-        return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
-
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        ids = {b.block_id for s in seqs for b in self.req_blocks[s.seq_id] if b is not self.null_block}
-        return len(ids) <= self.cpu.num_free_blocks
-
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move a group's blocks to CPU (shared blocks once) and free them on GPU."""
-        if not self.can_swap_out(seqs):
-            raise OutOfBlocksError(f"not enough CPU blocks to swap out {[s.seq_id for s in seqs]}")
-        mapping: dict[int, int] = {}
-        for seq in seqs:
-            blocks = self.req_blocks.pop(seq.seq_id)
-            self.num_cached_block.pop(seq.seq_id, None)
-            cpu_ids = []
-            for b in blocks:
-                if b is self.null_block:
-                    cpu_ids.append(-1)
-                    continue
-                cpu = mapping.get(b.block_id)
-                if cpu is None:
-                    cpu = mapping[b.block_id] = self.cpu.allocate()
-                    self.ops.emit("swap_out", b.block_id, cpu, seq=seq.seq_id)
-                else:
-                    self.cpu.share(cpu)
-                cpu_ids.append(cpu)
-            self.swapped[seq.seq_id] = cpu_ids
-            self.pool.free_blocks(blocks[::-1])
-            if self.ops.enabled:
-                self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
-        return list(mapping.items())
-
-    def drop_swapped(self, seq: Sequence) -> None:
-        """Discard a swapped-out sequence: its CPU blocks go back to the CPU pool."""
-        cpu_ids = self.swapped.pop(seq.seq_id, None)
-        if cpu_ids is None:
-            raise KeyError(f"sequence {seq.seq_id!r} is not swapped out")
-        for cpu in cpu_ids:
-            if cpu >= 0:
-                self.cpu.free(cpu)
-
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring a swapped group back. A full block whose prefix is still cached
-        on GPU is reused without a copy; the others are copied into new blocks."""
-        if self.can_swap_in(seqs) is AllocStatus.NEVER:
-            raise OutOfBlocksError(f"swap-in of {[s.seq_id for s in seqs]} can never fit")
-        mapping: dict[int, KVCacheBlock] = {}
-        copies = []
-        bs = self.block_size
-        for seq in seqs:
-            cpu_ids = self.swapped.pop(seq.seq_id)
-            n_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
-            hashes = seq.hashes_upto(n_full * bs, bs) if self.enable_caching else []
-            blocks = []
-            copied = []
-            for i, cpu in enumerate(cpu_ids):
-                if cpu < 0:
-                    blocks.append(self.null_block)
-                    continue
-                b = mapping.get(cpu)
-                if b is not None:
-                    b.ref_cnt += 1
-                elif i < n_full and self.enable_caching and (hit := self.pool.get_cached_block(hashes[i])):
-                    self.pool.touch([hit])
-                    b = mapping[cpu] = hit
-                else:
-                    (b,) = self.pool.get_new_blocks(1)
-                    mapping[cpu] = b
-                    self.ops.emit("swap_in", cpu, b.block_id, seq=seq.seq_id)
-                    copies.append((cpu, b.block_id))
-                    if i < n_full and self.enable_caching:
-                        copied.append(i)
-                blocks.append(b)
-                self.cpu.free(cpu)
-            for i in copied:
-                self.pool.cache_blocks(blocks, hashes, i, i + 1, seq.num_prompt_tokens // bs)
-            self.req_blocks[seq.seq_id] = blocks
-            if self.ops.enabled:
-                self._emit_table(seq.seq_id, blocks, 0)
-            self.num_cached_block[seq.seq_id] = n_full if self.enable_caching else 0
-        return copies
-
     # ---------------------------------------------------------------- defrag
     def defragment(self) -> list[tuple[int, int]]:
         """Compact the used physical ids if the threshold is passed; emits `move` ops."""
@@ -441,6 +332,52 @@ class KVCacheManager:
         """Holes below the highest used physical id: max_used_id - num_used."""
         tracker = self.pool.tracker
         return tracker.fragmentation() if tracker is not None else 0
+
+    # ------------------------------------------------------ state and counters
+    @property
+    def num_blocks(self) -> int:
+        """GPU blocks as vLLM reports them (block 0, the null block, included)."""
+        return self.pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks sequences can hold: all but the null block."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (idle cached blocks included)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (the evictable ones)."""
+        return self.pool.num_cached_free
+
+    def is_cached(self, block_hash: int) -> bool:
+        """True if a block with this hash is in the prefix cache."""
+        return block_hash in self.pool.cached
+
+    def op_count(self, kind: str) -> int:
+        """Ops of `kind` (see `kvcache.ops.KINDS`) so far; counted even when records are off."""
+        return self.ops.counts.get(kind, 0)
+
+    def count_writes(self, n: int) -> None:
+        """Count `n` decode writes the caller applied without `allocate_slots` (negative: taken back)."""
+        self.ops.counts["write"] += n
+
+    @property
+    def records_ops(self) -> bool:
+        """True if every op is recorded, not just counted (`record_ops`)."""
+        return self.ops.enabled
+
+    def set_step(self, step: int) -> None:
+        """Stamp the ops that follow with engine step `step`."""
+        self.ops.step = step
+
+    def save_ops(self, folder: str | Path) -> None:
+        """Write the recorded ops and each sequence's tokens into `folder` (`OpLog.save`)."""
+        self.ops.save(folder)
 
     # ---------------------------------------------------------------- metrics
     def num_used_blocks(self) -> int:

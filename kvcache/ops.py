@@ -33,6 +33,7 @@ import numpy as np
 
 OPS_VERSION = 1
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
+CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
 _COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
 _GPU_B = frozenset(("copy", "swap_in"))
@@ -80,6 +81,11 @@ class OpLog:
         if self.enabled:
             step = self.step
             self._rows.extend((step, kind, a, b, -1, "", None, -1) for a, b in pairs)
+
+    def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None) -> None:
+        """Record `seq`'s block-table entries [start, end) as `table` ops (call only when `enabled`)."""
+        for i in range(start, len(blocks) if end is None else end):
+            self.emit("table", blocks[i].block_id, i, seq=seq)
 
     def records(self) -> list[Op]:
         return [Op(*row) for row in self._rows]
