@@ -47,13 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcache.ops import CHARGED_KINDS as OP_KINDS
 from sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
 from sim.engine.config import ConfigError, SimConfig
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_MEMORY_EFFICIENCY = 0.8
 DEFAULT_OVERHEAD_S = 1e-3
-OP_KINDS = ("copy", "swap_out", "swap_in", "move")
 CALIBRATION_VERSION = 1
 # Memory vLLM's profiler finds taken besides weights and activations: CUDA graphs,
 # cuBLAS workspaces, NCCL buffers, allocator slack. ~1 GiB on an 8B model.

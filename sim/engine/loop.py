@@ -29,6 +29,7 @@ import simpy
 
 from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
+from kvcache.ops import CHARGED_KINDS
 from sim.engine.config import SimConfig
 from sim.engine.metrics import RequestLog, StepLog
 from sim.engine.scheduler import Scheduler
@@ -39,8 +40,12 @@ if TYPE_CHECKING:
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
 STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
-OP_KINDS = ("copy", "swap_out", "swap_in", "move")  # the block ops a step is charged for
-NO_OPS = dict.fromkeys(OP_KINDS, 0)
+NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
+
+
+def _counts(count: Callable[[str], int]) -> tuple[int, ...]:
+    """The manager's evict count, then its counts of the kinds a step is charged for."""
+    return (count("evict"), *map(count, CHARGED_KINDS))
 
 
 def grid_index(t: float, step_time: float) -> int:
@@ -184,13 +189,12 @@ class Engine:
 
     def _steps(self):
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        get = m.ops.counts.get  # NOTE: not counts[...]: a missing key would call Counter.__missing__
-        pool = m.pool
-        usable = pool.num_usable_blocks
+        count = m.op_count
+        usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
         check = check_invariants if self.cfg.debug_invariants else None
-        prev = (0,) * 5  # evict, copy, swap_out, swap_in, move
+        prev = (0,) * 5  # evict, then CHARGED_KINDS
         k = 0
         step_time = self.cfg.step_time
         g = 0  # with a fixed step time: the grid index of the next step
@@ -218,7 +222,7 @@ class Engine:
                 if env.peek() <= clock:  # queue every arrival up to and at the step's start
                     yield env.timeout(clock - env.now)
             t0 = clock
-            m.ops.step = k
+            m.set_step(k)
             sched.step = k if step_time is None else g
             if defrag:
                 m.defragment()
@@ -229,11 +233,11 @@ class Engine:
                 if sched.has_work():
                     raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
                 continue
-            now = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+            now = _counts(count)
             if now[1:] == prev[1:]:
                 ops = NO_OPS
             else:
-                ops = {kind: now[j] - prev[j] for j, kind in enumerate(OP_KINDS, 1)}
+                ops = {kind: now[j] - prev[j] for j, kind in enumerate(CHARGED_KINDS, 1)}
             if step_time is None:
                 dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
                 clock = t0 + dt
@@ -245,11 +249,11 @@ class Engine:
                 yield env.timeout(clock - env.now)
             sched.complete(b, clock)
             done = dropped + (self._drain_done(clock) if sched.done else 0)
-            free = pool.num_free_blocks
+            free = m.num_free_blocks
             record((
                 t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), seqs,
                 b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                free, pool.num_cached_free, usable - free,
+                free, m.num_cached_free_blocks, usable - free,
                 m.id_space_fragmentation(), sched.internal_fragmentation,
                 now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
                 ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
@@ -280,9 +284,8 @@ class Engine:
         or batches with tokens so far. Mirrors sim.conform.vllm_scheduler `run_async`.
         """
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        get = m.ops.counts.get
-        pool = m.pool
-        usable = pool.num_usable_blocks
+        count = m.op_count
+        usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
         check = check_invariants if self.cfg.debug_invariants else None
@@ -313,19 +316,20 @@ class Engine:
             if sched.has_requests():
                 start = max(free, clock)
                 step = start if grid else k
-                before = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
-                m.ops.step = sched.step = step
+                before = _counts(count)
+                sched.step = step
+                m.set_step(step)
                 if defrag:
                     m.defragment()
                 b = sched.schedule(at(start))
                 dropped = self._drain_done(at(start)) if sched.done else 0
-                after = (get("evict", 0), get("copy", 0), get("swap_out", 0), get("swap_in", 0), get("move", 0))
+                after = _counts(count)
                 deltas = tuple(a - p for a, p in zip(after, before, strict=True))
                 if b.lives:
                     if grid:
                         end = start + 1
                     else:
-                        ops = dict(zip(OP_KINDS, deltas[1:], strict=True))
+                        ops = dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
                         end = start + cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens,
                                                      b.num_seqs, ops)
                     free = end
@@ -346,14 +350,15 @@ class Engine:
                 sched.apply(b, at(clock))  # nothing ran; the scheduler only hears of it
                 continue
             clock = max(clock, end)
-            m.ops.step = sched.step = step
+            sched.step = step
+            m.set_step(step)
             sched.apply(b, at(end))
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
-            free_blocks = pool.num_free_blocks
+            free_blocks = m.num_free_blocks
             record((
                 at(start), at(end) - at(start), len(sched.running), len(sched.waiting), 0, b.num_seqs,
                 b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                free_blocks, pool.num_cached_free, usable - free_blocks,
+                free_blocks, m.num_cached_free_blocks, usable - free_blocks,
                 m.id_space_fragmentation(), sched.internal_fragmentation,
                 deltas[0], b.preempted_recompute, 0, deltas[1], deltas[2], deltas[3], deltas[4],
                 b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,

@@ -75,7 +75,7 @@ def simulate(
         steps,
         requests,
         block_size=cfg.block_size,
-        num_gpu_blocks=manager.pool.num_blocks,
+        num_gpu_blocks=manager.num_blocks,
         slo_ttft=cfg.slo_ttft,
         slo_tpot=cfg.slo_tpot,
         counters=counters,

@@ -23,13 +23,13 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     cfg = result.config.to_dict()
     if result.manager is not None:  # the resolved size, so a replay needs no cost model
-        cfg["num_gpu_blocks"] = result.manager.pool.num_blocks
+        cfg["num_gpu_blocks"] = result.manager.num_blocks
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     result.steps.to_parquet(out / "steps.parquet", index=False)
     result.requests.to_parquet(out / "requests.parquet", index=False)
     (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
     if result.config.record_ops and result.manager is not None:
-        result.manager.ops.save(out)
+        result.manager.save_ops(out)
     if plots:
         from sim.studies.plots import write_plots
 
