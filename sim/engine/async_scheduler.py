@@ -4,7 +4,7 @@
 previous batch's output is known, and advances each scheduled sequence at
 once; `apply(batch, now)` delivers that batch's sampled tokens later (the
 engine keeps two batches in flight, `Engine._async_steps`). No shortcut of the
-synchronous scheduler applies (lazy decodes, `BlockedHead`): every running
+synchronous scheduler applies (`sim.engine.shortcuts`): every running
 sequence is visited every step. The rules, each from vLLM 0.33.0:
 
 - Computed tokens advance when a batch is scheduled, and a batch that ends a
@@ -41,10 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from sim.engine.batch import Batch, Live
 from sim.engine.config import ConfigError, SimConfig
 from sim.engine.metrics import FINISHED, RequestLog
-from sim.engine.scheduler import Batch, Live, Scheduler
+from sim.engine.scheduler import Scheduler
 from workloads.request import Request
 
 
@@ -72,8 +72,7 @@ class AsyncBatch(Batch):
 class AsyncScheduler(Scheduler):
     """vLLM's AsyncScheduler: `schedule` and `apply` split (see the module docstring)."""
 
-    fast_decode = False
-    skip_blocked_head = False
+    has_shortcuts = False
     live_type = AsyncLive
 
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
@@ -84,7 +83,6 @@ class AsyncScheduler(Scheduler):
             raise ConfigError("async_scheduling does not model lookahead slots (num_lookahead_tokens must be 0)")
         if manager.sliding_window is not None:
             raise ConfigError(f"async_scheduling does not model a sliding window (got {manager.sliding_window})")
-        self._fast_decode = False
         self._finished = False  # vLLM's finished_req_ids: some request finished since the last batch
 
     def add(self, req: Request, now: float) -> None:
@@ -118,14 +116,8 @@ class AsyncScheduler(Scheduler):
             if sampled:
                 live.ph += 1
         self._finished = False
-        self.active.clear()  # the synchronous scheduler's lazy-decode bookkeeping; unused here
+        self.fast.active.clear()  # the synchronous scheduler's visiting list; unused here
         return b
-
-    def _cache(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
-        m = self.m
-        if m.enable_caching:
-            m._cache_full_blocks(seq, m.req_blocks[seq.seq_id], num_tokens)
 
     def _schedule_running(self, b: Batch, now: float) -> int:
         budget = self.max_tokens
@@ -156,7 +148,7 @@ class AsyncScheduler(Scheduler):
                     break
                 if self.priority:
                     budget = self.max_tokens - sum(b.tokens)
-            self._cache(seq, min(c + n, seq.num_tokens))
+            self.m.cache_blocks(seq, min(c + n, seq.num_tokens))
             self._add(b, live, n)
             budget -= n
         return budget
@@ -228,7 +220,7 @@ class AsyncScheduler(Scheduler):
                 log.first_token_step[live.row] = self.step
             running = live.order >= 0
             if running and not stale and had_ph:
-                self._cache(seq, seq.num_computed_tokens - live.inflight)
+                self.m.cache_blocks(seq, seq.num_computed_tokens - live.inflight)
             if seq.num_tokens >= live.target:
                 if not running:
                     self.waiting.remove(live)

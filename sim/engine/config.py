@@ -43,6 +43,9 @@ class SimConfig:
     # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
     # (sim.engine.async_scheduler); recompute preemption only, no lookahead slots
     async_scheduling: bool = False
+    # the scheduler's exact speed shortcuts (sim.engine.shortcuts: lazy decodes, blocked-head
+    # skips); off: every running sequence is visited and the head retried every step, same results
+    shortcuts: bool = True
     # vLLM's --max-model-len: a prompt must leave room for one output token, and a
     # sequence stops growing at this length; None: no limit (the catalog has each model's)
     max_model_len: int | None = None

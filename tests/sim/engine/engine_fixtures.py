@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvcache.manager import KVCacheManager
+from sim.engine.batch import Batch
 from sim.engine.config import SimConfig
 from sim.engine.metrics import RequestLog
 from sim.engine.run import RunResult, simulate
-from sim.engine.scheduler import Batch, Scheduler
+from sim.engine.scheduler import Scheduler
 from workloads.request import Request, Workload, make_request
 
 

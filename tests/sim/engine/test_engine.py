@@ -9,9 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.engine.config import SimConfig
-from sim.engine.lazy_decodes import LazyDecodes
 from sim.engine.run import simulate
-from sim.engine.scheduler import BlockedHead, Scheduler
+from sim.engine.shortcuts import BlockedHead, LazyDecodes, Shortcuts
 from tests.sim.engine.engine_fixtures import FlatCost, req, run
 from workloads.request import Workload
 from workloads.shapes import parallel, shared_prefix
@@ -118,7 +117,7 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     every sequence every step; each is exercised, lazy decoding's fallback too."""
     cfg = _stress(**SHORTCUT_CASES[case])
     seen = {"skips": 0, "lazy": 0, "fallback": 0}
-    still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Scheduler.materialize
+    still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Shortcuts.materialize
 
     def checked_still(head: BlockedHead, live, budget: int, wm: bool) -> bool:
         if not still(head, live, budget, wm):
@@ -129,7 +128,7 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
         if not (n > budget and wm and not cfg.enable_chunked_prefill):
             # the admission gate asks for the whole known context (scheduler_reserve_full_isl)
             need = m.num_blocks_to_allocate(seq, max(hit + min(n, budget), seq.num_tokens), blocks)
-            assert need + (m.watermark_blocks if wm else 0) > m.pool.num_free_blocks
+            assert need + (m.watermark_blocks if wm else 0) > m.num_free_blocks
         seen["skips"] += 1
         return True
 
@@ -137,13 +136,13 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
         seen["lazy"] += 1
         drop(lazies, live, k)
 
-    def counted_materialize(sched: Scheduler, k: int | None = None) -> None:
-        seen["fallback"] += sched.lazy.n > 0
-        materialize(sched, k)
+    def counted_materialize(fast: Shortcuts, running: list, k: int) -> None:
+        seen["fallback"] += fast.lazy.n > 0
+        materialize(fast, running, k)
 
     monkeypatch.setattr(BlockedHead, "still", checked_still)
     monkeypatch.setattr(LazyDecodes, "drop", counted_drop)
-    monkeypatch.setattr(Scheduler, "materialize", counted_materialize)
+    monkeypatch.setattr(Shortcuts, "materialize", counted_materialize)
     fast = simulate(_mixed(), cfg)
     assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0
     # (without chunking no running sequence holds a chunk that could outrun the budget)
@@ -151,9 +150,9 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     tokens = fast.steps["prefill_tokens"] + fast.steps["decode_tokens"]
     assert tokens.max() <= cfg.max_num_batched_tokens  # the budget holds
     assert tokens.max() == cfg.max_num_batched_tokens or not cfg.enable_chunked_prefill  # and binds
-    monkeypatch.setattr(Scheduler, "fast_decode", False)
-    monkeypatch.setattr(Scheduler, "skip_blocked_head", False)
-    slow = simulate(_mixed(), cfg)
+    before = dict(seen)
+    slow = simulate(_mixed(), cfg.replace(shortcuts=False))
+    assert seen == before  # the switch turns every shortcut off
     pd.testing.assert_frame_equal(fast.steps, slow.steps)
     pd.testing.assert_frame_equal(fast.requests, slow.requests)
     assert fast.manager.ops.counts == slow.manager.ops.counts
@@ -221,9 +220,6 @@ def test_shortcuts_change_nothing_on_random_configs(seed: int, block_size: int, 
                     max_num_seqs=16, enable_chunked_prefill=chunked, preemption="swap" if swap else "recompute",
                     num_cpu_blocks=300 if swap else 0)
     fast = simulate(workload(), cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Scheduler, "fast_decode", False)
-        mp.setattr(Scheduler, "skip_blocked_head", False)
-        slow = simulate(workload(), cfg)
+    slow = simulate(workload(), cfg.replace(shortcuts=False))
     pd.testing.assert_frame_equal(fast.steps, slow.steps)
     pd.testing.assert_frame_equal(fast.requests, slow.requests)

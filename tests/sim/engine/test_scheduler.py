@@ -136,12 +136,12 @@ def test_blocked_head_shortcut_agrees_with_a_real_retry() -> None:
     s.add(req("a", 0, 20, 3), 0)
     s.add(req("b", 0, 16, 3), 0)
     step(s, 0)
-    blocked = s._blocked
+    blocked = s.fast.blocked
     assert blocked is not None and blocked.live.req.id == "b" and blocked.deficit == 1
     assert blocked.still(blocked.live, 8192 - 1, True)
     step(s, 1)
     assert step(s, 2) == [("a", 1)]  # a finishes this step, freeing 6 blocks
-    assert not s._blocked.still(s.waiting.peek(), 8192 - 1, True)
+    assert not s.fast.blocked.still(s.waiting.peek(), 8192 - 1, True)
     assert step(s, 3) == [("b", 16)]
 
 

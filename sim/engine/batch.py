@@ -1,0 +1,51 @@
+"""What one scheduler step is made of: the sequences in flight (`Live`) and the batch they form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.sequence import Sequence
+from workloads.request import Request
+
+
+class Live:
+    """One sequence in flight: the request it answers, its KV sequence, and its final length."""
+
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake")
+
+    def __init__(self, req: Request, row: int, max_len: int | None = None):
+        self.req = req
+        self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
+        self.seq: Sequence | None = None  # made (prompt materialised) at first admission
+        self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
+        if max_len is not None and self.target > max_len:
+            self.target = max_len  # vLLM stops the sequence at max_model_len
+        self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
+        # NOTE: kept by sim.engine.shortcuts (lazy decodes), nowhere else
+        self.since = -1  # decoding lazily since this step; -1: not
+        self.wake = 0  # the step at which lazy decoding ends
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: sequences with their new-token counts, and the step's totals."""
+
+    lives: list[Live] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    decodes: list[Live] = field(default_factory=list)  # in-place decodes, applied when scheduled
+    finishing: list[Live] = field(default_factory=list)  # of those, the ones that sampled their last token
+    frag: int = 0  # internal fragmentation of the other in-place decodes
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    context_tokens: int = 0  # sum of scheduled sequences' lengths after the step
+    preempted_recompute: int = 0
+    preempted_swap: int = 0
+    admitted: int = 0  # requests admitted for the first time
+    admitted_prompt_tokens: int = 0
+    admitted_hit_tokens: int = 0
+
+    lazy: int = 0  # lazy decodes (see sim.engine.shortcuts)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lives) + len(self.decodes) + self.lazy

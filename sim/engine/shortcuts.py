@@ -1,0 +1,244 @@
+"""The scheduler's exact speed shortcuts, all behind one switch (`SimConfig.shortcuts`).
+
+- Lazy decodes: a running sequence whose decode token lands mid-block in an
+  unshared block needs no block, copy or cache entry, so nothing about it
+  changes but its token counts until its block is nearly full; it is counted
+  each step, not visited. A lazy sequence's `seq` lags: it holds the state at
+  the step it went lazy (`since`), and every later step adds one computed and
+  one sampled token. The batch totals over lazy sequences are linear in the
+  step number k, so they are kept as sums. When the token budget binds, every
+  sequence is visited again (`materialize`).
+- Blocked head: once the head of WAITING fails to allocate, it is not retried
+  while the retry must fail (`BlockedHead`).
+
+Both are exact: tests/sim/engine/test_engine.py compares every table with the
+switch on and off. Lazy decodes stay off where `allocate_slots` does more
+(sliding window, lookahead slots, op records) and under priority scheduling;
+the blocked-head skip stays off with a sliding window. The async scheduler
+takes neither (`Scheduler.has_shortcuts`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from kvcache.block import KVCacheBlock
+from kvcache.manager import KVCacheManager
+from kvcache.sequence import Sequence
+
+if TYPE_CHECKING:
+    from sim.engine.batch import Batch, Live
+
+
+class Lazy(Protocol):
+    """What lazy decoding needs of a running sequence (the scheduler's `Live`)."""
+
+    seq: Sequence
+    since: int  # the step it went lazy; -1: not lazy
+    wake: int  # the first step it must be visited again
+
+
+class LazyDecodes:
+    """The lazy sequences' count, their batch totals, and when each must be visited again."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.n = 0
+        self._ctx = 0  # sum of (computed + 1 - since)
+        self._frag = 0  # sum of (bs - 2 - computed % bs + since)
+        self._wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there
+
+    def add(self, live: Lazy, k: int, last: int) -> None:
+        """`live` (computed tokens c, c % bs in [0, bs - 2]) decodes in place at step k and at
+        the `last` steps after it; it is visited again at step k + last + 1."""
+        c = live.seq.num_computed_tokens
+        live.since, live.wake = k, k + last + 1
+        self.n += 1
+        self._ctx += c + 1 - k
+        self._frag += self.bs - 2 - c % self.bs + k
+        w = self._wakes.get(k + last + 1)
+        if w is None:
+            self._wakes[k + last + 1] = [live]
+        else:
+            w.append(live)
+
+    def drop(self, live: Lazy, k: int) -> None:
+        """Bring `live`'s `seq` up to date at the start of step k; it is no longer lazy."""
+        seq, d = live.seq, k - live.since
+        c = seq.num_computed_tokens
+        self.n -= 1
+        self._ctx -= c + 1 - live.since
+        self._frag -= self.bs - 2 - c % self.bs + live.since
+        seq.num_computed_tokens = c + d
+        seq.num_tokens += d
+        live.since = -1
+
+    def due(self, k: int) -> list[Lazy]:
+        """Drop and return the sequences to visit again from step k on."""
+        woken = self._wakes.pop(k, None) if self._wakes else None
+        if not woken:
+            return []
+        out = []
+        for live in woken:
+            if live.since >= 0 and live.wake == k:  # else dropped early (and maybe lazy again)
+                self.drop(live, k)
+                out.append(live)
+        return out
+
+    def drop_all(self, lives: list[Lazy], k: int) -> None:
+        """Drop every lazy sequence among `lives` at the start of step k."""
+        for live in lives:
+            if live.since >= 0:
+                self.drop(live, k)
+        self._wakes.clear()
+
+    def context_tokens(self, k: int) -> int:
+        """Sum of the lazy sequences' lengths after step k's decode (before its sample)."""
+        return self._ctx + self.n * k
+
+    def empty_slots(self, k: int) -> int:
+        """Allocated slots of their last blocks not holding a token, after step k."""
+        return self._frag - self.n * k
+
+
+class BlockedHead:
+    """The head of WAITING failed to allocate; tells cheaply, and exactly, when a retry must fail too.
+
+    NOTE: with F free blocks, H the hit blocks and n the new slots, allocation
+    fails iff deficit = cdiv(hit + n) - |H| + |H free| (+ watermark) - F > 0.
+    While H keeps its blocks (none evicted, no new entry at its miss point),
+    the deficit shrinks only by freed blocks (at most 1 each), a smaller budget
+    or a dropped watermark; allocations elsewhere and touches never shrink it.
+    Evictions matter only when the budget can cut the retry short: otherwise
+    cdiv(hit + n) is the whole sequence whatever the hit, and a hit block turns
+    from free to used (shrinking the deficit by 1) only as some allocation or
+    touch takes a free block (growing it by 1).
+    """
+
+    __slots__ = ("m", "live", "hits", "deficit", "frees", "evictions", "n", "watermark")
+
+    def __init__(self, m: KVCacheManager, live: Live, blocks: list[KVCacheBlock], hit: int, n: int,
+                 lookahead: int, watermark: bool):
+        # the admission gate asks for the whole known context (see KVCacheManager.allocate_slots)
+        need = m.num_blocks_to_allocate(live.seq, max(hit + n + lookahead, live.seq.num_tokens), blocks)
+        self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
+        self.deficit = need + (m.watermark_blocks if watermark else 0) - m.num_free_blocks
+        self.frees, self.evictions = m.op_count("free"), m.op_count("evict")
+
+    def still(self, live: Live, budget: int, watermark: bool) -> bool:
+        """True if allocating `live` now would certainly fail as it did."""
+        # NOTE: the retry would ask for min(tokens left, budget) new tokens; with the
+        # same hit that is n again unless the budget fell below it
+        if live is not self.live or budget < self.n or watermark < self.watermark:
+            return False
+        m, seq, k = self.m, live.seq, len(self.hits)
+        if self.deficit - (m.op_count("free") - self.frees) <= 0:
+            return False
+        if m.enable_caching and k < (seq.num_tokens - 1) // m.block_size and m.is_cached(seq.block_hashes[k]):
+            return False  # the hit may have grown
+        if m.op_count("evict") != self.evictions and budget < seq.num_tokens \
+                and [b.block_hash for b in self.hits] != seq.block_hashes[:k]:
+            return False  # a hit block was evicted, and a shorter hit may mean a smaller chunk
+        return True
+
+
+class Shortcuts:
+    """One scheduler's shortcut state: the running sequences it visits (`active`), the lazy
+    ones, and the blocked head. With the switch off it only keeps `active` (= RUNNING)."""
+
+    def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool):
+        self.m = m
+        self.lookahead = lookahead
+        self.decodes = on and not (m.sliding_window or lookahead or m.records_ops or priority)
+        self.heads = on and m.sliding_window is None
+        self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
+        self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
+        self.blocked: BlockedHead | None = None
+        self._fresh = 0  # sequences that went lazy this step (`decode_slot` counted their write)
+
+    # ---------------------------------------------------------- lazy decodes
+    def begin(self, k: int, max_tokens: int, running: list[Live]) -> int:
+        """Start step k's pass over RUNNING: wake the lazy sequences due, and end all laziness
+        if the budget binds. Returns the token budget left for `active`."""
+        lazies, active = self.lazy, self.active
+        woken = lazies.due(k)
+        if woken:
+            active.extend(woken)
+            active.sort(key=_order)
+        self._fresh = 0
+        budget = max_tokens - lazies.n
+        if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
+            self.materialize(running, k)  # the budget binds: visit everyone, in order
+            budget = max_tokens
+        return budget
+
+    def decode(self, b: Batch, live: Live, c: int, k: int) -> bool:
+        """Schedule `live`'s decode token (c computed, prompt done) at step k without the general
+        path, if it needs nothing but a slot; False: the caller allocates it as usual."""
+        # NOTE: a decode token landing mid-block (not its first or last slot) in an unshared
+        # block needs no block, copy or cache entry. One landing on a block's first or last
+        # slot may take a new block or cache the filled one: `decode_slot` does either. Nothing
+        # reads a running sequence before complete(), so the token is computed and sampled here.
+        seq = live.seq
+        got = self.m.decode_slot(seq)  # None: no free block; False: copy-on-write
+        if got is None or got is False:
+            return False
+        bs = self.m.block_size
+        r = c % bs
+        last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
+        if last > 0:
+            # Only a fork shares a partial block, and only at its prefill's end:
+            # this one stays unshared until it fills.
+            self.lazy.add(live, k, last)
+            self._fresh += 1
+            return True
+        seq.num_computed_tokens = c + 1
+        seq.append_tokens(1)
+        b.decodes.append(live)
+        b.decode_tokens += 1
+        b.context_tokens += c + 1
+        if c + 2 >= live.target:
+            b.finishing.append(live)
+        elif r < bs - 1:
+            b.frag += bs - r - 2  # its last block's empty slots
+        return True
+
+    def end(self, b: Batch, k: int) -> None:
+        """End step k's pass over RUNNING: count the lazy decodes into the batch and the manager."""
+        self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
+        lazies = self.lazy
+        nl = b.lazy = lazies.n
+        # NOTE: decode_slot counted the write of each sequence that went lazy this step;
+        # one preempted since (no longer lazy, its token taken back) is uncounted
+        if nl != self._fresh:
+            self.m.count_writes(nl - self._fresh)
+        if nl:
+            b.decode_tokens += nl
+            b.context_tokens += lazies.context_tokens(k)
+            b.frag += lazies.empty_slots(k)
+
+    def preempted(self, live: Live, k: int) -> None:
+        """`live` leaves RUNNING at step k: it is no longer lazy."""
+        if live.since >= 0:
+            self.lazy.drop(live, k)
+
+    def materialize(self, running: list[Live], k: int) -> None:
+        """End all lazy decoding: every running sequence's `seq` is exact at the start of step k."""
+        if not self.lazy.n:
+            return
+        self.lazy.drop_all(running, k)
+        self.active = list(running)
+
+    # ---------------------------------------------------------- blocked head
+    def head_blocked(self, live: Live, budget: int) -> bool:
+        """True if admitting `live`, the head of WAITING, under `budget` must fail as it last did."""
+        return self.blocked is not None and self.blocked.still(live, budget, True)
+
+    def block_head(self, live: Live, blocks: list[KVCacheBlock], hit: int, n: int) -> None:
+        """`live` (hit cached tokens, n new) just failed to allocate while others run."""
+        if self.heads:
+            self.blocked = BlockedHead(self.m, live, blocks, hit, n, self.lookahead, True)
+
+
+def _order(live: Live) -> int:
+    return live.order
