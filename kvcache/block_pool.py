@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvcache.block import KVCacheBlock
 from kvcache.eviction import LRU, EvictionPolicy
+from kvcache.eviction.base import overrides
 from kvcache.ops import OpLog
 
 
@@ -31,14 +32,18 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.policy = policy if policy is not None else LRU()
+        self.policy.bind(num_blocks)
         self.policy.free(self.blocks[1:])
         self.cached: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.ops = ops if ops is not None else OpLog()
         self.num_evictions = 0
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
         self.tracker = None  # an IdSpan or Defragmenter, told of every block becoming used / unused
-        self._notify_cache = type(self.policy).on_cache is not EvictionPolicy.on_cache
-        self._born = 0
+        # hooks the policy leaves as no-ops are not called from the hot loops
+        self._on_cache = self.policy.on_cache if overrides(self.policy, "on_cache") else None
+        self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
+        self._on_evict = self.policy.on_evict if overrides(self.policy, "on_evict") else None
+        self._pins = overrides(self.policy, "is_pinned")
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,21 +93,24 @@ class BlockPool:
                 self.cached[key] = next(iter(hit.values()))
         if self.ops.enabled:
             self.ops.emit("evict", block.block_id, h=key)
+        if self._on_evict is not None:
+            self._on_evict(block)
         block.block_hash = None
-        block.hits = 0
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free set."""
         policy = self.policy
+        on_hit = self._on_hit
         for b in blocks:
             if b.ref_cnt == 0 and b is not self.null_block:
-                if not b.pinned:
+                if not (self._pins and policy.is_pinned(b)):
                     policy.remove(b)
                     self.num_cached_free -= 1
                 if self.tracker is not None:
                     self.tracker.use_distinct([b.block_id])
             b.ref_cnt += 1
-            policy.on_hit(b)
+            if on_hit is not None:
+                on_hit(b)
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free set in this order:
@@ -119,7 +127,7 @@ class BlockPool:
                 freed.append(b)
                 if b.block_hash is None:
                     first.append(b)
-                elif not b.pinned:
+                elif not (self._pins and self.policy.is_pinned(b)):
                     self.num_cached_free += 1
         if not freed:
             return
@@ -151,8 +159,9 @@ class BlockPool:
                     self.ops.emit("evict", b.block_id, h=b.block_hash)
                 else:
                     self.ops.counts["evict"] += 1
+                if self._on_evict is not None:
+                    self._on_evict(b)
                 b.block_hash = None
-                b.hits = 0
         self.cached.clear()
         self.num_cached_free = 0
         if ranked is not None:  # a ranking policy holds hash-less blocks in its plain FIFO
@@ -165,7 +174,7 @@ class BlockPool:
         `chain` is the caching sequence's prompt length in blocks."""
         cached = self.cached
         null = self.null_block
-        notify = self._notify_cache
+        on_cache = self._on_cache
         for i in range(start, end):
             b = blocks[i]
             if b is null:
@@ -174,10 +183,6 @@ class BlockPool:
                 raise AssertionError(f"block {b.block_id} is already cached")
             key = keys[i]
             b.block_hash = key
-            b.depth = i
-            b.chain = chain
-            self._born += 1
-            b.born = self._born
             hit = cached.get(key)
             if hit is None:
                 cached[key] = b
@@ -185,5 +190,5 @@ class BlockPool:
                 cached[key] = {hit.block_id: hit, b.block_id: b}
             else:
                 hit[b.block_id] = b
-            if notify:
-                self.policy.on_cache(b)
+            if on_cache is not None:
+                on_cache(b, i, chain)

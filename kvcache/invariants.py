@@ -36,8 +36,9 @@ def check(m: KVCacheManager) -> None:
         free = policy.is_free(b)
         if b.ref_cnt > 0 and free:
             _fail(f"block {b.block_id}: free with ref count {b.ref_cnt}")
-        if b.ref_cnt == 0 and free == b.pinned:
-            _fail(f"block {b.block_id}: unreferenced, free={free}, pinned={b.pinned}")
+        pinned = policy.is_pinned(b)
+        if b.ref_cnt == 0 and free == pinned:
+            _fail(f"block {b.block_id}: unreferenced, free={free}, pinned={pinned}")
         num_free += free
         cached_free += free and b.block_hash is not None
         if b.block_hash is not None and _lookup(pool.cached.get(b.block_hash), b.block_id) is not b:

@@ -129,7 +129,7 @@ class KVCacheManager(Forking, Swapping):
         blocks = self.req_blocks.get(seq.seq_id, ())
         n = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
         null = self.null_block
-        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not b.pinned)
+        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not self.pool.policy.is_pinned(b))
         if blocks and self._needs_cow(seq, blocks):
             n += 1
         return n

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvcache.eviction import POLICIES
+from kvcache.eviction import POLICIES, check_policy
 from kvcache.manager import KVCacheManager
 from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
@@ -34,8 +34,10 @@ def cache_replay(
     """Replay a workload through the block manager and report its prefix-cache hit rate."""
     if block_size <= 0:
         raise fail(f"--block-size must be positive, got {block_size}")
-    if eviction not in POLICIES:
-        raise fail(f"unknown eviction policy {eviction!r}; choose from {', '.join(POLICIES)}")
+    try:
+        check_policy(eviction)
+    except ValueError as e:
+        raise fail(str(e)) from None
     if num_blocks < 2:
         raise fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:

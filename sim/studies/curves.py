@@ -58,7 +58,7 @@ class _SamplingManager(KVCacheManager):
 
 def check_points(capacities: list[int], policies: list[str], block_size: int, mode: str) -> None:
     """Raise ConfigError for a point no run could compute."""
-    from kvcache.eviction import POLICIES
+    from kvcache.eviction import check_policy
 
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -70,8 +70,10 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
     if not policies:
         raise ConfigError("no policies given")
     for p in policies:
-        if p not in POLICIES:
-            raise ConfigError(f"unknown eviction policy {p!r}; choose from {', '.join(POLICIES)}")
+        try:
+            check_policy(p)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if block_size <= 0 or block_size & (block_size - 1):
         raise ConfigError(f"block size must be a positive power of two, got {block_size}")
 

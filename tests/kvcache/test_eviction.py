@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvcache.block import KVCacheBlock
 from kvcache.eviction import POLICIES, make_policy
 from kvcache.invariants import check
 from kvcache.manager import KVCacheManager
@@ -78,7 +79,7 @@ def test_uncached_free_blocks_are_reused_before_cached_ones():
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown eviction policy 'lruu'; choose from lru, lfu"):
         make_policy("lruu")
-    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo", "cost", "pinned"}
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "s3fifo", "cost", "pinned", "arc"}
 
 
 def test_cost_aware_trims_a_prefix_from_its_tail():
@@ -90,3 +91,15 @@ def test_cost_aware_trims_a_prefix_from_its_tail():
     m.free(long)
     prefill(m, seq("other", range(500, 512), uid=1))
     assert m.get_computed_blocks(seq("again", range(33), uid=2))[1] == 28
+
+
+def test_a_block_carries_only_vllms_fields():
+    # every policy keeps its per-block data itself, keyed by block id
+    assert KVCacheBlock.__slots__ == ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    for name in POLICIES:
+        m = KVCacheManager(6, 4, eviction=name)
+        a = seq("a", range(9))
+        prefill(m, a)
+        m.free(a)
+        assert m.get_computed_blocks(seq("b", range(9), uid=1))[1] == 8, name
+        check(m)

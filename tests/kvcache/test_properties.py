@@ -145,7 +145,7 @@ class AllFeatures(RuleBasedStateMachine):
         self.uid = 0
 
     @precondition(lambda self: self.m is None)
-    @rule(policy=st.sampled_from(["lru", "lfu", "fifo", "s3fifo", "cost", "pinned"]),
+    @rule(policy=st.sampled_from(["lru", "lfu", "fifo", "s3fifo", "cost", "pinned", "arc"]),
           window=st.sampled_from([None, 6]), defrag=st.sampled_from([None, 2]))
     def setup(self, policy, window, defrag):
         self.m = KVCacheManager(N, BS, num_cpu_blocks=8, eviction=policy, sliding_window=window,
