@@ -13,6 +13,7 @@ watermark come from the v0/v2 managers (fork and swap are mixed in from
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
@@ -73,6 +74,7 @@ class KVCacheManager(Forking, Swapping):
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.ops = OpLog(record_ops)
+        self.op_counts = MappingProxyType(self.ops.counts)  # kind -> ops so far (read-only, live)
         policy = make_policy(eviction, block_size) if isinstance(eviction, str) else eviction
         self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops,
                               free_first=self.profile.free_first(enable_caching))
@@ -129,7 +131,7 @@ class KVCacheManager(Forking, Swapping):
         blocks = self.req_blocks.get(seq.seq_id, ())
         n = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
         null = self.null_block
-        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not self.pool.policy.is_pinned(b))
+        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not b.pinned)
         if blocks and self._needs_cow(seq, blocks):
             n += 1
         return n
@@ -357,10 +359,6 @@ class KVCacheManager(Forking, Swapping):
     def is_cached(self, block_hash: int) -> bool:
         """True if a block with this hash is in the prefix cache."""
         return block_hash in self.pool.cached
-
-    def op_count(self, kind: str) -> int:
-        """Ops of `kind` (see `kvcache.ops.KINDS`) so far; counted even when records are off."""
-        return self.ops.counts.get(kind, 0)
 
     def count_writes(self, n: int) -> None:
         """Count `n` decode writes the caller applied without `allocate_slots` (negative: taken back)."""

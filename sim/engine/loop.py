@@ -41,11 +41,13 @@ if TYPE_CHECKING:
 PROGRESS_EVERY = 64  # report progress every this many requests done
 STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
+_COUNTED = ("evict", *CHARGED_KINDS)  # the op counts a step records
+_ZEROS = (0,) * len(_COUNTED)
 
 
-def _counts(count: Callable[[str], int]) -> tuple[int, ...]:
+def _counts(get: Callable[[str, int], int]) -> tuple[int, ...]:
     """The manager's evict count, then its counts of the kinds a step is charged for."""
-    return (count("evict"), *map(count, CHARGED_KINDS))
+    return tuple(map(get, _COUNTED, _ZEROS))
 
 
 def grid_index(t: float, step_time: float) -> int:
@@ -189,7 +191,7 @@ class Engine:
 
     def _steps(self):
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        count = m.op_count
+        count = m.op_counts.get  # NOTE: not [...]: a missing key would call Counter.__missing__
         usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
@@ -284,7 +286,7 @@ class Engine:
         or batches with tokens so far. Mirrors sim.conform.vllm_scheduler `run_async`.
         """
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        count = m.op_count
+        count = m.op_counts.get
         usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None

@@ -123,7 +123,7 @@ class BlockedHead:
         need = m.num_blocks_to_allocate(live.seq, max(hit + n + lookahead, live.seq.num_tokens), blocks)
         self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
         self.deficit = need + (m.watermark_blocks if watermark else 0) - m.num_free_blocks
-        self.frees, self.evictions = m.op_count("free"), m.op_count("evict")
+        self.frees, self.evictions = m.op_counts["free"], m.op_counts["evict"]
 
     def still(self, live: Live, budget: int, watermark: bool) -> bool:
         """True if allocating `live` now would certainly fail as it did."""
@@ -132,11 +132,12 @@ class BlockedHead:
         if live is not self.live or budget < self.n or watermark < self.watermark:
             return False
         m, seq, k = self.m, live.seq, len(self.hits)
-        if self.deficit - (m.op_count("free") - self.frees) <= 0:
+        counts = m.op_counts
+        if self.deficit - (counts["free"] - self.frees) <= 0:
             return False
         if m.enable_caching and k < (seq.num_tokens - 1) // m.block_size and m.is_cached(seq.block_hashes[k]):
             return False  # the hit may have grown
-        if m.op_count("evict") != self.evictions and budget < seq.num_tokens \
+        if counts["evict"] != self.evictions and budget < seq.num_tokens \
                 and [b.block_hash for b in self.hits] != seq.block_hashes[:k]:
             return False  # a hit block was evicted, and a shorter hit may mean a smaller chunk
         return True
@@ -148,13 +149,14 @@ class Shortcuts:
 
     def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool):
         self.m = m
+        self.bs, self.tables, self.decode_slot = m.block_size, m.req_blocks, m.decode_slot
         self.lookahead = lookahead
         self.decodes = on and not (m.sliding_window or lookahead or m.records_ops or priority)
         self.heads = on and m.sliding_window is None
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
-        self._fresh = 0  # sequences that went lazy this step (`decode_slot` counted their write)
+        self._counted = 0  # this step's decodes whose write `decode_slot` counted
 
     # ---------------------------------------------------------- lazy decodes
     def begin(self, k: int, max_tokens: int, running: list[Live]) -> int:
@@ -165,7 +167,7 @@ class Shortcuts:
         if woken:
             active.extend(woken)
             active.sort(key=_order)
-        self._fresh = 0
+        self._counted = 0
         budget = max_tokens - lazies.n
         if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
             self.materialize(running, k)  # the budget binds: visit everyone, in order
@@ -179,18 +181,21 @@ class Shortcuts:
         # block needs no block, copy or cache entry. One landing on a block's first or last
         # slot may take a new block or cache the filled one: `decode_slot` does either. Nothing
         # reads a running sequence before complete(), so the token is computed and sampled here.
-        seq = live.seq
-        got = self.m.decode_slot(seq)  # None: no free block; False: copy-on-write
-        if got is None or got is False:
-            return False
-        bs = self.m.block_size
+        seq, bs = live.seq, self.bs
         r = c % bs
+        if r and r < bs - 1:
+            if self.tables[seq.seq_id][c // bs].ref_cnt != 1:
+                return False  # shared with a fork: copy-on-write
+        else:
+            got = self.decode_slot(seq)  # None: no free block; False: copy-on-write
+            if got is None or got is False:
+                return False
+            self._counted += 1  # the manager counted its write
         last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
         if last > 0:
             # Only a fork shares a partial block, and only at its prefill's end:
             # this one stays unshared until it fills.
             self.lazy.add(live, k, last)
-            self._fresh += 1
             return True
         seq.num_computed_tokens = c + 1
         seq.append_tokens(1)
@@ -208,10 +213,11 @@ class Shortcuts:
         self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
         lazies = self.lazy
         nl = b.lazy = lazies.n
-        # NOTE: decode_slot counted the write of each sequence that went lazy this step;
-        # one preempted since (no longer lazy, its token taken back) is uncounted
-        if nl != self._fresh:
-            self.m.count_writes(nl - self._fresh)
+        # NOTE: one write per decode applied here or lazy now, less those decode_slot counted
+        # (a lazy one preempted since gave its token back: its write is taken back too)
+        writes = len(b.decodes) + nl - self._counted
+        if writes:
+            self.m.count_writes(writes)
         if nl:
             b.decode_tokens += nl
             b.context_tokens += lazies.context_tokens(k)
