@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.eviction import check_policy
 from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
 __all__ = ["ConfigError", "SimConfig"]
@@ -105,10 +106,10 @@ class SimConfig:
         tokens, seqs = self.batch_limits()
         if tokens < seqs:  # vllm/config/scheduler.py SchedulerConfig.__post_init__
             raise ConfigError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
-        from kvcache.eviction import POLICIES
-
-        if self.eviction not in POLICIES:
-            raise ConfigError(f"unknown eviction policy {self.eviction!r}; choose from {', '.join(POLICIES)}")
+        try:
+            check_policy(self.eviction)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return self
 
     def batch_limits(self) -> tuple[int, int]:
