@@ -1,0 +1,200 @@
+"""The house rules of ARCHITECTURE.md, checked on the code itself.
+
+Imports are read with `ast` (those inside functions too, since a lazy import is still a
+dependency): layers go one way, no two files import each other in a circle, no module is
+over 400 lines, and one request passes through at most four core files.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kvcache", "workloads", "sim", "gpu")
+MAX_LINES = 400
+
+# What each layer may import of ours, by module prefix (its own package always allowed).
+ALLOWED = {
+    "sim": (),
+    "kvcache": (),
+    "workloads": (),
+    "sim.engine": ("kvcache", "workloads"),
+    "sim.studies": ("sim.engine", "kvcache", "workloads"),
+    "sim.conform": ("sim.engine", "kvcache", "workloads"),
+    # gpu reads the catalog, cost model and config, and run folders; never the engine loop
+    "gpu": ("sim.engine.catalog", "sim.engine.cost_model", "sim.engine.config",
+            "sim.studies.run_folder", "kvcache", "workloads"),
+    "sim.cli": ("sim", "gpu", "kvcache", "workloads"),
+}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    _module(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+}
+
+
+def _imports(module: str) -> set[str]:
+    """Our modules that `module` imports (`from a import b` counts as a.b when b is a module)."""
+    path = MODULES[module]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.split(".")[0] in PACKAGES and n != module}
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> str:
+    return max((k for k in ALLOWED if module == k or module.startswith(k + ".")), key=len)
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_layers_go_one_way():
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in GRAPH.items()
+        for d in deps
+        if not _within(d, (_layer(m),) + ALLOWED[_layer(m)])
+    ]
+    assert bad == []
+
+
+def test_no_library_module_imports_the_command_line_or_typer():
+    bad = []
+    for m, path in MODULES.items():
+        if _layer(m) == "sim.cli":
+            continue
+        text = path.read_text()
+        if "import typer" in text or "from typer" in text:
+            bad.append(m)
+    assert bad == []
+
+
+def test_no_import_circle_between_files():
+    """Tarjan's strongly connected components over the file graph: every one is a single file."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v] & MODULES.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(MODULES)))
+    for v in MODULES:
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_no_module_over_400_lines():
+    files = [p for d in (*PACKAGES, "benchmarks", "notebooks", "tests") for p in (ROOT / d).rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+# Every file whose code runs while one request goes from arrival to free, and its role.
+# Four are core: they decide the request's fate. The rest are leaves (records, queues,
+# hashes), the eviction policy, the speed shortcut, the step-time model or the logs.
+# A new file on the path must be placed here, with its role: that is the point.
+REQUEST_PATH = {
+    "sim/engine/loop.py": "core: arrivals, the step loop, completion",
+    "sim/engine/scheduler.py": "core: queues, admission, preemption, retirement",
+    "kvcache/manager.py": "core: prefix lookup, slot allocation, caching, free",
+    "kvcache/block_pool.py": "core: blocks, the prefix-cache map, eviction calls",
+    "sim/engine/batch.py": "leaf: the live request and batch records",
+    "sim/engine/wait_queue.py": "leaf: the waiting queue (FCFS or priority)",
+    "kvcache/sequence.py": "leaf: the request's tokens and block hashes",
+    "kvcache/hashing.py": "leaf: the block-hash chain",
+    "kvcache/free_queue.py": "leaf: LRU's doubly linked free queue",
+    "kvcache/id_span.py": "leaf: the block-id span behind id-space fragmentation",
+    "sim/engine/shortcuts.py": "shortcut: decodes that need no new block, counted in bulk",
+    "sim/engine/cost_model.py": "cost: the step time",
+    "sim/engine/metrics.py": "log: per-request and per-step rows",
+    "workloads/request.py": "leaf: the request record",
+}
+POLICY_FILES = {  # and the eviction policy's own files
+    "lru": {"kvcache/eviction/lru.py"},
+    "s3fifo": {"kvcache/eviction/base.py", "kvcache/eviction/s3fifo.py"},
+    "arc": {"kvcache/eviction/base.py", "kvcache/eviction/arc.py"},
+}
+
+
+def request_path(**config) -> dict[str, set[str]]:
+    """Files of ours whose functions run while one default-workload request is simulated
+    (the engine's set-up excluded), with the names of the functions that ran."""
+    import simpy
+
+    from sim.engine.config import SimConfig
+    from sim.engine.cost_model import CostModel
+    from sim.engine.loop import Engine
+    from sim.engine.run import make_manager
+    from workloads.default import default_workload
+
+    cfg = SimConfig(num_gpu_blocks=64, **config)
+    cost = CostModel.from_config(cfg)
+    manager = make_manager(cfg, cost)
+    env = simpy.Environment()
+    engine = Engine(env, list(default_workload())[:1], cfg, cost, manager)
+    seen: dict[str, set[str]] = {}
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(str(ROOT)):
+            seen.setdefault(str(Path(name).relative_to(ROOT)), set()).add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        env.run()
+    finally:
+        sys.setprofile(None)
+    assert len(engine.requests.frame()) == 1
+    return seen
+
+
+@pytest.mark.parametrize("eviction", sorted(POLICY_FILES))
+def test_one_request_passes_through_four_core_files(eviction):
+    files = set(request_path(eviction=eviction))
+    assert POLICY_FILES[eviction] <= files
+    assert files - POLICY_FILES[eviction] <= set(REQUEST_PATH)
+    core = {f for f in files if REQUEST_PATH.get(f, "").startswith("core")}
+    assert len(core) == 4
