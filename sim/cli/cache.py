@@ -13,10 +13,10 @@ from kvcache.eviction import POLICIES, check_policy
 from kvcache.manager import KVCacheManager
 from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
-from sim.cli.common import fail
-from workloads.default import default_workload
+from sim.cli.common import fail, open_workload
+from workloads.default import DEFAULT_SEED
 from workloads.errors import WorkloadError
-from workloads.traces import FORMATS, load_workload
+from workloads.traces import FORMATS
 
 
 def cache_replay(
@@ -43,7 +43,7 @@ def cache_replay(
     if max_running < 1:
         raise fail(f"--max-running must be >= 1, got {max_running}")
     try:
-        wl = default_workload() if workload is None else load_workload(workload, format, skip_bad=skip_bad)
+        wl = open_workload(workload, format, skip_bad, DEFAULT_SEED)
         manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
                                  vllm_version=vllm_version)
     except (WorkloadError, ValueError) as e:
