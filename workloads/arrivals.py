@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workloads.names import ARRIVALS
+
 
 def _from_gaps(gaps: np.ndarray) -> np.ndarray:
     """Arrival times 0, g0, g0+g1, ... for n = len(gaps) arrivals (the last gap is unused)."""
@@ -79,7 +81,6 @@ class Given:
 
 
 ArrivalProcess = Poisson | Gamma | Constant | Given
-ARRIVALS = ("poisson", "gamma", "constant")
 
 
 def make_arrivals(kind: str, rate: float, cv: float = 1.0) -> ArrivalProcess:

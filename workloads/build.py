@@ -8,11 +8,11 @@ from typing import Any
 from workloads.arrivals import make_arrivals
 from workloads.default import default_workload
 from workloads.lengths import parse_lengths
+from workloads.names import KINDS as KINDS  # re-exported: the kinds build_workload takes
 from workloads.request import Workload
 from workloads.sessions import agent, multi_turn
 from workloads.shapes import few_shot, parallel, shared_prefix
 
-KINDS = ("shared-prefix", "multi-turn", "few-shot", "agent", "parallel", "unique", "default")
 # CLI option -> keyword of each generator (options a kind does not take are rejected)
 OPTION_KEYWORDS: dict[str, dict[str, str]] = {
     "shared-prefix": {

@@ -10,6 +10,7 @@ from workloads.azure import load_azure
 from workloads.errors import WorkloadError
 from workloads.jsonl import load_jsonl
 from workloads.mooncake import load_mooncake
+from workloads.names import FORMATS
 from workloads.ragpulse import TRACE_FILE, load_ragpulse
 from workloads.request import Workload
 
@@ -19,7 +20,6 @@ LOADERS: dict[str, Callable[..., Workload]] = {
     "ragpulse": load_ragpulse,
     "kvsim": load_jsonl,
 }
-FORMATS = ("auto", *LOADERS)
 
 
 def detect_format(path: str | Path) -> str:

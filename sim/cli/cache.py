@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvcache.eviction import POLICIES, check_policy
-from kvcache.manager import KVCacheManager
 from kvcache.profiles import DEFAULT_VERSION
-from kvcache.replay import ReplayRecord, replay
 from sim.cli.common import fail, open_workload
-from workloads.default import DEFAULT_SEED
-from workloads.errors import WorkloadError
-from workloads.traces import FORMATS
+from workloads.names import FORMATS
+
+if TYPE_CHECKING:
+    from kvcache.replay import ReplayRecord
 
 
 def cache_replay(
@@ -42,6 +41,11 @@ def cache_replay(
         raise fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:
         raise fail(f"--max-running must be >= 1, got {max_running}")
+    from kvcache.manager import KVCacheManager
+    from kvcache.replay import replay
+    from workloads.default import DEFAULT_SEED
+    from workloads.errors import WorkloadError
+
     try:
         wl = open_workload(workload, format, skip_bad, DEFAULT_SEED)
         manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,

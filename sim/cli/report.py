@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from sim.cli.common import fail
-from sim.engine.run import RunResult
-from sim.studies.run_folder import load_run
+
+if TYPE_CHECKING:
+    from sim.engine.run import RunResult
 
 
 def _num(fmt: str) -> Callable[[Any], str]:
@@ -89,6 +90,8 @@ def format_summary(result: RunResult) -> str:
 
 
 def _open(run_dir: Path) -> RunResult:
+    from sim.studies.run_folder import load_run
+
     try:
         return load_run(run_dir)
     except (OSError, ValueError) as e:

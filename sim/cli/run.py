@@ -6,15 +6,17 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from sim.cli.common import fail, open_workload
 from sim.cli.report import compare, format_summary, report
-from sim.engine.config import ConfigError, SimConfig
-from workloads.errors import WorkloadError
-from workloads.request import Workload
+from workloads.names import FORMATS
+
+if TYPE_CHECKING:
+    from sim.engine.config import SimConfig
+    from workloads.request import Workload
 
 RUNS_DIR = Path("runs")
 
@@ -48,7 +50,7 @@ def _smallest_drop(result: Any) -> str:
 
 def run(
     workload: Annotated[Path | None, typer.Argument(help="workload file or RAGPulse folder; default: the embedded workload")] = None,
-    format: Annotated[str, typer.Option("--format", "-f", help="auto|mooncake|azure|ragpulse|kvsim")] = "auto",
+    format: Annotated[str, typer.Option("--format", "-f", help="|".join(FORMATS))] = "auto",
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="skip bad trace lines (and count them)")] = False,
     model: Annotated[str | None, typer.Option(help="model name (see sim.engine.catalog)")] = None,
     gpu: Annotated[str | None, typer.Option(help="GPU name (see sim.engine.catalog)")] = None,
@@ -104,9 +106,11 @@ def run(
         changes["record_ops"] = True
     if debug_invariants:
         changes["debug_invariants"] = True
+    from sim.engine.config import ConfigError, SimConfig
     from sim.engine.cost_model import CostModel
     from sim.engine.run import simulate
     from sim.studies.run_folder import write_run
+    from workloads.errors import WorkloadError
 
     try:
         cfg = SimConfig().replace(**changes).validate()

@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 
 from sim.cli.common import fail
-from sim.engine.config import ConfigError, SimConfig
-from workloads.errors import WorkloadError
 
 _CPUS = os.cpu_count() or 1
 
@@ -32,7 +30,9 @@ def sweep(
     ] = None,
 ) -> None:
     """Run every point of a parameter grid; finished points are kept, so a rerun resumes."""
+    from sim.engine.config import ConfigError, SimConfig
     from sim.studies.sweep import check_params, load_sweep, run_sweep
+    from workloads.errors import WorkloadError
 
     try:
         sw = load_sweep(config)
@@ -69,6 +69,8 @@ def _int_list(text: str, what: str) -> list[int]:
     try:
         return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
     except ValueError:
+        from sim.engine.config import ConfigError
+
         raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
@@ -98,8 +100,10 @@ def curve(
     ] = "0.33",
 ) -> None:
     """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy."""
+    from sim.engine.config import ConfigError, SimConfig
     from sim.studies.curves import capacity_curve, check_points, format_table, write_curve
     from sim.studies.sweep import WorkloadSpec
+    from workloads.errors import WorkloadError
 
     try:
         caps = _int_list(capacities, "--capacities")
@@ -132,7 +136,9 @@ def regress(
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = 1,
 ) -> None:
     """Recompute golden curves and fail (exit 1) when a point moves beyond its tolerance."""
+    from sim.engine.config import ConfigError
     from sim.studies import regress as rg
+    from workloads.errors import WorkloadError
 
     failed = 0
     try:

@@ -9,16 +9,10 @@ from typing import Annotated
 import typer
 
 from sim.cli.common import fail
-from workloads.arrivals import ARRIVALS
-from workloads.build import KINDS, build_workload
-from workloads.default import default_workload
-from workloads.errors import WorkloadError
-from workloads.jsonl import write_jsonl
-from workloads.stats import describe, format_stats
-from workloads.traces import FORMATS, detect_format, load_workload
+from workloads.names import ARRIVALS, FORMATS, KINDS
 
 workload_app = typer.Typer(
-    help="Generate workloads and print their statistics.", no_args_is_help=True
+    help="Generate workloads and print their statistics.", no_args_is_help=True, rich_markup_mode=None
 )
 
 
@@ -65,6 +59,10 @@ def generate(
     """
     if kind not in KINDS:
         raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", code=1)
+    from workloads.build import build_workload
+    from workloads.errors import WorkloadError
+    from workloads.jsonl import write_jsonl
+
     options = {
         "prefix_len": prefix_len,
         "user_len": user_len,
@@ -99,6 +97,11 @@ def stats(
     ] = False,
 ) -> None:
     """Requests, time span, rate, length percentiles and the ideal prefix-cache hit rate."""
+    from workloads.default import default_workload
+    from workloads.errors import WorkloadError
+    from workloads.stats import describe, format_stats
+    from workloads.traces import detect_format, load_workload
+
     try:
         if file is None:
             wl, fmt = default_workload(), "default"
