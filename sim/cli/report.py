@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -82,11 +83,47 @@ def format_table(summaries: list[dict[str, Any]], headers: list[str] | None = No
     return "\n".join(lines)
 
 
-def format_summary(result: RunResult) -> str:
-    """A run's title line and its summary table."""
-    from sim.studies.plots import title
+def header(result: RunResult) -> str:
+    """What was simulated: workload, model, GPU, cache size (blocks and tokens), eviction policy."""
+    c, s = result.config, result.summary
+    blocks = int(s.get("num_gpu_blocks") or 0)
+    return (
+        f"{result.workload} ({s.get('requests', 0):,} requests): {c.model} on {c.gpu} x{c.tensor_parallel}, "
+        f"KV cache {blocks:,} blocks x {c.block_size} tokens = {blocks * c.block_size:,} tokens, "
+        f"eviction {c.eviction}"
+    )
 
-    return title(result) + "\n" + format_table([result.summary])
+
+def reading(s: dict[str, Any], caching: bool = True) -> str:
+    """The table in plain words: how much hit, whether the cache filled and evicted, preemptions."""
+    if s.get("peak_block_usage") is None:
+        return ""
+    peak, blocks, ev = s["peak_block_usage"], int(s.get("num_gpu_blocks", 0)), s.get("evictions", 0)
+    lines = [f"{_pct(s.get('hit_rate'))} of prompt tokens were prefix-cache hits."]
+    if not caching:
+        lines = [f"Prefix caching is off; block usage peaked at {_pct(peak)} of {blocks:,} blocks."]
+    elif ev:
+        usage = "The cache filled" if peak >= 0.9 else "Block usage peaked"
+        lines.append(f"{usage} ({_pct(peak)} of {blocks:,} blocks at peak) and {ev:,} cached blocks "
+                     "were evicted to make room, so the eviction policy matters.")
+    else:
+        lines.append(f"Block usage peaked at {_pct(peak)} of {blocks:,} blocks and nothing was evicted, "
+                     "so every eviction policy gives this result (a smaller --num-gpu-blocks makes them differ).")
+    pre = s.get("preemptions_recompute", 0) + s.get("preemptions_swap", 0)
+    lines.append(f"{pre:,} running requests were preempted to free blocks." if pre
+                 else "No request was preempted.")
+    return " ".join(lines)
+
+
+def format_summary(result: RunResult, notes: list[str] | None = None) -> str:
+    """A run's header line (with `notes` under it, indented), its summary table and the
+    table's reading in plain words."""
+    lines = [header(result)]
+    lines += [textwrap.fill(n, 100, initial_indent="  ", subsequent_indent="    ",
+                           break_on_hyphens=False) for n in notes or []]
+    text = "\n".join(lines) + "\n" + format_table([result.summary])
+    line = reading(result.summary, result.config.enable_prefix_caching)
+    return text + ("\n\n" + textwrap.fill(line, 100) if line else "")
 
 
 def _open(run_dir: Path) -> RunResult:

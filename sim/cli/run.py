@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -19,6 +20,15 @@ if TYPE_CHECKING:
     from workloads.request import Workload
 
 RUNS_DIR = Path("runs")
+# The embedded workload's cache when no size is given: 512 blocks (8,192 tokens at block 16)
+# fill and evict, so policies differ (lru 64.77 %, s3fifo 67.48 % of prompt tokens hit); the
+# H100's memory (27,816 blocks) holds the whole workload, and every policy would tie.
+DEFAULT_WORKLOAD_BLOCKS = 512
+DEFAULT_WORKLOAD_TEXT = "the embedded default, 150 requests on 4 shared 512-token system prompts and 150 multi-turn chat turns"
+POLICY_SPREAD = "lru,s3fifo,arc,lfu,fifo"
+# run options whose flag is not `--` + the config field's name with dashes
+FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-caching",
+         "enable_chunked_prefill": "--no-chunked-prefill"}
 
 
 def run_name(workload: str, cfg: SimConfig) -> str:
@@ -46,6 +56,46 @@ def _smallest_drop(result: Any) -> str:
     rq = result.requests
     dropped = rq[rq["reason"].isin(["prompt_exceeds_cache", "context_exceeds_cache"])]
     return f"{int(dropped['prompt_tokens'].min()):,}" if len(dropped) else "?"
+
+
+def _command(workload: Path | None, read: list[str], changes: dict[str, Any]) -> list[str]:
+    """`kvsim run` with the options that produced `changes` (the slow debug switches left out)."""
+    words = ["kvsim", "run"] + ([str(workload)] if workload is not None else []) + read
+    for key, value in changes.items():
+        if key in ("record_ops", "debug_invariants"):
+            continue
+        flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+        words += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return words
+
+
+def _capacities(s: dict[str, Any]) -> str:
+    """Cache sizes for a curve around this run: a quarter, half, all and twice the blocks it used."""
+    used = s["num_gpu_blocks"] if s["peak_block_usage"] >= 0.9 else s.get("peak_used_blocks", 0)
+    hi = max(int(used), 16)
+    return ",".join(str(c) for c in (hi // 4, hi // 2, hi, 2 * hi))
+
+
+def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: dict[str, Any],
+               cfg: SimConfig, out_dir: Path, s: dict[str, Any]) -> list[str]:
+    """Copy-pasteable commands: this run under another policy side by side (when prefix caching
+    is on), and a capacity curve. `switches`: --skip-bad, --no-plots if given."""
+    read = ["--format", fmt] if fmt != "auto" else []
+    lines = []
+    if cfg.enable_prefix_caching:
+        other = "s3fifo" if cfg.eviction != "s3fifo" else "lru"
+        other_dir = RUNS_DIR / f"{Path(workload).stem if workload is not None else 'default'}-{other}"
+        rerun = _command(workload, read + switches, {**changes, "eviction": other})
+        rerun += ["-o", str(other_dir)]
+        compare = ["kvsim", "compare", str(out_dir), str(other_dir)]
+        lines += [f"# the same run under {other}, side by side with this one",
+                  f"{shlex.join(rerun)} && {shlex.join(compare)}"]
+    source = str(workload) if workload is not None else "default.jsonl"
+    curve = ["kvsim", "curve", source, *read, "-c", _capacities(s), "-p", POLICY_SPREAD]
+    curve += ["-b", str(cfg.block_size)] if cfg.block_size != 16 else []
+    make = "kvsim workload generate default -o default.jsonl && " if workload is None else ""
+    return lines + ["# prefix hit rate against cache size, one line per policy (cache replay)",
+                    make + shlex.join(curve)]
 
 
 def run(
@@ -115,7 +165,11 @@ def run(
     try:
         cfg = SimConfig().replace(**changes).validate()
         cost = CostModel.from_config(cfg)
-        blocks = cost.num_gpu_blocks(cfg)
+        blocks = derived = cost.num_gpu_blocks(cfg)  # also checks that the model fits
+        default_cache = workload is None and num_gpu_blocks is None and gpu_memory_utilization is None
+        if default_cache:
+            blocks = min(DEFAULT_WORKLOAD_BLOCKS, derived)
+            cfg = cfg.replace(num_gpu_blocks=blocks)
         wl = open_workload(workload, format, skip_bad, cfg.seed)
         bar, progress = _progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
@@ -138,8 +192,19 @@ def run(
     if s.get("skipped_lines"):
         typer.echo(f"skipped {s['skipped_lines']} bad lines (first: {wl.skipped_errors[0]})", err=True)
     out_dir = write_run(result, out if out is not None else RUNS_DIR / run_name(name, cfg), plots=plots)
-    typer.echo(format_summary(result))
-    typer.echo(f"wrote {out_dir}")
+    notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
+    if default_cache:
+        notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "
+                     f"(the {cfg.gpu}'s memory would hold {derived:,} blocks, which this workload "
+                     "never fills); --num-gpu-blocks N or --gpu-memory-utilization F sets it")
+    lines = [format_summary(result, notes), "", f"run folder: {out_dir}"]
+    switches = (["--skip-bad"] if skip_bad else []) + ([] if plots else ["--no-plots"])
+    if plots:
+        from sim.studies.plots import PLOTS
+
+        lines += [f"{'plots:' if i == 0 else '':<12}{out_dir / p}" for i, p in enumerate(PLOTS)]
+    lines += ["", "next:"] + ["  " + c for c in next_steps(workload, format, switches, changes, cfg, out_dir, s)]
+    typer.echo("\n".join(lines))
 
 
 def register(app: typer.Typer) -> None:

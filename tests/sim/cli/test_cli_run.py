@@ -22,8 +22,8 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "default"
     r = runner.invoke(app, ["run", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert r.stdout.startswith("default: llama-3-8b on h100-sxm x1, block 16, lru, ")
-    assert r.stdout.endswith(f"wrote {out}\n")
+    assert r.stdout.startswith("default (300 requests): llama-3-8b on h100-sxm x1, KV cache 512 blocks")
+    assert f"\nrun folder: {out}\nplots:      {out / 'blocks.png'}\n" in r.stdout
     return out
 
 
