@@ -44,8 +44,9 @@ def vllm_replay_seconds(path: Path, block_size: int, num_blocks: int) -> tuple[f
     from sim.conform.vllm_setup import vllm_available
     if vllm_available() is not None:  # it returns the reason vLLM cannot be used
         return None
-    import sim.conform.vllm_cache as vc
     import vllm.v1.core.kv_cache_manager  # noqa: F401  (imported before the clock starts)
+
+    import sim.conform.vllm_cache as vc
     from workloads.traces import load_workload
 
     reqs = list(load_workload(path))
