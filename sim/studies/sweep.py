@@ -264,7 +264,40 @@ def run_ray(
     items: list[tuple],
     on_result: Callable[[tuple, Any], None] | None = None,
 ) -> list[Any]:
-    """Like `run_parallel`, on a Ray cluster (RAY_ADDRESS) or a local Ray instance."""
+    """Like `run_parallel`, on Ray: the cluster at RAY_ADDRESS, or a local Ray instance.
+
+    A task's error is raised here as itself (Ray's remote traceback chained to it), and on any
+    error or interrupt the tasks still pending are cancelled.
+    """
+    ray = connect_ray()
+    remote = ray.remote(fn)
+    pending = {remote.remote(*item): i for i, item in enumerate(items)}
+    results: dict[int, Any] = {}
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(ready[0])
+            try:
+                results[i] = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                if e.cause is None:
+                    raise
+                raise e.cause from e
+            if on_result is not None:
+                on_result(items[i], results[i])
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref)
+        raise
+    return [results[i] for i in range(len(items))]
+
+
+def connect_ray() -> Any:
+    """The `ray` module, initialised (unless it already is) by Ray's own `ray.init()` rules.
+
+    That is: RAY_ADDRESS (`auto`, `host:6379` or `ray://host:10001`), else a cluster started
+    on this machine by `ray start`, else a new local instance. A missing Ray or an unreachable cluster is a ConfigError, one line on the command line.
+    """
     try:
         import ray
     except ImportError:
@@ -272,17 +305,15 @@ def run_ray(
             "--ray needs Ray, which is not installed: pip install 'kvsim[ray]'"
         ) from None
     if not ray.is_initialized():
-        ray.init(ignore_reinit_error=True, log_to_driver=False)
-    remote = ray.remote(fn)
-    pending = {remote.remote(*item): i for i, item in enumerate(items)}
-    results: dict[int, Any] = {}
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        i = pending.pop(ready[0])
-        results[i] = ray.get(ready[0])
-        if on_result is not None:
-            on_result(items[i], results[i])
-    return [results[i] for i in range(len(items))]
+        try:
+            ray.init(log_to_driver=False)
+        except (ConnectionError, RuntimeError) as e:
+            where = os.environ.get("RAY_ADDRESS") or "this machine"
+            why = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise ConfigError(
+                f"--ray: cannot connect to the Ray cluster at {where}: {why}"
+            ) from None
+    return ray
 
 
 def simulate_point(params: dict[str, Any], workload: WorkloadSpec) -> dict[str, Any]:
