@@ -7,6 +7,9 @@ Used to study a cache policy alone (`kvsim cache-replay`). Two modes:
 - concurrent (max_running = K > 1): discrete steps of decode-then-admit with
   recompute preemption of the youngest request when nothing can progress.
 
+Both stream: a request is taken from `requests` only when it is about to be
+admitted, so memory holds the running and preempted requests, not the trace.
+
 A request's hit tokens are those of its first admission; the lookup of a
 preempted request's readmission is not counted.
 """
@@ -79,10 +82,9 @@ class ReplayResult:
 class _Live:
     """A request in flight: its sequence, record and tokens still to sample."""
 
-    __slots__ = ("req", "seq", "rec", "target")
+    __slots__ = ("seq", "rec", "target")
 
     def __init__(self, req: Request, uid: int):
-        self.req = req
         self.seq = Sequence(req.id, req.prompt, uid=uid, output=req.output)
         self.rec = ReplayRecord(req.id, req.prompt_len)
         self.target = max(req.output_len, 1)
@@ -149,10 +151,24 @@ def _sequential(requests: Iterable[Request], m: KVCacheManager, done: Callable) 
 
 
 def _concurrent(requests: Iterable[Request], m: KVCacheManager, k: int, done: Callable) -> None:
-    waiting: deque[_Live] = deque(_Live(r, uid) for uid, r in enumerate(requests))
+    # NOTE: requests are pulled from the stream only when the waiting line is
+    # empty and one is wanted, so at most k running + the preempted + one head
+    # are live at once; preempted requests return to the line's front.
+    arrivals = enumerate(requests)
+    waiting: deque[_Live] = deque()
+
+    def head() -> bool:
+        """Whether a request is waiting, pulling the next arrival if none is."""
+        if not waiting:
+            pulled = next(arrivals, None)
+            if pulled is None:
+                return False
+            waiting.append(_Live(pulled[1], pulled[0]))
+        return True
+
     running: list[_Live] = []
     step = 0
-    while waiting or running:
+    while running or head():
         m.ops.step = step
         step += 1
         # 1. decode
@@ -164,7 +180,7 @@ def _concurrent(requests: Iterable[Request], m: KVCacheManager, k: int, done: Ca
                 decoded.append(live)
         # 2. admit
         admitted: list[_Live] = []
-        while not stalled and waiting and len(running) + len(admitted) < k:
+        while not stalled and len(running) + len(admitted) < k and head():
             live = waiting[0]
             seq = live.seq
             blocks, hit = m.get_computed_blocks(seq)
