@@ -64,12 +64,20 @@ def load_run(run_dir: str | Path) -> tuple[list[Op], dict[str, np.ndarray], dict
         if not (d / name).is_file():
             raise RunFilesError(f"{d / name}: missing; {how}")
     try:
-        config = json.loads((d / "config.json").read_text())
+        config = json.loads((d / "config.json").read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RunFilesError(f"{d / 'config.json'}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise RunFilesError(f"{d / 'config.json'}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(config, dict) or not isinstance(config.get("block_size"), int):
         raise RunFilesError(f"{d / 'config.json'}: needs an integer 'block_size'")
-    return read_ops(d / "ops.parquet"), read_tokens(d / "op_tokens.parquet"), config
+    tables = []
+    for name, read in (("ops.parquet", read_ops), ("op_tokens.parquet", read_tokens)):
+        try:
+            tables.append(read(d / name))
+        except (ValueError, KeyError):  # pyarrow's ArrowInvalid, or a column missing
+            raise RunFilesError(f"{d / name}: not an op table (corrupt, or another format)") from None
+    return tables[0], tables[1], config
 
 
 def replay_run(

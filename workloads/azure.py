@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import WorkloadError, guarded, located, show
+from workloads.errors import WorkloadError, guarded, located, show, text_lines
 from workloads.request import Request, Workload, make_request
 from workloads.tokens import INT32_MAX
 
@@ -48,25 +48,40 @@ class _Clock:
         return (base, s) if 0 <= s < 61 else None
 
 
+def _decoded(path: str) -> Iterator[str]:
+    """The file's lines as text for csv.reader; a line that is not UTF-8 raises, naming it."""
+    for _, text in text_lines(path):
+        if isinstance(text, WorkloadError):
+            raise text
+        yield text
+
+
+def _next_row(reader: Any, path: str) -> list[str] | None:
+    """The next row, or None at the end; a NUL byte or an unclosed quote is a WorkloadError."""
+    try:
+        return next(reader, None)
+    except csv.Error as e:
+        raise located(path, reader.line_num, f"not CSV ({e})") from None
+
+
 def _rows(path: str) -> Iterator[tuple[int, list[str] | WorkloadError]]:
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            return
-        header = [h.strip() for h in header]
-        missing = [c for c in COLUMNS if c not in header]
-        if missing:
-            raise located(path, 1, f"missing column '{missing[0]}' (header is {','.join(header)})")
-        cols = [header.index(c) for c in COLUMNS]
-        for row in reader:
-            line = reader.line_num
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(header):
-                yield line, located(path, line, f"expected {len(header)} columns, got {len(row)}")
-                continue
-            yield line, [row[i].strip() for i in cols]
+    reader = csv.reader(_decoded(path))
+    header = _next_row(reader, path)
+    if header is None:
+        raise located(path, None, "empty, no header row")
+    header = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise located(path, 1, f"missing column '{missing[0]}' (header is {','.join(header)})")
+    cols = [header.index(c) for c in COLUMNS]
+    while (row := _next_row(reader, path)) is not None:
+        line = reader.line_num
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            yield line, located(path, line, f"expected {len(header)} columns, got {len(row)}")
+            continue
+        yield line, [row[i].strip() for i in cols]
 
 
 def load_azure(path: str | Path, *, skip_bad: bool = False) -> Workload:

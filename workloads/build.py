@@ -3,6 +3,7 @@ onto its own keywords (`kvsim workload generate` and the sweeps build workloads 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from workloads.arrivals import make_arrivals
@@ -71,6 +72,7 @@ def build_workload(
     options: dict[str, Any],
 ) -> Workload:
     """The generator `kind` with CLI options mapped onto its keywords (None means its default)."""
+    check_numbers(rate, cv, options)
     if kind == "default":
         given = [k for k, v in options.items() if v is not None]
         if given:
@@ -89,3 +91,19 @@ def build_workload(
     return GENERATORS[kind](
         num_requests, arrivals=make_arrivals(arrival, rate, cv), seed=seed, **kwargs
     )
+
+
+def check_numbers(rate: float, cv: float, options: dict[str, Any]) -> None:
+    """Reject NaN, infinite and negative numbers (and a zero rate) before anything is generated."""
+    given = {"rate": rate, "cv": cv, **{k: options.get(k) for k in ("zipf", "think_time")}}
+    for name, v in given.items():
+        low = "> 0" if name == "rate" else ">= 0"
+        if v is None:
+            continue
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                or (name == "rate" and v == 0)):
+            raise ValueError(f"{name} must be a finite number {low}, got {v!r}")
+    for name in ("num_prefixes", "samples", "shots"):
+        v = options.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from workloads.request import Request, Workload
 
@@ -89,20 +89,49 @@ def to_seconds(v: Any) -> float | None:
     return float(v)
 
 
+def not_text(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> WorkloadError:
+    """The error for a line that is not UTF-8: names the first bad byte and its column."""
+    return located(path, line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                   "is this a trace file?")
+
+
+def open_bytes(path: str) -> BinaryIO:
+    """`path` opened for reading bytes; a folder or an unreadable file is a WorkloadError."""
+    try:
+        return open(path, "rb")
+    except IsADirectoryError:
+        raise WorkloadError(f"{path}: is a folder, expected a file") from None
+    except OSError as e:
+        raise WorkloadError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def text_lines(path: str) -> Iterator[tuple[int, str | WorkloadError]]:
+    """(line number, text) of every line, decoded as UTF-8 line by line (so a bad byte is
+    reported with its line); a line that is not UTF-8 yields its WorkloadError instead."""
+    with open_bytes(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, not_text(path, lineno, raw, e)
+
+
 def json_lines(path: str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed JSON) for each non-blank line; blank lines are skipped.
 
-    A line that is not JSON yields a WorkloadError in place of the record, so
-    the caller's skip policy decides what happens to it.
+    A line that is not UTF-8 or not JSON yields a WorkloadError in place of the
+    record, so the caller's skip policy decides what happens to it.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                yield lineno, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield lineno, located(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+    for lineno, text in text_lines(path):
+        if isinstance(text, WorkloadError):
+            yield lineno, text
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield lineno, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield lineno, located(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
 
 
 def guarded(

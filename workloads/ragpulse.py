@@ -26,7 +26,9 @@ from workloads.errors import (
     guarded,
     json_lines,
     located,
+    not_text,
     note_skipped,
+    open_bytes,
     show,
 )
 from workloads.request import Request, Workload, make_request
@@ -74,7 +76,7 @@ def _index(path: str, skip_bad: bool) -> tuple[np.ndarray, list[str]]:
     """Byte offset and line of each record, stably sorted by timestamp; plus skipped errors."""
     rows: list[tuple[float, int, int]] = []
     errors: list[str] = []
-    with open(path, "rb") as fh:
+    with open_bytes(path) as fh:
         offset, line = 0, 0
         for raw in fh:
             line += 1
@@ -83,7 +85,9 @@ def _index(path: str, skip_bad: bool) -> tuple[np.ndarray, list[str]]:
                 continue
             try:
                 try:
-                    rec = json.loads(raw)
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise not_text(path, line, raw, e) from None
                 except json.JSONDecodeError as e:
                     raise located(path, line, f"invalid JSON: {e.msg} (column {e.colno})") from None
                 t = Fields(path, line, rec).seconds("timestamp")
@@ -141,6 +145,8 @@ def load_ragpulse(path: str | Path, *, skip_bad: bool = False) -> Workload:
     """Stream a RAGPulse trace, given its folder or its `0_trace.jsonl`, sorted by time."""
     p = Path(path)
     trace = p / TRACE_FILE if p.is_dir() else p
+    if p.is_dir() and not trace.exists():
+        raise WorkloadError(f"{p}: a folder but not a RAGPulse trace (no {TRACE_FILE} in it)")
     if not trace.exists():
         raise WorkloadError(f"{trace}: no such file")
     lengths = load_lengths(trace.parent)

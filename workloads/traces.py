@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from workloads.azure import load_azure
-from workloads.errors import WorkloadError
+from workloads.errors import WorkloadError, text_lines
 from workloads.jsonl import load_jsonl
 from workloads.mooncake import load_mooncake
 from workloads.names import FORMATS
@@ -33,27 +33,31 @@ def detect_format(path: str | Path) -> str:
         return "ragpulse"
     if p.suffix.lower() == ".csv":
         return "azure"
-    with open(p, encoding="utf-8") as fh:
-        for lineno, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError:
-                break
-            if isinstance(rec, dict):
-                if "prompt" in rec:
-                    return "kvsim"
-                ids = rec.get("hash_ids")
-                if isinstance(ids, list):
-                    return "mooncake"
-                if isinstance(ids, dict):
-                    return "ragpulse"
+    for lineno, text in text_lines(str(p)):
+        if isinstance(text, WorkloadError):
+            raise text
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
             raise WorkloadError(
-                f"{p}:{lineno}: cannot tell the format from the first record "
-                f"(expected 'prompt' or 'hash_ids'); pass --format"
-            )
-    raise WorkloadError(f"{p}: cannot tell the format (empty or not JSON Lines); pass --format")
+                f"{p}:{lineno}: cannot tell the format, the first record is not JSON "
+                f"({e.msg}, column {e.colno}); pass --format"
+            ) from None
+        if isinstance(rec, dict):
+            if "prompt" in rec:
+                return "kvsim"
+            ids = rec.get("hash_ids")
+            if isinstance(ids, list):
+                return "mooncake"
+            if isinstance(ids, dict):
+                return "ragpulse"
+        raise WorkloadError(
+            f"{p}:{lineno}: cannot tell the format from the first record "
+            f"(expected 'prompt' or 'hash_ids'); pass --format"
+        )
+    raise WorkloadError(f"{p}: empty, no records")
 
 
 def load_workload(path: str | Path, format: str = "auto", *, skip_bad: bool = False) -> Workload:

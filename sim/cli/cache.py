@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
 from kvcache.eviction import POLICIES, check_policy
 from kvcache.profiles import DEFAULT_VERSION
-from sim.cli.common import fail, open_workload
+from sim.cli.common import fail, open_workload, staged_file
 from workloads.names import FORMATS
 
 if TYPE_CHECKING:
-    from kvcache.replay import ReplayRecord
+    from kvcache.manager import KVCacheManager
+    from kvcache.replay import ReplayRecord, ReplayResult
+    from workloads.request import Workload
 
 
 def cache_replay(
@@ -31,9 +34,10 @@ def cache_replay(
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33")] = DEFAULT_VERSION,
 ) -> None:
     """Replay a workload through the block manager and report its prefix-cache hit rate."""
-    if block_size <= 0:
-        raise fail(f"--block-size must be positive, got {block_size}")
+    from sim.engine.config import check_block_size
+
     try:
+        check_block_size(block_size)
         check_policy(eviction)
     except ValueError as e:
         raise fail(str(e)) from None
@@ -42,7 +46,6 @@ def cache_replay(
     if max_running < 1:
         raise fail(f"--max-running must be >= 1, got {max_running}")
     from kvcache.manager import KVCacheManager
-    from kvcache.replay import replay
     from workloads.default import DEFAULT_SEED
     from workloads.errors import WorkloadError
 
@@ -52,24 +55,11 @@ def cache_replay(
                                  vllm_version=vllm_version)
     except (WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
-    sink = open(out, "w") if out else None
-    t0 = time.perf_counter()
-
-    def on_record(rec: ReplayRecord) -> None:
+    with contextlib.ExitStack() as stack:
+        sink = open(stack.enter_context(staged_file(out)), "w") if out else None
         if sink:
-            sink.write(json.dumps({
-                "id": rec.id, "prompt_tokens": rec.prompt_tokens, "hit_tokens": rec.hit_tokens,
-                "output_tokens": rec.output_tokens, "status": rec.status, "preemptions": rec.preemptions,
-            }) + "\n")
-
-    try:
-        result = replay(wl, manager, max_running, on_record)
-    except WorkloadError as e:
-        raise fail(str(e)) from None
-    finally:
-        if sink:
-            sink.close()
-    wall = time.perf_counter() - t0
+            stack.callback(sink.close)
+        result, wall = _replay(wl, manager, max_running, sink)
     skipped = getattr(wl, "skipped", 0)
     if skipped:
         typer.echo(f"skipped {skipped} bad lines", err=True)
@@ -86,6 +76,27 @@ def cache_replay(
     typer.echo(f"hit tokens     {result.hit_tokens:,}  ({result.hit_rate:.2%})")
     typer.echo(f"evicted blocks {result.evicted_blocks:,}")
     typer.echo(f"wall time      {wall:.2f} s ({result.requests / wall:,.0f} requests/s)")
+
+
+def _replay(wl: Workload, manager: KVCacheManager, max_running: int, sink: TextIO | None
+            ) -> tuple[ReplayResult, float]:
+    """The replay's counts and its wall time; one JSON line a request to `sink` if given."""
+    from kvcache.replay import replay
+    from workloads.errors import WorkloadError
+
+    def on_record(rec: ReplayRecord) -> None:
+        if sink:
+            sink.write(json.dumps({
+                "id": rec.id, "prompt_tokens": rec.prompt_tokens, "hit_tokens": rec.hit_tokens,
+                "output_tokens": rec.output_tokens, "status": rec.status, "preemptions": rec.preemptions,
+            }) + "\n")
+
+    t0 = time.perf_counter()
+    try:
+        result = replay(wl, manager, max_running, on_record)
+    except WorkloadError as e:
+        raise fail(str(e)) from None
+    return result, time.perf_counter() - t0
 
 
 def register(app: typer.Typer) -> None:

@@ -1,7 +1,12 @@
-"""What every `kvsim` command shares: the error exit and how a workload argument is opened."""
+"""What every `kvsim` command shares: the error exit, how a workload argument is opened, and
+output paths that are checked before the work and written whole or not at all."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,3 +31,44 @@ def open_workload(path: Path | None, fmt: str, skip_bad: bool, seed: int) -> Wor
     from workloads.traces import load_workload
 
     return load_workload(path, fmt, skip_bad=skip_bad)
+
+
+def check_output(path: Path, *, folder: bool = False, code: int = 2) -> None:
+    """Fail before any work when `path` cannot be written: a folder where a file goes (or the
+    reverse), a missing parent (files) or one that is a file, or a place that refuses a new
+    file (probed by making and removing one)."""
+    if folder and path.exists() and not path.is_dir():
+        raise fail(f"{path}: exists and is not a folder", code)
+    if not folder and path.is_dir():
+        raise fail(f"{path}: is a folder, expected a file name", code)
+    anchor = path if folder else path.parent
+    while folder and not anchor.exists() and anchor != anchor.parent:
+        anchor = anchor.parent  # a run folder's missing parents are created
+    if not anchor.is_dir():
+        what = "is not a folder" if anchor.exists() else "does not exist"
+        raise fail(f"{path}: cannot write there ({anchor} {what})", code)
+    try:
+        fd, probe = tempfile.mkstemp(dir=anchor, prefix=".kvsim-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise fail(f"{path}: cannot write there ({e.strerror or e})", code) from None
+
+
+@contextmanager
+def staged_file(path: Path, code: int = 2) -> Iterator[Path]:
+    """A temporary path beside `path` to write; renamed to `path` when the block ends cleanly,
+    removed when it raises, so a failed command leaves no half-written file."""
+    check_output(path, code=code)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        try:
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; outputs are meant to be shared
+            os.replace(tmp, path)
+        except OSError as e:
+            raise fail(f"{path}: cannot write ({e.strerror or e})", code) from None
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import fail
+from sim.cli.common import check_output, fail, staged_file
 
 _DEVICE_HELP = "cuda|cpu (default: cuda if available; cpu runs Triton's interpreter)"
 
@@ -49,6 +49,10 @@ def gpu_replay(
     save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
 ) -> None:
     """Replay a run's block ops on paged KV storage and verify every cached token exactly."""
+    if save is not None:
+        check_output(save)
+    if swap_method not in ("kernel", "torch"):
+        raise fail(f"--swap-method must be kernel or torch, got {swap_method!r}")
     dev = _device(device)
     for name, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
                     ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
@@ -63,7 +67,8 @@ def gpu_replay(
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
     if save is not None:
-        save.write_text(json.dumps(rep.as_dict()) + "\n")
+        with staged_file(save) as tmp:
+            tmp.write_text(json.dumps(rep.as_dict()) + "\n")
     typer.echo(json.dumps(rep.as_dict()) if as_json else rep.format())
     if rep.mismatches:
         typer.echo(f"integrity error: {rep.errors[0]}", err=True)
@@ -82,14 +87,20 @@ def calibrate(
 ) -> None:
     """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
     and write a calibration profile for `kvsim run --calibration`."""
-    if block_size < 1:
-        raise fail(f"--block-size must be >= 1, got {block_size}")
+    from sim.engine.config import ConfigError, check_block_size
+
+    try:
+        check_block_size(block_size)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    for path in (out, rows):  # before minutes of measuring, not after
+        if path is not None:
+            check_output(path)
     if refit is not None:
         measured, profile = _refit(refit, model, gpu, block_size)
     else:
         dev = _device(device)
         from gpu.calibrate import calibrate as measure
-        from sim.engine.config import ConfigError
 
         try:
             profile, measured = measure(dev, model, gpu, block_size,
@@ -100,12 +111,14 @@ def calibrate(
 
     text = json.dumps(profile, indent=2) + "\n"
     if rows is not None:
-        rows.write_text(json.dumps(measured, indent=1) + "\n")
+        with staged_file(rows) as tmp:
+            tmp.write_text(json.dumps(measured, indent=1) + "\n")
     if out is None:
         typer.echo(text, nl=False)
         typer.echo(format_rows(measured), err=True)
         return
-    out.write_text(text)
+    with staged_file(out) as tmp:
+        tmp.write_text(text)
     typer.echo(format_rows(measured))
     typer.echo(f"wrote {out}")
 
@@ -118,6 +131,8 @@ def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[li
         measured = json.loads(path.read_text())
     except OSError as e:
         raise fail(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise fail(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     except json.JSONDecodeError as e:
         raise fail(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):

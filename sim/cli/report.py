@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sim.cli.common import fail
+from sim.cli.common import check_output, fail
 
 if TYPE_CHECKING:
     from sim.engine.run import RunResult
@@ -154,6 +154,8 @@ def compare(
     plot: Annotated[Path | None, typer.Option("--plot", help="write an overlay plot (PNG) here")] = None,
 ) -> None:
     """Side-by-side summary of several runs, and optionally an overlay plot."""
+    if plot is not None:
+        check_output(plot)
     results = [_open(d) for d in run_dirs]
     labels = [d.name or str(d) for d in run_dirs]
     typer.echo(format_table([r.summary for r in results], labels))

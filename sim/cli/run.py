@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sim.cli.common import fail, open_workload
+from sim.cli.common import check_output, fail, open_workload
 from sim.cli.report import compare, format_summary, report
 from workloads.names import FORMATS
 
@@ -175,6 +175,8 @@ def run(
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     name = str(workload) if workload is not None else "default"
+    out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
+    check_output(out_dir, folder=True)  # before the simulation, not after
     try:
         if bar is not None:
             with bar:
@@ -191,7 +193,10 @@ def run(
         )
     if s.get("skipped_lines"):
         typer.echo(f"skipped {s['skipped_lines']} bad lines (first: {wl.skipped_errors[0]})", err=True)
-    out_dir = write_run(result, out if out is not None else RUNS_DIR / run_name(name, cfg), plots=plots)
+    try:
+        write_run(result, out_dir, plots=plots)
+    except OSError as e:
+        raise fail(f"{out_dir}: cannot write ({e.strerror or e})") from None
     notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
     if default_cache:
         notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "

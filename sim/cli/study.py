@@ -9,14 +9,14 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import fail
+from sim.cli.common import check_output, fail
 
 _CPUS = os.cpu_count() or 1
 
 
 def sweep(
     config: Annotated[Path, typer.Argument(help="sweep file (TOML with [base] and [grid] tables)")],
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = _CPUS,
+    workers: Annotated[int, typer.Option("--workers", "-w", help="local processes")] = _CPUS,
     ray: Annotated[
         bool, typer.Option("--ray", help="run the points on Ray (pip install 'kvsim[ray]')")
     ] = False,
@@ -34,6 +34,7 @@ def sweep(
     from sim.studies.sweep import check_params, load_sweep, run_sweep
     from workloads.errors import WorkloadError
 
+    check_workers(workers)
     try:
         sw = load_sweep(config)
         if vllm_version is not None:
@@ -41,6 +42,7 @@ def sweep(
             sw.base["vllm_version"] = vllm_version
             check_params(sw.base, f"--vllm-version {vllm_version}")
         out_dir = out or Path("sweeps") / config.stem
+        check_output(out_dir, folder=True)
         total = len(sw.points())
         done = [0]
 
@@ -60,9 +62,22 @@ def sweep(
         table = run_sweep(sw, out_dir, workers, ray, report)
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
+    except UnicodeDecodeError as e:  # sim.studies.sweep.read_toml reads text
+        raise fail(not_text(config, e)) from None
     typer.echo(
         f"wrote {out_dir / 'sweep.parquet'} ({len(table)} points, {time.perf_counter() - t0:.1f} s)"
     )
+
+
+def check_workers(workers: int) -> None:
+    """--workers must be at least 1 (one line, like every other bad value)."""
+    if workers < 1:
+        raise fail(f"--workers must be >= 1, got {workers}")
+
+
+def not_text(path: Path, e: UnicodeDecodeError) -> str:
+    """The message for a settings file that is not UTF-8 text."""
+    return f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -87,7 +102,7 @@ def curve(
     mode: Annotated[
         str, typer.Option("--mode", "-m", help="replay (cache only, fast) | sim (full simulator)")
     ] = "replay",
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = _CPUS,
+    workers: Annotated[int, typer.Option("--workers", "-w", help="local processes")] = _CPUS,
     format: Annotated[
         str, typer.Option("--format", "-f", help="workload format (auto by default)")
     ] = "auto",
@@ -105,6 +120,7 @@ def curve(
     from sim.studies.sweep import WorkloadSpec
     from workloads.errors import WorkloadError
 
+    check_workers(workers)
     try:
         caps = _int_list(capacities, "--capacities")
         pols = [p.strip() for p in policies.split(",") if p.strip()]
@@ -112,14 +128,16 @@ def curve(
         SimConfig(vllm_version=vllm_version).validate()
         spec = WorkloadSpec(str(workload), format)
         spec.open()  # fail early on a missing file or an unknown format
+        out_dir = out or Path("curves") / workload.stem
+        check_output(out_dir, folder=True)
         t0 = time.perf_counter()
         df = capacity_curve(spec, caps, pols, block_size, mode, workers, vllm_version=vllm_version)
         wall = time.perf_counter() - t0
-        out_dir = write_curve(
-            df, out or Path("curves") / workload.stem, workload.name, block_size, mode
-        )
+        write_curve(df, out_dir, workload.name, block_size, mode)
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
+    except OSError as e:
+        raise fail(f"{out_dir}: cannot write ({e.strerror or e})") from None
     typer.echo(f"{workload.name}: block size {block_size}, mode {mode}, {len(df)} points")
     typer.echo("\nprefix hit rate (% of prompt tokens)")
     typer.echo(format_table(df))
@@ -133,17 +151,21 @@ def regress(
     update: Annotated[
         bool, typer.Option("--update", help="rewrite expected.json from this run")
     ] = False,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, help="local processes")] = 1,
+    workers: Annotated[int, typer.Option("--workers", "-w", help="local processes")] = 1,
 ) -> None:
     """Recompute golden curves and fail (exit 1) when a point moves beyond its tolerance."""
     from sim.engine.config import ConfigError
     from sim.studies import regress as rg
     from workloads.errors import WorkloadError
 
+    check_workers(workers)
     failed = 0
     try:
         for folder in rg.baseline_folders(baseline_dir):
-            b = rg.load_baseline(folder)
+            try:
+                b = rg.load_baseline(folder)
+            except UnicodeDecodeError as e:  # sim.studies.sweep.read_toml reads text
+                raise fail(not_text(folder / "baseline.toml", e)) from None
             expected = None if update else rg.load_expected(b)
             t0 = time.perf_counter()
             got = rg.compute(b, workers)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import fail
+from sim.cli.common import check_output, fail, staged_file
 from workloads.names import ARRIVALS, FORMATS, KINDS
 
 workload_app = typer.Typer(
@@ -20,7 +20,7 @@ workload_app = typer.Typer(
 def generate(
     kind: Annotated[str, typer.Argument(help=f"one of: {', '.join(KINDS)}")],
     out: Annotated[Path, typer.Option("--out", "-o", help="kvsim JSONL file to write")],
-    num_requests: Annotated[int, typer.Option("--num-requests", "-n", min=1)] = 200,
+    num_requests: Annotated[int, typer.Option("--num-requests", "-n")] = 200,
     rate: Annotated[
         float, typer.Option(help="arrivals per second (sessions/s for multi-turn, agent)")
     ] = 1.0,
@@ -59,6 +59,8 @@ def generate(
     """
     if kind not in KINDS:
         raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", code=1)
+    if num_requests < 1:
+        raise fail(f"--num-requests must be >= 1, got {num_requests}", code=1)
     from workloads.build import build_workload
     from workloads.errors import WorkloadError
     from workloads.jsonl import write_jsonl
@@ -75,9 +77,11 @@ def generate(
         "shots": shots,
         "example_len": example_len,
     }
+    check_output(out, code=1)
     try:
         wl = build_workload(kind, num_requests, rate, arrival, cv, seed, options)
-        count = write_jsonl(wl, out)
+        with staged_file(out, code=1) as tmp:  # a failed generation leaves no partial file
+            count = write_jsonl(wl, tmp)
     except (WorkloadError, ValueError) as e:
         raise fail(str(e), code=1) from None
     typer.echo(f"wrote {count} requests to {out}")
@@ -90,7 +94,7 @@ def stats(
         typer.Argument(help="workload file or RAGPulse folder; default: the embedded workload"),
     ] = None,
     format: Annotated[str, typer.Option("--format", "-f", help="|".join(FORMATS))] = "auto",
-    block_size: Annotated[int, typer.Option("--block-size", "-b", min=1)] = 16,
+    block_size: Annotated[int, typer.Option("--block-size", "-b")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     skip_bad: Annotated[
         bool, typer.Option("--skip-bad", help="skip bad lines (and report how many)")
@@ -102,6 +106,8 @@ def stats(
     from workloads.stats import describe, format_stats
     from workloads.traces import detect_format, load_workload
 
+    if block_size < 1:
+        raise fail(f"--block-size must be >= 1, got {block_size}", code=1)
     try:
         if file is None:
             wl, fmt = default_workload(), "default"

@@ -10,7 +10,13 @@ from typing import Any
 from kvcache.eviction import check_policy
 from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["ConfigError", "SimConfig"]
+__all__ = ["ConfigError", "SimConfig", "check_block_size"]
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise ConfigError unless `block_size` is a positive power of two (as vLLM's sizes are)."""
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ConfigError(f"block_size must be a positive power of two, got {block_size}")
 
 
 @dataclass
@@ -67,17 +73,24 @@ class SimConfig:
 
     def validate(self) -> SimConfig:
         """Raise ConfigError for values no run could use."""
-        bs = self.block_size
-        if bs <= 0 or bs & (bs - 1):
-            raise ConfigError(f"block_size must be a positive power of two, got {bs}")
+        check_block_size(self.block_size)
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ConfigError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        if not self.load > 0:
-            raise ConfigError(f"load must be positive, got {self.load}")
+        if not (math.isfinite(self.load) and self.load > 0):
+            raise ConfigError(f"load must be a positive finite number, got {self.load}")
+        for name in ("slo_ttft", "slo_tpot"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v}")
+        for name in ("num_cpu_blocks", "num_lookahead_tokens", "defrag_threshold"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.preemption not in ("recompute", "swap"):
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_blocks <= 0:

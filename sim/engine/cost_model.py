@@ -42,6 +42,7 @@ every key optional:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ def load_calibration(path: str | Path) -> Calibration:
         data = json.loads(p.read_text())
     except OSError as e:
         raise ConfigError(f"calibration {p}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"calibration {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                          f"at offset {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"calibration {p}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(data, dict):
@@ -128,6 +132,7 @@ def _number(path: Path, key: str, value: Any, positive: bool = False) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
+        or not math.isfinite(value)
         or value < 0
         or (positive and value == 0)
     ):

@@ -23,7 +23,8 @@ from kvcache.manager import KVCacheManager
 from kvcache.profiles import DEFAULT_VERSION
 from kvcache.replay import ReplayRecord, replay
 from kvcache.sequence import Sequence
-from sim.engine.config import ConfigError, SimConfig
+from sim.engine.config import ConfigError, SimConfig, check_block_size
+from sim.studies.run_folder import staged_folder
 from sim.studies.sweep import WorkloadSpec, run_parallel
 
 MODES = ("replay", "sim")
@@ -65,6 +66,8 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
     if not capacities:
         raise ConfigError("no capacities given")
     for c in capacities:
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise ConfigError(f"capacity must be an integer number of blocks, got {c!r}")
         if c < 2:
             raise ConfigError(f"capacity must be at least 2 blocks (block 0 is reserved), got {c}")
     if not policies:
@@ -74,8 +77,9 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
             check_policy(p)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ConfigError(f"block size must be a positive power of two, got {block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ConfigError(f"block_size must be an integer, got {block_size!r}")
+    check_block_size(block_size)
 
 
 def replay_point(
@@ -216,8 +220,7 @@ def write_curve(
     df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str
 ) -> Path:
     """`curve.parquet` and `curve.png` in `out_dir`; returns the folder."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_parquet(out / "curve.parquet", index=False)
-    plot_curve(df, out / "curve.png", workload, block_size, mode)
-    return out
+    with staged_folder(out_dir) as out:  # whole or not at all
+        df.to_parquet(out / "curve.parquet", index=False)
+        plot_curve(df, out / "curve.png", workload, block_size, mode)
+    return Path(out_dir)

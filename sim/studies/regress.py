@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.engine.config import ConfigError, SimConfig
-from sim.studies.curves import MODES, capacity_curve
+from sim.studies.curves import MODES, capacity_curve, check_points
 from sim.studies.sweep import WorkloadSpec, read_toml, write_json_atomic
 
 REGRESS_VERSION = 1
@@ -137,8 +137,12 @@ def load_baseline(folder: str | Path) -> Baseline:
         spec = WorkloadSpec(generator=tuple(sorted(data.get("generator", {}).items())))
     metrics = data.get("metrics", DEFAULT_METRICS[kind])
     tol = data.get("tolerance", 0.0)
-    tolerance = {m: float(tol) for m in metrics} if isinstance(tol, (int, float)) else dict(tol)
+    tolerance = {m: tol for m in metrics} if not isinstance(tol, dict) else dict(tol)
     _check_keys(tolerance, set(metrics), f"{path} [tolerance]")
+    for m, t in tolerance.items():
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"{path}: tolerance of {m} must be a finite number >= 0, got {t!r}")
+    tolerance = {m: float(t) for m, t in tolerance.items()}
     base = Baseline(
         folder, kind, spec, list(metrics), tolerance, params, data.get("description", "")
     )
@@ -156,6 +160,10 @@ def _check_params(b: Baseline, path: Path) -> None:
             raise ConfigError(
                 f"{path} [params]: mode must be one of {', '.join(MODES)}, got {p['mode']!r}"
             )
+        try:
+            check_points(p["capacities"], p["policies"], p.get("block_size", 16), p.get("mode", "replay"))
+        except ConfigError as e:
+            raise ConfigError(f"{path} [params]: {e}") from None
     else:
         dt = p.get("sample_every_s")
         if not isinstance(dt, (int, float)) or dt <= 0:
@@ -218,9 +226,11 @@ def load_expected(b: Baseline) -> Points:
         raise ConfigError(
             f"{path}: missing; create it with `kvsim regress {b.folder} --update`"
         ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
-    if data.get("kvsim_regress") != REGRESS_VERSION or not isinstance(data.get("points"), dict):
+    if not isinstance(data, dict) or data.get("kvsim_regress") != REGRESS_VERSION or not isinstance(data.get("points"), dict):
         raise ConfigError(f"{path}: not a kvsim regress file (version {REGRESS_VERSION})")
     return data["points"]
 

@@ -3,51 +3,98 @@
 A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
 `record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
-holds the resolved `num_gpu_blocks`.
+holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
+(`staged_folder`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from sim.engine.config import SimConfig
 from sim.engine.run import RunResult
 
+TABLES = ("steps.parquet", "requests.parquet")
+
+
+@contextmanager
+def staged_folder(out_dir: str | Path) -> Iterator[Path]:
+    """A fresh folder beside `out_dir` to write into: when the block ends cleanly its files move
+    into `out_dir` (created, with its parents, if missing); when it raises the folder is
+    removed, so a failed write never leaves a half-written output folder."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; results are meant to be shared
+        if not out.exists():
+            os.replace(tmp, out)
+        else:
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
 
 def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Path:
     """Write the run folder (see the module docstring); returns its path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = result.config.to_dict()
-    if result.manager is not None:  # the resolved size, so a replay needs no cost model
-        cfg["num_gpu_blocks"] = result.manager.num_blocks
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    result.steps.to_parquet(out / "steps.parquet", index=False)
-    result.requests.to_parquet(out / "requests.parquet", index=False)
-    (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
-    if result.config.record_ops and result.manager is not None:
-        result.manager.save_ops(out)
-    if plots:
-        from sim.studies.plots import write_plots
+    with staged_folder(out_dir) as out:
+        cfg = result.config.to_dict()
+        if result.manager is not None:  # the resolved size, so a replay needs no cost model
+            cfg["num_gpu_blocks"] = result.manager.num_blocks
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        result.steps.to_parquet(out / "steps.parquet", index=False)
+        result.requests.to_parquet(out / "requests.parquet", index=False)
+        (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        if result.config.record_ops and result.manager is not None:
+            result.manager.save_ops(out)
+        if plots:
+            from sim.studies.plots import write_plots
 
-        write_plots(result, out)
-    return out
+            write_plots(result, out)
+    return Path(out_dir)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file; anything else raises ValueError naming the file."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _table(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except ValueError:  # pyarrow's ArrowInvalid: not parquet, or cut short
+        raise ValueError(f"{path}: not a parquet table (corrupt, or another format)") from None
 
 
 def load_run(run_dir: str | Path) -> RunResult:
-    """Read a run folder back (without the manager)."""
+    """Read a run folder back (without the manager); a missing or bad file raises an error
+    (FileNotFoundError, ValueError) that names it."""
     d = Path(run_dir)
     if not (d / "summary.json").is_file():
         raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
-    cfg = SimConfig.from_dict(json.loads((d / "config.json").read_text()), source=str(d / "config.json"))
-    summary = json.loads((d / "summary.json").read_text())
-    return RunResult(
-        cfg,
-        summary.get("workload", d.name),
-        pd.read_parquet(d / "steps.parquet"),
-        pd.read_parquet(d / "requests.parquet"),
-        summary,
-    )
+    missing = [n for n in ("config.json", *TABLES) if not (d / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{d}: not a complete run folder (no {missing[0]})")
+    cfg = SimConfig.from_dict(_json_object(d / "config.json"), source=str(d / "config.json"))
+    summary = _json_object(d / "summary.json")
+    return RunResult(cfg, summary.get("workload", d.name), _table(d / TABLES[0]), _table(d / TABLES[1]),
+                     summary)

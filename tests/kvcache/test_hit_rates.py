@@ -86,7 +86,7 @@ def test_cli_cache_replay_json_and_per_request_output(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--eviction", "lruu"], "unknown eviction policy 'lruu'"),
-    (["--block-size", "0"], "--block-size must be positive"),
+    (["--block-size", "0"], "block_size must be a positive power of two, got 0"),
     (["--num-blocks", "1"], "--num-blocks must be at least 2"),
 ])
 def test_cli_cache_replay_bad_options(args, message):

@@ -121,7 +121,13 @@ CASES = [
         json.dumps({"foo": 1}) + "\n",
         ":1: cannot tell the format from the first record (expected 'prompt' or 'hash_ids'); pass --format",
     ),
-    ("x.jsonl", "", ": cannot tell the format (empty or not JSON Lines); pass --format"),
+    ("x.jsonl", "", ": empty, no records"),
+    (
+        "x.jsonl",
+        "\n{nope\n",
+        ":2: cannot tell the format, the first record is not JSON (Expecting property name "
+        "enclosed in double quotes, column 2); pass --format",
+    ),
 ]
 
 

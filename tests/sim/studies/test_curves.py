@@ -91,7 +91,7 @@ def test_check_points_errors() -> None:
         check_points([100], ["lru", "mru"], 16, "replay")
     with pytest.raises(ConfigError, match="unknown mode 'fast'; choose from replay, sim"):
         check_points([100], ["lru"], 16, "fast")
-    with pytest.raises(ConfigError, match="block size must be a positive power of two, got 12"):
+    with pytest.raises(ConfigError, match="block_size must be a positive power of two, got 12"):
         check_points([100], ["lru"], 12, "replay")
 
 

@@ -1,0 +1,122 @@
+"""Bad traces and bad numbers, command by command: one `error:` line naming the file, line and
+field (or the option), a non-zero exit, no traceback, nothing written (see bad_input.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sim.conform.vllm_setup import vllm_available
+from tests.sim.cli.bad_input import assert_one_error, write_files
+
+NOT_TEXT = "png.jsonl:1: not UTF-8 text (byte 0x89 at column 1); is this a trace file?"
+NO_VLLM = pytest.mark.skipif(vllm_available() is not None, reason="kvsim conform needs vLLM")
+POW2 = "block_size must be a positive power of two, got 3"
+
+
+@pytest.fixture(autouse=True)
+def in_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "code"),
+    [
+        # a binary file as a trace, every command that reads one
+        (["run", "png.jsonl", "--no-plots", "-o", "r"], NOT_TEXT, 2),
+        (["cache-replay", "png.jsonl"], NOT_TEXT, 2),
+        pytest.param(["conform", "png.jsonl"], NOT_TEXT, 2, marks=NO_VLLM),
+        (["workload", "stats", "png.jsonl"], NOT_TEXT, 1),
+        (["curve", "png.jsonl", "-c", "10,20", "-o", "c"], NOT_TEXT, 2),
+        # each format's own reader
+        (["workload", "stats", "bin.csv"],
+         "bin.csv:2: not UTF-8 text (byte 0xff at column 1); is this a trace file?", 1),
+        (["run", "rp_bin", "--no-plots", "-o", "r"],
+         "rp_bin/0_trace.jsonl:1: not UTF-8 text (byte 0x89 at column 1); is this a trace file?", 2),
+        (["workload", "stats", "rp"], "rp/1_sys_prompt.jsonl: missing RAGPulse chunk-length file", 1),
+        (["run", "adir", "--no-plots", "-o", "r"],
+         "adir: a folder but not a RAGPulse trace (no 0_trace.jsonl in it)", 2),
+        (["cache-replay", "empty.jsonl"], "empty.jsonl: empty, no records", 2),
+        (["run", "inf.jsonl", "--no-plots", "-o", "r"],
+         "inf.jsonl:1: field 'timestamp': expected a non-negative number, got Infinity", 2),
+        (["cache-replay", "nan.csv"],
+         "nan.csv:2: field 'ContextTokens': expected a non-negative integer, got \"NaN\"", 2),
+        (["curve", "kvnan.jsonl", "-c", "10", "-o", "c"],
+         "kvnan.jsonl:1: field 'arrival': expected a non-negative number, got NaN", 2),
+        (["workload", "stats", "nope.jsonl"], "nope.jsonl: no such file or directory", 1),
+        (["cache-replay", "ok.jsonl", "-f", "parquet"],
+         "unknown format 'parquet'; expected one of auto, mooncake, azure, ragpulse, kvsim", 2),
+    ],
+)
+def test_bad_trace(args: list[str], message: str, code: int) -> None:
+    assert_one_error(args, message, code)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_trace() -> None:
+    os.chmod("ok.jsonl", 0)
+    assert_one_error(["run", "ok.jsonl", "--no-plots", "-o", "r"],
+                     "ok.jsonl: cannot read (Permission denied)")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--load", "inf"], "load must be a positive finite number, got inf"),
+        (["--load", "0"], "load must be a positive finite number, got 0.0"),
+        (["--slo-ttft", "-1"], "slo_ttft must be a positive number of seconds, got -1.0"),
+        (["--slo-tpot", "nan"], "slo_tpot must be a positive number of seconds, got nan"),
+        (["--watermark", "nan"], "watermark must be in [0, 1), got nan"),
+        (["--step-time", "inf"], "step_time must be a positive number of seconds, got inf"),
+        (["--gpu-memory-utilization", "nan"], "gpu_memory_utilization must be in (0, 1], got nan"),
+        (["--num-gpu-blocks", "1"], "num_gpu_blocks must be at least 2 (block 0 is reserved), got 1"),
+        (["--num-cpu-blocks", "-1"], "num_cpu_blocks must be >= 0, got -1"),
+        (["--block-size", "3"], POW2),
+        (["--tp", "0"], "tensor_parallel must be >= 1, got 0"),
+    ],
+)
+def test_run_bad_number(args: list[str], message: str) -> None:
+    assert_one_error(["run", "ok.jsonl", *args, "--no-plots", "-o", "r"], message)
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "code"),
+    [
+        (["cache-replay", "ok.jsonl", "-b", "3"], POW2, 2),
+        (["cache-replay", "ok.jsonl", "-k", "0"], "--max-running must be >= 1, got 0", 2),
+        (["cache-replay", "ok.jsonl", "-n", "1"],
+         "--num-blocks must be at least 2 (block 0 is reserved), got 1", 2),
+        (["curve", "ok.jsonl", "-c", "10", "-b", "3", "-o", "c"], POW2, 2),
+        (["curve", "ok.jsonl", "-c", "10", "--workers", "0", "-o", "c"],
+         "--workers must be >= 1, got 0", 2),
+        (["curve", "ok.jsonl", "-c", "10,x", "-o", "c"],
+         "--capacities must be comma-separated integers, got '10,x'", 2),
+        (["curve", "ok.jsonl", "-c", "-5", "-o", "c"],
+         "capacity must be at least 2 blocks (block 0 is reserved), got -5", 2),
+        pytest.param(["conform", "ok.jsonl", "--block-size", "3"], POW2, 2, marks=NO_VLLM),
+        pytest.param(["conform", "ok.jsonl", "--watermark", "inf"],
+                     "watermark must be in [0, 1), got inf", 2, marks=NO_VLLM),
+        (["workload", "generate", "multi-turn", "-n", "10", "--rate", "nan", "-o", "x.jsonl"],
+         "rate must be a finite number > 0, got nan", 1),
+        (["workload", "generate", "multi-turn", "-n", "10", "--think-time", "inf", "-o", "x.jsonl"],
+         "think_time must be a finite number >= 0, got inf", 1),
+        (["workload", "generate", "shared-prefix", "--cv", "-1", "-o", "x.jsonl"],
+         "cv must be a finite number >= 0, got -1.0", 1),
+        (["workload", "generate", "default", "-n", "0", "-o", "x.jsonl"],
+         "--num-requests must be >= 1, got 0", 1),
+        (["workload", "stats", "ok.jsonl", "-b", "0"], "--block-size must be >= 1, got 0", 1),
+    ],
+)
+def test_bad_number(args: list[str], message: str, code: int) -> None:
+    assert_one_error(args, message, code)
+
+
+def test_a_late_bad_line_leaves_no_partial_output() -> None:
+    """The records of the good lines were already out when the bad one came: none is kept."""
+    bad = "late_bad.jsonl:3: field 'output_len': expected a non-negative integer, got -3"
+    assert_one_error(["cache-replay", "late_bad.jsonl", "-o", "records.jsonl"], bad)
+    assert_one_error(["run", "late_bad.jsonl", "--no-plots", "-o", "r"], bad)
+    assert_one_error(["curve", "late_bad.jsonl", "-c", "10", "-o", "c"], bad)
