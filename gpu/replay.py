@@ -11,7 +11,6 @@ K/V. A sequence whose blocks are freed mid-step is checked just before.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import groupby
@@ -38,6 +37,7 @@ from gpu.verify import (
     first_bad,
 )
 from kvcache.ops import Op, read_ops, read_tokens
+from workloads.files import read_json
 
 MAX_ERRORS = 10
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
@@ -64,11 +64,9 @@ def load_run(run_dir: str | Path) -> tuple[list[Op], dict[str, np.ndarray], dict
         if not (d / name).is_file():
             raise RunFilesError(f"{d / name}: missing; {how}")
     try:
-        config = json.loads((d / "config.json").read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise RunFilesError(f"{d / 'config.json'}: not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise RunFilesError(f"{d / 'config.json'}: not JSON ({e.msg}, line {e.lineno})") from None
+        config = read_json(d / "config.json")
+    except ValueError as e:
+        raise RunFilesError(str(e)) from None
     if not isinstance(config, dict) or not isinstance(config.get("block_size"), int):
         raise RunFilesError(f"{d / 'config.json'}: needs an integer 'block_size'")
     tables = []

@@ -126,15 +126,12 @@ def calibrate(
 def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[list[dict], dict]:
     """Measurements from `path` and the profile built from them; bad files fail naming the file."""
     from sim.engine.config import ConfigError
+    from workloads.files import read_json
 
     try:
-        measured = json.loads(path.read_text())
-    except OSError as e:
-        raise fail(f"{path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise fail(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise fail(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+        measured = read_json(path)
+    except ValueError as e:
+        raise fail(str(e)) from None
     if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):
         raise fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
     from gpu.calibrate import build_profile, gpu_of_name

@@ -41,7 +41,6 @@ every key optional:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 from kvcache.ops import CHARGED_KINDS as OP_KINDS
 from sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
 from sim.engine.config import ConfigError, SimConfig
+from workloads.files import read_json
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_MEMORY_EFFICIENCY = 0.8
@@ -78,14 +78,9 @@ def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration profile; a bad file or key raises ConfigError naming both."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"calibration {p}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"calibration {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} "
-                          f"at offset {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"calibration {p}: not JSON ({e.msg}, line {e.lineno})") from None
+        data = read_json(p)
+    except ValueError as e:
+        raise ConfigError(f"calibration {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"calibration {p}: expected a JSON object")
     _check_keys(p, "", data, {"version", "device", "efficiency", "serial_fraction", "overhead_s", "op_cost_s"})

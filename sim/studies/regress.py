@@ -24,7 +24,6 @@ num_requests, seed, prefix_len = "fixed:256", ...).
 from __future__ import annotations
 
 import difflib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 from sim.engine.config import ConfigError, SimConfig
 from sim.studies.curves import MODES, capacity_curve, check_points
 from sim.studies.sweep import WorkloadSpec, read_toml, write_json_atomic
+from workloads.files import read_json
 
 REGRESS_VERSION = 1
 KINDS = ("hit_rate_vs_capacity", "fragmentation_over_time")
@@ -220,16 +220,12 @@ def _num(v: Any) -> float | int:
 
 def load_expected(b: Baseline) -> Points:
     path = b.expected_path
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing; create it with `kvsim regress {b.folder} --update`")
     try:
-        data = json.loads(path.read_text())
-    except OSError:
-        raise ConfigError(
-            f"{path}: missing; create it with `kvsim regress {b.folder} --update`"
-        ) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+        data = read_json(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(data, dict) or data.get("kvsim_regress") != REGRESS_VERSION or not isinstance(data.get("points"), dict):
         raise ConfigError(f"{path}: not a kvsim regress file (version {REGRESS_VERSION})")
     return data["points"]

@@ -22,6 +22,7 @@ import pandas as pd
 
 from sim.engine.config import SimConfig
 from sim.engine.run import RunResult
+from workloads.files import read_json
 
 TABLES = ("steps.parquet", "requests.parquet")
 
@@ -67,12 +68,7 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
 
 def _json_object(path: Path) -> dict[str, Any]:
     """A JSON object file; anything else raises ValueError naming the file."""
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data

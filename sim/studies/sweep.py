@@ -35,12 +35,8 @@ from typing import Any
 
 import pandas as pd
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from sim.engine.config import ConfigError, SimConfig
+from workloads import files
 from workloads.request import Workload
 
 SWEEP_VERSION = 1
@@ -133,11 +129,9 @@ class Sweep:
 def read_toml(path: Path) -> dict[str, Any]:
     """A TOML file's contents; an unreadable or invalid file raises ConfigError naming it."""
     try:
-        return tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        return files.read_toml(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_sweep(path: str | Path) -> Sweep:

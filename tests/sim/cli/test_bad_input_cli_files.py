@@ -91,7 +91,7 @@ def test_bad_run_folder(args: list[str], message: str) -> None:
         (["regress", "bl_caps"],
          "bl_caps/baseline.toml [params]: capacity must be an integer number of blocks, got 'x'"),
         (["regress", "bl_bs"], "bl_bs/baseline.toml [params]: block_size must be an integer, got 'x'"),
-        (["regress", "bl_expected"], "bl_expected/expected.json: not UTF-8 text (byte 0x89)"),
+        (["regress", "bl_expected"], "bl_expected/expected.json: not UTF-8 text (byte 0x89 at offset 0)"),
         (["regress", "adir"], "adir: no baseline.toml here or in its subfolders"),
     ],
 )
