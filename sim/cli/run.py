@@ -80,16 +80,30 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
                cfg: SimConfig, out_dir: Path, s: dict[str, Any]) -> list[str]:
     """Copy-pasteable commands: this run under another policy side by side (when prefix caching
     is on), and a capacity curve. `switches`: --skip-bad, --no-plots if given."""
+    if cfg.enable_prefix_caching and s.get("requests") and not s.get("hit_rate"):
+        return ["# nothing hit the prefix cache (no two prompts share a prefix), so every eviction",
+                "# policy gives the same result here; a workload with shared prefixes shows them apart:",
+                "kvsim workload generate shared-prefix -n 500 -o shared.jsonl && kvsim run shared.jsonl"]
     read = ["--format", fmt] if fmt != "auto" else []
     lines = []
-    if cfg.enable_prefix_caching:
+    stem = RUNS_DIR / (Path(workload).stem if workload is not None else "default")
+    if cfg.enable_prefix_caching and s.get("evictions"):
         other = "s3fifo" if cfg.eviction != "s3fifo" else "lru"
-        other_dir = RUNS_DIR / f"{Path(workload).stem if workload is not None else 'default'}-{other}"
+        other_dir = Path(f"{stem}-{other}")
         rerun = _command(workload, read + switches, {**changes, "eviction": other})
         rerun += ["-o", str(other_dir)]
         compare = ["kvsim", "compare", str(out_dir), str(other_dir)]
         lines += [f"# the same run under {other}, side by side with this one",
                   f"{shlex.join(rerun)} && {shlex.join(compare)}"]
+    elif cfg.enable_prefix_caching:  # nothing evicted: every policy ties at this size
+        blocks = max(int(s.get("peak_used_blocks", 0)) // 2, 16)
+        runs = []
+        for policy in ("lru", "s3fifo"):
+            cmd = _command(workload, read + switches, {**changes, "num_gpu_blocks": blocks, "eviction": policy})
+            runs.append(shlex.join(cmd + ["-o", f"{stem}-{blocks}-{policy}"]))
+        compare = ["kvsim", "compare", f"{stem}-{blocks}-lru", f"{stem}-{blocks}-s3fifo"]
+        lines += [f"# policies apart: two runs in a {blocks:,}-block cache (half this run's peak use)",
+                  " && ".join(runs + [shlex.join(compare)])]
     source = str(workload) if workload is not None else "default.jsonl"
     curve = ["kvsim", "curve", source, *read, "-c", _capacities(s), "-p", POLICY_SPREAD]
     curve += ["-b", str(cfg.block_size)] if cfg.block_size != 16 else []
