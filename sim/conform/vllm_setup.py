@@ -8,6 +8,7 @@ to install it (CPU only).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -24,7 +25,11 @@ FINISHED, TRUNCATED, REJECTED = "finished", "truncated", "rejected"
 def quiet_offline_env() -> None:
     # NOTE: set before vllm is first imported; values the user already set win.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # ERROR: on a CPU-only machine vLLM warns that its compiled ops (vllm._C) are missing;
+    # kvsim drives only the scheduler and cache manager, which never need them.
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM leaves its loggers unconfigured when imported as a library, so the level goes on directly
+    logging.getLogger("vllm").setLevel(level.upper())
 
 
 def vllm_version() -> str | None:
