@@ -33,6 +33,11 @@ def open_workload(path: Path | None, fmt: str, skip_bad: bool, seed: int) -> Wor
     return load_workload(path, fmt, skip_bad=skip_bad)
 
 
+def cannot_write(path: Path, e: OSError, code: int = 2) -> typer.Exit:
+    """The exit for an output that failed to write: `raise cannot_write(path, e) from None`."""
+    return fail(f"{path}: cannot write ({e.strerror or e})", code)
+
+
 def check_output(path: Path, *, folder: bool = False, code: int = 2) -> None:
     """Fail before any work when `path` cannot be written: a folder where a file goes (or the
     reverse), a missing parent (files) or one that is a file, or a place that refuses a new
@@ -69,6 +74,6 @@ def staged_file(path: Path, code: int = 2) -> Iterator[Path]:
             os.chmod(tmp, 0o644)  # mkstemp makes it private; outputs are meant to be shared
             os.replace(tmp, path)
         except OSError as e:
-            raise fail(f"{path}: cannot write ({e.strerror or e})", code) from None
+            raise cannot_write(path, e, code) from None
     finally:
         tmp.unlink(missing_ok=True)

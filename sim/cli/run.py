@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sim.cli.common import check_output, fail, open_workload
+from sim.cli.common import cannot_write, check_output, fail, open_workload
 from sim.cli.report import compare, format_summary, report
 from workloads.names import FORMATS
 
@@ -210,7 +210,7 @@ def run(
     try:
         write_run(result, out_dir, plots=plots)
     except OSError as e:
-        raise fail(f"{out_dir}: cannot write ({e.strerror or e})") from None
+        raise cannot_write(out_dir, e) from None
     notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
     if default_cache:
         notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import check_output, fail
+from sim.cli.common import cannot_write, check_output, fail
 
 _CPUS = os.cpu_count() or 1
 
@@ -130,7 +130,7 @@ def curve(
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
     except OSError as e:
-        raise fail(f"{out_dir}: cannot write ({e.strerror or e})") from None
+        raise cannot_write(out_dir, e) from None
     typer.echo(f"{workload.name}: block size {block_size}, mode {mode}, {len(df)} points")
     typer.echo("\nprefix hit rate (% of prompt tokens)")
     typer.echo(format_table(df))

@@ -15,6 +15,8 @@ __all__ = ["ConfigError", "SimConfig", "check_block_size"]
 
 def check_block_size(block_size: int) -> None:
     """Raise ConfigError unless `block_size` is a positive power of two (as vLLM's sizes are)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ConfigError(f"block_size must be an integer, got {block_size!r}")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ConfigError(f"block_size must be a positive power of two, got {block_size}")
 

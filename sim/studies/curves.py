@@ -77,8 +77,6 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
             check_policy(p)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ConfigError(f"block_size must be an integer, got {block_size!r}")
     check_block_size(block_size)
 
 
