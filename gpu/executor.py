@@ -18,6 +18,9 @@ from gpu.timing import Timer
 from gpu.values import DeviceValues, device_keys
 
 PAIR_KINDS = ("copy", "swap_out", "swap_in", "move")
+# Fault markers in a pair op's unused `c`, set only by `gpu.faults`: what the hardware did instead.
+SKIPPED = 1  # the data op did not run (block tables still change as the manager said)
+ONE_WAY = 2  # a move copied b onto a instead of exchanging the two
 
 
 def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu.executor import PAIR_KINDS, OpExecutor
+from gpu.executor import ONE_WAY, PAIR_KINDS, SKIPPED, OpExecutor
 from gpu.kernels import count_wrong, decode_attention, interpreting
 from gpu.predict import predictor
 from gpu.report import ReplayReport, StepTime
@@ -40,6 +40,7 @@ from kvcache.ops import Op, read_ops, read_tokens
 from workloads.files import read_json
 
 MAX_ERRORS = 10
+MAX_FOUND = 10_000
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
            "and manager.ops.save(folder))")
 RUN_FILES = {
@@ -223,7 +224,10 @@ class _Replayer:
             elif kind in PAIR_KINDS:
                 if kind == "move":
                     tables.exchange(op.a, op.b)
-                ex.pair(kind, op.a, op.b)
+                if op.c == ONE_WAY:
+                    ex.pair("copy", op.b, op.a)
+                elif op.c != SKIPPED:
+                    ex.pair(kind, op.a, op.b)
                 rep.units[kind] += 1
             elif kind == "table":
                 tables.set(op.seq, op.b, op.a)
@@ -344,5 +348,7 @@ class _Replayer:
         if self.strict:
             raise IntegrityError(first.message())
         self.report.mismatches += n
+        if len(self.report.found) < MAX_FOUND:
+            self.report.found.append(first)
         if len(self.report.errors) < MAX_ERRORS:
             self.report.errors.append(first.message())

@@ -33,6 +33,7 @@ class ReplayReport:
     decode_checks: int = 0
     mismatches: int = 0
     errors: list[str] = field(default_factory=list)  # the first few mismatch messages
+    found: list = field(default_factory=list)  # the first MAX_FOUND mismatches (gpu.verify.Mismatch), for attribution
     measured_s: dict[str, float] = field(default_factory=dict)
     predicted_s: dict[str, float] = field(default_factory=dict)
     scale: float = 1.0  # replay block bytes / simulated block bytes

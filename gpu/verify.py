@@ -34,6 +34,7 @@ class Mismatch:
     found: tuple = ()
     error: float = 0.0
     atol: float = 0.0
+    blocks: tuple[int, ...] = ()  # every physical block holding a wrong position in this check
 
     def message(self) -> str:
         at = f"step {self.step}, sequence {self.seq!r}: "
@@ -59,12 +60,14 @@ def compare_kv(storage: PagedKVStorage, positions: np.ndarray, blocks: np.ndarra
     n_bad = int(bad.sum())
     if not n_bad:
         return 0, None
-    i = int(bad.nonzero()[0, 0])
+    rows = bad.nonzero()[:, 0].cpu().numpy()
+    i = int(rows[0])
     layer, kv, head = (int(x) for x in wrong[i].nonzero()[0, :3])
     show = slice(0, 4)
     return n_bad, Mismatch(
         step, seq, int(positions[i]), "KV"[kv], layer, head, int(positions[i]) // bs, int(blocks[i]),
         tuple(expected[i, layer, kv, head, show].tolist()), tuple(got[i, layer, kv, head, show].tolist()),
+        blocks=tuple(int(x) for x in np.unique(blocks[rows])),
     )
 
 
