@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.kernels import copy_blocks, exchange_blocks, swap_blocks, write_kv
+from gpu.backends import TorchBackend, TritonBackend
 from gpu.storage import PagedKVStorage
 from gpu.timing import Timer
 from gpu.values import DeviceValues, device_keys
@@ -37,8 +37,10 @@ def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
 class OpExecutor:
     """Batches data ops and runs them on `storage`, timing each launch under (step, kind)."""
 
-    def __init__(self, storage: PagedKVStorage, timer: Timer, values: DeviceValues, swap_method: str = "kernel"):
+    def __init__(self, storage: PagedKVStorage, timer: Timer, values: DeviceValues,
+                 kernels: TorchBackend | TritonBackend, swap_method: str = "kernel"):
         self.st = storage
+        self.kernels = kernels
         self.values = values
         self.timer = timer
         self.swap_method = swap_method
@@ -88,21 +90,20 @@ class OpExecutor:
         slots = torch.from_numpy(np.concatenate(self._slots)).to(st.device)
         vals = self.values.kv(device_keys(np.concatenate(self._keys), st.device))
         with self.timer(self.step, "write"):
-            for layer in range(st.num_layers):
-                write_kv(vals[:, layer, 0], vals[:, layer, 1], st.key(layer), st.value(layer), slots)
-        self.launches += st.num_layers
+            self.launches += self.kernels.write(st, slots, vals)
 
     def _run_pairs(self, kind: str) -> None:
         st = self.st
         on_host = kind.startswith("swap") and self.swap_method == "torch"
         pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
+        k = self.kernels
         with self.timer(self.step, kind):
             if kind == "copy":
-                copy_blocks(st.gpu, st.gpu, pairs)
+                k.copy(st, pairs)
             elif kind == "swap_out":
-                swap_blocks(st.gpu, st.cpu, pairs, self.swap_method)
+                k.swap(st.gpu, st.cpu, pairs, self.swap_method)
             elif kind == "swap_in":
-                swap_blocks(st.cpu, st.gpu, pairs, self.swap_method)
+                k.swap(st.cpu, st.gpu, pairs, self.swap_method)
             else:
-                exchange_blocks(st.gpu, pairs)
+                k.exchange(st, pairs)
         self.launches += 1

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpu.backends import backend
 from gpu.executor import ONE_WAY, PAIR_KINDS, SKIPPED, OpExecutor
-from gpu.kernels import count_wrong, decode_attention, interpreting
+from gpu.expected import ExpectedKV
 from gpu.predict import predictor
 from gpu.report import ReplayReport, StepTime
 from gpu.storage import PagedKVStorage
@@ -92,18 +93,22 @@ def replay_run(
     swap_method: str = "kernel",
     strict: bool = True,
     attention_layers: int | None = None,
+    kernels: str | None = None,
 ) -> ReplayReport:
     """Replay `run_dir`'s ops on `device` and verify them (see the module docstring).
 
     dtype: float16 / bfloat16 / float32 (default float16 on CUDA, float32 on CPU).
+    kernels: "triton" or "torch" (`gpu.backends`; default triton on CUDA, torch on CPU).
     strict: raise IntegrityError at the first mismatch; else count them in the report.
-    attention_layers: layers whose decode output is checked against dense attention (default all;
-    the kernel runs, and is timed, on every layer either way).
+    attention_layers: layers whose decode output is checked against dense attention (default: all
+    with the triton kernels, whose kernel runs and is timed on every layer either way; none with the
+    torch kernels, whose paged attention would only recompute the reference from the same, already
+    verified, K/V).
     """
     ops, tokens, config = load_run(run_dir)
     return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
                       q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir),
-                      attention_layers=attention_layers)
+                      attention_layers=attention_layers, kernels=kernels)
 
 
 def replay_ops(
@@ -122,23 +127,32 @@ def replay_ops(
     strict: bool = True,
     run: str = "<ops>",
     attention_layers: int | None = None,
+    kernels: str | None = None,
 ) -> ReplayReport:
     """`replay_run` on ops, tokens and config already in memory (tests inject faults here)."""
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}")
     dev = torch.device(device)
-    if dev.type == "cpu" and not interpreting():
-        raise ValueError("device cpu needs Triton's interpreter: set TRITON_INTERPRET=1 before gpu.kernels "
-                         "is first imported")
+    kern = backend(kernels or ("torch" if dev.type == "cpu" else "triton"), dev)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
-    r = _Replayer(ops, tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict)
-    r.attention_layers = layers if attention_layers is None else attention_layers
-    r.report.run = run
-    return r.run(check_every)
+    r = _Replayer(ops, tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict, kern)
+    if attention_layers is None:
+        attention_layers = layers if kern.measures else 0
+    r.attention_layers = r.report.attention_layers = attention_layers
+    r.report.run, r.report.kernels = run, kern.name
+    # NOTE: a replay issues many small tensor ops; on the CPU, torch's worker threads cost more
+    # than they give (5x slower on a busy 2-core machine), so it runs on one.
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return r.run(check_every)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _sizes(ops: Sequence[Op], config: Mapping[str, Any]) -> tuple[int, int]:
@@ -164,7 +178,7 @@ def _sizes(ops: Sequence[Op], config: Mapping[str, Any]) -> tuple[int, int]:
 
 class _Replayer:
     def __init__(self, ops, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
-                 swap_method, strict):
+                 swap_method, strict, kernels):
         self.ops, self.tokens, self.strict = ops, tokens, strict
         self.bs = bs = int(config["block_size"])
         n_gpu, n_cpu = _sizes(ops, config)
@@ -173,11 +187,13 @@ class _Replayer:
         self.num_heads = kv_heads * q_per_kv
         self.timer = Timer(device)
         self.values = DeviceValues(layers, kv_heads, self.num_heads, head_dim, self.st.device, dtype)
-        self.ex = OpExecutor(self.st, self.timer, self.values, swap_method)
+        self.kernels = kernels
+        self.ex = OpExecutor(self.st, self.timer, self.values, kernels, swap_method)
         self.tables = BlockTables()
         self.pred = predictor(config)
         self.window = self.pred.sliding_window
         self._keys: dict[str, np.ndarray] = {}
+        self.expected = ExpectedKV(self.values, self._keys.__getitem__, self.st.device)
         self._step_units: list[tuple[int, str, int]] = []
         geometry = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": self.num_heads,
                     "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu}
@@ -238,7 +254,8 @@ class _Replayer:
                     self._verify(step, {s: written[s] for s in sorted(due)})
                 for s in due:
                     del written[s]
-                tables.free(op.a)
+                for s in tables.free(op.a):
+                    self.expected.drop(s)
             elif kind != "evict":
                 raise RunFilesError(f"ops.parquet: unknown op kind {kind!r} at step {step}")
         ex.flush()
@@ -263,7 +280,7 @@ class _Replayer:
     def _verify(self, step: int, written: Mapping[str, list[int]]) -> None:
         """Check each written sequence's K/V (all of them in one pass, one device sync), then
         decode attention for the one-token ones."""
-        rep, bs = self.report, self.bs
+        rep, bs, st = self.report, self.bs, self.st
         checks = []  # (seq, tokens this step, extent, positions, blocks)
         for seq, (n_new, newest) in written.items():
             extent = newest + 1
@@ -276,14 +293,20 @@ class _Replayer:
         if not checks:
             return
         pos = np.concatenate([c[3] for c in checks])
-        slots = np.concatenate([c[4] for c in checks]) * bs + pos % bs
-        keys = np.concatenate([self._keys[c[0]][c[3]] for c in checks])
+        slots = torch.from_numpy(np.concatenate([c[4] for c in checks]) * bs + pos % bs).to(st.device)
         rep.tokens_verified += len(pos)
+        if self.kernels.derives_expected:  # the fused kernel derives each value from its key
+            planes = st.gpu.view(st.num_layers * 2, -1, st.num_kv_heads * st.head_dim)
+            keys = np.concatenate([self._keys[c[0]][c[3]] for c in checks])
+            wrong = self.kernels.any_wrong(planes, slots, device_keys(keys, st.device), self.values.kv_salts)
+        else:
+            expected = torch.cat([self.expected.at(c[0], c[3], c[2]) for c in checks], dim=2)
+            wrong = not torch.equal(st.slots().index_select(2, slots), expected)
         bad = set()
-        if self._any_wrong(slots, keys):
-            for seq, _, _, p, b in checks:
-                expected = self.values.kv(device_keys(self._keys[seq][p], self.st.device))
-                n_bad, first = compare_kv(self.st, p, b, expected, step=step, seq=seq)
+        if wrong:
+            for seq, _, extent, p, b in checks:
+                expected = self.expected.at(seq, p, extent).permute(2, 0, 1, 3, 4)
+                n_bad, first = compare_kv(st, p, b, expected, step=step, seq=seq)
                 if first is not None:
                     bad.add(seq)
                     self._mismatch(n_bad, first)
@@ -291,18 +314,17 @@ class _Replayer:
         if decodes:
             self._check_decodes(step, decodes)
 
-    def _any_wrong(self, slots: np.ndarray, keys: np.ndarray) -> bool:
-        """Whether any of `slots` (every layer, K and V) differs from what its prefix key implies."""
-        st = self.st
-        planes = st.gpu.view(st.num_layers * 2, -1, st.num_kv_heads * st.head_dim)
-        wrong = count_wrong(planes, torch.from_numpy(slots).to(st.device), device_keys(keys, st.device),
-                            self.values.kv_salts)
-        return bool(wrong.any())
-
     def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
-        """The paged kernel on every layer; on the first `attention_layers` layers, its output against
-        dense attention over the same (already verified) K/V gathered densely, all decodes in one batch."""
+        """Paged decode attention on every layer; on the first `attention_layers` layers, its output
+        against dense attention over the expected K/V (never read from the storage), all decodes
+        in one batch."""
         st, rep, bs = self.st, self.report, self.bs
+        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
+        spans = [pos[pos >= n - self.window] if self.window else pos for _, n, pos, _ in decodes]
+        rep.units["attention"] += sum(len(x) for x in spans)
+        n_layers = min(self.attention_layers, st.num_layers)
+        if not (n_layers or self.kernels.measures):
+            return
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)
@@ -312,37 +334,29 @@ class _Replayer:
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         tables = tables.to(st.device)
         ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
-        # slots of each sequence's attended positions, right-aligned in a padded [B, span] grid
-        spans = []
-        for _, n, pos, blocks in decodes:
-            keep = pos >= (n - self.window if self.window else 0)
-            spans.append(blocks[keep] * bs + pos[keep] % bs)
-        span = max(len(x) for x in spans)
-        grid = np.zeros((len(decodes), span), dtype=np.int64)
-        valid = np.zeros((len(decodes), span), dtype=bool)
-        for i, x in enumerate(spans):
-            grid[i, span - len(x):] = x
-            valid[i, span - len(x):] = True
-        grid_t, valid_t = torch.from_numpy(grid).to(st.device), torch.from_numpy(valid).to(st.device)
         last = np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)], dtype=np.uint64)
         q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
-        exact = torch.float64 if st.dtype == torch.float32 else torch.float32
-        errs = []
-        for layer in range(st.num_layers):
-            with self.timer(step, "attention"):
-                out = decode_attention(q[:, layer], st.key(layer), st.value(layer), tables, ctx_t,
-                                       sliding_window=self.window, max_context=max(ctx))
-            if layer < self.attention_layers:
-                k = st.key(layer).reshape(-1, st.num_kv_heads, st.head_dim)[grid_t].to(exact)
-                v = st.value(layer).reshape(-1, st.num_kv_heads, st.head_dim)[grid_t].to(exact)
-                errs.append(attention_errors(out, dense_decode(q[:, layer].to(exact), k, v, valid_t)))
-        if errs:
-            first = first_bad(torch.stack(errs), st.dtype, step=step, seqs=seqs, positions=[n - 1 for n in ctx])
-            if first is not None:
-                self._mismatch(*first)
-            rep.decode_checks += len(decodes)
-        self.ex.launches += st.num_layers
-        rep.units["attention"] += sum(len(x) for x in spans)
+        with self.timer(step, "attention"):
+            out = self.kernels.decode(q, st, tables, ctx_t, self.window, max(ctx), n_layers)
+        self.ex.launches += self.kernels.decode_launches(st, n_layers)
+        if not n_layers:
+            return
+        span = max(len(x) for x in spans)
+        b, layers = len(decodes), n_layers
+        kv = torch.zeros((b, layers, 2, span, st.num_kv_heads, st.head_dim), dtype=torch.float32, device=st.device)
+        valid = torch.zeros((b, span), dtype=torch.bool, device=st.device)
+        for i, ((seq, n, _, _), x) in enumerate(zip(decodes, spans, strict=True)):
+            kv[i, :, :, span - len(x):] = self.expected.at(seq, x, n)[:layers]
+            valid[i, span - len(x):] = True
+        fold = kv.view(b * layers, 2, span, st.num_kv_heads, st.head_dim)
+        ref = dense_decode(q[:, :layers].reshape(b * layers, self.num_heads, st.head_dim).float(),
+                           fold[:, 0], fold[:, 1], valid.repeat_interleave(layers, 0))
+        errs = attention_errors(out[:, :layers].reshape(b * layers, self.num_heads, -1), ref)
+        first = first_bad(errs.view(b, layers, -1).transpose(0, 1), st.dtype, step=step, seqs=seqs,
+                          positions=[n - 1 for n in ctx])
+        if first is not None:
+            self._mismatch(*first)
+        rep.decode_checks += len(decodes)
 
     def _mismatch(self, n: int, first: Mismatch) -> None:
         if self.strict:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "attention")
+MAX_LISTED = 100  # mismatches listed whole in the JSON report
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ReplayReport:
     device: str
     dtype: str
     geometry: dict[str, int]
+    kernels: str = "triton"  # gpu.backends: "triton" or "torch"
+    attention_layers: int = 0  # layers whose decode attention is checked against dense attention
     steps: int = 0
     steps_checked: int = 0
     ops: Counter = field(default_factory=Counter)  # by kind, as in the stream
@@ -49,11 +52,13 @@ class ReplayReport:
 
     def as_dict(self) -> dict:
         return {
-            "run": self.run, "device": self.device, "dtype": self.dtype, "geometry": self.geometry,
+            "run": self.run, "device": self.device, "kernels": self.kernels, "dtype": self.dtype,
+            "geometry": self.geometry, "attention_layers": self.attention_layers,
             "steps": self.steps, "steps_checked": self.steps_checked, "ops": dict(self.ops),
             "units": dict(self.units), "launches": self.launches, "tokens_verified": self.tokens_verified,
             "sequence_checks": self.sequence_checks, "decode_checks": self.decode_checks,
-            "mismatches": self.mismatches, "errors": self.errors, "measured_s": self.measured_s,
+            "mismatches": self.mismatches, "errors": self.errors,
+            "first_mismatches": [asdict(m) for m in self.found[:MAX_LISTED]], "measured_s": self.measured_s,
             "predicted_s": self.predicted_s, "scale": self.scale, "model": self.model, "gpu": self.gpu,
             "step_times": [[t.step, t.measured_s, t.predicted_s] for t in self.step_times],
             "step_kinds": self.step_kinds,
@@ -61,13 +66,16 @@ class ReplayReport:
 
     def format(self) -> str:
         g = self.geometry
+        if self.attention_layers:
+            attention = f"{self.decode_checks:,} decode-attention checks ({self.attention_layers} layers)"
+        else:
+            attention = "decode attention not checked (--attention-layers N checks it)"
         lines = [
-            f"gpu replay of {self.run} on {self.device} ({self.dtype}; {g['layers']} layers x {g['kv_heads']} KV heads "
-            f"x {g['head_dim']} dims, {g['heads']} query heads, block size {g['block_size']})",
+            f"gpu replay of {self.run} on {self.device} with {self.kernels} kernels ({self.dtype}; {g['layers']} layers "
+            f"x {g['kv_heads']} KV heads x {g['head_dim']} dims, {g['heads']} query heads, block size {g['block_size']})",
             f"steps          {self.steps:,} ({self.steps_checked:,} checked), {self.launches:,} kernel launches",
             "ops            " + ", ".join(f"{k} {n:,}" for k, n in sorted(self.ops.items())),
-            f"verified       {self.tokens_verified:,} tokens in {self.sequence_checks:,} sequence checks, "
-            f"{self.decode_checks:,} decode-attention checks",
+            f"verified       {self.tokens_verified:,} tokens in {self.sequence_checks:,} sequence checks, {attention}",
             f"mismatches     {self.mismatches:,}",
             "",
             f"time by kind   measured here; predicted by the cost model ({self.model} on {self.gpu}), "
@@ -75,7 +83,7 @@ class ReplayReport:
             f"{'kind':<10} {'units':>10} {'measured':>12} {'predicted':>12} {'scaled':>12}",
         ]
         for k in KINDS:
-            if self.units.get(k):
+            if self.units.get(k) and (k != "attention" or self.measured_s.get(k)):
                 p = self.predicted_s.get(k, 0.0)
                 lines.append(f"{k:<10} {self.units[k]:>10,} {_t(self.measured_s.get(k, 0.0)):>12} "
                              f"{_t(p):>12} {_t(p * self.scale):>12}")

@@ -11,18 +11,25 @@ import typer
 
 from sim.cli.common import check_output, fail, staged_file
 
-_DEVICE_HELP = "cuda|cpu (default: cuda if available; cpu runs Triton's interpreter)"
+_DEVICE_HELP = "cuda|cpu (default: cuda if available)"
+_KERNELS_HELP = ("triton|torch: Triton kernels (on cpu under Triton's interpreter: slow) or plain torch ops "
+                 "(default: triton on cuda, torch on cpu)")
 
 
-def _device(device: str | None) -> str:
+def _need(*modules: str) -> None:
+    """Fail with the install line if any of `modules` is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
+
+
+def _device(device: str | None, needs: tuple[str, ...] = ("torch", "triton")) -> str:
     """Resolve --device and, for cpu, switch Triton to its interpreter before any kernel is imported."""
     if device not in (None, "cuda", "cpu"):
         raise fail(f"--device must be cuda or cpu, got {device!r}")
-    import importlib.util
-
-    missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise fail(f"this command needs {' and '.join(missing)}; install with: pip install -e '.[gpu]'")
+    _need(*needs)
     import torch  # NOTE: not triton yet: TRITON_INTERPRET must be set before triton is imported
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,6 +52,7 @@ def gpu_replay(
         "--attention-layers", help="layers whose decode output is checked against dense attention (default all)")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
     swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
+    kernels: Annotated[str | None, typer.Option("--kernels", help=_KERNELS_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
     save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
 ) -> None:
@@ -53,7 +61,12 @@ def gpu_replay(
         check_output(save)
     if swap_method not in ("kernel", "torch"):
         raise fail(f"--swap-method must be kernel or torch, got {swap_method!r}")
-    dev = _device(device)
+    if kernels not in (None, "triton", "torch"):
+        raise fail(f"--kernels must be triton or torch, got {kernels!r}")
+    dev = _device(device, ("torch",))
+    kernels = kernels or ("torch" if dev == "cpu" else "triton")
+    if kernels == "triton":
+        _need("triton")
     for name, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
                     ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
         if v < 1:
@@ -63,7 +76,8 @@ def gpu_replay(
 
     try:
         rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
-                         swap_method=swap_method, strict=False, attention_layers=attention_layers)
+                         swap_method=swap_method, strict=False, attention_layers=attention_layers,
+                         kernels=kernels)
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
     if save is not None:

@@ -23,9 +23,18 @@ def run(tmp_path_factory):
 def test_gpu_replay_prints_the_report(run):
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--head-dim", "8"])
     assert r.exit_code == 0, r.output
-    assert "1 layers x 2 KV heads x 8 dims, 4 query heads, block size 4" in r.output
-    assert "verified       265 tokens in 20 sequence checks, 17 decode-attention checks" in r.output
+    assert "on cpu with torch kernels (float32; 1 layers x 2 KV heads x 8 dims, 4 query heads, block size 4)" in r.output
+    assert ("verified       265 tokens in 20 sequence checks, decode attention not checked "
+            "(--attention-layers N checks it)") in r.output
     assert "mismatches     0" in r.output
+
+
+def test_gpu_replay_with_triton_kernels_checks_decode_attention(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--kernels", "triton", "--layers", "1",
+                            "--head-dim", "8"])
+    assert r.exit_code == 0, r.output
+    assert "on cpu with triton kernels" in r.output
+    assert "verified       265 tokens in 20 sequence checks, 17 decode-attention checks (1 layers)" in r.output
 
 
 def test_gpu_replay_json(run):
@@ -34,6 +43,7 @@ def test_gpu_replay_json(run):
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["mismatches"] == 0 and rep["steps_checked"] == 4 and rep["ops"]["move"] == 5
+    assert (rep["steps"], rep["tokens_verified"], rep["kernels"], rep["first_mismatches"]) == (8, 132, "torch", [])
 
 
 def test_gpu_replay_exits_1_on_a_mismatch(run, tmp_path):
@@ -45,6 +55,11 @@ def test_gpu_replay_exits_1_on_a_mismatch(run, tmp_path):
     assert "mismatches     10" in r.stdout
     assert r.stderr.startswith("integrity error: step 1, sequence 'A': position 8 (block-table entry 2, "
                                "physical block 9), layer 0 K head 0")
+    r = runner.invoke(app, ["gpu-replay", str(tmp_path), "--device", "cpu", "--layers", "1", "--json"])
+    assert r.exit_code == 1
+    first = json.loads(r.stdout)["first_mismatches"][0]
+    assert {k: first[k] for k in ("step", "seq", "position", "block", "what", "blocks")} == {
+        "step": 1, "seq": "A", "position": 8, "block": 9, "what": "K", "blocks": [9]}
 
 
 def test_gpu_replay_missing_file_is_one_line_exit_2(tmp_path):
@@ -63,6 +78,8 @@ def test_gpu_replay_rejects_bad_options(run):
     assert r.exit_code == 2 and "--check-every must be >= 1, got 0" in r.stderr
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--dtype", "int8"])
     assert r.exit_code == 2 and "unknown dtype 'int8'" in r.stderr
+    r = runner.invoke(app, ["gpu-replay", str(run), "--kernels", "cuda"])
+    assert r.exit_code == 2 and "--kernels must be triton or torch, got 'cuda'" in r.stderr
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message shown without a GPU")

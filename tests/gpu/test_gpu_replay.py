@@ -7,8 +7,20 @@ import gpu_scenarios as scenarios
 import pytest
 from gpu_env import DEVICE
 
+from gpu.backends import BACKENDS
 from gpu.replay import RunFilesError, load_run, replay_run
 from kvcache.ops import read_ops
+
+
+@pytest.fixture(params=BACKENDS)
+def kernels(request):
+    return request.param
+
+
+def _replay(run, kernels, **kw):
+    """`replay_run` on DEVICE with `kernels`, checking decode attention on every layer with either."""
+    kw.setdefault("attention_layers", kw.get("layers", 2))
+    return replay_run(run, DEVICE, kernels=kernels, **kw)
 
 
 def _expected_checks(ops, window_free=True):
@@ -40,51 +52,61 @@ def test_lifecycle_covers_every_op_kind(lifecycle):
     assert kinds == {"write": 26, "table": 22, "free": 15, "move": 5, "swap_out": 3, "copy": 1, "swap_in": 1}
 
 
-def test_lifecycle_replays_clean(lifecycle):
+def test_lifecycle_replays_clean(lifecycle, kernels):
     run, _ = lifecycle
-    rep = replay_run(run, DEVICE)
+    rep = _replay(run, kernels)
     tokens, decodes = _expected_checks(read_ops(run / "ops.parquet"))
     assert rep.ok and rep.mismatches == 0 and rep.errors == []
     assert (rep.tokens_verified, rep.decode_checks) == (tokens, decodes) == (265, 17)
     assert rep.sequence_checks == 20 and rep.steps == rep.steps_checked == 8
     assert rep.units == {"write": 46, "copy": 1, "swap_out": 3, "swap_in": 1, "move": 5, "attention": 228}
     assert set(rep.measured_s) == {"write", "copy", "swap_out", "swap_in", "move", "attention"}
+    assert rep.kernels == kernels and rep.attention_layers == 2
     assert rep.model == "llama-3-8b" and rep.predicted_s["copy"] == pytest.approx(2 * (128 << 10) * 4 / 3.35e12)
     assert rep.scale == rep.geometry["layers"] * 2 * 4 * 2 * 16 * 4 / ((128 << 10) * 4)
     assert "mismatches     0" in rep.format()
 
 
-def test_check_every_skips_steps_and_fp16(lifecycle):
+def test_check_every_skips_steps_and_fp16(lifecycle, kernels):
     run, _ = lifecycle
-    rep = replay_run(run, DEVICE, layers=1, kv_heads=1, head_dim=8, check_every=3, dtype="float16", q_per_kv=4)
+    rep = _replay(run, kernels, layers=1, kv_heads=1, head_dim=8, check_every=3, dtype="float16", q_per_kv=4)
     assert rep.ok and rep.steps_checked == 3  # steps 0, 3, 6; decodes: A and A/1, then A/1 and B
     assert rep.decode_checks == 4 and rep.dtype == "float16" and rep.geometry["heads"] == 4
 
 
-def test_bfloat16_and_torch_swaps(lifecycle):
+def test_bfloat16_and_torch_swaps(lifecycle, kernels):
     run, _ = lifecycle
-    rep = replay_run(run, DEVICE, layers=1, dtype="bfloat16", swap_method="torch")
+    rep = _replay(run, kernels, layers=1, dtype="bfloat16", swap_method="torch")
     assert rep.ok and rep.tokens_verified == 265
 
 
 @pytest.mark.parametrize("window", [None, 8])
-def test_concurrent_replay_with_preemption_and_sliding_window(tmp_path, window):
+def test_concurrent_replay_with_preemption_and_sliding_window(tmp_path, window, kernels):
     run = scenarios.concurrent(tmp_path, sliding_window=window)
     ops = read_ops(run / "ops.parquet")
     holes = sum(1 for op in ops if op.kind == "table" and op.a == 0)
     assert (holes > 0) == (window is not None)
-    rep = replay_run(run, DEVICE)
+    rep = _replay(run, kernels)
     assert rep.ok and rep.decode_checks == 28 and rep.ops["evict"] == 2
     tokens, _ = _expected_checks(ops)
     assert (rep.tokens_verified == tokens) == (window is None)  # a window's null blocks are not read back
     assert rep.units["attention"] < 352 if window else rep.units["attention"] == 352
 
 
-def test_simulated_run_replays_clean(tmp_path):
+def test_simulated_run_replays_clean(tmp_path, kernels):
     run = scenarios.simulated(tmp_path)
-    rep = replay_run(run, DEVICE)
+    rep = _replay(run, kernels)
     assert rep.ok and rep.ops["swap_out"] == 5 and rep.ops["swap_in"] == 2 and rep.ops["move"] == 9
     assert (rep.tokens_verified, rep.decode_checks) == _expected_checks(read_ops(run / "ops.parquet"))
+
+
+def test_torch_kernels_check_decode_attention_only_when_asked(lifecycle):
+    run, _ = lifecycle
+    rep = replay_run(run, "cpu", layers=1)
+    assert rep.ok and rep.kernels == "torch" and rep.tokens_verified == 265
+    assert rep.attention_layers == rep.decode_checks == 0 and rep.measured_s.get("attention", 0.0) == 0.0
+    assert "decode attention not checked (--attention-layers N checks it)" in rep.format()
+    assert replay_run(run, "cpu", layers=1, attention_layers=1).decode_checks == 17
 
 
 def test_missing_files_name_the_file_and_the_fix(tmp_path):

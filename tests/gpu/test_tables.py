@@ -1,9 +1,11 @@
 """The replayer's block tables and the op batching that preserves stream order."""
 
 import numpy as np
+import pytest
 import torch
 from gpu_env import DEVICE
 
+from gpu.backends import BACKENDS, backend
 from gpu.executor import OpExecutor
 from gpu.storage import PagedKVStorage
 from gpu.tables import BlockTables
@@ -35,18 +37,19 @@ def test_null_entries_are_skipped():
     assert pos.tolist() == [8, 9] and blocks.tolist() == [6, 6] and missing == -1
 
 
-def _executor(blocks=8, cpu=4):
+def _executor(kernels, blocks=8, cpu=4):
     st = PagedKVStorage(1, blocks, 2, 1, 4, num_cpu_blocks=cpu, dtype=torch.float32, device=DEVICE)
     values = DeviceValues(st.num_layers, st.num_kv_heads, st.num_kv_heads, st.head_dim, st.device, st.dtype)
-    return st, OpExecutor(st, Timer(st.device), values)
+    return st, OpExecutor(st, Timer(st.device), values, backend(kernels, st.device))
 
 
 def _block(st, b):
     return st.gpu[0, 0, b].flatten().tolist()
 
 
-def test_dependent_ops_of_one_kind_run_in_order():
-    st, ex = _executor()
+@pytest.mark.parametrize("kernels", BACKENDS)
+def test_dependent_ops_of_one_kind_run_in_order(kernels):
+    st, ex = _executor(kernels)
     keys = prefix_keys(np.array([5, 6]))
     ex.write(np.array([2, 3]), keys)  # block 1
     ex.pair("copy", 1, 2)
@@ -61,8 +64,9 @@ def test_dependent_ops_of_one_kind_run_in_order():
     assert ex.launches == 1 + 2 + 2  # write, two copy batches, two move batches
 
 
-def test_rewritten_slot_keeps_the_later_value():
-    st, ex = _executor()
+@pytest.mark.parametrize("kernels", BACKENDS)
+def test_rewritten_slot_keeps_the_later_value(kernels):
+    st, ex = _executor(kernels)
     ex.write(np.array([6]), prefix_keys(np.array([1])))
     ex.write(np.array([6]), prefix_keys(np.array([2])))
     ex.flush()
@@ -70,8 +74,9 @@ def test_rewritten_slot_keeps_the_later_value():
     assert ex.launches == 2
 
 
-def test_swap_out_then_in_round_trips():
-    st, ex = _executor()
+@pytest.mark.parametrize("kernels", BACKENDS)
+def test_swap_out_then_in_round_trips(kernels):
+    st, ex = _executor(kernels)
     ex.write(np.array([2, 3, 4]), prefix_keys(np.array([1, 2, 3])))
     ex.pair("swap_out", 1, 3)
     ex.pair("swap_out", 2, 0)
