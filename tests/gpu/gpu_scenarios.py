@@ -138,3 +138,23 @@ def write_ops(folder: Path, ops) -> None:
         log.step = op.step
         log.emit(op.kind, op.a, op.b, op.c, op.seq, op.hash, op.pos)
     log.to_parquet(folder / "ops.parquet")
+
+
+def every_kind(folder: Path) -> Path:
+    """`simulated` with parallel sampling too: a run whose ops hold every kind a fault can corrupt
+    (copy-on-write copies, swaps, defrag moves, prefix hits, writes)."""
+    from sim.engine.config import SimConfig
+    from sim.engine.run import simulate
+    from workloads.request import make_request
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 1000, 10)
+    reqs = [make_request(f"q{i}", 0.001 * i, np.concatenate([system, rng.integers(0, 1000, 3 + i % 5)]), 6 + i % 3,
+                         n=2 if i % 3 == 0 else 1) for i in range(8)]
+    cfg = SimConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=32, preemption="swap", defrag_threshold=2,
+                    record_ops=True, max_num_batched_tokens=32, max_num_seqs=6)
+    result = simulate(reqs, cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    result.manager.ops.save(folder)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return folder
