@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def replay_run(
 
 
 def replay_ops(
-    ops: Sequence[Op],
+    ops: Sequence[Op] | Sequence[tuple],
     tokens: Mapping[str, np.ndarray],
     config: Mapping[str, Any],
     device: str = "cpu",
@@ -139,7 +140,7 @@ def replay_ops(
             raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
-    r = _Replayer(ops, tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict, kern)
+    r = _Replayer(as_rows(ops), tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, strict, kern)
     if attention_layers is None:
         attention_layers = layers if kern.measures else 0
     r.attention_layers = r.report.attention_layers = attention_layers
@@ -155,19 +156,26 @@ def replay_ops(
         torch.set_num_threads(threads)
 
 
-def _sizes(ops: Sequence[Op], config: Mapping[str, Any]) -> tuple[int, int]:
+def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
+    """Ops as plain tuples in `Op`'s field order, the replay loop's form (far cheaper than records
+    to build for millions of ops); tuples pass through."""
+    if ops and isinstance(ops[0], Op):
+        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
+    return list(ops)
+
+
+def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int]:
     """GPU and CPU blocks the storage needs: the highest ids the ops use, within the config's counts."""
     gpu, cpu = [1], [0]
-    for op in ops:
-        k = op.kind
+    for _, k, a, b, *_ in rows:
         if k in ("write", "copy", "swap_out", "move", "table", "free", "evict"):
-            gpu.append(op.a)
+            gpu.append(a)
         if k in ("copy", "swap_in", "move"):
-            gpu.append(op.b)
+            gpu.append(b)
         if k == "swap_out":
-            cpu.append(op.b)
+            cpu.append(b)
         elif k == "swap_in":
-            cpu.append(op.a)
+            cpu.append(a)
     n_gpu, n_cpu = max(gpu) + 1, max(cpu) + (1 if len(cpu) > 1 else 0)
     for key, n in (("num_gpu_blocks", n_gpu), ("num_cpu_blocks", n_cpu)):
         limit = config.get(key)
@@ -177,11 +185,11 @@ def _sizes(ops: Sequence[Op], config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 class _Replayer:
-    def __init__(self, ops, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
+    def __init__(self, rows, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
                  swap_method, strict, kernels):
-        self.ops, self.tokens, self.strict = ops, tokens, strict
+        self.rows, self.tokens, self.strict = rows, tokens, strict
         self.bs = bs = int(config["block_size"])
-        n_gpu, n_cpu = _sizes(ops, config)
+        n_gpu, n_cpu = _sizes(rows, config)
         self.st = PagedKVStorage(layers, n_gpu, bs, kv_heads, head_dim, num_cpu_blocks=n_cpu,
                                  dtype=dtype, device=device)
         self.num_heads = kv_heads * q_per_kv
@@ -204,7 +212,7 @@ class _Replayer:
     # ---------------------------------------------------------------- stream
     def run(self, check_every: int) -> ReplayReport:
         rep = self.report
-        for ordinal, (step, group) in enumerate(groupby(self.ops, key=lambda op: op.step)):
+        for ordinal, (step, group) in enumerate(groupby(self.rows, key=itemgetter(0))):
             self._step(step, list(group), ordinal % check_every == 0)
         rep.launches = self.ex.launches
         totals = self.timer.totals()
@@ -219,42 +227,41 @@ class _Replayer:
                           for step, kind, units in self._step_units]
         return rep
 
-    def _step(self, step: int, ops: list[Op], check: bool) -> None:
+    def _step(self, step: int, rows: list[tuple], check: bool) -> None:
         rep, ex, tables, bs = self.report, self.ex, self.tables, self.bs
         ex.step = step
         rep.steps += 1
         rep.steps_checked += check
         before = Counter(rep.units)
         written: dict[str, list[int]] = {}  # seq -> [tokens this step, newest position]
-        for op in ops:
-            kind = op.kind
+        for _, kind, a, b, c, seq, _, pos in rows:
             rep.ops[kind] += 1
             if kind == "write":
-                n = op.c - op.b
-                keys = self._seq_keys(op.seq, op.pos + n, step)[op.pos : op.pos + n]
-                ex.write(op.a * bs + np.arange(op.b, op.c, dtype=np.int64), keys)
-                w = written.setdefault(op.seq, [0, -1])
+                n = c - b
+                keys = self._seq_keys(seq, pos + n, step)[pos : pos + n]
+                ex.write(a * bs + np.arange(b, c, dtype=np.int64), keys)
+                w = written.setdefault(seq, [0, -1])
                 w[0] += n
-                w[1] = max(w[1], op.pos + n - 1)
+                w[1] = max(w[1], pos + n - 1)
                 rep.units["write"] += n
             elif kind in PAIR_KINDS:
                 if kind == "move":
-                    tables.exchange(op.a, op.b)
-                if op.c == ONE_WAY:
-                    ex.pair("copy", op.b, op.a)
-                elif op.c != SKIPPED:
-                    ex.pair(kind, op.a, op.b)
+                    tables.exchange(a, b)
+                if c == ONE_WAY:
+                    ex.pair("copy", b, a)
+                elif c != SKIPPED:
+                    ex.pair(kind, a, b)
                 rep.units[kind] += 1
             elif kind == "table":
-                tables.set(op.seq, op.b, op.a)
+                tables.set(seq, b, a)
             elif kind == "free":
-                due = [s for s in tables.holders.get(op.a, ()) if s in written]
+                due = [s for s in tables.holders.get(a, ()) if s in written]
                 if due and check:
                     ex.flush()
                     self._verify(step, {s: written[s] for s in sorted(due)})
                 for s in due:
                     del written[s]
-                for s in tables.free(op.a):
+                for s in tables.free(a):
                     self.expected.drop(s)
             elif kind != "evict":
                 raise RunFilesError(f"ops.parquet: unknown op kind {kind!r} at step {step}")
