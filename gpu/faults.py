@@ -35,6 +35,7 @@ NONE_HINTS = {  # why a stream has no candidate of a kind, and what run would ha
                                "while another sequence holds blocks",
 }
 _UNKNOWN = -1  # cause of a wrong slot no injected fault explains
+_KEPT = MAX_FOUND * 9 // 10  # mismatches a report surely keeps (`ReplayReport.found`), with a margin
 _EVERY_OP = {"copy": ("copy_dropped",), "move": ("move_reversed", "move_dropped"), "write": ("write_misplaced",)}
 
 
@@ -53,10 +54,9 @@ class Fault:
 
 @dataclass(frozen=True)
 class _Seen:
-    """A predicted mismatch: one sequence's check in one step, its wrong blocks by cause (fault op index)."""
+    """A predicted mismatch (one sequence's check in one step): its wrong blocks, and by cause (fault op index)."""
 
     step: int
-    seq: str
     causes: dict[int, frozenset[int]]
     blocks: frozenset[int]
 
@@ -81,11 +81,11 @@ class _Shadow:
         self.cpu_used: set[int] = set()
         self.seen: list[_Seen] = []
         self.made: dict[int, str] = {}  # fault op index -> description
+        self.horizon = len(ops)  # ops past the mismatches a report keeps
 
     def run(self, plans: Mapping[int, tuple[str, int]]) -> None:
-        """Replay, making fault (kind, seed) at each planned op index (if it can be made there);
-        checks start at the first fault (a stream is correct before it) and skip sequences
-        holding no block a fault touched."""
+        """Replay, making fault (kind, seed) at each planned op index (if it can be made there); checks
+        start at the first fault (a stream is right before it), only of sequences holding a dirty block."""
         first = min(plans, default=len(self.ops))
         for step, group in groupby(range(len(self.ops)), key=lambda i: self.ops[i].step):
             written: dict[str, int] = {}  # seq -> its newest position written in the step
@@ -95,6 +95,9 @@ class _Shadow:
                 self._op(i, step, written, i >= first)
             if written and i >= first:
                 self._check(step, written)
+            if len(self.seen) >= _KEPT:  # what comes after, the replay's report would not keep
+                self.horizon = i + 1
+                return
 
     def _op(self, i: int, step: int, written: dict[str, int], check: bool) -> None:
         op, bs = self.ops[i], self.bs
@@ -142,8 +145,7 @@ class _Shadow:
                 arr[ga], arr[gb] = arr[gb].copy(), arr[ga].copy()
             self._mark(a), self._mark(b)
 
-    def _mark(self, block: int) -> None:
-        """Keep `dirty` right for `block` after its slots changed."""
+    def _mark(self, block: int) -> None:  # keep `dirty` right for `block` after its slots changed
         (self.dirty.add if (self.gsrc[self._span(block)] >= 0).any() else self.dirty.discard)(block)
 
     def _span(self, block: int) -> slice:
@@ -161,7 +163,7 @@ class _Shadow:
                 continue
             pos, blocks, missing = self.tables.slots(seq, newest + 1, bs)
             if missing >= 0:  # a "table" mismatch, naming no block
-                self.seen.append(_Seen(step, seq, {_UNKNOWN: frozenset()}, frozenset()))
+                self.seen.append(_Seen(step, {_UNKNOWN: frozenset()}, frozenset()))
                 continue
             slots = blocks * bs + pos % bs
             wrong = np.flatnonzero(self.glab[slots] != self._keys(seq)[pos])
@@ -169,11 +171,9 @@ class _Shadow:
                 causes: dict[int, set[int]] = {}
                 for b, c in zip(blocks[wrong].tolist(), self.gsrc[slots[wrong]].tolist(), strict=True):
                     causes.setdefault(c, set()).add(b)
-                self.seen.append(_Seen(step, seq, {c: frozenset(b) for c, b in causes.items()},
-                                       frozenset(blocks[wrong].tolist())))
+                self.seen.append(_Seen(step, {c: frozenset(b) for c, b in causes.items()}, frozenset().union(*causes.values())))
 
-    def whole(self, *blocks: int) -> np.ndarray:
-        """Every slot of `blocks`."""
+    def whole(self, *blocks: int) -> np.ndarray:  # every slot of `blocks`
         return np.concatenate([np.arange(b * self.bs, (b + 1) * self.bs) for b in blocks])
 
 
@@ -246,8 +246,7 @@ def _lifetime(ops: Sequence[Op], uses: Mapping[int, list[int]], i: int) -> int:
     return next((j for j in _between(uses[ops[i].a], i + 1, len(ops)) if ops[j].kind == "free"), len(ops) - 1)
 
 
-def _between(indices: list[int], first: int, last: int) -> list[int]:
-    """The sorted `indices` within [first, last]."""
+def _between(indices: list[int], first: int, last: int) -> list[int]:  # sorted `indices` in [first, last]
     return indices[bisect_left(indices, first) : bisect_right(indices, last)]
 
 
@@ -310,9 +309,11 @@ def inject_faults(ops: Sequence[Op], n: int, seed: int, kinds: Sequence[str] = F
     rng = np.random.default_rng(seed)
     queues = {k: [int(i) for i in rng.permutation(found[k])] for k in kinds}
     plans: dict[int, tuple[str, int]] = {}  # op index -> (kind, seed)
+    horizon = len(ops)
     while True:
-        _refill(plans, queues, n, ops, seed)
+        _refill(plans, queues, n, ops, seed, horizon)
         sh, faults, bad, groups = _judge(ops, tokens, block_size, uses, plans)
+        horizon = sh.horizon
         for group in groups:  # drop the one whose kind has the most candidates left
             if not group & bad:
                 bad.add(max(group, key=lambda i: (len(queues[plans[i][0]]), i)))
@@ -326,17 +327,16 @@ def inject_faults(ops: Sequence[Op], n: int, seed: int, kinds: Sequence[str] = F
 
 
 def _refill(plans: dict[int, tuple[str, int]], queues: Mapping[str, list[int]], n: int, ops: Sequence[Op],
-            seed: int) -> None:
-    """Add candidates up to `n`: of the kind with fewest planned (then fewest left), the next one on a
-    step no planned fault has (the others wait their turn)."""
+            seed: int, horizon: int) -> None:
+    """Add candidates up to `n`: of the kind with fewest planned (then fewest left), the next one
+    before `horizon` on a step no planned fault has (the others wait their turn)."""
     steps = {ops[i].step for i in plans}
     while len(plans) < n:
-        have = [kind for kind, _ in plans.values()]
-        free = {k: [j for j, i in enumerate(q) if ops[i].step not in steps] for k, q in queues.items()}
+        free = {k: [j for j, i in enumerate(q) if i < horizon and ops[i].step not in steps] for k, q in queues.items()}
         open_ = [k for k in queues if free[k]]
         if not open_:
             return
-        kind = min(open_, key=lambda k: (have.count(k), len(queues[k])))
+        kind = min(open_, key=lambda k: (sum(p[0] == k for p in plans.values()), len(queues[k])))
         i = queues[kind].pop(free[kind][-1])
         plans[i] = (kind, seed)
         steps.add(ops[i].step)
@@ -352,7 +352,7 @@ def _judge(ops: Sequence[Op], tokens: Mapping[str, np.ndarray], block_size: int,
     for k, m in enumerate(sh.seen):
         for i in m.causes:
             first.setdefault(i, k)
-    bad = {i for i in plans if not 0 <= first.get(i, MAX_FOUND) < MAX_FOUND}  # not made or not caught (in time)
+    bad = {i for i in plans if first.get(i, _KEPT) >= _KEPT}  # not made, or not caught in what a report keeps
     faults = {}
     for i in sorted(set(first) - bad - {_UNKNOWN}):
         until = sh.seen[first[i]].step
