@@ -31,8 +31,7 @@ NONE_HINTS = {  # why a stream has no candidate of a kind, and what run would ha
     "move_reversed": _NO_MOVES, "move_dropped": _NO_MOVES, "write_misplaced": "no write ops",
     "swap_in_wrong": "no swap_in op after a second CPU block was used: run with --preemption swap and "
                      "--num-cpu-blocks on a cache small enough to preempt",
-    "reused_while_referenced": "no block newly given to a sequence and used by it alone until its free, "
-                               "while another sequence holds blocks",
+    "reused_while_referenced": "no block newly given to a sequence alone while another holds blocks",
 }
 _UNKNOWN = -1  # cause of a wrong slot no injected fault explains
 _KEPT = MAX_FOUND * 9 // 10  # mismatches a report surely keeps (`ReplayReport.found`), with a margin
@@ -152,8 +151,11 @@ class _Shadow:
         return slice(block * self.bs, (block + 1) * self.bs)
 
     def _keys(self, seq: str) -> np.ndarray:
-        keys = self.keys.get(seq)
-        return self.keys.setdefault(seq, prefix_keys(self.tokens[seq])) if keys is None else keys
+        if (keys := self.keys.get(seq)) is None:
+            if seq not in self.tokens:
+                raise ValueError(f"op_tokens.parquet: no tokens for sequence {seq!r}")
+            keys = self.keys[seq] = prefix_keys(self.tokens[seq])
+        return keys
 
     def _check(self, step: int, written: Mapping[str, int]) -> None:
         """What `gpu.replay._verify` reports for the written sequences that hold a dirty block."""
@@ -304,8 +306,7 @@ def inject_faults(ops: Sequence[Op], n: int, seed: int, kinds: Sequence[str] = F
         raise ValueError(f"unknown fault kind {unknown[0]!r}; choose from {', '.join(FAULT_KINDS)}")
     if n < 1:
         raise ValueError(f"the number of faults must be >= 1, got {n}")
-    uses = _uses(ops)
-    found = _candidates(ops, uses)
+    found = _candidates(ops, uses := _uses(ops))
     rng = np.random.default_rng(seed)
     queues = {k: [int(i) for i in rng.permutation(found[k])] for k in kinds}
     plans: dict[int, tuple[str, int]] = {}  # op index -> (kind, seed)
@@ -333,8 +334,7 @@ def _refill(plans: dict[int, tuple[str, int]], queues: Mapping[str, list[int]], 
     steps = {ops[i].step for i in plans}
     while len(plans) < n:
         free = {k: [j for j, i in enumerate(q) if i < horizon and ops[i].step not in steps] for k, q in queues.items()}
-        open_ = [k for k in queues if free[k]]
-        if not open_:
+        if not (open_ := [k for k in queues if free[k]]):
             return
         kind = min(open_, key=lambda k: (sum(p[0] == k for p in plans.values()), len(queues[k])))
         i = queues[kind].pop(free[kind][-1])

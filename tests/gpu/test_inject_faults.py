@@ -134,6 +134,13 @@ def test_bad_arguments(lifecycle, n, kinds, message):
         _inject(lifecycle, n, 0, kinds)
 
 
+def test_a_sequence_without_tokens_is_named(lifecycle):
+    ops, tokens, config = lifecycle
+    tokens = {s: t for s, t in tokens.items() if s != "A/1"}
+    with pytest.raises(ValueError, match=r"^op_tokens.parquet: no tokens for sequence 'A/1'$"):
+        inject_faults(ops, 1, 0, ("copy_dropped",), tokens=tokens, block_size=config["block_size"])
+
+
 def test_attribution_needs_a_mismatch_on_its_blocks_in_its_steps():
     f = Fault("move_dropped", 40, 5, 6, (3, 7), "defrag move 3 <-> 7 not run")
 
