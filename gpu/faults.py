@@ -294,7 +294,7 @@ def _uses(ops: Sequence[Op]) -> dict[int, list[int]]:
 
 def inject_faults(ops: Sequence[Op], n: int, seed: int, kinds: Sequence[str] = FAULT_KINDS, *,
                   tokens: Mapping[str, np.ndarray], block_size: int) -> tuple[list[Op], list[Fault]]:
-    """Corrupt `n` ops of `ops` (a new list; `ops` is kept); the faults in stream order.
+    """Corrupt `n` ops of `ops` (a new list of `Op`; `ops` is kept); the faults in stream order.
 
     Kinds take turns (the one with fewest faults so far), each fault a random candidate (seeded)
     on a step no other fault has. The shadow replay of all faults together drops any not caught
@@ -306,6 +306,7 @@ def inject_faults(ops: Sequence[Op], n: int, seed: int, kinds: Sequence[str] = F
         raise ValueError(f"unknown fault kind {unknown[0]!r}; choose from {', '.join(FAULT_KINDS)}")
     if n < 1:
         raise ValueError(f"the number of faults must be >= 1, got {n}")
+    ops = [op if isinstance(op, Op) else Op(*op) for op in ops]  # records, or tuples in their field order
     found = _candidates(ops, uses := _uses(ops))
     rng = np.random.default_rng(seed)
     queues = {k: [int(i) for i in rng.permutation(found[k])] for k in kinds}

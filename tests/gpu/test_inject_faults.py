@@ -1,7 +1,7 @@
 """Injected faults of every kind are caught by the replay and attributed to the fault that made them."""
 
 from collections import Counter
-from dataclasses import replace
+from dataclasses import astuple, replace
 from types import SimpleNamespace
 
 import gpu_scenarios as scenarios
@@ -92,6 +92,8 @@ def test_same_seed_same_faults(every):
     assert _inject(every, 4, 7) == first
     assert ops == kept  # the stream given is not changed
     assert _inject(every, 4, 8)[1] != first[1]
+    rows = [astuple(op) for op in ops]  # the replay's row form is taken too
+    assert _inject((rows, *every[1:]), 4, 7) == first
 
 
 def test_n_faults_all_caught(every):
