@@ -362,7 +362,7 @@ def _judge(ops: Sequence[Op], tokens: Mapping[str, np.ndarray], block_size: int,
     groups = [{i, j} for i in faults for j in faults if i < j and set(faults[i].blocks) & set(faults[j].blocks)]
     for m in sh.seen:
         if _UNKNOWN in m.causes:  # wrong, but by no fault: blame the latest one before
-            bad |= {max((i for i in faults if ops[i].step <= m.step), default=_UNKNOWN)} - {_UNKNOWN}
+            bad |= {max((i for i in sh.made if ops[i].step <= m.step), default=_UNKNOWN)} - {_UNKNOWN}
         for i, f in faults.items():
             if f.step <= m.step <= f.until and m.blocks.intersection(f.blocks) and i not in m.causes:
                 groups.append({i, *m.causes} - {_UNKNOWN})  # another fault's mismatch would be credited to i
