@@ -17,8 +17,8 @@ from itertools import groupby
 
 import numpy as np
 
+from gpu.checks import MAX_FOUND
 from gpu.executor import ONE_WAY, SKIPPED
-from gpu.replay import MAX_FOUND
 from gpu.tables import BlockTables
 from gpu.values import prefix_keys
 from kvcache.ops import Op

@@ -26,6 +26,7 @@ class ReplayReport:
     geometry: dict[str, int]
     kernels: str = "triton"  # gpu.backends: "triton" or "torch"
     attention_layers: int = 0  # layers whose decode attention is checked against dense attention
+    check: str = "full"  # gpu.checks: "full" reads each written sequence whole, "touched" what changed
     steps: int = 0
     steps_checked: int = 0
     ops: Counter = field(default_factory=Counter)  # by kind, as in the stream
@@ -53,7 +54,7 @@ class ReplayReport:
     def as_dict(self) -> dict:
         return {
             "run": self.run, "device": self.device, "kernels": self.kernels, "dtype": self.dtype,
-            "geometry": self.geometry, "attention_layers": self.attention_layers,
+            "geometry": self.geometry, "attention_layers": self.attention_layers, "check": self.check,
             "steps": self.steps, "steps_checked": self.steps_checked, "ops": dict(self.ops),
             "units": dict(self.units), "launches": self.launches, "tokens_verified": self.tokens_verified,
             "sequence_checks": self.sequence_checks, "decode_checks": self.decode_checks,
@@ -73,7 +74,8 @@ class ReplayReport:
         lines = [
             f"gpu replay of {self.run} on {self.device} with {self.kernels} kernels ({self.dtype}; {g['layers']} layers "
             f"x {g['kv_heads']} KV heads x {g['head_dim']} dims, {g['heads']} query heads, block size {g['block_size']})",
-            f"steps          {self.steps:,} ({self.steps_checked:,} checked), {self.launches:,} kernel launches",
+            f"steps          {self.steps:,} ({self.steps_checked:,} checked, {self.check} reads), "
+            f"{self.launches:,} kernel launches",
             "ops            " + ", ".join(f"{k} {n:,}" for k, n in sorted(self.ops.items())),
             f"verified       {self.tokens_verified:,} tokens in {self.sequence_checks:,} sequence checks, {attention}",
             f"mismatches     {self.mismatches:,}",

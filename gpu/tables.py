@@ -67,6 +67,10 @@ class BlockTables:
         if hb:
             self.holders[a] = hb
 
+    def entries(self, block: int) -> list[tuple[str, list[int]]]:
+        """(sequence, its entries naming `block`) for every sequence holding `block`."""
+        return [(s, self._where[s][block]) for s in self.holders.get(block, ())]
+
     def slots(self, seq: str, extent: int, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Positions [0, extent) of `seq` outside null entries, their physical blocks, and the
         first position whose entry was never set (-1 if none)."""

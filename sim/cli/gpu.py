@@ -53,6 +53,9 @@ def gpu_replay(
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
     swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
     kernels: Annotated[str | None, typer.Option("--kernels", help=_KERNELS_HELP)] = None,
+    check: Annotated[str, typer.Option(
+        "--check", help="full: read each written sequence back whole; touched: only the table entries an op "
+                        "changed since its last check (exact while nothing but the replayed ops writes the storage)")] = "full",
     as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
     save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
 ) -> None:
@@ -63,6 +66,8 @@ def gpu_replay(
         raise fail(f"--swap-method must be kernel or torch, got {swap_method!r}")
     if kernels not in (None, "triton", "torch"):
         raise fail(f"--kernels must be triton or torch, got {kernels!r}")
+    if check not in ("full", "touched"):
+        raise fail(f"--check must be full or touched, got {check!r}")
     dev = _device(device, ("torch",))
     kernels = kernels or ("torch" if dev == "cpu" else "triton")
     if kernels == "triton":
@@ -77,7 +82,7 @@ def gpu_replay(
     try:
         rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
                          swap_method=swap_method, strict=False, attention_layers=attention_layers,
-                         kernels=kernels)
+                         kernels=kernels, check=check, progress=lambda line: typer.echo(line, err=True))
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
     if save is not None:

@@ -7,6 +7,7 @@ import gpu_scenarios as scenarios
 import pytest
 from gpu_env import DEVICE
 
+from gpu.checks import CHECKS
 from gpu.replay import load_run, replay_ops
 from gpu.verify import IntegrityError
 
@@ -17,9 +18,14 @@ def run(tmp_path_factory):
     return load_run(folder)
 
 
-def _replay(run, ops, **kw):
+@pytest.fixture(params=CHECKS)
+def check(request):
+    return request.param
+
+
+def _replay(run, ops, check="full", **kw):
     _, tokens, config = run
-    return replay_ops(ops, tokens, config, DEVICE, layers=1, **kw)
+    return replay_ops(ops, tokens, config, DEVICE, layers=1, check=check, **kw)
 
 
 def _without(ops, kind, a, b=-1):
@@ -30,51 +36,51 @@ def _without(ops, kind, a, b=-1):
 ZEROS = r"found \[0\.0, 0\.0, 0\.0, 0\.0\]$"
 
 
-def test_dropped_copy(run):
+def test_dropped_copy(run, check):
     ops, _ = _without(run[0], "copy", 8, 9)
     with pytest.raises(IntegrityError, match=re.compile(
             r"^step 1, sequence 'A': position 8 \(block-table entry 2, physical block 9\), layer 0 K head 0: "
             r"expected \[.*\], " + ZEROS)):
-        _replay(run, ops)
+        _replay(run, ops, check)
 
 
 @pytest.mark.parametrize("kind,a,b", [("swap_in", 2, 13), ("swap_out", 10, 2)])
-def test_swap_pair_reversed(run, kind, a, b):
+def test_swap_pair_reversed(run, kind, a, b, check):
     ops = list(run[0])
     _, i = _without(ops, kind, a, b)
     ops[i] = replace(ops[i], a=b, b=a)
     with pytest.raises(IntegrityError, match=re.compile(
             r"^step 4, sequence 'B': position 8 \(block-table entry 2, physical block 13\), layer 0 K head 0: .*"
             + ZEROS)):
-        _replay(run, ops)
+        _replay(run, ops, check)
 
 
-def test_dropped_move(run):
+def test_dropped_move(run, check):
     ops, _ = _without(run[0], "move", 14, 1)
     with pytest.raises(IntegrityError, match=re.compile(
             r"^step 6, sequence 'B': position 13 \(block-table entry 3, physical block 14\), layer 0 K head 0: .*"
             + ZEROS)):
-        _replay(run, ops)
+        _replay(run, ops, check)
 
 
-def test_wrong_prefix_hit(run):
+def test_wrong_prefix_hit(run, check):
     ops = list(run[0])
     (i,) = [i for i, op in enumerate(ops) if op.kind == "table" and op.seq == "B" and op.b == 1 and op.step == 1]
     ops[i] = replace(ops[i], a=2)  # B's second block claims the filler's block: a wrong cache hit
     with pytest.raises(IntegrityError, match=r"^step 1, sequence 'B': position 4 \(block-table entry 1, "
                                              r"physical block 2\), layer 0 K head 0: expected \[.*\], found \[.*\]$"):
-        _replay(run, ops)
+        _replay(run, ops, check)
 
 
-def test_missing_table_entry(run):
+def test_missing_table_entry(run, check):
     ops, _ = _without(run[0], "table", 13, 2)
     with pytest.raises(IntegrityError, match=r"^step 4, sequence 'B': position 8 has no block-table entry 2$"):
-        _replay(run, ops)
+        _replay(run, ops, check)
 
 
-def test_lenient_replay_counts_every_wrong_token(run):
+def test_lenient_replay_counts_every_wrong_token(run, check):
     ops, _ = _without(run[0], "copy", 8, 9)
-    rep = _replay(run, ops, strict=False)
+    rep = _replay(run, ops, check, strict=False)
     assert not rep.ok
     assert rep.mismatches == 10  # positions 8 and 9 of A, read back in each of steps 1 to 5
     assert rep.errors[0].startswith("step 1, sequence 'A': position 8 (block-table entry 2, physical block 9)")

@@ -123,3 +123,13 @@ def test_config_must_cover_the_blocks_the_ops_use(lifecycle, tmp_path):
     (tmp_path / "config.json").write_text('{"block_size": 4, "num_gpu_blocks": 10}')
     with pytest.raises(RunFilesError, match="num_gpu_blocks is 10, but the ops use block 15"):
         replay_run(tmp_path, DEVICE)
+
+
+@pytest.mark.parametrize("scenario", ["lifecycle", "simulated"])
+def test_touched_check_reads_only_changed_entries_and_stays_clean(tmp_path, scenario):
+    run = scenarios.lifecycle(tmp_path)[0] if scenario == "lifecycle" else scenarios.simulated(tmp_path)
+    full = replay_run(run, "cpu", layers=1)
+    touched = replay_run(run, "cpu", layers=1, check="touched")
+    assert full.ok and touched.ok and touched.check == "touched"
+    assert (touched.steps_checked, touched.sequence_checks) == (full.steps_checked, full.sequence_checks)
+    assert (full.tokens_verified, touched.tokens_verified) == {"lifecycle": (265, 129), "simulated": (743, 251)}[scenario]

@@ -1,0 +1,179 @@
+"""The replay's checks: after a step, each written sequence read back through its block table.
+
+Every position of the sequence, 0 up to its newest token, is compared bit-exactly
+with the values its prefix implies (`gpu.values`); decode sequences (one new
+token) also run paged decode attention against dense attention over the expected
+K/V. With `touched`, only the table entries a data or table op changed since the
+sequence's last check are read (plus its newest, partial one): exact as long as
+nothing but the replayed ops writes the storage, where the full read trusts nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from gpu.executor import OpExecutor
+from gpu.expected import ExpectedKV
+from gpu.report import ReplayReport
+from gpu.storage import PagedKVStorage
+from gpu.tables import BlockTables
+from gpu.timing import Timer
+from gpu.values import DeviceValues, device_keys
+from gpu.verify import (
+    IntegrityError,
+    Mismatch,
+    attention_errors,
+    compare_kv,
+    dense_decode,
+    first_bad,
+)
+
+MAX_ERRORS = 10
+MAX_FOUND = 10_000
+CHECKS = ("full", "touched")
+
+
+class Checks:
+    """What a replay verifies, and how: the storage, the tables and the expected values it reads."""
+
+    def __init__(self, st: PagedKVStorage, tables: BlockTables, values: DeviceValues, keys: Mapping[str, np.ndarray],
+                 ex: OpExecutor, timer: Timer, report: ReplayReport, *, window: int | None, num_heads: int,
+                 attention_layers: int, strict: bool, touched: bool):
+        self.st, self.tables, self.values, self._keys, self.ex, self.timer = st, tables, values, keys, ex, timer
+        self.kernels = ex.kernels
+        self.report, self.window, self.num_heads, self.strict = report, window, num_heads, strict
+        self.attention_layers = attention_layers
+        self.bs = st.block_size
+        self.expected = ExpectedKV(values, keys.__getitem__, st.device)
+        self.dirty: defaultdict[str, set[int]] | None = defaultdict(set) if touched else None
+
+    # ------------------------------------------------------ touched entries
+    def touch(self, block: int) -> None:
+        """`block`'s slots changed: every entry holding it is re-read at its sequence's next check."""
+        if self.dirty is not None:
+            for seq, entries in self.tables.entries(block):
+                self.dirty[seq].update(entries)
+
+    def retable(self, seq: str, entry: int) -> None:
+        """`seq`'s entry now names another block."""
+        if self.dirty is not None:
+            self.dirty[seq].add(entry)
+
+    def drop(self, seq: str) -> None:
+        """`seq`'s blocks were freed: forget it."""
+        self.expected.drop(seq)
+        if self.dirty is not None:
+            self.dirty.pop(seq, None)
+
+    def _touched(self, seq: str, extent: int, pos: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The positions of `seq`'s touched entries; entries wholly below `extent` are clean after."""
+        dirty = self.dirty.get(seq)
+        if not dirty:
+            return pos[:0], blocks[:0]
+        keep = np.isin(pos // self.bs, np.fromiter(dirty, dtype=np.int64, count=len(dirty)))
+        last = (extent - 1) // self.bs
+        self.dirty[seq] = {e for e in dirty if e >= last}
+        return pos[keep], blocks[keep]
+
+    # -------------------------------------------------------------- checks
+    def verify(self, step: int, written: Mapping[str, list[int]]) -> None:
+        """Check each written sequence's K/V (all of them in one pass, one device sync), then
+        decode attention for the one-token ones."""
+        rep, bs, st = self.report, self.bs, self.st
+        checks = []  # (seq, tokens this step, extent, positions read, their blocks)
+        decodes = []  # (seq, extent, every position, its blocks)
+        for seq, (n_new, newest) in written.items():
+            extent = newest + 1
+            pos, blocks, missing = self.tables.slots(seq, extent, bs)
+            rep.sequence_checks += 1
+            if missing >= 0:
+                self.mismatch(1, Mismatch(step, seq, missing, "table", entry=missing // bs))
+                continue
+            if n_new == 1:
+                decodes.append((seq, extent, pos, blocks))
+            if self.dirty is not None:
+                pos, blocks = self._touched(seq, extent, pos, blocks)
+            checks.append((seq, n_new, extent, pos, blocks))
+        if not checks:
+            return
+        pos = np.concatenate([c[3] for c in checks])
+        slots = torch.from_numpy(np.concatenate([c[4] for c in checks]) * bs + pos % bs).to(st.device)
+        rep.tokens_verified += len(pos)
+        if self.kernels.derives_expected:  # the fused kernel derives each value from its key
+            planes = st.gpu.view(st.num_layers * 2, -1, st.num_kv_heads * st.head_dim)
+            keys = np.concatenate([self._keys[c[0]][c[3]] for c in checks])
+            wrong = self.kernels.any_wrong(planes, slots, device_keys(keys, st.device), self.values.kv_salts)
+        else:
+            expected = torch.cat([self.expected.at(c[0], c[3], c[2]) for c in checks], dim=2)
+            wrong = not torch.equal(st.slots().index_select(2, slots), expected)
+        bad = set()
+        if wrong:
+            for seq, _, extent, p, b in checks:
+                expected = self.expected.at(seq, p, extent).permute(2, 0, 1, 3, 4)
+                n_bad, first = compare_kv(st, p, b, expected, step=step, seq=seq)
+                if first is not None:
+                    bad.add(seq)
+                    self.mismatch(n_bad, first)
+                    if self.dirty is not None:  # a wrong entry stays under watch, as a full read would
+                        self.dirty[seq].update(np.unique(p // bs).tolist())
+        decodes = [d for d in decodes if d[0] not in bad]
+        if decodes:
+            self._check_decodes(step, decodes)
+
+    def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
+        """Paged decode attention on every layer; on the first `attention_layers` layers, its output
+        against dense attention over the expected K/V (never read from the storage), all decodes
+        in one batch."""
+        st, rep, bs = self.st, self.report, self.bs
+        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
+        spans = [pos[pos >= n - self.window] if self.window else pos for _, n, pos, _ in decodes]
+        rep.units["attention"] += sum(len(x) for x in spans)
+        n_layers = min(self.attention_layers, st.num_layers)
+        if not (n_layers or self.kernels.measures):
+            return
+        seqs = [d[0] for d in decodes]
+        ctx = [d[1] for d in decodes]
+        pages = max(-(-n // bs) for n in ctx)
+        tables = torch.zeros((len(decodes), pages), dtype=torch.int32)
+        for i, (seq, n, _, _) in enumerate(decodes):
+            row = [max(b, 0) for b in self.tables.rows[seq][: -(-n // bs)]]
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables = tables.to(st.device)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
+        last = np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)], dtype=np.uint64)
+        q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
+        with self.timer(step, "attention"):
+            out = self.kernels.decode(q, st, tables, ctx_t, self.window, max(ctx), n_layers)
+        self.ex.launches += self.kernels.decode_launches(st, n_layers)
+        if not n_layers:
+            return
+        span = max(len(x) for x in spans)
+        b, layers = len(decodes), n_layers
+        kv = torch.zeros((b, layers, 2, span, st.num_kv_heads, st.head_dim), dtype=torch.float32, device=st.device)
+        valid = torch.zeros((b, span), dtype=torch.bool, device=st.device)
+        for i, ((seq, n, _, _), x) in enumerate(zip(decodes, spans, strict=True)):
+            kv[i, :, :, span - len(x):] = self.expected.at(seq, x, n)[:layers]
+            valid[i, span - len(x):] = True
+        fold = kv.view(b * layers, 2, span, st.num_kv_heads, st.head_dim)
+        ref = dense_decode(q[:, :layers].reshape(b * layers, self.num_heads, st.head_dim).float(),
+                           fold[:, 0], fold[:, 1], valid.repeat_interleave(layers, 0))
+        errs = attention_errors(out[:, :layers].reshape(b * layers, self.num_heads, -1), ref)
+        first = first_bad(errs.view(b, layers, -1).transpose(0, 1), st.dtype, step=step, seqs=seqs,
+                          positions=[n - 1 for n in ctx])
+        if first is not None:
+            self.mismatch(*first)
+        rep.decode_checks += len(decodes)
+
+    def mismatch(self, n: int, first: Mismatch) -> None:
+        """Count `n` wrong positions (or heads) whose first is `first`; raise it when strict."""
+        if self.strict:
+            raise IntegrityError(first.message())
+        self.report.mismatches += n
+        if len(self.report.found) < MAX_FOUND:
+            self.report.found.append(first)
+        if len(self.report.errors) < MAX_ERRORS:
+            self.report.errors.append(first.message())
