@@ -56,6 +56,10 @@ def gpu_replay(
     check: Annotated[str, typer.Option(
         "--check", help="full: read each written sequence back whole; touched: only the table entries an op "
                         "changed since its last check (exact while nothing but the replayed ops writes the storage)")] = "full",
+    inject_faults: Annotated[int, typer.Option(
+        "--inject-faults", help="corrupt N ops of the stream first (every fault kind the stream allows); "
+                                "exit 1 unless every one is reported as a mismatch")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="seed of --inject-faults")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as one JSON object")] = False,
     save: Annotated[Path | None, typer.Option("--save", help="also write the whole report (per-step times) as JSON")] = None,
 ) -> None:
@@ -76,22 +80,60 @@ def gpu_replay(
                     ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
         if v < 1:
             raise fail(f"{name} must be >= 1, got {v}")
-    from gpu.replay import RunFilesError, replay_run
+    if inject_faults < 0:
+        raise fail(f"--inject-faults must be >= 0, got {inject_faults}")
+    if inject_faults and (check_every != 1 or check != "full"):
+        raise fail("--inject-faults needs every step read whole (--check-every 1, --check full): "
+                   "the injector keeps only faults such a replay must catch")
+    from gpu.replay import RunFilesError, load_run, replay_ops
     from sim.engine.config import ConfigError
 
+    faults: list = []
     try:
-        rep = replay_run(run_dir, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
-                         swap_method=swap_method, strict=False, attention_layers=attention_layers,
+        ops, tokens, config = load_run(run_dir)
+        if inject_faults:
+            from gpu.faults import inject_faults as inject
+
+            ops, faults = inject(ops, inject_faults, seed, tokens=tokens, block_size=config["block_size"])
+        rep = replay_ops(ops, tokens, config, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
+                         swap_method=swap_method, strict=False, run=str(run_dir), attention_layers=attention_layers,
                          kernels=kernels, check=check, progress=lambda line: typer.echo(line, err=True))
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
+    report = rep.as_dict()
+    if faults:
+        report["faults"], missed = _fault_results(faults, rep)
     if save is not None:
         with staged_file(save) as tmp:
-            tmp.write_text(json.dumps(rep.as_dict()) + "\n")
-    typer.echo(json.dumps(rep.as_dict()) if as_json else rep.format())
-    if rep.mismatches:
+            tmp.write_text(json.dumps(report) + "\n")
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        typer.echo(rep.format())
+        if faults:
+            from gpu.faults import format_faults
+
+            typer.echo("\ninjected faults\n" + format_faults(faults, [f["caught"] for f in report["faults"]]))
+    if faults:
+        if missed:
+            typer.echo(f"fault injection: {len(missed)} of {len(faults)} injected faults not reported, "
+                       f"the first: {missed[0]}", err=True)
+            raise typer.Exit(1)
+    elif rep.mismatches:
         typer.echo(f"integrity error: {rep.errors[0]}", err=True)
         raise typer.Exit(1)
+
+
+def _fault_results(faults: list, rep) -> tuple[list[dict], list[str]]:
+    """Each injected fault as JSON with whether the replay caught it, and the missed ones' descriptions."""
+    from dataclasses import asdict
+
+    from gpu.faults import attribute
+
+    caught = attribute(faults, rep)
+    rows = [asdict(f) | {"caught": c} for f, c in zip(faults, caught, strict=True)]
+    return rows, [f"{f.kind} at step {f.step} (op {f.index}): {f.what}" for f, c in zip(faults, caught, strict=True)
+                  if not c]
 
 
 def calibrate(

@@ -114,3 +114,43 @@ def test_a_fresh_process_picks_the_interpreter_itself(run):
                          capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "mismatches     0" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory):
+    return scenarios.every_kind(tmp_path_factory.mktemp("every-kind"))
+
+
+def test_injected_faults_are_all_reported(every_kind):
+    r = runner.invoke(app, ["gpu-replay", str(every_kind), "--device", "cpu", "--layers", "1",
+                            "--inject-faults", "6", "--seed", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert sorted(f["kind"] for f in rep["faults"]) == sorted(
+        ["copy_dropped", "move_reversed", "move_dropped", "swap_in_wrong", "write_misplaced", "reused_while_referenced"])
+    assert all(f["caught"] for f in rep["faults"]) and rep["mismatches"] > 0
+    r = runner.invoke(app, ["gpu-replay", str(every_kind), "--device", "cpu", "--layers", "1",
+                            "--inject-faults", "6", "--seed", "3"])
+    assert r.exit_code == 0 and r.stdout.rstrip().endswith("caught 6 of 6 injected faults")
+
+
+def test_a_missed_fault_exits_1_and_names_it(every_kind, monkeypatch):
+    import gpu.faults
+
+    monkeypatch.setattr(gpu.faults, "attribute", lambda faults, rep: [False] + [True] * (len(faults) - 1))
+    r = runner.invoke(app, ["gpu-replay", str(every_kind), "--device", "cpu", "--layers", "1",
+                            "--inject-faults", "2", "--seed", "3"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("fault injection: 1 of 2 injected faults not reported, the first: ")
+
+
+def test_fault_injection_rejects_what_it_cannot_judge(every_kind, run):
+    base = ["gpu-replay", str(every_kind), "--device", "cpu"]
+    r = runner.invoke(app, [*base, "--inject-faults", "-1"])
+    assert r.exit_code == 2 and "--inject-faults must be >= 0, got -1" in r.stderr
+    for extra in (["--check-every", "2"], ["--check", "touched"]):
+        r = runner.invoke(app, [*base, "--inject-faults", "2", *extra])
+        assert r.exit_code == 2 and "--inject-faults needs every step read whole" in r.stderr
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--inject-faults", "50", "--seed", "0"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: cannot inject 50 faults: only ")
