@@ -64,19 +64,22 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         blocks = self.policy.pop_n(n)
-        evicted = 0
+        evicted = []
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
             if b.block_hash is not None:
-                self._evict(b)
-                evicted += 1
+                evicted.append(b)
             b.ref_cnt = 1
         if evicted:
-            self.num_evictions += evicted
-            self.num_cached_free -= evicted
-            if not self.ops.enabled:
-                self.ops.counts["evict"] += evicted
+            if self.ops.enabled:
+                self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
+            else:
+                self.ops.counts["evict"] += len(evicted)
+            for b in evicted:
+                self._evict(b)
+            self.num_evictions += len(evicted)
+            self.num_cached_free -= len(evicted)
         if self.tracker is not None:
             self.tracker.use_distinct([b.block_id for b in blocks])
         return blocks
@@ -91,8 +94,6 @@ class BlockPool:
             del hit[block.block_id]
             if len(hit) == 1:
                 self.cached[key] = next(iter(hit.values()))
-        if self.ops.enabled:
-            self.ops.emit("evict", block.block_id, h=key)
         if self._on_evict is not None:
             self._on_evict(block)
         block.block_hash = None
@@ -132,8 +133,7 @@ class BlockPool:
         if not freed:
             return
         if self.ops.enabled:
-            for b in freed:
-                self.ops.emit("free", b.block_id)
+            self.ops.emit_free([b.block_id for b in freed])
         else:
             self.ops.counts["free"] += len(freed)
         if self.tracker is not None:

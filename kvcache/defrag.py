@@ -145,20 +145,22 @@ class Defragmenter:
 
     # -- defragmentation -----------------------------------------------------
 
+    def due(self) -> bool:
+        """True if `defragment` would move blocks now (fragmentation > threshold)."""
+        # The upper bound settles the common case without touching the arrays.
+        if self._num_used == 0 or self._max_used - self.threshold <= self._num_used:
+            return False
+        return self.max_used() - self.threshold > self._num_used
+
     def defragment(self) -> list[tuple[int, int]]:
         """Exchange the highest used ids with the lowest holes if fragmentation > threshold.
 
         Returns the (src, dst) physical pairs, at most `pad_buckets[-1]`; each is a
         content exchange (src's data goes to dst and dst's to src).
         """
-        if self._num_used == 0:
-            return []
-        # The upper bound settles the common case without touching the arrays.
-        if self._max_used - self.threshold <= self._num_used:
+        if not self.due():
             return []
         top = self.max_used()
-        if top - self.threshold <= self._num_used:
-            return []
         used = np.flatnonzero(self.ref_counts[: top + 1])
         cap = self.pad_buckets[-1]
         free = np.flatnonzero(self.ref_counts[1 : top + 1] == 0)[:cap] + 1

@@ -12,6 +12,7 @@ watermark come from the v0/v2 managers (fork and swap are mixed in from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
@@ -250,10 +251,9 @@ class KVCacheManager(Forking, Swapping):
         if not self.ops.enabled:
             self.ops.counts["write"] += last - first + 1
             return
-        for i in range(first, last + 1):
-            lo = max(start, i * bs) - i * bs
-            hi = min(end, (i + 1) * bs) - i * bs
-            self.ops.emit("write", blocks[i].block_id, lo, hi, sid, pos=i * bs + lo)
+        los = [max(start, i * bs) for i in range(first, last + 1)]  # positions
+        self.ops.emit_writes(sid, [blocks[i].block_id for i in range(first, last + 1)],
+                             [p % bs for p in los], [min(end - i * bs, bs) for i in range(first, last + 1)], los)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
@@ -294,7 +294,7 @@ class KVCacheManager(Forking, Swapping):
         self.num_cached_block.pop(seq.seq_id, None)
         self.pool.free_blocks(blocks[::-1])
         if self.ops.enabled:
-            self.ops.tokens[seq.seq_id] = seq.token_ids(0, seq.num_tokens)
+            self.ops.keep_tokens(seq.seq_id, seq.token_ids(0, seq.num_tokens))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix if no sequence holds blocks (else False, nothing changes)."""
@@ -314,10 +314,12 @@ class KVCacheManager(Forking, Swapping):
         return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
 
     # ---------------------------------------------------------------- defrag
-    def defragment(self) -> list[tuple[int, int]]:
-        """Compact the used physical ids if the threshold is passed; emits `move` ops."""
-        if self.defrag is None:
+    def defragment(self, before: Callable[[], object] | None = None) -> list[tuple[int, int]]:
+        """Compact the used physical ids if the threshold is passed (calling `before()` first);
+        emits `move` ops."""
+        if self.defrag is None or not self.defrag.due():
             return []
+        before is not None and before()
         moves = self.defrag.defragment()
         if moves:
             self.ops.emit_many("move", moves)
@@ -364,6 +366,12 @@ class KVCacheManager(Forking, Swapping):
         """Count `n` decode writes the caller applied without `allocate_slots` (negative: taken back)."""
         self.ops.counts["write"] += n
 
+    def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
+        """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the
+        i-th at step `step + i`: late, by at most `ops.lag` steps (`OpLog.late_writes`)."""
+        bs = self.block_size
+        self.ops.late_writes(seq.seq_id, self.req_blocks[seq.seq_id][pos // bs].block_id, step, n, pos % bs, pos)
+
     @property
     def records_ops(self) -> bool:
         """True if every op is recorded, not just counted (`record_ops`)."""
@@ -371,7 +379,10 @@ class KVCacheManager(Forking, Swapping):
 
     def set_step(self, step: int) -> None:
         """Stamp the ops that follow with engine step `step`."""
-        self.ops.step = step
+        if self.ops.enabled:
+            self.ops.set_step(step)  # may cut a chunk
+        else:
+            self.ops.step = step
 
     def save_ops(self, folder: str | Path) -> None:
         """Write the recorded ops and each sequence's tokens into `folder` (`OpLog.save`)."""
@@ -384,9 +395,5 @@ class KVCacheManager(Forking, Swapping):
 
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
         """Allocated slots not holding a token, over the given live sequences."""
-        bs = self.block_size
-        total = 0
-        for s in seqs:
-            n = len(self.req_blocks.get(s.seq_id, ())) * bs
-            total += n - min(s.num_tokens, n)
-        return total
+        bs, tables = self.block_size, self.req_blocks
+        return sum(max(0, len(tables.get(s.seq_id, ())) * bs - s.num_tokens) for s in seqs)

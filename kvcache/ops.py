@@ -25,18 +25,32 @@ Counters per kind are always kept; full records only when `enabled`.
 from __future__ import annotations
 
 import json
+import shutil
+from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-OPS_VERSION = 1
+from kvcache.op_files import (
+    META,
+    OPS_VERSION,
+    Sink,
+    late_table,
+    rows_table,
+    tokens_dict,
+    tokens_table,
+)
+
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
 _COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
 _GPU_B = frozenset(("copy", "swap_in"))
+_CODE = {k: i for i, k in enumerate(KINDS)}  # kind -> its code in a pending row
+CHUNK_ROWS = 1 << 18  # rows of a chunk of the op log
+TOKEN_CHUNK = 1 << 22  # token ids kept before they are written out
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +68,41 @@ class Op:
 
 
 class OpLog:
-    """Collects ops as they are decided; cheap counters always, records on demand."""
+    """Collects ops as they are decided; cheap counters always, records on demand.
 
-    def __init__(self, enabled: bool = False):
+    Records are kept in chunks of about `chunk_rows` rows, as compact columns, or
+    streamed to `ops.parquet` and `op_tokens.parquet` in a folder (`stream_to`).
+    A chunk is cut when the step advances (`step` is set) past `chunk_rows` rows.
+    Late writes (`late_writes`: the lazy decodes of sim.engine.shortcuts) carry a
+    step up to `lag` steps before the current one; rows are ordered by step, a late
+    write of step s after every other row of step s, so rows are final only once
+    they are `lag` steps old.
+    """
+
+    def __init__(self, enabled: bool = False, chunk_rows: int | None = None):
         self.enabled = enabled
         self.resolve = None  # allocator id -> physical id, set when a defragmenter runs
-        self.step = 0
         self.counts: Counter[str] = Counter()
-        self._rows: list[tuple] = []
-        self.tokens: dict[str, np.ndarray] = {}  # seq -> its token ids when last released
+        self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
+        self.lag = 0  # steps a late write may lag the current step (0: none come)
+        self.step = 0  # the step the ops that follow belong to (`set_step` may also cut a chunk)
+        self._ints: list[int] = []  # step, kind code, a, b, c, pos, row after row; in emission order
+        self._seqs: list[str] = []
+        self._hashes: list[int | None] = []  # of the pending `evict` rows only
+        self._late = array("q")  # runs of late writes: first step, n, block, first slot, first pos
+        self._late_seqs: list[str] = []
+        self._chunks: list = []  # final rows as pyarrow tables, when not streaming
+        self._tokens: list[tuple[str, np.ndarray]] = []  # (seq, its token ids when released), pending
+        self._token_chunks: list = []
+        self._pending_tokens = 0
+        self._sink: Sink | None = None
+        self._done = 0  # rows in chunks or streamed
+
+    def set_step(self, step: int) -> None:
+        """Stamp the ops that follow with `step`; cut a chunk if enough rows are pending."""
+        self.step = step
+        if len(self._seqs) + 8 * len(self._late_seqs) >= self.chunk_rows:
+            self._flush(step - self.lag if self.lag else None)
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
              pos: int = -1) -> None:
@@ -74,27 +114,171 @@ class OpLog:
                     a = int(self.resolve(a))
                 if kind in _GPU_B:
                     b = int(self.resolve(b))
-            self._rows.append((self.step, kind, a, b, c, seq, h, pos))
+            self._ints.extend((self.step, _CODE[kind], a, b, c, pos))
+            self._seqs.append(seq)
+            if kind == "evict":
+                self._hashes.append(h)
 
     def emit_many(self, kind: str, pairs: list[tuple[int, int]]) -> None:
         self.counts[kind] += len(pairs)
         if self.enabled:
-            step = self.step
-            self._rows.extend((step, kind, a, b, -1, "", None, -1) for a, b in pairs)
+            self._extend(kind, [a for a, _ in pairs], [b for _, b in pairs], "")
 
     def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None) -> None:
         """Record `seq`'s block-table entries [start, end) as `table` ops (call only when `enabled`)."""
-        for i in range(start, len(blocks) if end is None else end):
-            self.emit("table", blocks[i].block_id, i, seq=seq)
+        end = len(blocks) if end is None else end
+        if end == start + 1:
+            self.emit("table", blocks[start].block_id, start, seq=seq)
+        elif end > start:
+            self.counts["table"] += end - start
+            ids = [blocks[i].block_id for i in range(start, end)]
+            self._extend("table", self._physical(ids), range(start, end), seq)
+
+    def emit_free(self, ids: list[int]) -> None:
+        """Record `free` ops of allocator blocks `ids`, in order."""
+        self.counts["free"] += len(ids)
+        if self.enabled:
+            self._extend("free", self._physical(ids), [-1] * len(ids), "")
+
+    def emit_evicts(self, ids: list[int], hashes: list[int]) -> None:
+        """Record `evict` ops of allocator blocks `ids` with their keys, in order."""
+        self.counts["evict"] += len(ids)
+        if self.enabled:
+            self._extend("evict", self._physical(ids), [-1] * len(ids), "", hashes=hashes)
+
+    def emit_writes(self, seq: str, ids: list[int], firsts: list[int], ends: list[int], pos: list[int]) -> None:
+        """Record `write` ops of `seq`: block ids[i] (allocator id), slots [firsts[i], ends[i])."""
+        self.counts["write"] += len(ids)
+        if self.enabled:
+            self._extend("write", self._physical(ids), firsts, seq, ends, pos)
+
+    def _physical(self, ids: list[int]) -> list[int]:
+        return ids if self.resolve is None else self.resolve(np.asarray(ids, dtype=np.int64)).tolist()
+
+    def _extend(self, kind: str, a: list[int], b, seq: str, c=None, pos=None, hashes=None) -> None:
+        """Rows of one kind and sequence at this step (c and pos -1, no hash unless given)."""
+        n = len(a)
+        rows = [self.step, _CODE[kind], 0, 0, -1, -1] * n
+        rows[2::6], rows[3::6] = a, b
+        if c is not None:
+            rows[4::6], rows[5::6] = c, pos
+        self._ints.extend(rows)
+        self._seqs.extend([seq] * n)
+        if hashes is not None:
+            self._hashes.extend(hashes)
+
+    def late_writes(self, seq: str, block: int, step: int, n: int, slot: int, pos: int) -> None:
+        """Record `n` one-slot writes of `seq` into allocator block `block`, the i-th at step
+        `step + i`, slot `slot + i`, position `pos + i` (not counted: the caller counts them)."""
+        if self.resolve is not None:
+            block = int(self.resolve(block))
+        self._late.extend((step, n, block, slot, pos))
+        self._late_seqs.append(seq)
+
+    def keep_tokens(self, seq: str, tokens: np.ndarray) -> None:
+        """`seq`'s token ids as it is released (the last release of a sequence wins)."""
+        self._tokens.append((seq, tokens))
+        self._pending_tokens += len(tokens)
+        if self._pending_tokens >= TOKEN_CHUNK:
+            self._flush_tokens()
+
+    @property
+    def tokens(self) -> dict[str, np.ndarray]:
+        """Each released sequence's token ids (in memory only; see `read_tokens` for a stream)."""
+        self._in_memory("tokens")
+        out: dict[str, np.ndarray] = {}
+        for t in self._token_chunks:
+            out.update(tokens_dict(t))
+        out.update(self._tokens)
+        return out
+
+    # ---------------------------------------------------------------- chunks
+    def stream_to(self, folder: str | Path) -> None:
+        """Write the records into `folder`'s `ops.parquet` and `op_tokens.parquet` as they become final."""
+        self._sink = Sink(Path(folder))
+        for t in self._chunks:
+            self._sink.write(self._sink.ops, t)
+        for t in self._token_chunks:
+            self._sink.write(self._sink.tokens, t)
+        self._chunks, self._token_chunks = [], []
+
+    def _flush(self, cut: int | None) -> None:
+        """Move the rows of steps before `cut` (None: all) out of the pending lists."""
+        t = self._take(cut, consume=True)
+        if t.num_rows:
+            self._done += t.num_rows
+            if self._sink is not None:
+                self._sink.write(self._sink.ops, t)
+            else:
+                self._chunks.append(t)
+
+    def _take(self, cut: int | None, consume: bool):
+        """The pending rows of steps before `cut` (None: all) as a table ordered by step."""
+        import pyarrow as pa
+
+        ints = np.fromiter(self._ints, np.int64, len(self._ints)).reshape(-1, 6)
+        late = np.array(self._late, dtype=np.int64).reshape(-1, 5)
+        n = len(ints) if cut is None else int(np.searchsorted(ints[:, 0], cut))
+        evicts = int(np.count_nonzero(ints[:n, 1] == _CODE["evict"]))
+        main = rows_table(ints[:n], self._seqs[:n], self._hashes[:evicts], KINDS)
+        seqs = self._late_seqs
+        if cut is None:
+            ready, ready_seqs = late, seqs
+        else:
+            first, k = late[:, 0], late[:, 1]
+            now = first < cut  # runs with rows before the cut: those rows now, the rest later
+            ready, ready_seqs = late[now].copy(), [x for x, y in zip(seqs, now.tolist(), strict=True) if y]
+            ready[:, 1] = np.minimum(k[now], cut - first[now])
+            later = first + k > cut
+            rest = late[later].copy()
+            d = np.maximum(cut - rest[:, 0], 0)
+            rest[:, 0] += d
+            rest[:, 1] -= d
+            rest[:, 3:] += d[:, None]
+        if consume:
+            del self._ints[:6 * n], self._seqs[:n], self._hashes[:evicts]
+            if cut is None:
+                self._late, self._late_seqs = array("q"), []
+            else:
+                self._late = array("q", rest.tobytes())
+                self._late_seqs = [x for x, y in zip(seqs, later.tolist(), strict=True) if y]
+        if not len(ready):
+            return main
+        both = pa.concat_tables([main, late_table(ready, ready_seqs, KINDS)])
+        order = np.argsort(both.column("step").to_numpy(), kind="stable")
+        return both.take(order)
+
+    def _flush_tokens(self) -> None:
+        if self._tokens:
+            t = tokens_table(self._tokens)
+            if self._sink is not None:
+                self._sink.write(self._sink.tokens, t)
+            else:
+                self._token_chunks.append(t)
+            self._tokens, self._pending_tokens = [], 0
+
+    def _in_memory(self, what: str) -> None:
+        if self._sink is not None:
+            raise ValueError(f"the op log streams to {self._sink.folder}: read its {what} there (read_ops, read_tokens)")
+
+    def _all(self):
+        import pyarrow as pa
+
+        self._in_memory("ops")
+        return pa.concat_tables([*self._chunks, self._take(None, consume=False)])
 
     def records(self) -> list[Op]:
-        return [Op(*row) for row in self._rows]
+        d = self._all().to_pydict()
+        return [Op(*row) for row in zip(*(d[c] for c in _COLUMNS), strict=True)]
 
     def clear(self) -> None:
-        self._rows.clear()
+        self._ints, self._seqs, self._hashes = [], [], []
+        self._late, self._late_seqs = array("q"), []
+        self._chunks.clear()
+        self._done = 0
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._done + len(self._seqs) + sum(self._late[1::5])
 
     def to_jsonl(self, path: str | Path) -> None:
         """One header line `{"kvsim_ops": VERSION}`, then one op per line."""
@@ -105,46 +289,36 @@ class OpLog:
 
     def to_parquet(self, path: str | Path) -> None:
         """Columnar form; the version is stored in the file's metadata."""
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        cols = list(zip(*self._rows, strict=True)) if self._rows else [[] for _ in _COLUMNS]
-        table = pa.table(
-            {
-                "step": pa.array(cols[0], pa.int64()),
-                "kind": pa.array(cols[1], pa.string()),
-                "a": pa.array(cols[2], pa.int64()),
-                "b": pa.array(cols[3], pa.int64()),
-                "c": pa.array(cols[4], pa.int64()),
-                "seq": pa.array(cols[5], pa.string()),
-                "hash": pa.array(cols[6], pa.uint64()),
-                "pos": pa.array(cols[7], pa.int64()),
-            }
-        ).replace_schema_metadata({"kvsim_ops": str(OPS_VERSION)})
-        pq.write_table(table, path)
-
+        pq.write_table(self._all().replace_schema_metadata(META), path)
 
     def save(self, folder: str | Path) -> None:
-        """`ops.parquet` plus `op_tokens.parquet` (each sequence's token ids), what a replayer reads."""
+        """`ops.parquet` plus `op_tokens.parquet` (each sequence's token ids), what a replayer reads.
+        A streamed log is finished and its two files moved into `folder`."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         folder = Path(folder)
-        self.to_parquet(folder / "ops.parquet")
-        seqs = list(self.tokens)
-        table = pa.table({
-            "seq": pa.array(seqs, pa.string()),
-            "tokens": pa.array([self.tokens[s].tolist() for s in seqs], pa.list_(pa.int64())),
-        }).replace_schema_metadata({"kvsim_ops": str(OPS_VERSION)})
-        pq.write_table(table, folder / "op_tokens.parquet")
+        if self._sink is None:
+            self.to_parquet(folder / "ops.parquet")
+            self._flush_tokens()
+            tokens = pa.concat_tables([*self._token_chunks, tokens_table([])])
+            pq.write_table(tokens.replace_schema_metadata(META), folder / "op_tokens.parquet")
+            return
+        self._flush(None)
+        self._flush_tokens()
+        self._sink.close()
+        for name in ("ops.parquet", "op_tokens.parquet"):
+            if (self._sink.folder / name).resolve() != (folder / name).resolve():
+                shutil.move(self._sink.folder / name, folder / name)
 
 
 def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
-    """Token ids per sequence, written by `OpLog.save`."""
+    """Token ids per sequence, written by `OpLog.save` (a sequence released twice: its last)."""
     import pyarrow.parquet as pq
 
-    d = pq.read_table(path).to_pydict()
-    return {s: np.asarray(t, dtype=np.int64) for s, t in zip(d["seq"], d["tokens"], strict=True)}
+    return tokens_dict(pq.read_table(path))
 
 
 def read_ops(path: str | Path) -> list[Op]:

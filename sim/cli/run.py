@@ -6,6 +6,7 @@ import hashlib
 import json
 import shlex
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -173,7 +174,7 @@ def run(
     from sim.engine.config import ConfigError, SimConfig
     from sim.engine.cost_model import CostModel
     from sim.engine.run import simulate
-    from sim.studies.run_folder import write_run
+    from sim.studies.run_folder import ops_scratch, write_run
     from workloads.errors import WorkloadError
 
     try:
@@ -191,26 +192,28 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
-    try:
-        if bar is not None:
-            with bar:
-                result = simulate(wl, cfg, progress, cost_model=cost)
-        else:
-            result = simulate(wl, cfg, cost_model=cost)
-    except (ConfigError, WorkloadError) as e:
-        raise fail(str(e)) from None
-    s = result.summary
-    if s["requests"] and not s["finished"] and s["rejected"] + s["truncated"] == s["requests"]:
-        raise fail(
-            f"the KV cache ({blocks:,} blocks of {cfg.block_size} tokens) is too small for any "
-            f"request of {name} (smallest dropped prompt: {_smallest_drop(result)} tokens)"
-        )
-    if s.get("skipped_lines"):
-        typer.echo(f"skipped {s['skipped_lines']} bad lines (first: {wl.skipped_errors[0]})", err=True)
-    try:
-        write_run(result, out_dir, plots=plots)
-    except OSError as e:
-        raise cannot_write(out_dir, e) from None
+    with ExitStack() as stack:  # the op records stream into a scratch folder until write_run
+        scratch = stack.enter_context(ops_scratch(out_dir)) if cfg.record_ops else None
+        try:
+            if bar is not None:
+                with bar:
+                    result = simulate(wl, cfg, progress, cost_model=cost, ops_dir=scratch)
+            else:
+                result = simulate(wl, cfg, cost_model=cost, ops_dir=scratch)
+        except (ConfigError, WorkloadError) as e:
+            raise fail(str(e)) from None
+        s = result.summary
+        if s["requests"] and not s["finished"] and s["rejected"] + s["truncated"] == s["requests"]:
+            raise fail(
+                f"the KV cache ({blocks:,} blocks of {cfg.block_size} tokens) is too small for any "
+                f"request of {name} (smallest dropped prompt: {_smallest_drop(result)} tokens)"
+            )
+        if s.get("skipped_lines"):
+            typer.echo(f"skipped {s['skipped_lines']} bad lines (first: {wl.skipped_errors[0]})", err=True)
+        try:
+            write_run(result, out_dir, plots=plots)
+        except OSError as e:
+            raise cannot_write(out_dir, e) from None
     notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
     if default_cache:
         notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "

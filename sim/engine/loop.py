@@ -226,8 +226,8 @@ class Engine:
             t0 = clock
             m.set_step(k)
             sched.step = k if step_time is None else g
-            if defrag:
-                m.defragment()
+            if defrag:  # NOTE: lazy decodes' writes are recorded before blocks move
+                m.defragment(sched.materialize if m.records_ops else None)
             b = sched.schedule(t0)
             dropped = self._drain_done(t0) if sched.done else 0
             seqs = b.num_seqs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -55,16 +56,20 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     *,
     cost_model: CostModel | None = None,
+    ops_dir: str | Path | None = None,
 ) -> RunResult:
     """Replay `workload` through the engine `cfg` describes; deterministic for a given
     workload and config. `progress(n)` is called as requests finish;
-    `cost_model` defaults to `CostModel.from_config(cfg)`."""
+    `cost_model` defaults to `CostModel.from_config(cfg)`. With `record_ops`, the op
+    stream is kept in memory, or written into `ops_dir` as it goes (`OpLog.stream_to`)."""
     cfg.validate()
     if cost_model is None:
         from sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
     manager = make_manager(cfg, cost_model)
+    if cfg.record_ops and ops_dir is not None:
+        manager.ops.stream_to(ops_dir)
     env = simpy.Environment()
     engine = Engine(env, workload, cfg, cost_model, manager, progress)
     env.run()

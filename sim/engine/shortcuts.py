@@ -12,14 +12,17 @@
   while the retry must fail (`BlockedHead`).
 
 Both are exact: tests/sim/engine/test_engine.py compares every table with the
-switch on and off. Lazy decodes stay off where `allocate_slots` does more
-(sliding window, lookahead slots, op records) and under priority scheduling;
+switch on and off. With op records, a lazy sequence's writes are recorded when
+it is visited again, stamped with their steps (`KVCacheManager.record_decodes`).
+Lazy decodes stay off where `allocate_slots` does more (sliding window,
+lookahead slots) and under priority scheduling;
 the blocked-head skip stays off with a sliding window. The async scheduler
 takes neither (`Scheduler.has_shortcuts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kvcache.block import KVCacheBlock
@@ -47,6 +50,7 @@ class LazyDecodes:
         self._ctx = 0  # sum of (computed + 1 - since)
         self._frag = 0  # sum of (bs - 2 - computed % bs + since)
         self._wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there
+        self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
 
     def add(self, live: Lazy, k: int, last: int) -> None:
         """`live` (computed tokens c, c % bs in [0, bs - 2]) decodes in place at step k and at
@@ -65,6 +69,8 @@ class LazyDecodes:
     def drop(self, live: Lazy, k: int) -> None:
         """Bring `live`'s `seq` up to date at the start of step k; it is no longer lazy."""
         seq, d = live.seq, k - live.since
+        if self.record is not None:
+            self.record(live, k)
         c = seq.num_computed_tokens
         self.n -= 1
         self._ctx -= c + 1 - live.since
@@ -151,9 +157,14 @@ class Shortcuts:
         self.m = m
         self.bs, self.tables, self.decode_slot = m.block_size, m.req_blocks, m.decode_slot
         self.lookahead = lookahead
-        self.decodes = on and not (m.sliding_window or lookahead or m.records_ops or priority)
+        self.decodes = on and not (m.sliding_window or lookahead or priority)
         self.heads = on and m.sliding_window is None
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
+        self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
+        self.records = self.decodes and m.records_ops
+        if self.records:
+            self.lazy.record = self._record
+            m.ops.lag = self.bs  # late writes: a lazy run lasts at most bs - 1 steps
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
@@ -163,6 +174,7 @@ class Shortcuts:
         """Start step k's pass over RUNNING: wake the lazy sequences due, and end all laziness
         if the budget binds. Returns the token budget left for `active`."""
         lazies, active = self.lazy, self.active
+        self._stamps[k % len(self._stamps)] = self.m.ops.step
         woken = lazies.due(k)
         if woken:
             active.extend(woken)
@@ -197,6 +209,9 @@ class Shortcuts:
             # this one stays unshared until it fills.
             self.lazy.add(live, k, last)
             return True
+        if self.records and r and r < bs - 1:  # recorded in place, not late: it may finish now
+            self.decode_slot(seq)
+            self._counted += 1
         seq.num_computed_tokens = c + 1
         seq.append_tokens(1)
         b.decodes.append(live)
@@ -222,6 +237,26 @@ class Shortcuts:
             b.decode_tokens += nl
             b.context_tokens += lazies.context_tokens(k)
             b.frag += lazies.empty_slots(k)
+
+    def _record(self, live: Lazy, k: int) -> None:
+        """Record the writes `live` made lazily, at steps since..k-1 (the op log puts them in place)."""
+        # NOTE: nothing else touches its block meanwhile: it is unshared and neither full nor freed
+        # (nor cached, evicted, copied or swapped) until it is visited again, and the loop drops
+        # every lazy sequence before defrag moves blocks (`Engine._steps`). One that went lazy on
+        # its block's first slot had that step's write recorded by `decode_slot`.
+        c, first = live.seq.num_computed_tokens, live.since
+        if not c % self.bs:
+            c, first = c + 1, first + 1
+        n = k - first
+        if n <= 0:
+            return
+        stamps, r = self._stamps, len(self._stamps)
+        step = stamps[first % r]
+        if stamps[(k - 1) % r] - step == n - 1:  # one manager step a step (the engine loop)
+            self.m.record_decodes(live.seq, c, step, n)
+        else:
+            for i in range(n):
+                self.m.record_decodes(live.seq, c + i, stamps[(first + i) % r], 1)
 
     def preempted(self, live: Live, k: int) -> None:
         """`live` leaves RUNNING at step k: it is no longer lazy."""

@@ -4,7 +4,8 @@ A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
 `record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
 holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
-(`staged_folder`).
+(`staged_folder`); a run's op records stream into a scratch folder beside
+(`ops_scratch`) and move in with the rest.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def staged_folder(out_dir: str | Path) -> Iterator[Path]:
         else:
             for f in tmp.iterdir():
                 os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def ops_scratch(out_dir: str | Path) -> Iterator[Path]:
+    """A fresh folder beside `out_dir` for a run to stream its op records into (`simulate`'s
+    `ops_dir`); `write_run` moves them into the run folder; the folder is removed at the end."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".ops"))
+    try:
+        yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

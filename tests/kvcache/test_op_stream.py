@@ -1,0 +1,97 @@
+"""The op log in chunks: late writes put in step order, streamed files read back whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.ops import Op, OpLog, read_ops, read_tokens
+
+
+def _late_example(log: OpLog) -> None:
+    """Steps 5..8; seq "x" decodes lazily in block 7 from step 5 (slot 2) and is recorded at step 8."""
+    log.lag = 4
+    for step in range(5, 9):
+        log.set_step(step)
+        log.emit("write", 3, 0, 4, "y", pos=4 * step)
+        if step == 6:
+            log.emit("evict", 9, h=2**64 - 1)
+    log.late_writes("x", 7, 5, 3, 2, 18)
+    log.emit("free", 3)
+
+
+def test_late_writes_go_to_the_end_of_their_steps() -> None:
+    log = OpLog(enabled=True)
+    _late_example(log)
+    assert log.records() == [
+        Op(5, "write", 3, 0, 4, "y", pos=20), Op(5, "write", 7, 2, 3, "x", pos=18),
+        Op(6, "write", 3, 0, 4, "y", pos=24), Op(6, "evict", 9, hash=2**64 - 1), Op(6, "write", 7, 3, 4, "x", pos=19),
+        Op(7, "write", 3, 0, 4, "y", pos=28), Op(7, "write", 7, 4, 5, "x", pos=20),
+        Op(8, "write", 3, 0, 4, "y", pos=32), Op(8, "free", 3),
+    ]
+    assert len(log) == 9 and log.counts["write"] == 4  # late writes are counted by the caller
+
+
+def test_a_chunk_holds_back_rows_a_late_write_may_still_precede(tmp_path) -> None:
+    log = OpLog(enabled=True, chunk_rows=1)
+    log.stream_to(tmp_path)
+    _late_example(log)
+    # stepping to 8 cut the rows of steps before 8 - lag = 4: none yet
+    assert log._done == 0
+    log.set_step(10)  # rows before step 6 are final now; x's late run is split at the cut
+    assert log._done == 2
+    log.keep_tokens("x", np.arange(3))
+    log.keep_tokens("x", np.arange(5))  # released twice: the last counts
+    log.save(tmp_path)
+    assert pq.ParquetFile(tmp_path / "ops.parquet").metadata.num_row_groups == 2
+    memory = OpLog(enabled=True)
+    _late_example(memory)
+    assert read_ops(tmp_path / "ops.parquet") == memory.records()
+    assert read_tokens(tmp_path / "op_tokens.parquet")["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    chunk=st.integers(1, 12),
+    lag=st.integers(1, 5),
+    steps=st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=25),
+)
+def test_streamed_chunks_equal_one_sort_by_step(tmp_path_factory, chunk: int, lag: int, steps) -> None:
+    """Any mix of ops and late writes (at most `lag` steps late), cut into chunks of any size:
+    the file holds every row once, stably ordered by step, a late write after its step's rows."""
+    folder = tmp_path_factory.mktemp("ops")
+    logs = [OpLog(enabled=True, chunk_rows=chunk), OpLog(enabled=True)]
+    logs[0].stream_to(folder)
+    expect: list[tuple[int, int, Op]] = []  # (step, late, op) in emission order
+    for log in logs:
+        log.lag = lag
+    for k, (n_ops, lates) in enumerate(steps):
+        for log in logs:
+            log.set_step(k)
+        for i in range(n_ops):
+            kind = ("write", "table", "free", "evict")[i % 4]
+            h = (2**63 + k * 10 + i) if kind == "evict" else None
+            for log in logs:
+                log.emit(kind, k * 10 + i, i, seq=f"s{i}", h=h)
+            expect.append((k, 0, Op(k, kind, k * 10 + i, i, -1, f"s{i}", h, -1)))
+        for j, back in enumerate(lates):
+            first = max(k - min(back, lag), 0)
+            n = k - first
+            if n:
+                for log in logs:
+                    log.late_writes(f"z{j}", 100 + j, first, n, 1, 40)
+                expect += [(first + d, 1, Op(first + d, "write", 100 + j, 1 + d, 2 + d, f"z{j}", None, 40 + d))
+                           for d in range(n)]
+        for log in logs:
+            log.keep_tokens(f"t{k}", np.arange(k))
+    want = [op for _, _, op in sorted(expect, key=lambda e: e[0])]  # stable: late after within a step
+    assert logs[1].records() == want
+    logs[0].save(folder)
+    assert read_ops(folder / "ops.parquet") == want
+    tokens = read_tokens(folder / "op_tokens.parquet")
+    assert {s: t.tolist() for s, t in tokens.items()} == {f"t{k}": list(range(k)) for k in range(len(steps))}
+    with pytest.raises(ValueError, match="streams to"):
+        logs[0].records()

@@ -1,0 +1,140 @@
+"""Op records with the speed shortcuts on: the same ops, step by step, as visiting every sequence."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pandas as pd
+import pytest
+
+from kvcache import ops as oplog
+from kvcache.manager import KVCacheManager
+from kvcache.ops import Op, read_ops, read_tokens
+from sim.engine.config import SimConfig
+from sim.engine.run import simulate
+from workloads.request import Workload
+from workloads.shapes import parallel, shared_prefix
+
+_GPU_A = ("write", "copy", "swap_out", "free", "evict", "table", "move")
+_GPU_B = ("copy", "swap_in", "move")
+
+
+def _workload() -> Workload:
+    """Shared prefixes and parallel sampling, arriving fast enough to preempt."""
+    from workloads.arrivals import Poisson
+    from workloads.lengths import Fixed, LogNormal
+    from workloads.shapes import merge
+
+    a = shared_prefix(40, num_prefixes=3, prefix_len=Fixed(64), user_len=LogNormal(30, 1.0, hi=150),
+                      output_len=LogNormal(50, 1.0, hi=200), arrivals=Poisson(8.0), seed=5,
+                      token_range=(0, 2**20))
+    b = parallel(10, n=3, prompt_len=LogNormal(60, 0.5, hi=200), output_len=LogNormal(40, 0.5, hi=150),
+                 arrivals=Poisson(3.0), seed=6, token_range=(2**20, 2**21))
+    return merge(a, b, name="mixed")
+
+
+CASES = {
+    "recompute": {},
+    "swap": {"preemption": "swap", "num_cpu_blocks": 400},
+    "defrag": {"defrag_threshold": 4, "watermark": 0.05},
+    "defrag+swap": {"defrag_threshold": 2, "preemption": "swap", "num_cpu_blocks": 400, "block_size": 8},
+    "no-prefix-caching": {"enable_prefix_caching": False},
+    "no-chunking": {"enable_chunked_prefill": False, "max_num_batched_tokens": 320, "block_size": 8},
+    "fixed-step": {"step_time": 0.05},
+}
+
+
+def _cfg(**kw) -> SimConfig:
+    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64, "record_ops": True}
+    return SimConfig(**{**base, **kw})
+
+
+def _blocks(op: Op) -> list[tuple[str, int]]:
+    """The blocks an op touches: ("gpu", id) / ("cpu", id)."""
+    out = []
+    if op.kind in _GPU_A:
+        out.append(("gpu", op.a))
+    elif op.kind == "swap_in":
+        out.append(("cpu", op.a))
+    if op.kind in _GPU_B:
+        out.append(("gpu", op.b))
+    elif op.kind == "swap_out":
+        out.append(("cpu", op.b))
+    return out
+
+
+def _per_block(ops: list[Op]) -> dict[tuple, list[Op]]:
+    """Per (step, block): the ops touching it, in stream order (what a replay depends on)."""
+    out: dict[tuple, list[Op]] = defaultdict(list)
+    for op in ops:
+        for blk in _blocks(op):
+            out[(op.step, *blk)].append(op)
+    return dict(out)
+
+
+def _per_step(ops: list[Op]) -> dict[int, Counter]:
+    out: dict[int, Counter] = defaultdict(Counter)
+    for op in ops:
+        out[op.step][op] += 1
+    return dict(out)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Every step has the same ops (as a multiset) and every block sees them in the same order,
+    with lazy decodes recorded late; the tables are those of a run that records nothing."""
+    late = []
+    record = KVCacheManager.record_decodes
+
+    def counted(m, seq, pos, step, n):
+        late.append(n)
+        record(m, seq, pos, step, n)
+
+    monkeypatch.setattr(KVCacheManager, "record_decodes", counted)
+    cfg = _cfg(**CASES[case])
+    fast = simulate(_workload(), cfg)
+    assert sum(late) > 100 and max(late) > 1  # lazy decodes ran and were recorded in bulk
+    n_late = len(late)
+    slow = simulate(_workload(), cfg.replace(shortcuts=False))
+    plain = simulate(_workload(), cfg.replace(record_ops=False))
+    assert len(late) == n_late  # nothing late without the shortcuts
+    s = fast.summary
+    assert s["preemptions"] > 0 and s["cow_copies"] > 0
+    if "defrag_threshold" in cfg.to_dict() and cfg.defrag_threshold is not None:
+        assert s["defrag_moves"] > 0
+    for other in (slow, plain):
+        pd.testing.assert_frame_equal(fast.steps, other.steps)
+        pd.testing.assert_frame_equal(fast.requests, other.requests)
+    assert fast.manager.ops.counts == slow.manager.ops.counts
+    assert fast.manager.ops.counts - Counter(table=10**9) == plain.manager.ops.counts  # tables: only recorded
+    a, b = fast.manager.ops.records(), slow.manager.ops.records()
+    assert len(a) == len(b) == fast.manager.ops.counts.total()
+    assert [op.step for op in a] == sorted(op.step for op in a)  # ordered by step
+    assert _per_step(a) == _per_step(b)
+    assert _per_block(a) == _per_block(b)
+    assert fast.manager.ops.tokens.keys() == slow.manager.ops.tokens.keys()
+    assert all((fast.manager.ops.tokens[k] == v).all() for k, v in slow.manager.ops.tokens.items())
+
+
+def test_streamed_records_equal_the_in_memory_ones(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed in chunks of a few rows (cut at step boundaries, late writes held back) the
+    files hold exactly the in-memory stream, in the same order; tokens keep each sequence's last."""
+    cfg = _cfg(**CASES["defrag+swap"])
+    whole = simulate(_workload(), cfg)
+    monkeypatch.setattr(oplog, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(oplog, "TOKEN_CHUNK", 50)
+    streamed = simulate(_workload(), cfg, ops_dir=tmp_path)
+    assert streamed.manager.ops._done > 0  # chunks went out while it ran
+    out = tmp_path / "run"
+    out.mkdir()
+    streamed.manager.save_ops(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(out / "ops.parquet").metadata.num_row_groups > 10
+    assert read_ops(out / "ops.parquet") == whole.manager.ops.records()
+    tokens, expect = read_tokens(out / "op_tokens.parquet"), whole.manager.ops.tokens
+    assert tokens.keys() == expect.keys()
+    assert all((tokens[k] == v).all() for k, v in expect.items())
+    with pytest.raises(ValueError, match="streams to"):
+        streamed.manager.ops.records()
