@@ -69,15 +69,23 @@ class Checks:
         if self.dirty is not None:
             self.dirty.pop(seq, None)
 
-    def _touched(self, seq: str, extent: int, pos: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The positions of `seq`'s touched entries; entries wholly below `extent` are clean after."""
+    def _touched(self, seq: str, extent: int) -> tuple[np.ndarray, np.ndarray]:
+        """The positions below `extent` of `seq`'s touched entries, and their blocks; entries wholly
+        below `extent` are clean after."""
         dirty = self.dirty.get(seq)
-        if not dirty:
-            return pos[:0], blocks[:0]
-        keep = np.isin(pos // self.bs, np.fromiter(dirty, dtype=np.int64, count=len(dirty)))
-        last = (extent - 1) // self.bs
-        self.dirty[seq] = {e for e in dirty if e >= last}
-        return pos[keep], blocks[keep]
+        bs, pages = self.bs, -(-extent // self.bs)
+        pos, blocks = [], []
+        if dirty:
+            row = self.tables.rows[seq]
+            for e in sorted(dirty):
+                if e < pages and row[e] > 0:
+                    lo, hi = e * bs, min(extent, e * bs + bs)
+                    pos.append(np.arange(lo, hi, dtype=np.int64))
+                    blocks.append(np.full(hi - lo, row[e], dtype=np.int64))
+            self.dirty[seq] = {e for e in dirty if e >= pages - 1}
+        if not pos:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(pos), np.concatenate(blocks)
 
     # -------------------------------------------------------------- checks
     def verify(self, step: int, written: Mapping[str, list[int]]) -> None:
@@ -85,18 +93,23 @@ class Checks:
         decode attention for the one-token ones."""
         rep, bs, st = self.report, self.bs, self.st
         checks = []  # (seq, tokens this step, extent, positions read, their blocks)
-        decodes = []  # (seq, extent, every position, its blocks)
+        decodes = []  # (seq, extent, every position, its blocks; None where attention does not run)
+        attends = bool(self.attention_layers) or self.kernels.measures
         for seq, (n_new, newest) in written.items():
             extent = newest + 1
-            pos, blocks, missing = self.tables.slots(seq, extent, bs)
             rep.sequence_checks += 1
+            if self.dirty is None or (attends and n_new == 1):
+                pos, blocks, missing = self.tables.slots(seq, extent, bs)
+            else:
+                pos = blocks = None
+                missing = self.tables.first_unset(seq, extent, bs)
             if missing >= 0:
                 self.mismatch(1, Mismatch(step, seq, missing, "table", entry=missing // bs))
                 continue
             if n_new == 1:
                 decodes.append((seq, extent, pos, blocks))
             if self.dirty is not None:
-                pos, blocks = self._touched(seq, extent, pos, blocks)
+                pos, blocks = self._touched(seq, extent)
             checks.append((seq, n_new, extent, pos, blocks))
         if not checks:
             return
@@ -129,12 +142,13 @@ class Checks:
         against dense attention over the expected K/V (never read from the storage), all decodes
         in one batch."""
         st, rep, bs = self.st, self.report, self.bs
-        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
-        spans = [pos[pos >= n - self.window] if self.window else pos for _, n, pos, _ in decodes]
-        rep.units["attention"] += sum(len(x) for x in spans)
+        # positions attended: the window's, all non-null (only blocks wholly outside it are dropped)
+        rep.units["attention"] += sum(min(n, self.window or n) for _, n, _, _ in decodes)
         n_layers = min(self.attention_layers, st.num_layers)
         if not (n_layers or self.kernels.measures):
             return
+        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
+        spans = [pos[pos >= n - self.window] if self.window else pos for _, n, pos, _ in decodes]
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)

@@ -71,6 +71,14 @@ class BlockTables:
         """(sequence, its entries naming `block`) for every sequence holding `block`."""
         return [(s, self._where[s][block]) for s in self.holders.get(block, ())]
 
+    def first_unset(self, seq: str, extent: int, block_size: int) -> int:
+        """The first position below `extent` whose entry was never set (-1 if none)."""
+        row, pages = self.rows.get(seq, ()), -(-extent // block_size)
+        if len(row) >= pages and (not pages or min(row[:pages]) >= 0):
+            return -1
+        i = next((i for i, b in enumerate(row[:pages]) if b < 0), min(len(row), pages))
+        return i * block_size
+
     def slots(self, seq: str, extent: int, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Positions [0, extent) of `seq` outside null entries, their physical blocks, and the
         first position whose entry was never set (-1 if none)."""
