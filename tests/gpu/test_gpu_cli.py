@@ -154,3 +154,18 @@ def test_fault_injection_rejects_what_it_cannot_judge(every_kind, run):
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--inject-faults", "50", "--seed", "0"])
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith("error: cannot inject 50 faults: only ")
+
+
+def test_touched_check_and_progress_lines(run, monkeypatch):
+    import gpu.replay
+
+    monkeypatch.setattr(gpu.replay, "PROGRESS_S", 0.0)
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--check", "touched",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert (rep["check"], rep["mismatches"], rep["steps_checked"], rep["tokens_verified"]) == ("touched", 0, 8, 129)
+    assert r.stderr.splitlines()[0].startswith("step 0 of 7: ")
+    assert r.stderr.splitlines()[-1].startswith("step 7 of 7: 129 tokens verified, 0 mismatches, ")
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--check", "some"])
+    assert r.exit_code == 2 and "--check must be full or touched, got 'some'" in r.stderr
