@@ -28,10 +28,11 @@ class Sink:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
         self._last: Future | None = None
 
-    def write(self, writer, table) -> None:
-        """Queue `table` for `writer`, after the chunk before it is written (one in flight)."""
+    def write(self, writer, table, late=None) -> None:
+        """Queue `table` (merged with `late`, see `by_step`; or (seq, token ids) pairs) for
+        `writer`, after the chunk before it is written (one in flight)."""
         self.wait()
-        self._last = self._pool.submit(writer.write_table, table)
+        self._last = self._pool.submit(_write, writer, table, late)
 
     def wait(self) -> None:
         if self._last is not None:
@@ -45,6 +46,23 @@ class Sink:
             self._pool.shutdown()
             self.ops.close()
             self.tokens.close()
+
+
+def _write(writer, table, late) -> None:
+    if isinstance(table, list):  # (seq, token ids) pairs
+        table = tokens_table(table)
+    writer.write_table(table if late is None else by_step(table, late))
+
+
+def by_step(table, late):
+    """`table`'s rows (in step order) and `late`'s (or None), stably ordered by step: a late row
+    after every row of `table` of its step."""
+    if late is None:
+        return table
+    import pyarrow as pa
+
+    both = pa.concat_tables([table, late])
+    return both.take(np.argsort(both.column("step").to_numpy(), kind="stable"))
 
 
 def schema():

@@ -37,6 +37,7 @@ from kvcache.op_files import (
     META,
     OPS_VERSION,
     Sink,
+    by_step,
     late_table,
     rows_table,
     tokens_dict,
@@ -204,18 +205,18 @@ class OpLog:
 
     def _flush(self, cut: int | None) -> None:
         """Move the rows of steps before `cut` (None: all) out of the pending lists."""
-        t = self._take(cut, consume=True)
-        if t.num_rows:
-            self._done += t.num_rows
+        main, late = self._take(cut, consume=True)
+        n = main.num_rows + (late.num_rows if late is not None else 0)
+        if n:
+            self._done += n
             if self._sink is not None:
-                self._sink.write(self._sink.ops, t)
+                self._sink.write(self._sink.ops, main, late)  # merged on the writer's thread
             else:
-                self._chunks.append(t)
+                self._chunks.append(by_step(main, late))
 
     def _take(self, cut: int | None, consume: bool):
-        """The pending rows of steps before `cut` (None: all) as a table ordered by step."""
-        import pyarrow as pa
-
+        """The pending rows of steps before `cut` (None: all): a table of those emitted in order, and
+        one of the late writes (or None), for `by_step` to merge."""
         ints = np.fromiter(self._ints, np.int64, len(self._ints)).reshape(-1, 6)
         late = np.array(self._late, dtype=np.int64).reshape(-1, 5)
         n = len(ints) if cut is None else int(np.searchsorted(ints[:, 0], cut))
@@ -242,19 +243,14 @@ class OpLog:
             else:
                 self._late = array("q", rest.tobytes())
                 self._late_seqs = [x for x, y in zip(seqs, later.tolist(), strict=True) if y]
-        if not len(ready):
-            return main
-        both = pa.concat_tables([main, late_table(ready, ready_seqs, KINDS)])
-        order = np.argsort(both.column("step").to_numpy(), kind="stable")
-        return both.take(order)
+        return main, (late_table(ready, ready_seqs, KINDS) if len(ready) else None)
 
     def _flush_tokens(self) -> None:
         if self._tokens:
-            t = tokens_table(self._tokens)
             if self._sink is not None:
-                self._sink.write(self._sink.tokens, t)
+                self._sink.write(self._sink.tokens, self._tokens)  # made a table on the writer's thread
             else:
-                self._token_chunks.append(t)
+                self._token_chunks.append(tokens_table(self._tokens))
             self._tokens, self._pending_tokens = [], 0
 
     def _in_memory(self, what: str) -> None:
@@ -265,7 +261,7 @@ class OpLog:
         import pyarrow as pa
 
         self._in_memory("ops")
-        return pa.concat_tables([*self._chunks, self._take(None, consume=False)])
+        return pa.concat_tables([*self._chunks, by_step(*self._take(None, consume=False))])
 
     def records(self) -> list[Op]:
         d = self._all().to_pydict()
