@@ -29,7 +29,7 @@ from gpu.storage import PagedKVStorage
 from gpu.tables import BlockTables
 from gpu.timing import Timer
 from gpu.values import DeviceValues, prefix_keys
-from kvcache.ops import Op, read_ops, read_tokens
+from kvcache.ops import Op, read_op_rows, read_ops, read_tokens
 from workloads.files import read_json
 
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
@@ -48,8 +48,9 @@ class RunFilesError(Exception):
     """A run folder lacks a file the replay needs, or the files disagree; the message names the file."""
 
 
-def load_run(run_dir: str | Path) -> tuple[list[Op], dict[str, np.ndarray], dict[str, Any]]:
-    """A run folder's ops, each sequence's token ids, and its config."""
+def load_run(run_dir: str | Path, *, rows: bool = False) -> tuple[list, dict[str, np.ndarray], dict[str, Any]]:
+    """A run folder's ops (`Op` records, or with `rows` the plain tuples the replay loops over:
+    far cheaper for millions of ops), each sequence's token ids, and its config."""
     d = Path(run_dir)
     if not d.is_dir():
         raise RunFilesError(f"{d}: no such run folder")
@@ -63,7 +64,7 @@ def load_run(run_dir: str | Path) -> tuple[list[Op], dict[str, np.ndarray], dict
     if not isinstance(config, dict) or not isinstance(config.get("block_size"), int):
         raise RunFilesError(f"{d / 'config.json'}: needs an integer 'block_size'")
     tables = []
-    for name, read in (("ops.parquet", read_ops), ("op_tokens.parquet", read_tokens)):
+    for name, read in (("ops.parquet", read_op_rows if rows else read_ops), ("op_tokens.parquet", read_tokens)):
         try:
             tables.append(read(d / name))
         except (ValueError, KeyError):  # pyarrow's ArrowInvalid, or a column missing
@@ -98,7 +99,7 @@ def replay_run(
     torch kernels, whose paged attention would only recompute the reference from the same, already
     verified, K/V).
     """
-    ops, tokens, config = load_run(run_dir)
+    ops, tokens, config = load_run(run_dir, rows=True)
     return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
                       q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir),
                       attention_layers=attention_layers, kernels=kernels, check=check, progress=progress)

@@ -334,6 +334,28 @@ def read_ops(path: str | Path) -> list[Op]:
         return [Op(**json.loads(line)) for line in f if line.strip()]
 
 
+def read_op_rows(path: str | Path) -> list[tuple]:
+    """`read_ops` as plain tuples in `Op`'s field order, each kind and sequence name one shared
+    string: for millions of ops, several times faster and smaller than `Op` records."""
+    path = Path(path)
+    if path.suffix != ".parquet":
+        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(path)]
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    _check_version(path, int((table.schema.metadata or {}).get(b"kvsim_ops", b"0")))
+    cols = []
+    for c in _COLUMNS:
+        col = table.column(c)
+        if c in ("kind", "seq"):
+            codes = pc.dictionary_encode(col).combine_chunks()
+            cols.append(list(map(codes.dictionary.to_pylist().__getitem__, codes.indices.to_pylist())))
+        else:
+            cols.append(col.to_pylist())
+    return list(zip(*cols, strict=True))
+
+
 def _check_version(path: Path, version: int) -> None:
     if version != OPS_VERSION:
         raise ValueError(f"{path}: op stream version {version}, this kvsim reads version {OPS_VERSION}")

@@ -90,7 +90,7 @@ def gpu_replay(
 
     faults: list = []
     try:
-        ops, tokens, config = load_run(run_dir)
+        ops, tokens, config = load_run(run_dir, rows=True)
         if inject_faults:
             from gpu.faults import inject_faults as inject
 

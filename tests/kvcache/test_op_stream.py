@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.ops import Op, OpLog, read_ops, read_tokens
+from kvcache.ops import Op, OpLog, read_op_rows, read_ops, read_tokens
 
 
 def _late_example(log: OpLog) -> None:
@@ -95,3 +95,17 @@ def test_streamed_chunks_equal_one_sort_by_step(tmp_path_factory, chunk: int, la
     assert {s: t.tolist() for s, t in tokens.items()} == {f"t{k}": list(range(k)) for k in range(len(steps))}
     with pytest.raises(ValueError, match="streams to"):
         logs[0].records()
+
+
+def test_read_op_rows_are_read_ops_as_tuples(tmp_path):
+    log = OpLog(True)
+    log.emit("table", 3, 0, seq="a")
+    log.emit("write", 3, 0, 4, "a", pos=0)
+    log.step = 1
+    log.emit("evict", 5, h=2**63 + 7)
+    log.emit("copy", 3, 4)
+    log.to_parquet(tmp_path / "ops.parquet")
+    rows = read_op_rows(tmp_path / "ops.parquet")
+    assert rows == [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(tmp_path / "ops.parquet")]
+    assert rows[1] == (0, "write", 3, 0, 4, "a", None, 0) and rows[2] == (1, "evict", 5, -1, -1, "", 2**63 + 7, -1)
+    assert rows[0][5] is rows[1][5]  # one string per name
