@@ -238,7 +238,7 @@ class KVCacheManager(Forking, Swapping):
         if self.ops.enabled:
             if new:
                 self.ops.emit_table(seq.seq_id, blocks, idx)
-            self.ops.emit("write", blocks[idx].block_id, nc % bs, nc % bs + 1, seq.seq_id, pos=nc)
+            self.ops.emit_span(seq.seq_id, [blocks[idx].block_id], nc, nc + 1, bs)
         else:
             self.ops.counts["write"] += 1
         if self.enable_caching and (nc + 1) % bs == 0 and nc < seq.num_tokens:
@@ -251,9 +251,7 @@ class KVCacheManager(Forking, Swapping):
         if not self.ops.enabled:
             self.ops.counts["write"] += last - first + 1
             return
-        los = [max(start, i * bs) for i in range(first, last + 1)]  # positions
-        self.ops.emit_writes(sid, [blocks[i].block_id for i in range(first, last + 1)],
-                             [p % bs for p in los], [min(end - i * bs, bs) for i in range(first, last + 1)], los)
+        self.ops.emit_span(sid, [blocks[i].block_id for i in range(first, last + 1)], start, end, bs)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
@@ -294,7 +292,7 @@ class KVCacheManager(Forking, Swapping):
         self.num_cached_block.pop(seq.seq_id, None)
         self.pool.free_blocks(blocks[::-1])
         if self.ops.enabled:
-            self.ops.keep_tokens(seq.seq_id, seq.token_ids(0, seq.num_tokens))
+            self.ops.keep_sequence(seq)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix if no sequence holds blocks (else False, nothing changes)."""

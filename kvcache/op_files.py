@@ -8,11 +8,42 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
 OPS_VERSION = 1
 META = {"kvsim_ops": str(OPS_VERSION)}  # the version, in both files' metadata
+
+# How a run of rows (one kind, one sequence, one step) gets its b, c and pos; its `a`s are kept a row.
+SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
+SEG_TABLE = 1  # b = p + i (the i-th row of the run); c, pos -1
+SEG_SPAN = 2  # writes of positions [p, q) in blocks of r slots, a block a row: slots and positions follow
+SEG_EXPLICIT = 3  # b, c, pos kept a row
+
+
+class Runs(NamedTuple):
+    """Rows in runs, in emission order: `segs` a run (step, kind code, rows, mode, p, q, r), its
+    sequence in `seqs`; `a` a row, `bcp` (b, c, pos) a row of the explicit runs, `hashes` an evict."""
+
+    segs: np.ndarray
+    seqs: list[str]
+    a: list[int]
+    bcp: list[int]
+    hashes: list[int | None]
+    rows: int
+
+
+class LateRuns(NamedTuple):
+    """Runs of late one-slot writes (first step, n, block, first slot, first pos) and their sequences."""
+
+    runs: np.ndarray
+    seqs: list[str]
+
+    @property
+    def rows(self) -> int:
+        return int(self.runs[:, 1].sum())
 
 
 class Sink:
@@ -49,9 +80,47 @@ class Sink:
 
 
 def _write(writer, table, late) -> None:
-    if isinstance(table, list):  # (seq, token ids) pairs
+    if isinstance(table, list):  # (seq, token ids or Sequence, n) triples
         table = tokens_table(table)
-    writer.write_table(table if late is None else by_step(table, late))
+    elif isinstance(table, Runs):
+        table = ops_table(table, late)
+    writer.write_table(table)
+
+
+def ops_table(main: Runs, late: LateRuns | None):
+    """One table of `schema()`: `main`'s rows (in step order) and `late`'s, stably ordered by step."""
+    return by_step(runs_table(main, KINDS), None if late is None else late_table(late.runs, late.seqs, KINDS))
+
+
+def runs_table(r: Runs, kinds: tuple[str, ...]):
+    """The rows of `r` as a table of `schema()`."""
+    import pyarrow as pa
+
+    segs, n = r.segs, r.rows
+    counts = segs[:, 2]
+    which = np.repeat(np.arange(len(segs)), counts)  # row -> its run
+    off = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # row -> its index in its run
+    mode = np.repeat(segs[:, 3], counts)
+    p, q, bs = (np.repeat(segs[:, j], counts) for j in (4, 5, 6))
+    ints = np.full((n, 6), -1, np.int64)  # step, kind code, a, b, c, pos
+    ints[:, 0] = np.repeat(segs[:, 0], counts)
+    ints[:, 1] = np.repeat(segs[:, 1], counts)
+    ints[:, 2] = np.fromiter(r.a, np.int64, n)
+    t = mode == SEG_TABLE
+    ints[t, 3] = p[t] + off[t]
+    w = np.flatnonzero(mode == SEG_SPAN)
+    if len(w):
+        b = bs[w]
+        block = p[w] // b + off[w]
+        lo = np.maximum(p[w], block * b)
+        ints[w, 3] = lo % b
+        ints[w, 4] = np.minimum(q[w] - block * b, b)
+        ints[w, 5] = lo
+    e = mode == SEG_EXPLICIT
+    if r.bcp:
+        ints[e, 3:] = np.array(r.bcp, np.int64).reshape(-1, 3)
+    seqs = pa.array(r.seqs, pa.string()).take(pa.array(which))
+    return rows_table(ints, seqs, r.hashes, kinds)
 
 
 def by_step(table, late):
@@ -79,7 +148,7 @@ def tokens_schema():
     return pa.schema([("seq", pa.string()), ("tokens", pa.list_(pa.int64()))], metadata=META)
 
 
-def rows_table(ints: np.ndarray, seqs: list[str], hashes: list[int | None], kinds: tuple[str, ...]):
+def rows_table(ints: np.ndarray, seqs, hashes: list[int | None], kinds: tuple[str, ...]):
     """Rows (columns step, kind code, a, b, c, pos of `ints`; a kind code indexes `kinds`) as a
     table of `schema()`; `hashes` are those of its `evict` rows, in order."""
     import pyarrow as pa
@@ -89,7 +158,8 @@ def rows_table(ints: np.ndarray, seqs: list[str], hashes: list[int | None], kind
     which = np.cumsum(evict) - 1  # row -> its index in `hashes` (evict rows only)
     keys = pa.array(hashes, pa.uint64()).take(pa.array(which, mask=~evict))
     names = pa.array(kinds, pa.string()).take(pa.array(codes))
-    cols = [ints[:, 0], names, ints[:, 2], ints[:, 3], ints[:, 4], pa.array(seqs, pa.string()), keys, ints[:, 5]]
+    seqs = seqs if isinstance(seqs, pa.Array) else pa.array(seqs, pa.string())
+    cols = [ints[:, 0], names, ints[:, 2], ints[:, 3], ints[:, 4], seqs, keys, ints[:, 5]]
     return pa.table([pa.array(np.ascontiguousarray(c)) if isinstance(c, np.ndarray) else c for c in cols],
                     schema=schema())
 
@@ -109,14 +179,21 @@ def late_table(runs: np.ndarray, seqs: list[str], kinds: tuple[str, ...]):
     return pa.table([pa.array(c) if isinstance(c, np.ndarray) else c for c in cols], schema=schema())
 
 
-def tokens_table(items: list[tuple[str, np.ndarray]]):
+def token_ids(tokens, n: int) -> np.ndarray:
+    """`tokens` (an array of token ids, or a `Sequence`) as its first `n` token ids."""
+    return tokens if isinstance(tokens, np.ndarray) else tokens.token_ids(0, n)
+
+
+def tokens_table(items: list[tuple]):
+    """(seq, token ids or its Sequence, n) triples as a table of `tokens_schema()`."""
     import pyarrow as pa
 
-    lengths = np.fromiter((len(t) for _, t in items), np.int64, len(items))
+    lengths = np.fromiter((n for _, _, n in items), np.int64, len(items))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    flat = np.concatenate([t for _, t in items]).astype(np.int64) if items else np.zeros(0, np.int64)
+    flat = (np.concatenate([token_ids(t, n) for _, t, n in items]).astype(np.int64) if items
+            else np.zeros(0, np.int64))
     lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
-    return pa.table([pa.array([s for s, _ in items], pa.string()), lists], schema=tokens_schema())
+    return pa.table([pa.array([s for s, _, _ in items], pa.string()), lists], schema=tokens_schema())
 
 
 def tokens_dict(table) -> dict[str, np.ndarray]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,22 +33,28 @@ from pathlib import Path
 import numpy as np
 
 from kvcache.op_files import (
+    KINDS,
     META,
     OPS_VERSION,
+    SEG_EXPLICIT,
+    SEG_PLAIN,
+    SEG_SPAN,
+    SEG_TABLE,
+    LateRuns,
+    Runs,
     Sink,
-    by_step,
-    late_table,
-    rows_table,
+    ops_table,
+    token_ids,
     tokens_dict,
     tokens_table,
 )
 
-KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
 _COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
 _GPU_B = frozenset(("copy", "swap_in"))
 _CODE = {k: i for i, k in enumerate(KINDS)}  # kind -> its code in a pending row
+_WRITE, _FREE, _EVICT, _TABLE = (_CODE[k] for k in ("write", "free", "evict", "table"))
 CHUNK_ROWS = 1 << 18  # rows of a chunk of the op log
 TOKEN_CHUNK = 1 << 22  # token ids kept before they are written out
 
@@ -87,13 +92,19 @@ class OpLog:
         self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
         self.lag = 0  # steps a late write may lag the current step (0: none come)
         self.step = 0  # the step the ops that follow belong to (`set_step` may also cut a chunk)
-        self._ints: list[int] = []  # step, kind code, a, b, c, pos, row after row; in emission order
+        # NOTE: pending rows come in runs of one kind and sequence (`op_files.SEG_*`): seven ints a run
+        # in `_segs`, the run's sequence in `_seqs`, one `a` a row in `_a`; only what no formula
+        # gives is kept per row (`_bcp`: b, c, pos of the explicit rows; `_hashes`: of evicts)
+        self._segs: list[int] = []  # step, kind code, rows, mode, p, q, r; run after run in emission order
         self._seqs: list[str] = []
+        self._a: list[int] = []
+        self._bcp: list[int] = []
         self._hashes: list[int | None] = []  # of the pending `evict` rows only
-        self._late = array("q")  # runs of late writes: first step, n, block, first slot, first pos
+        self._rows = 0  # pending rows in runs
+        self._late: list[int] = []  # runs of late writes: first step, n, block, first slot, first pos
         self._late_seqs: list[str] = []
         self._chunks: list = []  # final rows as pyarrow tables, when not streaming
-        self._tokens: list[tuple[str, np.ndarray]] = []  # (seq, its token ids when released), pending
+        self._tokens: list[tuple] = []  # (seq, its Sequence, tokens) when released, pending
         self._token_chunks: list = []
         self._pending_tokens = 0
         self._sink: Sink | None = None
@@ -102,7 +113,7 @@ class OpLog:
     def set_step(self, step: int) -> None:
         """Stamp the ops that follow with `step`; cut a chunk if enough rows are pending."""
         self.step = step
-        if len(self._seqs) + 8 * len(self._late_seqs) >= self.chunk_rows:
+        if self._rows + 8 * len(self._late_seqs) >= self.chunk_rows:
             self._flush(step - self.lag if self.lag else None)
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
@@ -115,58 +126,75 @@ class OpLog:
                     a = int(self.resolve(a))
                 if kind in _GPU_B:
                     b = int(self.resolve(b))
-            self._ints.extend((self.step, _CODE[kind], a, b, c, pos))
+            self._segs.extend((self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0))
             self._seqs.append(seq)
+            self._a.append(a)
+            self._bcp.extend((b, c, pos))
+            self._rows += 1
             if kind == "evict":
                 self._hashes.append(h)
 
     def emit_many(self, kind: str, pairs: list[tuple[int, int]]) -> None:
         self.counts[kind] += len(pairs)
         if self.enabled:
-            self._extend(kind, [a for a, _ in pairs], [b for _, b in pairs], "")
+            for a, b in pairs:
+                self.counts[kind] -= 1
+                self.emit(kind, a, b)
 
     def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None) -> None:
         """Record `seq`'s block-table entries [start, end) as `table` ops (call only when `enabled`)."""
         end = len(blocks) if end is None else end
-        if end == start + 1:
-            self.emit("table", blocks[start].block_id, start, seq=seq)
-        elif end > start:
-            self.counts["table"] += end - start
-            ids = [blocks[i].block_id for i in range(start, end)]
-            self._extend("table", self._physical(ids), range(start, end), seq)
+        n = end - start
+        if n > 0:
+            self.counts["table"] += n
+            ids = [blocks[i].block_id for i in range(start, end)] if n > 1 else [blocks[start].block_id]
+            self._segs.extend((self.step, _TABLE, n, SEG_TABLE, start, 0, 0))
+            self._seqs.append(seq)
+            self._a.extend(ids if self.resolve is None else self._physical(ids))
+            self._rows += n
 
     def emit_free(self, ids: list[int]) -> None:
         """Record `free` ops of allocator blocks `ids`, in order."""
-        self.counts["free"] += len(ids)
+        n = len(ids)
+        self.counts["free"] += n
         if self.enabled:
-            self._extend("free", self._physical(ids), [-1] * len(ids), "")
+            self._segs.extend((self.step, _FREE, n, SEG_PLAIN, 0, 0, 0))
+            self._seqs.append("")
+            self._a.extend(ids if self.resolve is None else self._physical(ids))
+            self._rows += n
 
     def emit_evicts(self, ids: list[int], hashes: list[int]) -> None:
         """Record `evict` ops of allocator blocks `ids` with their keys, in order."""
-        self.counts["evict"] += len(ids)
+        n = len(ids)
+        self.counts["evict"] += n
         if self.enabled:
-            self._extend("evict", self._physical(ids), [-1] * len(ids), "", hashes=hashes)
+            self._segs.extend((self.step, _EVICT, n, SEG_PLAIN, 0, 0, 0))
+            self._seqs.append("")
+            self._a.extend(ids if self.resolve is None else self._physical(ids))
+            self._hashes.extend(hashes)
+            self._rows += n
+
+    def emit_span(self, seq: str, ids: list[int], start: int, end: int, bs: int) -> None:
+        """Record `write` ops of `seq`'s positions [start, end) into allocator blocks `ids`, one a
+        block of `bs` slots (ids[0] holds position `start`): the slots each block gets follow."""
+        n = len(ids)
+        self.counts["write"] += n
+        if self.enabled:
+            self._segs.extend((self.step, _WRITE, n, SEG_SPAN, start, end, bs))
+            self._seqs.append(seq)
+            self._a.extend(ids if self.resolve is None else self._physical(ids))
+            self._rows += n
 
     def emit_writes(self, seq: str, ids: list[int], firsts: list[int], ends: list[int], pos: list[int]) -> None:
         """Record `write` ops of `seq`: block ids[i] (allocator id), slots [firsts[i], ends[i])."""
         self.counts["write"] += len(ids)
         if self.enabled:
-            self._extend("write", self._physical(ids), firsts, seq, ends, pos)
+            for a, f, e, p in zip(ids, firsts, ends, pos, strict=True):
+                self.counts["write"] -= 1
+                self.emit("write", a, f, e, seq, pos=p)
 
     def _physical(self, ids: list[int]) -> list[int]:
         return ids if self.resolve is None else self.resolve(np.asarray(ids, dtype=np.int64)).tolist()
-
-    def _extend(self, kind: str, a: list[int], b, seq: str, c=None, pos=None, hashes=None) -> None:
-        """Rows of one kind and sequence at this step (c and pos -1, no hash unless given)."""
-        n = len(a)
-        rows = [self.step, _CODE[kind], 0, 0, -1, -1] * n
-        rows[2::6], rows[3::6] = a, b
-        if c is not None:
-            rows[4::6], rows[5::6] = c, pos
-        self._ints.extend(rows)
-        self._seqs.extend([seq] * n)
-        if hashes is not None:
-            self._hashes.extend(hashes)
 
     def late_writes(self, seq: str, block: int, step: int, n: int, slot: int, pos: int) -> None:
         """Record `n` one-slot writes of `seq` into allocator block `block`, the i-th at step
@@ -176,10 +204,19 @@ class OpLog:
         self._late.extend((step, n, block, slot, pos))
         self._late_seqs.append(seq)
 
-    def keep_tokens(self, seq: str, tokens: np.ndarray) -> None:
-        """`seq`'s token ids as it is released (the last release of a sequence wins)."""
-        self._tokens.append((seq, tokens))
-        self._pending_tokens += len(tokens)
+    def keep_tokens(self, seq: str, tokens) -> None:
+        """`seq`'s token ids as it is released (the last release of a sequence wins): an array, or
+        a `Sequence` whose first `n` token ids they are (made later, off the hot path)."""
+        self._keep(seq, tokens, len(tokens))
+
+    def keep_sequence(self, seq) -> None:
+        """`seq`'s (a `Sequence`) token ids as it is released; read from it when written out (a
+        sequence's first `num_tokens` ids never change)."""
+        self._keep(seq.seq_id, seq, seq.num_tokens)
+
+    def _keep(self, sid: str, tokens, n: int) -> None:
+        self._tokens.append((sid, tokens, n))
+        self._pending_tokens += n
         if self._pending_tokens >= TOKEN_CHUNK:
             self._flush_tokens()
 
@@ -190,7 +227,7 @@ class OpLog:
         out: dict[str, np.ndarray] = {}
         for t in self._token_chunks:
             out.update(tokens_dict(t))
-        out.update(self._tokens)
+        out.update((s, token_ids(t, n)) for s, t, n in self._tokens)
         return out
 
     # ---------------------------------------------------------------- chunks
@@ -206,44 +243,48 @@ class OpLog:
     def _flush(self, cut: int | None) -> None:
         """Move the rows of steps before `cut` (None: all) out of the pending lists."""
         main, late = self._take(cut, consume=True)
-        n = main.num_rows + (late.num_rows if late is not None else 0)
+        n = main.rows + (late.rows if late is not None else 0)
         if n:
             self._done += n
             if self._sink is not None:
-                self._sink.write(self._sink.ops, main, late)  # merged on the writer's thread
+                self._sink.write(self._sink.ops, main, late)  # made and merged on the writer's thread
             else:
-                self._chunks.append(by_step(main, late))
+                self._chunks.append(ops_table(main, late))
 
     def _take(self, cut: int | None, consume: bool):
-        """The pending rows of steps before `cut` (None: all): a table of those emitted in order, and
-        one of the late writes (or None), for `by_step` to merge."""
-        ints = np.fromiter(self._ints, np.int64, len(self._ints)).reshape(-1, 6)
+        """The pending rows of steps before `cut` (None: all): the runs emitted in order (`Runs`), and
+        the late writes' runs (an array, or None), for `ops_table` to make one table of."""
+        segs = np.array(self._segs, dtype=np.int64).reshape(-1, 7)
         late = np.array(self._late, dtype=np.int64).reshape(-1, 5)
-        n = len(ints) if cut is None else int(np.searchsorted(ints[:, 0], cut))
-        evicts = int(np.count_nonzero(ints[:n, 1] == _CODE["evict"]))
-        main = rows_table(ints[:n], self._seqs[:n], self._hashes[:evicts], KINDS)
+        k = len(segs) if cut is None else int(np.searchsorted(segs[:, 0], cut))
+        head = segs[:k]
+        rows = int(head[:, 2].sum())
+        nb = int(head[head[:, 3] == SEG_EXPLICIT, 2].sum())
+        evicts = int(head[head[:, 1] == _EVICT, 2].sum())
+        main = Runs(head, self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
         seqs = self._late_seqs
         if cut is None:
             ready, ready_seqs = late, seqs
         else:
-            first, k = late[:, 0], late[:, 1]
+            first, n = late[:, 0], late[:, 1]
             now = first < cut  # runs with rows before the cut: those rows now, the rest later
             ready, ready_seqs = late[now].copy(), [x for x, y in zip(seqs, now.tolist(), strict=True) if y]
-            ready[:, 1] = np.minimum(k[now], cut - first[now])
-            later = first + k > cut
+            ready[:, 1] = np.minimum(n[now], cut - first[now])
+            later = first + n > cut
             rest = late[later].copy()
             d = np.maximum(cut - rest[:, 0], 0)
             rest[:, 0] += d
             rest[:, 1] -= d
             rest[:, 3:] += d[:, None]
         if consume:
-            del self._ints[:6 * n], self._seqs[:n], self._hashes[:evicts]
+            del self._segs[:7 * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts]
+            self._rows -= rows
             if cut is None:
-                self._late, self._late_seqs = array("q"), []
+                self._late, self._late_seqs = [], []
             else:
-                self._late = array("q", rest.tobytes())
+                self._late = rest.ravel().tolist()
                 self._late_seqs = [x for x, y in zip(seqs, later.tolist(), strict=True) if y]
-        return main, (late_table(ready, ready_seqs, KINDS) if len(ready) else None)
+        return main, (LateRuns(ready, ready_seqs) if len(ready) else None)
 
     def _flush_tokens(self) -> None:
         if self._tokens:
@@ -261,20 +302,21 @@ class OpLog:
         import pyarrow as pa
 
         self._in_memory("ops")
-        return pa.concat_tables([*self._chunks, by_step(*self._take(None, consume=False))])
+        return pa.concat_tables([*self._chunks, ops_table(*self._take(None, consume=False))])
 
     def records(self) -> list[Op]:
         d = self._all().to_pydict()
         return [Op(*row) for row in zip(*(d[c] for c in _COLUMNS), strict=True)]
 
     def clear(self) -> None:
-        self._ints, self._seqs, self._hashes = [], [], []
-        self._late, self._late_seqs = array("q"), []
+        self._segs, self._seqs, self._a, self._bcp, self._hashes = [], [], [], [], []
+        self._rows = 0
+        self._late, self._late_seqs = [], []
         self._chunks.clear()
         self._done = 0
 
     def __len__(self) -> int:
-        return self._done + len(self._seqs) + sum(self._late[1::5])
+        return self._done + self._rows + sum(self._late[1::5])
 
     def to_jsonl(self, path: str | Path) -> None:
         """One header line `{"kvsim_ops": VERSION}`, then one op per line."""

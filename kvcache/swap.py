@@ -102,7 +102,7 @@ class Swapping:
             self.swapped[seq.seq_id] = cpu_ids
             self.pool.free_blocks(blocks[::-1])
             if self.ops.enabled:
-                self.ops.keep_tokens(seq.seq_id, seq.token_ids(0, seq.num_tokens))
+                self.ops.keep_sequence(seq)
         return list(mapping.items())
 
     def drop_swapped(self, seq: Sequence) -> None:
