@@ -238,7 +238,7 @@ class KVCacheManager(Forking, Swapping):
         if self.ops.enabled:
             if new:
                 self.ops.emit_table(seq.seq_id, blocks, idx)
-            self.ops.emit_span(seq.seq_id, [blocks[idx].block_id], nc, nc + 1, bs)
+            self.ops.emit_write(seq.seq_id, blocks[idx].block_id, nc, bs)
         else:
             self.ops.counts["write"] += 1
         if self.enable_caching and (nc + 1) % bs == 0 and nc < seq.num_tokens:

@@ -185,6 +185,17 @@ class OpLog:
             self._a.extend(ids if self.resolve is None else self._physical(ids))
             self._rows += n
 
+    def emit_write(self, seq: str, block: int, pos: int, bs: int) -> None:
+        """Record the one-slot `write` of `seq`'s position `pos` into allocator block `block` (call
+        only when `enabled`)."""
+        self.counts["write"] += 1
+        if self.resolve is not None:
+            block = int(self.resolve(block))
+        self._segs.extend((self.step, _WRITE, 1, SEG_SPAN, pos, pos + 1, bs))
+        self._seqs.append(seq)
+        self._a.append(block)
+        self._rows += 1
+
     def emit_writes(self, seq: str, ids: list[int], firsts: list[int], ends: list[int], pos: list[int]) -> None:
         """Record `write` ops of `seq`: block ids[i] (allocator id), slots [firsts[i], ends[i])."""
         self.counts["write"] += len(ids)
