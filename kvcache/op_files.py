@@ -15,6 +15,7 @@ import numpy as np
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
 OPS_VERSION = 1
 META = {"kvsim_ops": str(OPS_VERSION)}  # the version, in both files' metadata
+COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")  # `kvcache.ops.Op`'s fields, the file's columns
 
 # How a run of rows (one kind, one sequence, one step) gets its b, c and pos; its `a`s are kept a row.
 SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
@@ -203,3 +204,32 @@ def tokens_dict(table) -> dict[str, np.ndarray]:
     flat = lists.values.to_numpy(zero_copy_only=False)
     off = lists.offsets.to_numpy()
     return {s: flat[off[i]:off[i + 1]].astype(np.int64) for i, s in enumerate(seqs)}
+
+
+def check_version(path: Path, version: int) -> None:
+    if version != OPS_VERSION:
+        raise ValueError(f"{path}: op stream version {version}, this kvsim reads version {OPS_VERSION}")
+
+
+def read_ops_table(path: Path):
+    """`ops.parquet` as a pyarrow table, its version checked."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    check_version(path, int((table.schema.metadata or {}).get(b"kvsim_ops", b"0")))
+    return table
+
+
+def table_rows(table) -> list[tuple]:
+    """An ops table's rows as plain tuples in `COLUMNS` order, each kind and sequence name one string."""
+    import pyarrow.compute as pc
+
+    cols = []
+    for c in COLUMNS:
+        col = table.column(c)
+        if c in ("kind", "seq"):
+            codes = pc.dictionary_encode(col).combine_chunks()
+            cols.append(list(map(codes.dictionary.to_pylist().__getitem__, codes.indices.to_pylist())))
+        else:
+            cols.append(col.to_pylist())
+    return list(zip(*cols, strict=True))

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcache.op_files import (
+    COLUMNS,
     KINDS,
     META,
     OPS_VERSION,
@@ -43,14 +44,16 @@ from kvcache.op_files import (
     LateRuns,
     Runs,
     Sink,
+    check_version,
     ops_table,
+    read_ops_table,
+    table_rows,
     token_ids,
     tokens_dict,
     tokens_table,
 )
 
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
-_COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
 _GPU_B = frozenset(("copy", "swap_in"))
 _CODE = {k: i for i, k in enumerate(KINDS)}  # kind -> its code in a pending row
@@ -317,7 +320,7 @@ class OpLog:
 
     def records(self) -> list[Op]:
         d = self._all().to_pydict()
-        return [Op(*row) for row in zip(*(d[c] for c in _COLUMNS), strict=True)]
+        return [Op(*row) for row in zip(*(d[c] for c in COLUMNS), strict=True)]
 
     def clear(self) -> None:
         self._segs, self._seqs, self._a, self._bcp, self._hashes = [], [], [], [], []
@@ -332,7 +335,7 @@ class OpLog:
     def to_jsonl(self, path: str | Path) -> None:
         """One header line `{"kvsim_ops": VERSION}`, then one op per line."""
         with open(path, "w") as f:
-            f.write(json.dumps({"kvsim_ops": OPS_VERSION, "columns": list(_COLUMNS)}) + "\n")
+            f.write(json.dumps({"kvsim_ops": OPS_VERSION, "columns": list(COLUMNS)}) + "\n")
             for op in self.records():
                 f.write(json.dumps(asdict(op)) + "\n")
 
@@ -374,16 +377,11 @@ def read_ops(path: str | Path) -> list[Op]:
     """Read an op stream written by `OpLog.to_jsonl` or `OpLog.to_parquet`."""
     path = Path(path)
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        version = int((table.schema.metadata or {}).get(b"kvsim_ops", b"0"))
-        _check_version(path, version)
-        d = table.to_pydict()
-        return [Op(*row) for row in zip(*(d[c] for c in _COLUMNS), strict=True)]
+        d = read_ops_table(path).to_pydict()
+        return [Op(*row) for row in zip(*(d[c] for c in COLUMNS), strict=True)]
     with open(path) as f:
         header = json.loads(f.readline() or "{}")
-        _check_version(path, header.get("kvsim_ops", 0))
+        check_version(path, header.get("kvsim_ops", 0))
         return [Op(**json.loads(line)) for line in f if line.strip()]
 
 
@@ -391,24 +389,6 @@ def read_op_rows(path: str | Path) -> list[tuple]:
     """`read_ops` as plain tuples in `Op`'s field order, each kind and sequence name one shared
     string: for millions of ops, several times faster and smaller than `Op` records."""
     path = Path(path)
-    if path.suffix != ".parquet":
-        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(path)]
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    _check_version(path, int((table.schema.metadata or {}).get(b"kvsim_ops", b"0")))
-    cols = []
-    for c in _COLUMNS:
-        col = table.column(c)
-        if c in ("kind", "seq"):
-            codes = pc.dictionary_encode(col).combine_chunks()
-            cols.append(list(map(codes.dictionary.to_pylist().__getitem__, codes.indices.to_pylist())))
-        else:
-            cols.append(col.to_pylist())
-    return list(zip(*cols, strict=True))
-
-
-def _check_version(path: Path, version: int) -> None:
-    if version != OPS_VERSION:
-        raise ValueError(f"{path}: op stream version {version}, this kvsim reads version {OPS_VERSION}")
+    if path.suffix == ".parquet":
+        return table_rows(read_ops_table(path))
+    return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(path)]
