@@ -29,7 +29,7 @@ from gpu.storage import PagedKVStorage
 from gpu.tables import BlockTables
 from gpu.timing import Timer
 from gpu.values import DeviceValues, prefix_keys
-from kvcache.ops import Op, read_op_rows, read_ops, read_tokens
+from kvcache.ops import Op, as_rows, read_op_rows, read_ops, read_tokens
 from workloads.files import read_json
 
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
@@ -154,14 +154,6 @@ def replay_ops(
         return r.run(check_every)
     finally:
         torch.set_num_threads(threads)
-
-
-def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
-    """Ops as plain tuples in `Op`'s field order, the replay loop's form (far cheaper than records
-    to build for millions of ops); tuples pass through."""
-    if ops and isinstance(ops[0], Op):
-        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
-    return list(ops)
 
 
 def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -319,8 +320,7 @@ class OpLog:
         return pa.concat_tables([*self._chunks, ops_table(*self._take(None, consume=False))])
 
     def records(self) -> list[Op]:
-        d = self._all().to_pydict()
-        return [Op(*row) for row in zip(*(d[c] for c in COLUMNS), strict=True)]
+        return [Op(*row) for row in table_rows(self._all())]
 
     def clear(self) -> None:
         self._segs, self._seqs, self._a, self._bcp, self._hashes = [], [], [], [], []
@@ -377,8 +377,7 @@ def read_ops(path: str | Path) -> list[Op]:
     """Read an op stream written by `OpLog.to_jsonl` or `OpLog.to_parquet`."""
     path = Path(path)
     if path.suffix == ".parquet":
-        d = read_ops_table(path).to_pydict()
-        return [Op(*row) for row in zip(*(d[c] for c in COLUMNS), strict=True)]
+        return [Op(*row) for row in table_rows(read_ops_table(path))]
     with open(path) as f:
         header = json.loads(f.readline() or "{}")
         check_version(path, header.get("kvsim_ops", 0))
@@ -391,4 +390,11 @@ def read_op_rows(path: str | Path) -> list[tuple]:
     path = Path(path)
     if path.suffix == ".parquet":
         return table_rows(read_ops_table(path))
-    return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(path)]
+    return as_rows(read_ops(path))
+
+
+def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
+    """Ops as plain tuples in `Op`'s field order (`COLUMNS`); tuples pass through."""
+    if ops and isinstance(ops[0], Op):
+        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
+    return list(ops)
