@@ -139,60 +139,44 @@ class OpLog:
                 self._hashes.append(h)
 
     def emit_many(self, kind: str, pairs: list[tuple[int, int]]) -> None:
-        self.counts[kind] += len(pairs)
         if self.enabled:
             for a, b in pairs:
-                self.counts[kind] -= 1
                 self.emit(kind, a, b)
+        else:
+            self.counts[kind] += len(pairs)
 
     def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None) -> None:
         """Record `seq`'s block-table entries [start, end) as `table` ops (call only when `enabled`)."""
         end = len(blocks) if end is None else end
-        n = end - start
-        if n > 0:
-            self.counts["table"] += n
-            ids = [blocks[i].block_id for i in range(start, end)] if n > 1 else [blocks[start].block_id]
-            self._segs.extend((self.step, _TABLE, n, SEG_TABLE, start, 0, 0))
-            self._seqs.append(seq)
-            self._a.extend(ids if self.resolve is None else self._physical(ids))
-            self._rows += n
+        if end > start:
+            self.counts["table"] += end - start
+            self._run(_TABLE, SEG_TABLE, seq, [blocks[i].block_id for i in range(start, end)], start)
 
     def emit_free(self, ids: list[int]) -> None:
         """Record `free` ops of allocator blocks `ids`, in order."""
-        n = len(ids)
-        self.counts["free"] += n
+        self.counts["free"] += len(ids)
         if self.enabled:
-            self._segs.extend((self.step, _FREE, n, SEG_PLAIN, 0, 0, 0))
-            self._seqs.append("")
-            self._a.extend(ids if self.resolve is None else self._physical(ids))
-            self._rows += n
+            self._run(_FREE, SEG_PLAIN, "", ids)
 
     def emit_evicts(self, ids: list[int], hashes: list[int]) -> None:
         """Record `evict` ops of allocator blocks `ids` with their keys, in order."""
-        n = len(ids)
-        self.counts["evict"] += n
+        self.counts["evict"] += len(ids)
         if self.enabled:
-            self._segs.extend((self.step, _EVICT, n, SEG_PLAIN, 0, 0, 0))
-            self._seqs.append("")
-            self._a.extend(ids if self.resolve is None else self._physical(ids))
+            self._run(_EVICT, SEG_PLAIN, "", ids)
             self._hashes.extend(hashes)
-            self._rows += n
 
     def emit_span(self, seq: str, ids: list[int], start: int, end: int, bs: int) -> None:
         """Record `write` ops of `seq`'s positions [start, end) into allocator blocks `ids`, one a
         block of `bs` slots (ids[0] holds position `start`): the slots each block gets follow."""
-        n = len(ids)
-        self.counts["write"] += n
+        self.counts["write"] += len(ids)
         if self.enabled:
-            self._segs.extend((self.step, _WRITE, n, SEG_SPAN, start, end, bs))
-            self._seqs.append(seq)
-            self._a.extend(ids if self.resolve is None else self._physical(ids))
-            self._rows += n
+            self._run(_WRITE, SEG_SPAN, seq, ids, start, end, bs)
 
     def emit_write(self, seq: str, block: int, pos: int, bs: int) -> None:
         """Record the one-slot `write` of `seq`'s position `pos` into allocator block `block` (call
         only when `enabled`)."""
         self.counts["write"] += 1
+        # NOTE: `_run` inlined: this is the hot path, one call per decode token
         if self.resolve is not None:
             block = int(self.resolve(block))
         self._segs.extend((self.step, _WRITE, 1, SEG_SPAN, pos, pos + 1, bs))
@@ -200,13 +184,13 @@ class OpLog:
         self._a.append(block)
         self._rows += 1
 
-    def emit_writes(self, seq: str, ids: list[int], firsts: list[int], ends: list[int], pos: list[int]) -> None:
-        """Record `write` ops of `seq`: block ids[i] (allocator id), slots [firsts[i], ends[i])."""
-        self.counts["write"] += len(ids)
-        if self.enabled:
-            for a, f, e, p in zip(ids, firsts, ends, pos, strict=True):
-                self.counts["write"] -= 1
-                self.emit("write", a, f, e, seq, pos=p)
+    def _run(self, code: int, mode: int, seq: str, ids: list[int], p: int = 0, q: int = 0, r: int = 0) -> None:
+        """One pending run: rows of kind `code` and `seq` at this step, a row per allocator block of
+        `ids`; b, c and pos follow from (mode, p, q, r) (`kvcache.op_files`)."""
+        self._segs.extend((self.step, code, len(ids), mode, p, q, r))
+        self._seqs.append(seq)
+        self._a.extend(self._physical(ids))
+        self._rows += len(ids)
 
     def _physical(self, ids: list[int]) -> list[int]:
         return ids if self.resolve is None else self.resolve(np.asarray(ids, dtype=np.int64)).tolist()
