@@ -139,12 +139,8 @@ def replay_ops(
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     if attention_layers is None:
         attention_layers = layers if kern.measures else 0
-    r = _Replayer(as_rows(ops), tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, kern)
-    r.report.run, r.report.kernels, r.report.attention_layers, r.report.check = run, kern.name, attention_layers, check
-    r.checks = Checks(r.st, r.tables, r.values, r._keys, r.ex, r.timer, r.report, window=r.pred.sliding_window,
-                      num_heads=r.num_heads, attention_layers=attention_layers, strict=strict,
-                      touched=check == "touched")
-    r.progress = progress
+    r = _Replayer(as_rows(ops), tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, kern,
+                  run=run, attention_layers=attention_layers, strict=strict, check=check, progress=progress)
     # NOTE: a replay issues many small tensor ops; on the CPU, torch's worker threads cost more
     # than they give (5x slower on a busy 2-core machine), so it runs on one.
     threads = torch.get_num_threads()
@@ -178,7 +174,7 @@ def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int]:
 
 class _Replayer:
     def __init__(self, rows, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
-                 swap_method, kernels):
+                 swap_method, kernels, *, run, attention_layers, strict, check, progress):
         self.rows, self.tokens = rows, tokens
         self.bs = bs = int(config["block_size"])
         n_gpu, n_cpu = _sizes(rows, config)
@@ -191,14 +187,17 @@ class _Replayer:
         self.tables = BlockTables()
         self.pred = predictor(config)
         self._keys: dict[str, np.ndarray] = {}
-        self.checks: Checks
-        self.progress: Callable[[str], None] | None = None
+        self.progress = progress
         self._step_units: list[tuple[int, str, int]] = []
         geometry = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": self.num_heads,
                     "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu}
-        self.report = ReplayReport("", str(device), str(dtype).removeprefix("torch."), geometry,
+        self.report = ReplayReport(run, str(device), str(dtype).removeprefix("torch."), geometry,
                                    scale=self.st.block_bytes / self.pred.block_bytes,
-                                   model=self.pred.model, gpu=self.pred.gpu)
+                                   model=self.pred.model, gpu=self.pred.gpu,
+                                   kernels=kernels.name, attention_layers=attention_layers, check=check)
+        self.checks = Checks(self.st, self.tables, self.values, self._keys, self.ex, self.timer, self.report,
+                             window=self.pred.sliding_window, num_heads=self.num_heads,
+                             attention_layers=attention_layers, strict=strict, touched=check == "touched")
 
     # ---------------------------------------------------------------- stream
     def run(self, check_every: int) -> ReplayReport:

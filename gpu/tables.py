@@ -86,8 +86,7 @@ class BlockTables:
         row = np.asarray(self.rows.get(seq, ())[:pages], dtype=np.int64)
         if len(row) < pages:
             row = np.concatenate([row, np.full(pages - len(row), -1, dtype=np.int64)])
-        unset = np.flatnonzero(row < 0)
-        missing = int(unset[0]) * block_size if unset.size else -1
+        missing = self.first_unset(seq, extent, block_size)
         pos = np.arange(extent, dtype=np.int64)
         blocks = row[pos // block_size]
         keep = blocks > 0
