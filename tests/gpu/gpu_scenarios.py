@@ -110,17 +110,18 @@ def concurrent(folder: Path, sliding_window: int | None = None) -> Path:
     return save_run(m, folder, sliding_window=sliding_window)
 
 
-def simulated(folder: Path) -> Path:
-    """The simulator's own engine on a tight cache: swap preemption, defrag moves, prefix hits, evictions."""
+def simulated(folder: Path, requests: int = 6, gpu_blocks: int = 10, forks: bool = False) -> Path:
+    """The simulator's own engine on a tight cache: swap preemption, defrag moves, prefix hits, evictions
+    (with `forks`, every third request samples twice: copy-on-write copies too)."""
     from sim.engine.config import SimConfig
     from sim.engine.run import simulate
     from workloads.request import make_request
 
     rng = np.random.default_rng(3)
     system = rng.integers(0, 1000, 10)
-    reqs = [make_request(f"q{i}", 0.001 * i, np.concatenate([system, rng.integers(0, 1000, 3 + i % 5)]), 6 + i % 3)
-            for i in range(6)]
-    cfg = SimConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=32, preemption="swap", defrag_threshold=2,
+    reqs = [make_request(f"q{i}", 0.001 * i, np.concatenate([system, rng.integers(0, 1000, 3 + i % 5)]), 6 + i % 3,
+                         n=2 if forks and i % 3 == 0 else 1) for i in range(requests)]
+    cfg = SimConfig(block_size=4, num_gpu_blocks=gpu_blocks, num_cpu_blocks=32, preemption="swap", defrag_threshold=2,
                     record_ops=True, max_num_batched_tokens=32, max_num_seqs=6)
     result = simulate(reqs, cfg)
     folder.mkdir(parents=True, exist_ok=True)
@@ -143,18 +144,4 @@ def write_ops(folder: Path, ops) -> None:
 def every_kind(folder: Path) -> Path:
     """`simulated` with parallel sampling too: a run whose ops hold every kind a fault can corrupt
     (copy-on-write copies, swaps, defrag moves, prefix hits, writes)."""
-    from sim.engine.config import SimConfig
-    from sim.engine.run import simulate
-    from workloads.request import make_request
-
-    rng = np.random.default_rng(3)
-    system = rng.integers(0, 1000, 10)
-    reqs = [make_request(f"q{i}", 0.001 * i, np.concatenate([system, rng.integers(0, 1000, 3 + i % 5)]), 6 + i % 3,
-                         n=2 if i % 3 == 0 else 1) for i in range(8)]
-    cfg = SimConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=32, preemption="swap", defrag_threshold=2,
-                    record_ops=True, max_num_batched_tokens=32, max_num_seqs=6)
-    result = simulate(reqs, cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    result.manager.ops.save(folder)
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return folder
+    return simulated(folder, requests=8, gpu_blocks=12, forks=True)
