@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from child import run_child
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 FLAGS = ["--model", "llama-3-70b", "--gpu", "a100", "--tp", "2", "--block-size", "16", "--no-plots"]
@@ -31,13 +30,8 @@ def run_case(trace: Path, out: Path, record: bool) -> dict:
     cmd = [sys.executable, "-m", "sim.cli.app", "run", str(trace), *FLAGS, "-o", str(out)]
     if record:
         cmd.append("--record-ops")
-    t0 = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed")
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    _, wall, peak = run_child(cmd)
+    return {"wall_s": round(wall, 2), "peak_rss_mb": round(peak, 1)}
 
 
 def same_tables(a: Path, b: Path) -> bool:

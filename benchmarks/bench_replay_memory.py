@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from child import run_child
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake/conversation_trace.jsonl"
 
@@ -28,17 +28,9 @@ def run_case(trace: Path, k: int, checkout: Path | None) -> dict:
     if checkout is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "sim.cli.app", "cache-replay", str(trace), "-k", str(k), "--json"]
-    t0 = time.perf_counter()
     # NOTE: `python -m` puts the working folder ahead of PYTHONPATH, so run from the checkout
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, cwd=checkout)
-    out = child.stdout.read()
-    child.stdout.close()
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not all children's
-    child.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
-    if child.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited with {child.returncode}")
-    return {"max_running": k, "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "wall_s": round(wall, 2),
+    out, wall, peak = run_child(cmd, env=env, cwd=checkout)
+    return {"max_running": k, "peak_rss_mb": round(peak, 1), "wall_s": round(wall, 2),
             "summary": json.loads(out)}
 
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from child import run_child
 
 AZURE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 
@@ -27,19 +26,6 @@ CASES = {
     "azure-3000": (3000, ["--num-gpu-blocks", "1500", "--num-cpu-blocks", "1000", "--preemption", "swap",
                           "--defrag-threshold", "32"]),
 }
-
-
-def _child(cmd: list[str]) -> tuple[bytes, float, int]:
-    """Run `cmd`; its stdout, wall seconds and peak RSS in bytes (exit code checked)."""
-    t0 = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE)
-    out = child.stdout.read()
-    child.stdout.close()
-    _, status, usage = os.wait4(child.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code not in (0, 1):  # 1: mismatches, reported below
-        raise SystemExit(f"{' '.join(cmd)} exited with {code}")
-    return out, time.perf_counter() - t0, usage.ru_maxrss * 1024
 
 
 def run_case(name: str, out: Path) -> dict:
@@ -52,11 +38,12 @@ def run_case(name: str, out: Path) -> dict:
             for _ in range(lines + 1):  # + the header
                 dst.write(src.readline())
     kvsim = [sys.executable, "-m", "sim.cli.app"]
-    _, record_s, _ = _child([*kvsim, "run", *workload, *options, "--record-ops", "--no-plots", "-o", str(folder)])
-    report, verify_s, peak = _child([*kvsim, "gpu-replay", str(folder), "--device", "cpu", "--json"])
+    _, record_s, _ = run_child([*kvsim, "run", *workload, *options, "--record-ops", "--no-plots", "-o", str(folder)])
+    report, verify_s, peak = run_child([*kvsim, "gpu-replay", str(folder), "--device", "cpu", "--json"],
+                                       ok=(0, 1))  # 1: mismatches, reported below
     rep = json.loads(report)
     return {"case": name, "record_s": round(record_s, 2), "verify_s": round(verify_s, 2),
-            "peak_mib": round(peak / 2**20), "ops": sum(rep["ops"].values()), "ops_by_kind": rep["ops"],
+            "peak_mib": round(peak), "ops": sum(rep["ops"].values()), "ops_by_kind": rep["ops"],
             "steps": rep["steps"], "steps_checked": rep["steps_checked"], "tokens_verified": rep["tokens_verified"],
             "mismatches": rep["mismatches"]}
 
