@@ -54,5 +54,5 @@ class Forking:
         self.num_cow_copies += 1
         blocks[i] = dst
         if self.ops.enabled:
-            self.ops.emit_table(seq.seq_id, blocks, i, i + 1)
+            self.ops.emit_entry(seq.seq_id, dst.block_id, i)
         self.pool.free_blocks([src])

@@ -236,9 +236,10 @@ class KVCacheManager(Forking, Swapping):
         else:
             return False
         if self.ops.enabled:
+            block = blocks[idx].block_id
             if new:
-                self.ops.emit_table(seq.seq_id, blocks, idx)
-            self.ops.emit_write(seq.seq_id, blocks[idx].block_id, nc, bs)
+                self.ops.emit_entry(seq.seq_id, block, idx)
+            self.ops.emit_write(seq.seq_id, block, nc, bs)
         else:
             self.ops.counts["write"] += 1
         if self.enable_caching and (nc + 1) % bs == 0 and nc < seq.num_tokens:
@@ -278,7 +279,7 @@ class KVCacheManager(Forking, Swapping):
             removed.append(blocks[i])
             blocks[i] = self.null_block
             if self.ops.enabled:
-                self.ops.emit_table(sid, blocks, i, i + 1)
+                self.ops.emit_entry(sid, blocks[i].block_id, i)
         if removed:
             self.pool.free_blocks(removed)
 

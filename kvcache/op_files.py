@@ -1,12 +1,11 @@
 """The op log's files: `ops.parquet` and `op_tokens.parquet` (schemas, chunks as tables, the writer).
 
 `kvcache.ops` keeps the rows; this module turns a chunk of them into a pyarrow
-table of the files' schema, and streams tables to the two files (`Sink`).
+table of the files' schema (`kvcache.op_writer` streams the tables to the files).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,10 +24,10 @@ SEG_EXPLICIT = 3  # b, c, pos kept a row
 
 
 class Runs(NamedTuple):
-    """Rows in runs, in emission order: `segs` a run (step, kind code, rows, mode, p, q, r), its
-    sequence in `seqs`; `a` a row, `bcp` (b, c, pos) a row of the explicit runs, `hashes` an evict."""
+    """Rows in runs, in emission order: `segs` seven ints a run (step, kind code, rows, mode, p, q,
+    r), flat, its sequence in `seqs`; `a` a row, `bcp` (b, c, pos) a row of the explicit runs, `hashes` an evict."""
 
-    segs: np.ndarray
+    segs: list[int]
     seqs: list[str]
     a: list[int]
     bcp: list[int]
@@ -47,47 +46,6 @@ class LateRuns(NamedTuple):
         return int(self.runs[:, 1].sum())
 
 
-class Sink:
-    """The two parquet writers of a streamed op log; a chunk is encoded on a thread (which
-    runs beside the simulation: parquet encoding releases the GIL) while the next is made."""
-
-    def __init__(self, folder: Path):
-        import pyarrow.parquet as pq
-
-        self.folder = folder
-        self.ops = pq.ParquetWriter(folder / "ops.parquet", schema())
-        self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema())
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
-        self._last: Future | None = None
-
-    def write(self, writer, table, late=None) -> None:
-        """Queue `table` (merged with `late`, see `by_step`; or (seq, token ids) pairs) for
-        `writer`, after the chunk before it is written (one in flight)."""
-        self.wait()
-        self._last = self._pool.submit(_write, writer, table, late)
-
-    def wait(self) -> None:
-        if self._last is not None:
-            self._last.result()  # re-raises the writer's error here
-            self._last = None
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown()
-            self.ops.close()
-            self.tokens.close()
-
-
-def _write(writer, table, late) -> None:
-    if isinstance(table, list):  # (seq, token ids or Sequence, n) triples
-        table = tokens_table(table)
-    elif isinstance(table, Runs):
-        table = ops_table(table, late)
-    writer.write_table(table)
-
-
 def ops_table(main: Runs, late: LateRuns | None):
     """One table of `schema()`: `main`'s rows (in step order) and `late`'s, stably ordered by step."""
     return by_step(runs_table(main, KINDS), None if late is None else late_table(late.runs, late.seqs, KINDS))
@@ -97,7 +55,7 @@ def runs_table(r: Runs, kinds: tuple[str, ...]):
     """The rows of `r` as a table of `schema()`."""
     import pyarrow as pa
 
-    segs, n = r.segs, r.rows
+    segs, n = np.array(r.segs, np.int64).reshape(-1, 7), r.rows
     counts = segs[:, 2]
     which = np.repeat(np.arange(len(segs)), counts)  # row -> its run
     off = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # row -> its index in its run

@@ -44,7 +44,6 @@ from kvcache.op_files import (
     SEG_TABLE,
     LateRuns,
     Runs,
-    Sink,
     check_version,
     ops_table,
     read_ops_table,
@@ -53,6 +52,7 @@ from kvcache.op_files import (
     tokens_dict,
     tokens_table,
 )
+from kvcache.op_writer import Sink
 
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
@@ -152,6 +152,17 @@ class OpLog:
             self.counts["table"] += end - start
             self._run(_TABLE, SEG_TABLE, seq, [blocks[i].block_id for i in range(start, end)], start)
 
+    def emit_entry(self, seq: str, block: int, index: int) -> None:
+        """Record the one `table` op of `seq`'s entry `index`, now allocator block `block` (call only
+        when `enabled`): `emit_table` for one new block, the common case, without building a list."""
+        self.counts["table"] += 1
+        if self.resolve is not None:
+            block = int(self.resolve(block))
+        self._segs.extend((self.step, _TABLE, 1, SEG_TABLE, index, 0, 0))
+        self._seqs.append(seq)
+        self._a.append(block)
+        self._rows += 1
+
     def emit_free(self, ids: list[int]) -> None:
         """Record `free` ops of allocator blocks `ids`, in order."""
         self.counts["free"] += len(ids)
@@ -230,13 +241,14 @@ class OpLog:
         return out
 
     # ---------------------------------------------------------------- chunks
-    def stream_to(self, folder: str | Path) -> None:
-        """Write the records into `folder`'s `ops.parquet` and `op_tokens.parquet` as they become final."""
-        self._sink = Sink(Path(folder))
+    def stream_to(self, folder: str | Path, process: bool = False) -> None:
+        """Write the records into `folder`'s `ops.parquet` and `op_tokens.parquet` as they become
+        final, encoded on a thread or (`process`: for long runs) in a child process (`op_writer.Sink`)."""
+        self._sink = Sink(Path(folder), process)
         for t in self._chunks:
-            self._sink.write(self._sink.ops, t)
+            self._sink.write("ops", t)
         for t in self._token_chunks:
-            self._sink.write(self._sink.tokens, t)
+            self._sink.write("tokens", t)
         self._chunks, self._token_chunks = [], []
 
     def _flush(self, cut: int | None) -> None:
@@ -246,21 +258,24 @@ class OpLog:
         if n:
             self._done += n
             if self._sink is not None:
-                self._sink.write(self._sink.ops, main, late)  # made and merged on the writer's thread
+                self._sink.write("ops", main, late)  # made and merged by the writer
             else:
                 self._chunks.append(ops_table(main, late))
 
     def _take(self, cut: int | None, consume: bool):
         """The pending rows of steps before `cut` (None: all): the runs emitted in order (`Runs`), and
         the late writes' runs (an array, or None), for `ops_table` to make one table of."""
-        segs = np.array(self._segs, dtype=np.int64).reshape(-1, 7)
+        segs = self._segs
+        k = len(segs) // 7  # runs before the cut: found from the end (rows after it are few)
+        rows, nb, evicts = self._rows, len(self._bcp) // 3, len(self._hashes)  # less the tail's, below
+        while cut is not None and k and segs[7 * k - 7] >= cut:
+            k -= 1
+            _, code, n, mode = segs[7 * k:7 * k + 4]
+            rows -= n
+            nb -= n if mode == SEG_EXPLICIT else 0
+            evicts -= n if code == _EVICT else 0
         late = np.array(self._late, dtype=np.int64).reshape(-1, 5)
-        k = len(segs) if cut is None else int(np.searchsorted(segs[:, 0], cut))
-        head = segs[:k]
-        rows = int(head[:, 2].sum())
-        nb = int(head[head[:, 3] == SEG_EXPLICIT, 2].sum())
-        evicts = int(head[head[:, 1] == _EVICT, 2].sum())
-        main = Runs(head, self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
+        main = Runs(segs[:7 * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
         seqs = self._late_seqs
         if cut is None:
             ready, ready_seqs = late, seqs
@@ -288,7 +303,7 @@ class OpLog:
     def _flush_tokens(self) -> None:
         if self._tokens:
             if self._sink is not None:
-                self._sink.write(self._sink.tokens, self._tokens)  # made a table on the writer's thread
+                self._sink.write("tokens", self._tokens)  # made a table by the writer
             else:
                 self._token_chunks.append(tokens_table(self._tokens))
             self._tokens, self._pending_tokens = [], 0

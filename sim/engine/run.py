@@ -69,7 +69,7 @@ def simulate(
         cost_model = CostModel.from_config(cfg)
     manager = make_manager(cfg, cost_model)
     if cfg.record_ops and ops_dir is not None:
-        manager.ops.stream_to(ops_dir)
+        manager.ops.stream_to(ops_dir, process=True)
     env = simpy.Environment()
     engine = Engine(env, workload, cfg, cost_model, manager, progress)
     env.run()

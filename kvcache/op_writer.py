@@ -1,0 +1,138 @@
+"""The writer of a streamed op log: chunks of rows encoded into `ops.parquet` and `op_tokens.parquet`
+beside the simulation, on a thread or in a child process (`python -m kvcache.op_writer FOLDER`).
+
+In a child process the encoding (numpy, arrow, parquet: much of it holding the GIL) costs the
+simulation only the pickling of each chunk; a thread is cheaper to start (small logs, tests).
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kvcache.op_files import Runs, ops_table, schema, token_ids, tokens_schema, tokens_table
+
+
+class Files:
+    """The two parquet writers; `write` takes a chunk as `kvcache.ops.OpLog` hands it over."""
+
+    def __init__(self, folder: Path):
+        import pyarrow.parquet as pq
+
+        self.ops = pq.ParquetWriter(folder / "ops.parquet", schema())
+        self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema())
+
+    def write(self, name: str, chunk, late=None) -> None:
+        """`name` "ops": a table, or `Runs` merged with `late` (`ops_table`); "tokens": (seq, token
+        ids or Sequence, n) triples, or a table."""
+        if name == "tokens":
+            self.tokens.write_table(tokens_table(chunk) if isinstance(chunk, list) else chunk)
+        else:
+            self.ops.write_table(ops_table(chunk, late) if isinstance(chunk, Runs) else chunk)
+
+    def close(self) -> None:
+        self.ops.close()
+        self.tokens.close()
+
+
+class Sink:
+    """Where a streamed op log's chunks go: one in flight, encoded and written while the next is made."""
+
+    def __init__(self, folder: Path, process: bool = False):
+        self.folder = folder
+        self._last: Future | None = None  # the thread's chunk in flight
+        self._child: subprocess.Popen | None = None
+        self._awaiting = False  # the child's reply to the chunk in flight
+        if process:
+            self._child = subprocess.Popen([sys.executable, "-m", "kvcache.op_writer", str(folder)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        else:
+            self._files = Files(folder)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
+
+    def write(self, name: str, chunk, late=None) -> None:
+        """Queue a chunk for `Files.write`, after the one before it is written."""
+        self.wait()
+        if self._child is None:
+            self._last = self._pool.submit(self._files.write, name, chunk, late)
+            return
+        if name == "tokens" and isinstance(chunk, list):  # a Sequence stays here: its ids go
+            chunk = [(s, token_ids(t, n), n) for s, t, n in chunk]
+        self._send((name, chunk, late))
+
+    def wait(self) -> None:
+        """Block until the chunk in flight is written; re-raise the writer's error here."""
+        if self._awaiting:
+            self._awaiting = False
+            self._reply()
+        elif self._last is not None:
+            last, self._last = self._last, None
+            last.result()
+
+    def close(self) -> None:
+        if self._child is None:
+            try:
+                self.wait()
+            finally:
+                self._pool.shutdown()
+                self._files.close()
+            return
+        try:
+            self.wait()
+            self._send(None)
+            self.wait()
+        finally:
+            self._child.stdin.close()
+            self._child.wait()
+
+    def _send(self, message) -> None:
+        # NOTE: pickled here, then written whole: the pipe holds only 64 KiB, and the child reading
+        # it as it unpickled would keep the simulation waiting on every frame
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._child.stdin.write(len(data).to_bytes(8, "little"))
+            self._child.stdin.write(data)
+            self._child.stdin.flush()
+        except BrokenPipeError:
+            self._reply()  # says why it stopped
+        self._awaiting = True
+
+    def _reply(self) -> None:
+        try:
+            error = pickle.load(self._child.stdout)
+        except EOFError:
+            error = f"exited with status {self._child.wait()}"
+        if error is not None:
+            raise RuntimeError(f"the op log writer for {self.folder} failed: {error}")
+
+
+def serve(folder: Path, inbox, outbox) -> None:
+    """The child's loop: write each chunk read from `inbox` (a pickle after its length, 8 bytes),
+    reply None (or the error) to `outbox`; stop at None (files closed) or at the end of `inbox`."""
+    files = Files(folder)
+    while True:
+        size = inbox.read(8)
+        if len(size) < 8:
+            return  # the simulation is gone: nothing to finish
+        message = pickle.loads(inbox.read(int.from_bytes(size, "little")))
+        try:
+            if message is None:
+                files.close()
+            else:
+                files.write(*message)
+            error = None
+        except Exception:  # noqa: BLE001 - any failure goes back to the parent, which raises it
+            error = traceback.format_exc()
+        pickle.dump(error, outbox)
+        outbox.flush()
+        if message is None or error is not None:
+            return
+
+
+if __name__ == "__main__":
+    replies, sys.stdout = sys.stdout.buffer, sys.stderr  # nothing else may write to the replies
+    serve(Path(sys.argv[1]), sys.stdin.buffer, replies)
