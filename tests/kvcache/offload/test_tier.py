@@ -1,0 +1,316 @@
+"""The host tier on hand-worked sequences, each pinning one rule of vLLM 0.33's offloading
+manager or policies (the file and function named in each test; paths under vllm/v1/kv_offload/).
+
+Keys are small ints; positions are chunk end tokens, 16 tokens a chunk. The expected
+values were also checked against vLLM's own `CPUOffloadingManager`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.offload import OFFLOAD_POLICIES, HostARC, HostLRU, make_policy
+from kvcache.offload.size import num_host_chunks
+from kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
+
+
+def pos(keys: list[int], first: int = 0) -> list[int]:
+    """End tokens of chunks `first`, `first + 1`, ... of a request."""
+    return [16 * (first + i + 1) for i in range(len(keys))]
+
+
+def store(tier: HostTier, req: str, keys: list[int], first: int = 0, *,
+          complete: bool = True) -> StoreOutput | None:
+    out = tier.prepare_store(req, keys, pos(keys, first))
+    if complete and out is not None:
+        tier.complete_store(out.keys)
+    return out
+
+
+def lists(tier: HostTier) -> tuple[list[int], list[int], list[int], list[int], float]:
+    arc = tier.policy
+    assert isinstance(arc, HostARC)
+    return list(arc.t1), list(arc.t2), list(arc.b1), list(arc.b2), arc.target_t1
+
+
+def test_slots_fresh_in_order_then_freed_last_first():
+    """cpu/manager.py CPUOffloadingManager._allocate_chunks and _free_chunk."""
+    t = HostTier(4)
+    assert store(t, "A", [1, 2, 3], complete=False) == StoreOutput([1, 2, 3], [0, 1, 2], [])
+    t.complete_store([1, 2], success=False)  # slots 0 then 1 freed
+    t.complete_store([3])
+    assert (t.lookup(1), t.lookup(3), t.num_free) == (MISS, HIT, 3)
+    assert store(t, "B", [4, 5, 6]) == StoreOutput([4, 5, 6], [3, 1, 0], [])
+    assert t.resident() == {3: 2, 4: 3, 5: 1, 6: 0}
+
+
+def test_lookup_is_pending_until_the_store_completes():
+    """cpu/manager.py CPUOffloadingManager.lookup and complete_store."""
+    t = HostTier(2)
+    store(t, "A", [7], complete=False)
+    assert [t.lookup(7), t.lookup(8)] == [PENDING, MISS]
+    t.complete_store([7, 8])  # a key not pending is ignored
+    assert (t.lookup(7), t.num_pending, t.num_evictable) == (HIT, 0, 1)
+    t.complete_store([7], success=False)  # already ready: a late failure changes nothing
+    assert t.lookup(7) == HIT
+
+
+def test_present_keys_are_skipped_and_only_ready_ones_count_as_reuse():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (ready_existing_keys) and
+    cpu/policies/arc.py ARCCachePolicy.on_request_finished."""
+    t = HostTier(4, "arc")
+    store(t, "A", [1, 2], complete=False)
+    t.complete_store([1])  # 2 stays pending
+    t.request_finished("A")
+    assert store(t, "B", [1, 2, 3]) == StoreOutput([3], [2], [])
+    t.complete_store([2])
+    t.request_finished("B")
+    # 1 was ready when offered: reused, to T2; 2 was pending: not recorded, stays put
+    assert lists(t) == ([2, 3], [1], [], [], 0.0)
+
+
+def test_reading_back_a_chunk_the_request_stored_is_no_reuse():
+    """cpu/manager.py CPUOffloadingManager._record_request_cache_access (reused keys exclude
+    the request's own insertions)."""
+    t = HostTier(2, "arc")
+    store(t, "A", [1])
+    t.prepare_load("A", [1], [16])
+    t.complete_load([1])
+    assert store(t, "A", [1]) == StoreOutput([], [], [])
+    t.request_finished("A")
+    assert lists(t) == ([1], [], [], [], 0.0)
+
+
+def test_store_threshold_admits_on_the_second_offer():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (store_threshold filter)."""
+    t = HostTier(4, store_threshold=2)
+    assert store(t, "S1", [1, 2]) == StoreOutput([], [], [])
+    assert store(t, "S2", [1, 2]) == StoreOutput([1, 2], [0, 1], [])
+    assert store(t, "S3", [1, 2]) == StoreOutput([], [], [])
+    assert (t.num_skipped, t.num_stores) == (2, 2)
+
+
+def test_offer_counter_is_bounded_and_spares_the_current_offer():
+    """cpu/manager.py CPUOffloadingManager._record_accesses (max_tracker_size)."""
+    t = HostTier(8, store_threshold=2, max_tracker_size=2)
+    store(t, "A", [1, 2, 3])  # the table fills with 1, 2; 3 finds no entry it may drop
+    assert store(t, "B", [1, 2, 3]) == StoreOutput([1, 2], [0, 1], [])
+    store(t, "C", [4])  # drops the oldest entry, 1
+    store(t, "D", [5, 2])  # 2 is in this offer: 4 goes, not 2
+    assert store(t, "E", [4]).keys == []  # 4 was forgotten: count 1 again
+    assert t.num_skipped == 3 + 1 + 1 + 1 + 1
+
+
+def test_eviction_is_all_or_nothing_and_pinned_chunks_stay():
+    """cpu/manager.py CPUOffloadingManager.prepare_store and cpu/policies/lru.py
+    LRUCachePolicy.evict; the sequence of /tmp/offload/drive_manager.py part 1."""
+    t = HostTier(4)
+    store(t, "A", [10, 11, 12, 13])
+    t.request_finished("A")  # tail first: 13 oldest, 10 newest
+    assert store(t, "B", [20, 21]) == StoreOutput([20, 21], [2, 3], [13, 12])
+    assert t.prepare_load("C", [10], [16]) == [0]
+    assert store(t, "C", [30, 31, 32, 33]) is None  # 4 needed, 3 evictable
+    assert (t.num_alloc_failures, t.resident()) == (1, {10: 0, 11: 1, 20: 2, 21: 3})
+    assert store(t, "C", [30, 31, 32], complete=False) == StoreOutput([30, 31, 32], [2, 3, 1], [11, 21, 20])
+    t.complete_store([30, 31, 32], success=False)
+    assert (t.lookup(30), t.num_free, t.num_evictions) == (MISS, 3, 5)
+
+
+def test_the_offered_keys_are_protected():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (protected = set(keys))."""
+    t = HostTier(2)
+    store(t, "A", [1, 2])
+    t.request_finished("A")  # 2 is the LRU victim
+    assert store(t, "B", [2, 3], first=1) == StoreOutput([3], [0], [1])
+    one = HostTier(1)
+    store(one, "A", [1])
+    assert store(one, "B", [1, 2]) is None  # the only evictable chunk is offered
+    assert one.resident() == {1: 0}
+
+
+def test_a_chunk_pinned_twice_is_evictable_after_both_loads():
+    """cpu/manager.py CPUOffloadingManager.prepare_load and complete_load (ref counts)."""
+    t = HostTier(2)
+    store(t, "A", [1, 2])
+    t.request_finished("A")
+    t.prepare_load("B", [2], [32])
+    t.prepare_load("C", [2], [32])
+    assert store(t, "D", [3, 4]) is None
+    t.complete_load([2])
+    assert store(t, "D", [3, 4]) is None
+    t.complete_load([2])
+    # B's load raised 2 to B's provisional rank (lru.py on_request_access): 1 goes first
+    assert store(t, "D", [3, 4]) == StoreOutput([3, 4], [1, 0], [1, 2])  # freed slots, LIFO
+    with pytest.raises(ValueError, match="chunk 2 has no load in flight"):
+        t.complete_load([2])
+    with pytest.raises(ValueError, match="chunk 9 is not ready"):
+        t.prepare_load("E", [4, 9], [32, 48])
+    assert t.num_evictable == 2  # nothing pinned by the refused load
+
+
+def test_lru_running_requests_rank_tail_first_and_finished_ones_newest():
+    """cpu/policies/lru.py LRUCachePolicy.insert (request_rank, -position) and
+    on_request_finished (fresh ranks, tail first)."""
+    t = HostTier(4)
+    store(t, "A", [1, 2])  # A's rank 1
+    store(t, "B", [3, 4])  # B's rank 2
+    assert store(t, "C", [5]).evicted == [2]  # A's tail, A ranks below B
+    t.request_finished("A")  # 1 gets a fresh rank, above every running request
+    assert store(t, "D", [6, 7]) == StoreOutput([6, 7], [2, 3], [4, 3])
+
+
+def test_lru_a_running_request_never_lowers_a_rank():
+    """cpu/policies/lru.py LRUCachePolicy.on_request_access (only raises to (request_rank, -position))."""
+    t = HostTier(3)
+    store(t, "B", [5], first=1)  # B's rank 1, 5 at (1, -32)
+    store(t, "A", [1, 2])
+    t.request_finished("A")  # 2 at (3, 0), 1 at (4, 0)
+    t.prepare_load("B", [1], [16])  # (1, -16) is older than (4, 0): 1 keeps its rank
+    t.complete_load([1])
+    assert store(t, "C", [6, 7]).evicted == [5, 2]
+
+
+def test_arc_reuse_promotes_at_finish_and_a_b1_ghost_raises_the_target():
+    """cpu/policies/arc.py ARCCachePolicy.on_request_finished, on_store_miss and evict;
+    the sequence of /tmp/offload/drive_manager.py part 2."""
+    t = HostTier(4, "arc")
+    store(t, "R1", [1, 2])
+    t.request_finished("R1")
+    assert lists(t) == ([2, 1], [], [], [], 0.0)
+    t.prepare_load("R2", [1], [16])
+    assert lists(t) == ([2, 1], [], [], [], 0.0)  # a load is no hit until the request finishes
+    t.complete_load([1])
+    t.request_finished("R2")
+    assert lists(t) == ([2], [1], [], [], 0.0)
+    assert store(t, "R3", [5, 6, 7]) == StoreOutput([5, 6, 7], [2, 3, 1], [2])
+    t.request_finished("R3")
+    assert lists(t) == ([7, 6, 5], [1], [2], [], 0.0)
+    assert store(t, "R4", [2], first=1) == StoreOutput([2], [1], [7])
+    assert lists(t) == ([6, 5, 2], [1], [7], [], 1.0)
+
+
+def test_arc_fractional_target_and_the_int_rule():
+    """cpu/policies/arc.py ARCCachePolicy.on_store_miss (max(1, |B2|/|B1|)) and evict
+    (T1 while |T1| >= int(target))."""
+    t = HostTier(4, "arc")
+    store(t, "A", [1, 2, 3, 4])
+    t.request_finished("A")
+    t.prepare_load("B", [1, 2, 3], [16, 32, 48])
+    t.complete_load([1, 2, 3])
+    t.request_finished("B")
+    assert lists(t) == ([4], [3, 2, 1], [], [], 0.0)
+    store(t, "C", [5], complete=False)
+    assert store(t, "C", [6, 7], first=1).evicted == [3, 2]  # T1 holds only 5, pending
+    t.complete_store([5])
+    t.request_finished("C")
+    assert store(t, "D", [8], complete=False).evicted == [7]
+    t.prepare_load("E", [6, 5], [32, 16])
+    assert store(t, "E", [9], first=3, complete=False).evicted == [1]  # T1 pinned or pending: T2
+    t.complete_store([8, 9])
+    t.complete_load([6, 5])
+    t.request_finished("D")
+    t.request_finished("E")
+    assert lists(t) == ([8, 9], [6, 5], [4, 7], [3, 2, 1], 0.0)
+    assert store(t, "F", [4], first=3).evicted == [8]
+    t.request_finished("F")
+    assert lists(t) == ([9, 4], [6, 5], [7, 8], [3, 2, 1], 1.5)
+    t.prepare_load("G", [9], [64])
+    t.complete_load([9])
+    t.request_finished("G")
+    assert store(t, "H", [10]) == StoreOutput([10], [2], [4])  # |T1| = 1 >= int(1.5)
+    assert lists(t) == ([10], [6, 5, 9], [7, 8, 4], [3, 2, 1], 1.5)
+
+
+def test_arc_adapts_before_a_failed_store_once_per_request_tail_first():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (on_store_miss before the eviction
+    check, deduplicated per request) and cpu/policies/arc.py ARCCachePolicy.on_store_miss."""
+    t = HostTier(4, "arc")
+    store(t, "A", [1, 2, 3, 4])
+    t.request_finished("A")
+    store(t, "B", [5, 6], complete=False)  # evicts 4, 3: B1 = [4, 3]
+    t.prepare_load("C", [1, 2], [16, 32])
+    assert store(t, "C", [3, 4], first=2) is None
+    assert lists(t) == ([2, 1, 5, 6], [], [4, 3], [], 2.0)  # 4 then 3 moved to B1's end
+    assert store(t, "C", [3, 4], first=2) is None
+    assert lists(t)[4] == 2.0
+    assert store(t, "D", [3, 4], first=2) is None
+    assert lists(t)[4] == 4.0  # capped at the capacity
+
+
+def test_arc_finish_leaves_keys_the_request_neither_stored_nor_reused():
+    """cpu/policies/arc.py ARCCachePolicy.on_request_finished: a key whose store failed for
+    lack of room, stored meanwhile by another request, is no hit for the first."""
+    t = HostTier(1, "arc")
+    store(t, "A", [1], complete=False)
+    assert store(t, "B", [2]) is None  # 1 is pending
+    t.complete_store([1])
+    t.request_finished("A")
+    assert store(t, "C", [2]).evicted == [1]
+    t.request_finished("B")
+    assert lists(t) == ([2], [], [1], [], 0.0)
+
+
+def test_a_failed_offer_still_records_the_reuse():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (accesses recorded before the early
+    return None) and cpu/policies/arc.py ARCCachePolicy.on_request_finished."""
+    t = HostTier(2, "arc")
+    store(t, "A", [1])
+    t.request_finished("A")
+    store(t, "X", [2], complete=False)
+    assert store(t, "B", [1, 3]) is None  # 1 is offered (protected), 2 pending
+    t.request_finished("B")
+    assert lists(t) == ([2], [1], [], [], 0.0)
+
+
+def test_arc_trims_each_ghost_list_to_the_capacity():
+    """cpu/policies/arc.py ARCCachePolicy.evict: B1 and B2 each keep `capacity` keys,
+    so |T1| + |B1| reaches 2c (the paper bounds it by c)."""
+    t = HostTier(2, "arc")
+    store(t, "A", [1, 2])
+    t.request_finished("A")
+    store(t, "B", [3, 4])
+    t.request_finished("B")
+    assert store(t, "C", [5, 6]).evicted == [4, 3]
+    assert lists(t) == ([5, 6], [], [4, 3], [], 0.0)
+
+
+def test_failed_store_leaves_no_ghost():
+    """cpu/policies/arc.py ARCCachePolicy.remove."""
+    t = HostTier(2, "arc")
+    store(t, "A", [1], complete=False)
+    t.complete_store([1], success=False)
+    assert lists(t) == ([], [], [], [], 0.0)
+
+
+def test_reset_drops_every_chunk_but_keeps_counts():
+    """cpu/manager.py CPUOffloadingManager.reset_cache (the offer table survives it)."""
+    t = HostTier(2, store_threshold=2)
+    store(t, "A", [1])
+    store(t, "B", [1], complete=False)
+    t.reset()
+    assert (t.resident(), t.num_free, t.num_pending, t.num_stores) == ({}, 2, 0, 1)
+    assert store(t, "C", [1]) == StoreOutput([1], [0], [])  # third offer, fresh slot 0
+    t.request_finished("A")  # a request from before the reset: nothing to commit
+
+
+def test_num_host_chunks():
+    """cpu/spec.py CPUOffloadingSpec.__init__: floor(S * 2^30 / round_up(W * world * bpc, 4096))."""
+    llama3_8b = 32 * 16 * 8 * (128 + 128) * 2  # layers * block * kv heads * (K + V dims) * bf16
+    assert llama3_8b == 2 << 20
+    assert num_host_chunks(8, llama3_8b, 1) == 4096
+    assert num_host_chunks(8, llama3_8b // 2, 2) == 4096  # TP 2: the size covers both workers
+    assert num_host_chunks(8, llama3_8b, 1, blocks_per_chunk=4) == 1024
+    assert num_host_chunks(1, 128, 1) == 262144  # a 128 B block is padded to a 4 KiB page
+    assert num_host_chunks(0.001, 5000, 1) == 131  # int(1073741.824) // 8192
+    with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
+        num_host_chunks(8, llama3_8b, 0)
+    with pytest.raises(ValueError, match="positive GiB, got 0"):
+        num_host_chunks(0, llama3_8b, 1)
+
+
+def test_policy_names():
+    assert OFFLOAD_POLICIES == ("lru", "arc")
+    assert isinstance(make_policy("lru", 4), HostLRU)
+    assert make_policy("arc", 4).capacity == 4
+    with pytest.raises(ValueError, match="unknown offload eviction policy 'lfu'; choose from lru, arc"):
+        make_policy("lfu", 4)
