@@ -26,6 +26,7 @@ from kvcache.defrag import Defragmenter
 from kvcache.eviction import EvictionPolicy, make_policy
 from kvcache.fork import Forking
 from kvcache.id_span import IdSpan
+from kvcache.loads import Loads
 from kvcache.ops import OpLog
 from kvcache.profiles import DEFAULT_VERSION, profile
 from kvcache.sequence import Sequence
@@ -36,7 +37,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(Forking, Swapping):
+class KVCacheManager(Forking, Swapping, Loads):
     """Paged KV-cache block manager for one KV-cache group.
 
     num_gpu_blocks: as vLLM reports it; block 0 is the null block.

@@ -28,10 +28,15 @@ def conform(
     step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
+    kv_offloading_size: Annotated[float | None, typer.Option("--kv-offloading-size", help="scheduler mode: GiB of host memory for offloaded KV, as vLLM's (off by default)")] = None,
+    offload_eviction_policy: Annotated[str | None, typer.Option(help="host tier eviction: lru|arc")] = None,
+    offload_store_threshold: Annotated[int | None, typer.Option(help="store a chunk once offered this often (< 2: always)")] = None,
+    offload_blocks_per_chunk: Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")] = None,
+    offload_all: Annotated[bool, typer.Option("--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")] = False,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from sim.conform import vllm_setup
-    from sim.conform.check import MODES
+    from sim.conform.check import MANAGER_NO_OFFLOADING, MODES
     from sim.conform.check import conform as run_conform
     from sim.engine.config import ConfigError, SimConfig
     from workloads.errors import WorkloadError
@@ -48,19 +53,28 @@ def conform(
         theirs = profile(installed).version
         if vllm_version is not None and profile(vllm_version).version != theirs:
             raise fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
+        offload = {k: v for k, v in {
+            "kv_offloading_size": kv_offloading_size, "offload_eviction_policy": offload_eviction_policy,
+            "offload_store_threshold": offload_store_threshold, "offload_blocks_per_chunk": offload_blocks_per_chunk,
+        }.items() if v is not None}
+        if offload_all:
+            offload["offload_prompt_only"] = False
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
             watermark=watermark, enable_prefix_caching=not no_prefix_caching,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
-            closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling,
+            closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
         ).validate()
         requests = list(open_workload(workload, format, False, cfg.seed))
         name = "the default workload" if workload is None else str(workload)
         tokens, seqs = cfg.batch_limits()
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, block size "
                    f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs"
-                   + (", async scheduling" if async_scheduling else ""))
+                   + (", async scheduling" if async_scheduling else "")
+                   + (f", {kv_offloading_size:g} GiB KV offloading" if kv_offloading_size is not None else ""))
+        if kv_offloading_size is not None and mode == "both":
+            typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")
         diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None

@@ -34,7 +34,10 @@ FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-cachin
 
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
-    digest = hashlib.sha256(json.dumps([workload, cfg.to_dict()], sort_keys=True).encode()).hexdigest()
+    d = cfg.to_dict()
+    if d["kv_offloading_size"] is None:  # offloading off: the names of runs from before it existed
+        d = {k: v for k, v in d.items() if not k.startswith(("kv_offloading_", "offload_"))}
+    digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
     return f"{stem}-{cfg.model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
 
@@ -142,6 +145,11 @@ def run(
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
+    kv_offloading_size: Annotated[float | None, typer.Option("--kv-offloading-size", help="GiB of host memory for offloaded KV, as vLLM's (off by default)")] = None,
+    offload_eviction_policy: Annotated[str | None, typer.Option(help="host tier eviction: lru|arc")] = None,
+    offload_store_threshold: Annotated[int | None, typer.Option(help="store a chunk once offered this often (< 2: always)")] = None,
+    offload_blocks_per_chunk: Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")] = None,
+    offload_all: Annotated[bool, typer.Option("--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")] = False,
     record_ops: Annotated[bool, typer.Option("--record-ops", help="write the block-op stream (ops.parquet)")] = False,
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload)")] = None,
@@ -158,7 +166,9 @@ def run(
         "max_model_len": max_model_len, "long_prefill_token_threshold": long_prefill_token_threshold,
         "vllm_version": vllm_version, "step_time": step_time,
         "calibration": str(calibration) if calibration else None, "slo_ttft": slo_ttft,
-        "slo_tpot": slo_tpot, "seed": seed,
+        "slo_tpot": slo_tpot, "seed": seed, "kv_offloading_size": kv_offloading_size,
+        "offload_eviction_policy": offload_eviction_policy, "offload_store_threshold": offload_store_threshold,
+        "offload_blocks_per_chunk": offload_blocks_per_chunk,
     }  # fmt: skip
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if no_prefix_caching:
@@ -167,6 +177,8 @@ def run(
         changes["enable_chunked_prefill"] = False
     if async_scheduling:
         changes["async_scheduling"] = True
+    if offload_all:
+        changes["offload_prompt_only"] = False
     if record_ops:
         changes["record_ops"] = True
     if debug_invariants:

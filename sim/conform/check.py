@@ -5,9 +5,11 @@ KVCacheManager and over vLLM's real KVCacheManager; per request, the hit
 tokens, output tokens, status and preemptions must agree. `scheduler`: a
 step-time run of kvsim's engine against vLLM's real Scheduler with a fake
 model runner (`sim.conform.vllm_scheduler`; with `SimConfig.async_scheduling`, vLLM's
-AsyncScheduler behind EngineCore's batch queue); per request, the steps that first scheduled
-it, sampled its first token and finished it, its preemptions and its hit
-tokens must agree. vLLM is imported only by `sim.conform.vllm_cache` and `sim.conform.vllm_scheduler`.
+AsyncScheduler behind EngineCore's batch queue; with `SimConfig.kv_offloading_size`, vLLM's
+OffloadingConnector with a fake worker timed as kvsim's, `sim.conform.vllm_offload`); per
+request, the steps that first scheduled it, sampled its first token and finished it, its
+preemptions and its hit tokens must agree. vLLM is imported only by `sim.conform.vllm_cache`,
+`sim.conform.vllm_scheduler` and `sim.conform.vllm_offload`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from sim.engine.config import ConfigError, SimConfig
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
 SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "preemptions", "hit_tokens")
 MODES = ("manager", "scheduler", "both")
+MANAGER_NO_OFFLOADING = ("manager mode replays the cache without a scheduler and does not cover KV "
+                         "offloading; use --mode scheduler")
 
 
 @dataclass
@@ -31,17 +35,21 @@ class Diff:
     requests: int
     differing: int
     first: tuple[str, str, Any, Any] | None = None  # (request id, field, kvsim, vllm)
+    total: tuple[str, Any, Any] | None = None  # a whole-run figure that differs: (name, kvsim, vllm)
 
     @property
     def ok(self) -> bool:
-        return self.differing == 0
+        return self.differing == 0 and self.total is None
 
     def format(self) -> str:
         head = f"{self.mode:<9} {self.requests:,} requests, {self.differing:,} differ"
-        if self.first is None:
-            return head
-        rid, field, ours, theirs = self.first
-        return f"{head}; first: request {rid!r} {field}: kvsim {ours!r}, vLLM {theirs!r}"
+        if self.first is not None:
+            rid, field, ours, theirs = self.first
+            head = f"{head}; first: request {rid!r} {field}: kvsim {ours!r}, vLLM {theirs!r}"
+        if self.total is not None:
+            name, ours, theirs = self.total
+            head = f"{head}; total {name}: kvsim {ours!r}, vLLM {theirs!r}"
+        return head
 
 
 def compare(mode: str, ours: Sequence[dict], theirs: Sequence[dict], fields: Sequence[str]) -> Diff:
@@ -80,9 +88,15 @@ def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_runni
 
 def kvsim_scheduler(requests: list, cfg: SimConfig) -> list[dict]:
     """kvsim's engine in step-time mode, one record per request (SCHEDULER_FIELDS)."""
+    return simulate_scheduler(requests, cfg)[0]
+
+
+def simulate_scheduler(requests: list, cfg: SimConfig) -> tuple[list[dict], dict[str, Any]]:
+    """kvsim's engine in step-time mode: one record per request (SCHEDULER_FIELDS), and the summary."""
     from sim.engine.run import simulate
 
-    rq = simulate(requests, cfg).requests
+    result = simulate(requests, cfg)
+    rq = result.requests
     dropped = rq[rq["status"] != "finished"]
     if len(dropped):
         r = dropped.iloc[0]
@@ -93,7 +107,7 @@ def kvsim_scheduler(requests: list, cfg: SimConfig) -> list[dict]:
     return [
         {"id": r.id, **{f: int(getattr(r, f)) for f in SCHEDULER_FIELDS}}
         for r in rq.itertuples()
-    ]
+    ], result.summary
 
 
 def check_workload(requests: list) -> None:
@@ -117,29 +131,66 @@ def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running
 
 
 def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
+    """kvsim's engine against vLLM's Scheduler (with its OffloadingConnector when `cfg` offloads)."""
+    if cfg.kv_offloading_size is not None:
+        return run_offload_scheduler(requests, cfg)
     from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
-    from sim.engine.cost_model import CostModel
 
     ours = kvsim_scheduler(requests, cfg)
-    tokens, seqs = cfg.batch_limits()
-    theirs = vllm_run_scheduler(
-        requests, block_size=cfg.block_size, num_gpu_blocks=CostModel.from_config(cfg).num_gpu_blocks(cfg),
-        max_num_batched_tokens=tokens, max_num_seqs=seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        long_prefill_token_threshold=cfg.long_prefill_token_threshold, watermark=cfg.watermark,
-        step_time=cfg.step_time, scheduling=cfg.scheduling, async_scheduling=cfg.async_scheduling,
-    )
+    theirs = vllm_run_scheduler(requests, **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
     return compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
+
+
+def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
+    """The vLLM scheduler drivers' arguments for `cfg`."""
+    from sim.engine.cost_model import CostModel
+
+    tokens, seqs = cfg.batch_limits()
+    return {"block_size": cfg.block_size, "num_gpu_blocks": CostModel.from_config(cfg).num_gpu_blocks(cfg),
+            "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
+            "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
+            "long_prefill_token_threshold": cfg.long_prefill_token_threshold, "watermark": cfg.watermark,
+            "step_time": cfg.step_time, "scheduling": cfg.scheduling}
+
+
+def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
+    """The scheduler mode with KV offloading: kvsim's engine against vLLM's Scheduler and its
+    OffloadingConnector, whose worker is faked with kvsim's transfer timing. Besides the
+    per-request fields, the tokens loaded from the tier at first admissions must agree in total
+    (kvsim's request log does not keep them per request)."""
+    from kvcache.offload.size import num_host_chunks
+    from sim.conform.vllm_offload import Offloading
+    from sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
+    from sim.engine.cost_model import CostModel
+
+    cost = CostModel.from_config(cfg)
+    chunks = num_host_chunks(cfg.kv_offloading_size, cost.kv_bytes_per_block, cfg.tensor_parallel,
+                             cfg.offload_blocks_per_chunk)
+    off = Offloading(chunks, cfg.offload_eviction_policy, cfg.offload_store_threshold, cfg.offload_blocks_per_chunk,
+                     cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
+    ours, summary = simulate_scheduler(requests, cfg)
+    if summary["host_chunks"] != chunks:
+        raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
+    theirs = vllm_run_offload(requests, offloading=off, **_scheduler_args(cfg))
+    diff = compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
+    loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
+    if loaded[0] != loaded[1]:
+        diff.total = ("offload_hit_tokens", *loaded)
+    return diff
 
 
 def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int = 1,
             on_diff: Callable[[Diff], None] | None = None) -> list[Diff]:
-    """Run the chosen modes; `cfg` must have a step time and give the block count."""
+    """Run the chosen modes; `cfg` must have a step time and give the block count. With KV
+    offloading only the scheduler mode runs ("both" skips the manager mode)."""
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_workload(requests)
+    offloading = cfg.kv_offloading_size is not None
+    if offloading and mode == "manager":
+        raise ConfigError(MANAGER_NO_OFFLOADING)
     diffs = []
-    if mode in ("manager", "both"):
+    if mode in ("manager", "both") and not offloading:
         from sim.engine.cost_model import CostModel
 
         d = run_manager(requests, block_size=cfg.block_size,

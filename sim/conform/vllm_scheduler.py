@@ -31,8 +31,10 @@ from sim.engine.loop import grid_index  # the engine's own grid, so both sides q
 def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,
                      max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int,
-                     watermark: float, scheduling: str, async_scheduling: bool = False):
-    """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`.
+                     watermark: float, scheduling: str, async_scheduling: bool = False,
+                     offloading: tuple[float, dict[str, Any]] | None = None):
+    """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
+    `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector.
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches).
     """
@@ -62,10 +64,15 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
         long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
         policy=scheduling, async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    offload_kw = {} if offloading is None else {"kv_offloading_size": offloading[0],
+                                                 "kv_offloading_backend": "native"}
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                               **offload_kw)
     vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
                              scheduler_config=scheduler_config,
                              device_config=DeviceConfig(device="cpu"))
+    if offloading is not None:  # the connector reads these when the Scheduler builds it
+        vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
     kv_config = kv_cache_config(block_size, num_gpu_blocks)
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -80,8 +87,9 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=sched_bs, hash_block_size=hash_bs, log_stats=False,
     )
+    # EngineCore hashes blocks for prefix caching or for a KV connector (vllm/v1/engine/core.py)
     hasher = block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
-        if enable_prefix_caching else None
+        if enable_prefix_caching or offloading is not None else None
     return scheduler, hasher, vllm_config.max_concurrent_batches
 
 
@@ -122,6 +130,31 @@ def run_scheduler(
     runner samples, when the batch is scheduled, the request's next token (after its output
     placeholders) for every request whose chunk is not a partial prefill.
     """
+    reqs, tokens, recs, max_model_len = prepare(
+        requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold)
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        sched, hasher, queue_size = _build_scheduler(
+            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+            scheduling=scheduling, async_scheduling=async_scheduling)
+        run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
+        if async_scheduling:
+            if queue_size != 2:
+                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
+            run.run_async(queue_size, num_gpu_blocks, block_size)
+        else:
+            run.run_sync(num_gpu_blocks, block_size)
+    return [recs[r.id] for r in reqs]
+
+
+def prepare(requests: Iterable[Request], *, step_time: float, scheduling: str, max_num_batched_tokens: int,
+            max_num_seqs: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int):
+    """Checked arguments for a run: (requests, their token ids, empty records by id, max_model_len)."""
     if step_time <= 0:
         raise ValueError(f"step_time must be positive, got {step_time}")
     if scheduling not in ("fcfs", "priority"):
@@ -144,22 +177,7 @@ def run_scheduler(
     tokens = [token_ids(r, uid) for uid, r in enumerate(reqs)]
     recs = {r.id: {"id": r.id, "first_scheduled_step": None, "first_token_step": None,
                    "finish_step": None, "preemptions": 0, "hit_tokens": 0} for r in reqs}
-    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
-        sched, hasher, queue_size = _build_scheduler(
-            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling, async_scheduling=async_scheduling)
-        run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
-        if async_scheduling:
-            if queue_size != 2:
-                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
-            run.run_async(queue_size, num_gpu_blocks, block_size)
-        else:
-            run.run_sync(num_gpu_blocks, block_size)
-    return [recs[r.id] for r in reqs]
+    return reqs, tokens, recs, max_model_len
 
 
 class _SchedRun:
@@ -199,36 +217,42 @@ class _SchedRun:
     def run_sync(self, num_gpu_blocks: int, block_size: int) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
 
-        sched, live, recs = self.sched, self.live, self.recs
+        sched = self.sched
         step, idle = 0, 0
         while self.pending() or sched.get_num_unfinished_requests():
             if not sched.get_num_unfinished_requests():
                 step = max(step, self.next_arrival_step())
             self.add_arrivals(step)
             out = sched.schedule()
-            _record_admissions(out, live, recs, step)
-            ids = list(out.num_scheduled_tokens)
-            sampled = []
-            for rid in ids:
-                vreq, toks = live[rid]
-                # NOTE: schedule() already advanced num_computed_tokens by this step's chunk.
-                done_prefill = vreq.num_computed_tokens >= vreq.num_tokens
-                sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                                    sampled_token_ids=sampled)
-            sched.update_from_output(out, mro)
-            for rid, toks in zip(ids, sampled, strict=True):
-                rec, vreq = recs[rid], live[rid][0]
-                if toks and rec["first_token_step"] is None:
-                    rec["first_token_step"] = step
-                if vreq.is_finished():
-                    rec["finish_step"] = step
-                    rec["preemptions"] = vreq.num_preemptions
-                    del live[rid]
+            ids = self.sync_step(out, step, ModelRunnerOutput)
             idle = 0 if ids else idle + 1
             if idle >= STALL_STEPS:
                 raise self.stalled(STALL_STEPS, step, num_gpu_blocks, block_size)
             step += 1
+
+    def sync_step(self, out, step: int, output_cls, kv_connector_output=None) -> list[str]:
+        """Run `out` as step `step` of the sync loop: sample, apply, record; the ids it scheduled."""
+        live, recs = self.live, self.recs
+        _record_admissions(out, live, recs, step)
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            vreq, toks = live[rid]
+            # NOTE: schedule() already advanced num_computed_tokens by this step's chunk.
+            done_prefill = vreq.num_computed_tokens >= vreq.num_tokens
+            sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
+        mro = output_cls(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                         sampled_token_ids=sampled, kv_connector_output=kv_connector_output)
+        self.sched.update_from_output(out, mro)
+        for rid, toks in zip(ids, sampled, strict=True):
+            rec, vreq = recs[rid], live[rid][0]
+            if toks and rec["first_token_step"] is None:
+                rec["first_token_step"] = step
+            if vreq.is_finished():
+                rec["finish_step"] = step
+                rec["preemptions"] = vreq.num_preemptions
+                del live[rid]
+        return ids
 
     def run_async(self, queue_size: int, num_gpu_blocks: int, block_size: int) -> None:
         """EngineCore.run_busy_loop over step_with_batch_queue, on the step grid."""

@@ -66,6 +66,13 @@ class SimConfig:
     # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
     calibration: str | None = None  # path to a calibration profile (JSON) from `kvsim calibrate`
+    # KV offloading to host memory, as vLLM 0.33's --kv-offloading-size GiB (native backend) and
+    # its OffloadingConnector options (sim.engine.offload); None: off
+    kv_offloading_size: float | None = None
+    offload_eviction_policy: str = "lru"  # vLLM's eviction_policy: lru or arc
+    offload_store_threshold: int = 0  # vLLM's store_threshold: store a chunk once offered this often (< 2: always)
+    offload_blocks_per_chunk: int = 1  # vLLM's blocks_per_chunk: GPU blocks an offloaded chunk holds
+    offload_prompt_only: bool = True  # vLLM's offload_prompt_only: store prompt chunks only
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -109,6 +116,7 @@ class SimConfig:
             raise ConfigError(f"step_time must be a positive number of seconds, got {self.step_time}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        self._validate_offloading()
         from kvcache.profiles import profile
 
         try:
@@ -126,6 +134,27 @@ class SimConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _validate_offloading(self) -> None:
+        from kvcache.offload import OFFLOAD_POLICIES
+
+        if self.offload_eviction_policy not in OFFLOAD_POLICIES:
+            raise ConfigError(f"offload_eviction_policy must be one of {', '.join(OFFLOAD_POLICIES)}, "
+                              f"got {self.offload_eviction_policy!r}")
+        if self.offload_blocks_per_chunk < 1 or self.offload_store_threshold < 0:
+            raise ConfigError("offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0")
+        size = self.kv_offloading_size
+        if size is None:
+            return
+        if not (math.isfinite(size) and size > 0):
+            raise ConfigError(f"kv_offloading_size must be a positive number of GiB, got {size}")
+        for bad, why in ((self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+                         (self.sliding_window is not None, "a sliding window"), (self.defrag_threshold is not None,
+                         "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}"),
+                         (self.record_ops, "record_ops (store and load ops are not recorded yet)")):
+            if bad:
+                raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
+                                  "under vLLM 0.33's synchronous scheduler, full attention and recompute preemption")
 
     def batch_limits(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs): the given ones, else vLLM 0.33's defaults for

@@ -183,11 +183,13 @@ class CostModel:
             "copy": 2 * bb / gpu.hbm_bw,
             "swap_out": bb / gpu.pcie_bw,
             "swap_in": bb / gpu.pcie_bw,
+            "store": bb / gpu.pcie_bw,  # offloading (sim.engine.offload): timed on the host link, not
+            "load": bb / gpu.pcie_bw,  # charged to a step (each TP rank moves its share in parallel)
             "move": 4 * bb / gpu.hbm_bw,
         }
         op_cost.update(cal.op_cost_s)
         self.op_cost_s: dict[str, float] = op_cost
-        self._op_items = tuple(op_cost.items())
+        self._op_items = tuple((k, op_cost[k]) for k in OP_KINDS)  # the kinds a step is charged for
 
     @classmethod
     def from_config(cls, cfg: SimConfig) -> CostModel:

@@ -30,7 +30,7 @@ import simpy
 from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
 from kvcache.ops import CHARGED_KINDS
-from sim.engine.config import SimConfig
+from sim.engine.config import ConfigError, SimConfig
 from sim.engine.metrics import RequestLog, StepLog
 from sim.engine.scheduler import Scheduler
 from workloads.request import Request
@@ -132,6 +132,14 @@ class Engine:
             from sim.engine.async_scheduler import AsyncScheduler
 
             self.sched: Scheduler = AsyncScheduler(cfg, manager, self.requests)
+        elif cfg.kv_offloading_size is not None:
+            from sim.engine.offload_scheduler import OffloadScheduler
+
+            if manager.sliding_window is not None:
+                raise ConfigError(f"kv_offloading_size: {cfg.model} uses a sliding window; offloading is "
+                                  "modelled for full attention only")
+            per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
+            self.sched = OffloadScheduler.build(cfg, manager, self.requests, cost.kv_bytes_per_block, per_block)
         else:
             self.sched = Scheduler(cfg, manager, self.requests)
         # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
@@ -221,7 +229,7 @@ class Engine:
                 continue
             if step_time is not None:
                 clock = g * step_time
-                if env.peek() <= clock:  # queue every arrival up to and at the step's start
+                while env.peek() <= clock:  # queue every arrival up to and at the step's start
                     yield env.timeout(clock - env.now)
             t0 = clock
             m.set_step(k)
@@ -232,8 +240,17 @@ class Engine:
             dropped = self._drain_done(t0) if sched.done else 0
             seqs = b.num_seqs
             if not seqs and not (b.preempted_recompute or b.preempted_swap):
-                if sched.has_work():
+                # NOTE: only transfers to the host tier (sim.engine.offload) let a step do nothing:
+                # the engine steps again once one is applied
+                until = sched.idle_until(t0) if sched.has_work() else t0
+                if until is None:
                     raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
+                if step_time is not None:  # an empty step takes its slot; none polls before the transfer ends
+                    g = g + 1 if until <= t0 else max(grid_index(min(until, env.peek()), step_time), g + 1)
+                elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it
+                    clock = min(until, max(env.peek(), t0))
+                    if env.peek() <= clock:
+                        yield env.timeout(clock - env.now)
                 continue
             now = _counts(count)
             if now[1:] == prev[1:]:

@@ -76,6 +76,9 @@ def simulate(
     steps = engine.steps.frame()
     requests = engine.requests.frame()
     counters = {"skipped_lines": getattr(workload, "skipped", 0)}
+    offload = getattr(engine.sched, "offload", None)
+    if offload is not None:
+        counters.update(offload.totals())
     summary = summarize(
         steps,
         requests,
@@ -85,6 +88,9 @@ def simulate(
         slo_tpot=cfg.slo_tpot,
         counters=counters,
     )
+    if offload is not None:  # GPU and tier hits at first admissions, over their prompt tokens
+        prompt = summary["prompt_tokens"]
+        summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
     name = getattr(workload, "name", "workload")
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
     return RunResult(cfg, name, steps, requests, summary, manager)

@@ -107,9 +107,15 @@ class Scheduler:
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)
-            if self.waiting and not self.swapped:
+            if self._has_waiting() and not self.swapped:
                 self._admit_waiting(b, budget, now)
         return b
+
+    def _has_waiting(self) -> bool:
+        return bool(self.waiting)
+
+    def idle_until(self, now: float) -> float | None:  # noqa: ARG002
+        return None  # a step at `now` scheduled nothing: no progress is possible (see OffloadScheduler)
 
     @staticmethod
     def _add(b: Batch, live: Live, n: int, sign: int = 1) -> None:

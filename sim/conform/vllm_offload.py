@@ -1,0 +1,209 @@
+"""vLLM 0.33.0's Scheduler with native KV offloading (`--kv-offloading-size`: the
+OffloadingConnector over its CPU tier) on kvsim's step grid, for diffing against kvsim's
+engine with `SimConfig.kv_offloading_size` (`sim.engine.offload`).
+
+The connector's scheduler side is vLLM's own; its worker is faked with kvsim's timing
+model (the `sim.engine.offload` docstring), on kvsim's own `Link`:
+
+- step g is scheduled at g * S; its poll sees the transfers done by g * S, and its output
+  reports them (`completed_jobs`, and `finished_recving` for the loads' requests);
+- a job vLLM flushes in step g (`jobs_to_flush`: a preempted request's stores) is done at
+  g * S, reported in that step's output, and never takes the link;
+- after the output the stores planned in the previous step, then the loads planned in this
+  one, start on their link (first in first out per direction) at (g + 1) * S, or at g * S
+  when the step ran nothing (no forward); one lasts its GPU blocks * seconds per block;
+- an empty step takes its slot; if it applied no transfer and left no store waiting to start,
+  the next step is the first slot whose start is at or after the next transfer's end or the
+  next arrival (sim.engine.loop, `OffloadScheduler.idle_until`).
+
+vLLM keeps the requests finished since the last step in a set; the driver gives the Scheduler
+an insertion-ordered one each step, so their last offers and policy commits follow the order
+they finished in, as kvsim's (a set's order follows PYTHONHASHSEED).
+
+The tier has kvsim's chunk count: vLLM is given the GiB that buy exactly that many
+chunks of its one-layer model (`Offloading.vllm_size_gib`), and the built manager is checked.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcache.offload.size import PAGE_BYTES
+from sim.conform.vllm_scheduler import Request, _build_scheduler, _SchedRun, prepare
+from sim.conform.vllm_setup import kv_cache_config
+from sim.engine.loop import grid_index
+from sim.engine.offload import Job, Link
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Offloading:
+    """kvsim's host tier and link, as vLLM's connector and the fake worker must see them."""
+
+    num_chunks: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 0
+    blocks_per_chunk: int = 1
+    prompt_only: bool = True
+    seconds_per_block: tuple[float, float] = (0.0, 0.0)  # load, store (kvsim's cost.op_cost_s)
+
+    def vllm_size_gib(self, bytes_per_block: int) -> float:
+        """GiB that give `num_chunks` chunks by vLLM's formula (vllm/v1/kv_offload/cpu/spec.py:
+        int(GiB * 2^30) // round_up(bytes_per_block * world_size * blocks_per_chunk, 4096))."""
+        aligned = -(-bytes_per_block * self.blocks_per_chunk // PAGE_BYTES) * PAGE_BYTES
+        return self.num_chunks * aligned / (1 << 30)  # exact: a multiple of 4096 over a power of two
+
+    def extra_config(self) -> dict[str, Any]:
+        """The `kv_connector_extra_config` entries for kvsim's offloading options."""
+        return {"eviction_policy": self.eviction_policy, "store_threshold": self.store_threshold,
+                "blocks_per_chunk": self.blocks_per_chunk, "offload_prompt_only": self.prompt_only}
+
+
+class FakeWorker:
+    """The connector's worker side, timed as `sim.engine.offload.Offloader` (see the module docstring)."""
+
+    def __init__(self, seconds_per_block: tuple[float, float]):
+        self.loads, self.stores = Link(seconds_per_block[0]), Link(seconds_per_block[1])
+        self.jobs: dict[int, Job] = {}  # vLLM job id -> the transfer, until reported
+        self._planned_loads: list[Job] = []
+        self._planned_stores: list[Job] = []
+        self._deferred_stores: list[Job] = []  # last step's, started when this step's forward ends
+
+    def poll(self, meta, start: float) -> tuple[dict[int, int], set[str]]:
+        """Take step `meta`'s new jobs and flushes; the jobs done by `start` (completed_jobs) and
+        the requests whose loads they are (finished_recving)."""
+        for jid, t in meta.load_jobs.items():
+            job = self.jobs[jid] = Job("load", t.req_id, [], len(t.dst_spec.block_ids))
+            self._planned_loads.append(job)
+        for jid, t in meta.store_jobs.items():
+            job = self.jobs[jid] = Job("store", t.req_id, [], len(t.src_spec.block_ids))
+            self._planned_stores.append(job)
+        for jid in meta.jobs_to_flush or ():
+            job = self.jobs[jid]  # the worker waits for it before the forward
+            job.done_at = min(job.done_at, start)
+        done = [jid for jid, job in self.jobs.items() if job.done_at <= start]
+        recving = {self.jobs[jid].sid for jid in done if self.jobs[jid].kind == "load"}
+        for jid in done:
+            del self.jobs[jid]
+        return dict.fromkeys(done, 1), recving
+
+    def step_ended(self, end: float) -> None:
+        """Start last step's stores (those not flushed meanwhile), then this step's loads, at `end`."""
+        for job in self._deferred_stores:
+            if job.done_at == INF:
+                self.stores.start(job, end)
+        for job in self._planned_loads:
+            self.loads.start(job, end)
+        self._deferred_stores, self._planned_stores = self._planned_stores, []
+        self._planned_loads = []
+
+    def busy_until(self, now: float) -> float | None:
+        """After an empty step at `now`: `now` if stores wait to start (the next step starts them),
+        else when the next transfer ends; None if none is in flight."""
+        if self._deferred_stores or self._planned_stores or self._planned_loads:
+            return now
+        return min((job.done_at for job in self.jobs.values()), default=None)
+
+
+def run_offload_scheduler(
+    requests: Iterable[Request], *, offloading: Offloading, block_size: int, num_gpu_blocks: int,
+    max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
+) -> list[dict]:
+    """vLLM's sync Scheduler with the OffloadingConnector and the fake worker, one step per
+    `step_time`; records in workload order, as `sim.conform.vllm_scheduler.run_scheduler`'s
+    plus `offload_hit_tokens` (vLLM's external hit at first admission; kvsim logs only the total)."""
+    if offloading.num_chunks < 1:
+        raise ValueError(f"the host tier holds {offloading.num_chunks} chunks; vLLM needs at least 1")
+    reqs, tokens, recs, max_model_len = prepare(
+        requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold)
+    for rec in recs.values():
+        rec["offload_hit_tokens"] = 0
+    page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        sched, hasher, _ = _build_scheduler(
+            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+            scheduling=scheduling, offloading=(offloading.vllm_size_gib(page), offloading.extra_config()))
+        _check_connector(sched, offloading)
+        run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
+        run.run(FakeWorker(offloading.seconds_per_block), num_gpu_blocks, block_size)
+    return [recs[r.id] for r in reqs]
+
+
+def _check_connector(sched, off: Offloading) -> None:
+    """vLLM built the tier kvsim has: its chunk count and options."""
+    conn = sched.connector.connector_scheduler
+    got = (conn.manager._num_chunks, conn.config.blocks_per_chunk, conn.config.offload_prompt_only)
+    want = (off.num_chunks, off.blocks_per_chunk, off.prompt_only)
+    if got != want:
+        raise RuntimeError(f"vLLM's offloading tier has (chunks, blocks per chunk, prompt only) {got}, "
+                           f"kvsim's {want}")
+
+
+class _OrderedIds(dict):
+    """A set of request ids that iterates in insertion order (the `add`, `in` and iteration
+    of vLLM's `Scheduler.finished_req_ids`)."""
+
+    def add(self, rid: str) -> None:
+        self[rid] = None
+
+    def discard(self, rid: str) -> None:
+        self.pop(rid, None)
+
+
+class _OffloadRun(_SchedRun):
+    """The sync loop of `_SchedRun.run_sync` with the fake worker and kvsim's empty-step grid rule."""
+
+    def run(self, worker: FakeWorker, num_gpu_blocks: int, block_size: int) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched, S = self.sched, self.step_time
+        step = 0
+        while self.pending() or sched.get_num_unfinished_requests():
+            if not sched.get_num_unfinished_requests():
+                step = max(step, self.next_arrival_step())
+            self.add_arrivals(step)
+            out = sched.schedule()
+            sched.finished_req_ids = _OrderedIds()  # see the module docstring
+            self._record_external(out)
+            start = step * S
+            completed, recving = worker.poll(out.kv_connector_metadata, start)
+            kv_out = KVConnectorOutput(finished_recving=recving or None,
+                                       kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed))
+            ids = self.sync_step(out, step, ModelRunnerOutput, kv_out)
+            if ids or out.preempted_req_ids:
+                step += 1
+                worker.step_ended(step * S)
+                continue
+            worker.step_ended(start)  # no forward: the worker starts its transfers at once
+            until = start if completed else worker.busy_until(start)
+            if until is None:  # kvsim stops here too ("scheduler made no progress")
+                raise self.stalled(1, step, num_gpu_blocks, block_size)
+            if until <= start:
+                step += 1
+                continue
+            if self.pending():
+                until = min(until, self.reqs[self.order[self.nxt]].arrival)
+            step = max(grid_index(until, S), step + 1)
+
+    def _record_external(self, out) -> None:
+        """vLLM's tier hit at the first admission of each request scheduled for the first time."""
+        for rid in out.num_scheduled_tokens:
+            rec = self.recs[rid]
+            if rec["first_scheduled_step"] is None:  # before sync_step records it
+                stats = self.live[rid][0].prefill_stats
+                rec["offload_hit_tokens"] = stats.num_external_cached_tokens if stats is not None else 0
