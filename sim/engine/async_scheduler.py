@@ -176,13 +176,9 @@ class AsyncScheduler(Scheduler):
             seq = live.seq if live.seq is not None else self._materialise(live)
             held = bool(running)
             blocks, hit = m.get_computed_blocks(seq)
-            n = seq.num_tokens - hit
-            if 0 < self._chunk < n:
-                n = self._chunk
-            if n > budget:
-                if not self.chunked and held:
-                    break
-                n = budget
+            n = self._admission_tokens(seq, hit, budget, held)
+            if not n:
+                break
             if m.allocate_slots(seq, n, hit, blocks, watermark=held, full_sequence_must_fit=True) is None:
                 if held:
                     break

@@ -130,13 +130,9 @@ class OffloadScheduler(Scheduler):
                     queue.pop()
                     skipped_holding.append(live)  # it holds blocks now
                     continue
-            n = seq.num_tokens - hit
-            if 0 < self._chunk < n:
-                n = self._chunk
-            if n > budget:
-                if not self.chunked and held:
-                    break
-                n = budget
+            n = self._admission_tokens(seq, hit, budget, held)
+            if not n:
+                break
             if blocks is None:  # its blocks are held: `hit` tokens are computed already
                 ok = m.allocate_slots(seq, n, 0, None, self.lookahead, watermark=held, full_sequence_must_fit=True)
             else:

@@ -1,19 +1,15 @@
 """One engine step's scheduling decision, as vLLM 0.33's `Scheduler.schedule`; no simulated clock.
 
-`schedule(now)` builds a batch under a token budget (`max_num_batched_tokens`)
-and `max_num_seqs` (vllm/v1/core/sched/scheduler.py): RUNNING sequences
-first, each its decode token or next prefill chunk (capped by
-`long_prefill_token_threshold`), preempting the newest running sequence when
-blocks run out (recompute: free and requeue at the front of WAITING; swap, a
-v0/v2 option: move its blocks to CPU). A step that preempted admits nothing.
-Otherwise swapped sequences come back while they can be swapped in, then
-WAITING requests in FCFS (or priority) order, with a prefix-cache lookup,
-until the first one that cannot be allocated: its whole known context must
-fit (`scheduler_reserve_full_isl`), and while any request runs the watermark
-stays free. `complete(batch, now)` applies the step:
-computed tokens advance, a sequence whose known tokens are all computed samples
-one, a request with n > 1 forks its samples after its prefill, and finished
-sequences are freed.
+`schedule(now)` builds a batch under a token budget (`max_num_batched_tokens`) and `max_num_seqs`
+(vllm/v1/core/sched/scheduler.py): RUNNING sequences first, each its decode token or next prefill
+chunk (capped by `long_prefill_token_threshold`), preempting the newest running sequence when blocks
+run out (recompute: free and requeue at the front of WAITING; swap, a v0/v2 option: move its blocks
+to CPU). A step that preempted admits nothing. Otherwise swapped sequences come back while they can
+be swapped in, then WAITING requests in FCFS (or priority) order, with a prefix-cache lookup, until
+the first one that cannot be allocated: its whole known context must fit (`scheduler_reserve_full_isl`),
+and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
+tokens advance, a sequence whose known tokens are all computed samples one, a request with n > 1 forks
+its samples after its prefill, and finished sequences are freed.
 
 For speed, a step visits only the sequences that need the block manager:
 mid-block decodes are counted, not visited, and a blocked head of WAITING is
@@ -258,13 +254,9 @@ class Scheduler:
             if held and self.fast.head_blocked(live, min(budget, self._chunk or budget)):
                 break
             blocks, hit = m.get_computed_blocks(seq)
-            n = seq.num_tokens - hit
-            if 0 < self._chunk < n:
-                n = self._chunk
-            if n > budget:
-                if not self.chunked and held:
-                    break  # the whole prompt must fit one step
-                n = budget
+            n = self._admission_tokens(seq, hit, budget, held)
+            if not n:
+                break
             if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held,
                                 full_sequence_must_fit=True) is None:
                 if held:  # FCFS head of line: wait for blocks to free
@@ -277,12 +269,20 @@ class Scheduler:
             self._admit(b, live, hit, n, now)
             budget -= n
 
+    def _admission_tokens(self, seq: Sequence, hit: int, budget: int, held: bool) -> int:
+        """Tokens a waiting `seq` with `hit` computed takes this step (its rest, capped by the chunk and
+        the budget); 0: without chunked prefill its prompt must fit one step while others run."""
+        n = seq.num_tokens - hit
+        if 0 < self._chunk < n:
+            n = self._chunk
+        if n > budget:
+            return 0 if not self.chunked and held else budget
+        return n
+
     def _retire_never_fits(self, live: Live, now: float) -> None:
         """A waiting request that cannot fit even with nothing else holding blocks."""
-        if live.seq.num_output_tokens:
-            self._retire(live, TRUNCATED, "context_exceeds_cache", now)
-        else:
-            self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+        dropped = (TRUNCATED, "context_exceeds_cache") if live.seq.num_output_tokens else (REJECTED, "prompt_exceeds_cache")
+        self._retire(live, *dropped, now)
 
     def _admit(self, b: Batch, live: Live, hit: int, n: int, now: float) -> None:
         """Run a waiting request whose `n` tokens after `hit` cached ones got slots; log a first admission."""
