@@ -17,20 +17,25 @@ from gpu.storage import PagedKVStorage
 from gpu.timing import Timer
 from gpu.values import DeviceValues, device_keys
 
-PAIR_KINDS = ("copy", "swap_out", "swap_in", "move")
+PAIR_KINDS = ("copy", "swap_out", "swap_in", "move", "store", "load")
 # Fault markers in a pair op's unused `c`, set only by `gpu.faults`: what the hardware did instead.
 SKIPPED = 1  # the data op did not run (block tables still change as the manager said)
 ONE_WAY = 2  # a move copied b onto a instead of exchanging the two
 
 
 def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
-    """(blocks read, blocks written) of one pair op; ("g", id) on the device, ("c", id) on the host."""
+    """(blocks read, blocks written) of one pair op; ("g", id) on the device, ("c", id) in the swap
+    pool, ("h", id) in the host tier of KV offloading."""
     if kind == "copy":
         return {("g", a)}, {("g", b)}
     if kind == "swap_out":
         return {("g", a)}, {("c", b)}
     if kind == "swap_in":
         return {("c", a)}, {("g", b)}
+    if kind == "store":
+        return {("g", a)}, {("h", b)}
+    if kind == "load":
+        return {("h", a)}, {("g", b)}
     return {("g", a), ("g", b)}, {("g", a), ("g", b)}  # move: an exchange
 
 
@@ -64,7 +69,7 @@ class OpExecutor:
         self._keys.append(keys)
 
     def pair(self, kind: str, a: int, b: int) -> None:
-        """A copy, swap_out, swap_in or move of (a, b)."""
+        """A copy, swap_out, swap_in, move, store or load of (a, b)."""
         reads, writes = _footprint(kind, a, b)
         if kind != self._kind or not reads.isdisjoint(self._writes) or \
                 not writes.isdisjoint(self._reads) or not writes.isdisjoint(self._writes):
@@ -94,7 +99,7 @@ class OpExecutor:
 
     def _run_pairs(self, kind: str) -> None:
         st = self.st
-        on_host = kind.startswith("swap") and self.swap_method == "torch"
+        on_host = kind in ("swap_out", "swap_in", "store", "load") and self.swap_method == "torch"
         pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
         k = self.kernels
         with self.timer(self.step, kind):
@@ -104,6 +109,10 @@ class OpExecutor:
                 k.swap(st.gpu, st.cpu, pairs, self.swap_method)
             elif kind == "swap_in":
                 k.swap(st.cpu, st.gpu, pairs, self.swap_method)
+            elif kind == "store":
+                k.swap(st.gpu, st.host, pairs, self.swap_method)
+            elif kind == "load":
+                k.swap(st.host, st.gpu, pairs, self.swap_method)
             else:
                 k.exchange(st, pairs)
         self.launches += 1

@@ -152,24 +152,25 @@ def replay_ops(
         torch.set_num_threads(threads)
 
 
-def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int]:
-    """GPU and CPU blocks the storage needs: the highest ids the ops use, within the config's counts."""
-    gpu, cpu = [1], [0]
+def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """GPU, CPU (swap) and host-tier blocks the storage needs: the highest ids the ops use, the first
+    two within the config's counts."""
+    gpu, cpu, host = [1], [-1], [-1]
     for _, k, a, b, *_ in rows:
-        if k in ("write", "copy", "swap_out", "move", "table", "free", "evict"):
+        if k in ("write", "copy", "swap_out", "move", "table", "free", "evict", "store"):
             gpu.append(a)
-        if k in ("copy", "swap_in", "move"):
+        if k in ("copy", "swap_in", "move", "load"):
             gpu.append(b)
-        if k == "swap_out":
-            cpu.append(b)
-        elif k == "swap_in":
-            cpu.append(a)
-    n_gpu, n_cpu = max(gpu) + 1, max(cpu) + (1 if len(cpu) > 1 else 0)
+        if k == "swap_out" or k == "swap_in":
+            cpu.append(b if k == "swap_out" else a)
+        elif k == "store" or k == "load":
+            host.append(b if k == "store" else a)
+    n_gpu, n_cpu, n_host = max(gpu) + 1, max(cpu) + 1, max(host) + 1
     for key, n in (("num_gpu_blocks", n_gpu), ("num_cpu_blocks", n_cpu)):
         limit = config.get(key)
         if isinstance(limit, int) and n > limit:
             raise RunFilesError(f"config.json: {key} is {limit}, but the ops use block {n - 1}")
-    return n_gpu, n_cpu
+    return n_gpu, n_cpu, n_host
 
 
 class _Replayer:
@@ -177,9 +178,9 @@ class _Replayer:
                  swap_method, kernels, *, run, attention_layers, strict, check, progress):
         self.rows, self.tokens = rows, tokens
         self.bs = bs = int(config["block_size"])
-        n_gpu, n_cpu = _sizes(rows, config)
+        n_gpu, n_cpu, n_host = _sizes(rows, config)
         self.st = PagedKVStorage(layers, n_gpu, bs, kv_heads, head_dim, num_cpu_blocks=n_cpu,
-                                 dtype=dtype, device=device)
+                                 num_host_blocks=n_host, dtype=dtype, device=device)
         self.num_heads = kv_heads * q_per_kv
         self.timer = Timer(device)
         self.values = DeviceValues(layers, kv_heads, self.num_heads, head_dim, self.st.device, dtype)
@@ -190,7 +191,7 @@ class _Replayer:
         self.progress = progress
         self._step_units: list[tuple[int, str, int]] = []
         geometry = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": self.num_heads,
-                    "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu}
+                    "block_size": bs, "gpu_blocks": n_gpu, "cpu_blocks": n_cpu, "host_blocks": n_host}
         self.report = ReplayReport(run, str(device), str(dtype).removeprefix("torch."), geometry,
                                    scale=self.st.block_bytes / self.pred.block_bytes,
                                    model=self.pred.model, gpu=self.pred.gpu,
@@ -247,7 +248,7 @@ class _Replayer:
                     ex.pair("copy", b, a)
                 elif c != SKIPPED:
                     ex.pair(kind, a, b)
-                if kind != "swap_out":
+                if kind != "swap_out" and kind != "store":  # those write the host, not the GPU
                     checks.touch(b)
                     if kind == "move":
                         checks.touch(a)

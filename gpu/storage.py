@@ -1,4 +1,5 @@
-"""Paged KV storage: every layer's K and V blocks on the device, plus a CPU swap pool.
+"""Paged KV storage: every layer's K and V blocks on the device, plus a CPU swap pool and the
+host tier of KV offloading.
 
 One tensor holds all layers, so a block op (copy, swap, exchange) is one kernel
 launch over every layer; per-layer K and V are views of it:
@@ -11,8 +12,9 @@ launch over every layer; per-layer K and V are views of it:
     | off 0 | off 1 | ...| off 0 | off 1 | ...|
       slot = block * block_size + offset;  a slot holds num_kv_heads * head_dim values
 
-Block 0 is vLLM's null block (never written by the manager). The CPU pool has
-the same layout with `num_cpu_blocks` blocks, pinned when CUDA is available.
+Block 0 is vLLM's null block (never written by the manager). The CPU pool (and
+the host tier) have the same layout with `num_cpu_blocks` (`num_host_blocks`)
+blocks, pinned when CUDA is available.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 
 
 class PagedKVStorage:
-    """K/V blocks for `num_layers` layers on `device`, and `num_cpu_blocks` swap blocks on the host."""
+    """K/V blocks for `num_layers` layers on `device`; `num_cpu_blocks` swap blocks and `num_host_blocks`
+    offloaded blocks on the host."""
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class PagedKVStorage:
         head_dim: int,
         *,
         num_cpu_blocks: int = 0,
+        num_host_blocks: int = 0,
         dtype: torch.dtype = torch.float16,
         device: str | torch.device = "cuda",
     ):
@@ -39,8 +43,9 @@ class PagedKVStorage:
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        for name, v in (("num_cpu_blocks", num_cpu_blocks), ("num_host_blocks", num_host_blocks)):
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.num_cpu_blocks = num_kv_heads, head_dim, num_cpu_blocks
         self.dtype = dtype
@@ -50,6 +55,9 @@ class PagedKVStorage:
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         self.cpu = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self.num_host_blocks = num_host_blocks
+        host_shape = (num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim)
+        self.host = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
 
     @property
     def block_bytes(self) -> int:

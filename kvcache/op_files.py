@@ -6,12 +6,15 @@ table of the files' schema (`kvcache.op_writer` streams the tables to the files)
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table")
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table", "store", "load")  # append only: codes
 OPS_VERSION = 1
 META = {"kvsim_ops": str(OPS_VERSION)}  # the version, in both files' metadata
 COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")  # `kvcache.ops.Op`'s fields, the file's columns
@@ -191,3 +194,51 @@ def table_rows(table) -> list[tuple]:
         else:
             cols.append(col.to_pylist())
     return list(zip(*cols, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One block operation; unused fields are -1 (ints) or "" / None."""
+
+    step: int
+    kind: str
+    a: int
+    b: int = -1
+    c: int = -1
+    seq: str = ""
+    hash: int | None = None
+    pos: int = -1
+
+
+def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
+    """Token ids per sequence, written by `OpLog.save` (a sequence released twice: its last)."""
+    import pyarrow.parquet as pq
+
+    return tokens_dict(pq.read_table(path))
+
+
+def read_ops(path: str | Path) -> list[Op]:
+    """Read an op stream written by `OpLog.to_jsonl` or `OpLog.to_parquet`."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return [Op(*row) for row in table_rows(read_ops_table(path))]
+    with open(path) as f:
+        header = json.loads(f.readline() or "{}")
+        check_version(path, header.get("kvsim_ops", 0))
+        return [Op(**json.loads(line)) for line in f if line.strip()]
+
+
+def read_op_rows(path: str | Path) -> list[tuple]:
+    """`read_ops` as plain tuples in `Op`'s field order, each kind and sequence name one shared
+    string: for millions of ops, several times faster and smaller than `Op` records."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return table_rows(read_ops_table(path))
+    return as_rows(read_ops(path))
+
+
+def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
+    """Ops as plain tuples in `Op`'s field order (`COLUMNS`); tuples pass through."""
+    if ops and isinstance(ops[0], Op):
+        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
+    return list(ops)

@@ -12,6 +12,8 @@ Every physical effect of a manager decision is one typed record, in order:
 | `free`     | block      |            |        |      | ref count reached 0 (no data movement)  |
 | `evict`    | block      |            |        |      | cached block reused; `hash` is its key  |
 | `table`    | block      | index      |        | seq  | seq's block-table entry `index` is now `block` (0: null) |
+| `store`    | gpu block  | host block |        | seq  | KV offloading: a computed block copied to the host tier |
+| `load`     | host block | gpu block  |        | seq  | KV offloading: a block loaded back from the host tier |
 
 `table` ops carry no data: they let a replayer keep every request's block
 table (prefix hits, forks and swap-ins change tables without a write).
@@ -27,13 +29,12 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from kvcache.op_files import (
+from kvcache.op_files import (  # noqa: F401 (Op and the readers are re-exported)
     COLUMNS,
     KINDS,
     META,
@@ -43,10 +44,13 @@ from kvcache.op_files import (
     SEG_SPAN,
     SEG_TABLE,
     LateRuns,
+    Op,
     Runs,
-    check_version,
+    as_rows,
     ops_table,
-    read_ops_table,
+    read_op_rows,
+    read_ops,
+    read_tokens,
     table_rows,
     token_ids,
     tokens_dict,
@@ -55,26 +59,12 @@ from kvcache.op_files import (
 from kvcache.op_writer import Sink
 
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
-_GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table"))  # kinds whose `a` is a GPU block
-_GPU_B = frozenset(("copy", "swap_in"))
+_GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table", "store"))  # kinds whose `a` is a GPU block
+_GPU_B = frozenset(("copy", "swap_in", "load"))
 _CODE = {k: i for i, k in enumerate(KINDS)}  # kind -> its code in a pending row
 _WRITE, _FREE, _EVICT, _TABLE = (_CODE[k] for k in ("write", "free", "evict", "table"))
 CHUNK_ROWS = 1 << 18  # rows of a chunk of the op log
 TOKEN_CHUNK = 1 << 22  # token ids kept before they are written out
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """One block operation; unused fields are -1 (ints) or "" / None."""
-
-    step: int
-    kind: str
-    a: int
-    b: int = -1
-    c: int = -1
-    seq: str = ""
-    hash: int | None = None
-    pos: int = -1
 
 
 class OpLog:
@@ -112,6 +102,7 @@ class OpLog:
         self._token_chunks: list = []
         self._pending_tokens = 0
         self._sink: Sink | None = None
+        self._start = [0, 0, 0]  # where this step's rows begin in _segs, _a and _bcp (`emit_transfers`)
         self._done = 0  # rows in chunks or streamed
 
     def set_step(self, step: int) -> None:
@@ -119,6 +110,32 @@ class OpLog:
         self.step = step
         if self._rows + 8 * len(self._late_seqs) >= self.chunk_rows:
             self._flush(step - self.lag if self.lag else None)
+        self._start = [len(self._segs), len(self._a), len(self._bcp)]
+
+    def emit_transfers(self, kind: str, pairs: list[tuple[int, int]], seq: str, at_start: bool = False) -> None:
+        """Record `store` or `load` ops of (a, b) pairs for `seq`; `at_start`: ahead of every op this
+        step has recorded so far (a transfer the hardware runs before the step's forward)."""
+        self.counts[kind] += len(pairs)
+        if not self.enabled or not pairs:
+            return
+        if self.resolve is not None:
+            r = self.resolve
+            pairs = [(int(r(a)), b) if kind == "store" else (a, int(r(b))) for a, b in pairs]
+        segs = [x for _ in pairs for x in (self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0)]
+        a, bcp = [p[0] for p in pairs], [x for p in pairs for x in (p[1], -1, -1)]
+        self._rows += len(pairs)
+        if not at_start:
+            self._segs += segs
+            self._seqs += [seq] * len(pairs)
+            self._a += a
+            self._bcp += bcp
+            return
+        s, r, e = self._start
+        self._segs[s:s] = segs
+        self._seqs[s // 7:s // 7] = [seq] * len(pairs)
+        self._a[r:r] = a
+        self._bcp[e:e] = bcp
+        self._start = [s + len(segs), r + len(a), e + len(bcp)]
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
              pos: int = -1) -> None:
@@ -324,6 +341,7 @@ class OpLog:
     def clear(self) -> None:
         self._segs, self._seqs, self._a, self._bcp, self._hashes = [], [], [], [], []
         self._rows = 0
+        self._start = [0, 0, 0]
         self._late, self._late_seqs = [], []
         self._chunks.clear()
         self._done = 0
@@ -363,37 +381,3 @@ class OpLog:
         for name in ("ops.parquet", "op_tokens.parquet"):
             if (self._sink.folder / name).resolve() != (folder / name).resolve():
                 shutil.move(self._sink.folder / name, folder / name)
-
-
-def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
-    """Token ids per sequence, written by `OpLog.save` (a sequence released twice: its last)."""
-    import pyarrow.parquet as pq
-
-    return tokens_dict(pq.read_table(path))
-
-
-def read_ops(path: str | Path) -> list[Op]:
-    """Read an op stream written by `OpLog.to_jsonl` or `OpLog.to_parquet`."""
-    path = Path(path)
-    if path.suffix == ".parquet":
-        return [Op(*row) for row in table_rows(read_ops_table(path))]
-    with open(path) as f:
-        header = json.loads(f.readline() or "{}")
-        check_version(path, header.get("kvsim_ops", 0))
-        return [Op(**json.loads(line)) for line in f if line.strip()]
-
-
-def read_op_rows(path: str | Path) -> list[tuple]:
-    """`read_ops` as plain tuples in `Op`'s field order, each kind and sequence name one shared
-    string: for millions of ops, several times faster and smaller than `Op` records."""
-    path = Path(path)
-    if path.suffix == ".parquet":
-        return table_rows(read_ops_table(path))
-    return as_rows(read_ops(path))
-
-
-def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
-    """Ops as plain tuples in `Op`'s field order (`COLUMNS`); tuples pass through."""
-    if ops and isinstance(ops[0], Op):
-        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
-    return list(ops)

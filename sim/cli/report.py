@@ -61,24 +61,37 @@ ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] | None]]
 ]
 
 
-def cells(summary: dict[str, Any]) -> list[str]:
-    """One formatted value per row of ROWS."""
+# KV offloading's rows, shown when a run had a host tier (sim.engine.offload)
+OFFLOAD_ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] | None]] = [
+    ("host tier chunks", "host_chunks", _num("{:,}")),
+    ("host tier hit tokens", "offload_hit_tokens", _num("{:,}")),
+    ("hit rate, GPU + host tier", "total_hit_rate", _pct),
+    ("blocks stored / loaded", lambda s: f"{s.get('stored_blocks', 0):,} / {s.get('loaded_blocks', 0):,}", None),
+    ("host evictions / failed stores",
+     lambda s: f"{s.get('offload_evictions', 0):,} / {s.get('offload_store_failures', 0):,}", None),
+]
+
+
+def cells(summary: dict[str, Any], rows=ROWS) -> list[str]:
+    """One formatted value per row of `rows`; a value the summary lacks is "-"."""
     out = []
-    for _, key, fmt in ROWS:
+    for _, key, fmt in rows:
         out.append(key(summary) if callable(key) else fmt(summary.get(key)))
     return out
 
 
 def format_table(summaries: list[dict[str, Any]], headers: list[str] | None = None) -> str:
-    """Rows of ROWS, one column per summary (right-aligned), with optional column headers."""
-    cols = [cells(s) for s in summaries]
-    label_w = max(len(label) for label, _, _ in ROWS)
+    """Rows of ROWS (and OFFLOAD_ROWS if a run had a host tier), one column per summary (right-aligned),
+    with optional column headers."""
+    rows = ROWS + (OFFLOAD_ROWS if any("host_chunks" in s for s in summaries) else [])
+    cols = [cells(s, rows) for s in summaries]
+    label_w = max(len(label) for label, _, _ in rows)
     widths = [max(len(c) for c in col) for col in cols]
     lines = []
     if headers:
         widths = [max(w, len(h)) for w, h in zip(widths, headers, strict=True)]
         lines.append(" " * label_w + "".join(f"  {h:>{w}}" for h, w in zip(headers, widths, strict=True)))
-    for i, (label, _, _) in enumerate(ROWS):
+    for i, (label, _, _) in enumerate(rows):
         lines.append(f"{label:<{label_w}}" + "".join(f"  {col[i]:>{w}}" for col, w in zip(cols, widths, strict=True)))
     return "\n".join(lines)
 
@@ -109,6 +122,9 @@ def reading(s: dict[str, Any], caching: bool = True) -> str:
     else:
         lines.append(f"Block usage peaked at {_pct(peak)} of {blocks:,} blocks and nothing was evicted, "
                      "so every eviction policy gives this result (a smaller --num-gpu-blocks makes them differ).")
+    if "host_chunks" in s:
+        lines.append(f"The host tier ({s['host_chunks']:,} chunks) served {s.get('offload_hit_tokens', 0):,} more "
+                     f"prompt tokens: {_pct(s.get('total_hit_rate'))} were hits in all.")
     pre = s.get("preemptions_recompute", 0) + s.get("preemptions_swap", 0)
     lines.append(f"{pre:,} running requests were preempted to free blocks." if pre
                  else "No request was preempted.")

@@ -150,8 +150,7 @@ class SimConfig:
             raise ConfigError(f"kv_offloading_size must be a positive number of GiB, got {size}")
         for bad, why in ((self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
                          (self.sliding_window is not None, "a sliding window"), (self.defrag_threshold is not None,
-                         "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}"),
-                         (self.record_ops, "record_ops (store and load ops are not recorded yet)")):
+                         "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
                                   "under vLLM 0.33's synchronous scheduler, full attention and recompute preemption")

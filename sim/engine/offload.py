@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.offload.tier import MISS, PENDING, HostTier
+from kvcache.ops import OpLog
 from kvcache.sequence import Sequence
 
 
@@ -70,8 +71,9 @@ class Offloader:
 
     def __init__(self, tier: HostTier, block_size: int, *, blocks_per_chunk: int = 1, prompt_only: bool = True,
                  seconds_per_block: tuple[float, float] = (0.0, 0.0), bytes_per_block: int = 0,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, ops: OpLog | None = None):
         self.tier = tier
+        self.ops = ops  # records `store` and `load` ops when given (`record_ops`)
         self.bs = block_size
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk  # tokens a chunk
@@ -144,20 +146,24 @@ class Offloader:
             return None  # another request is loading them: it will be a GPU hit next time
         return n
 
-    def start_load(self, seq: Sequence, local: int, n: int, new_blocks: int) -> None:
-        """Plan the load of `seq`'s `n` tokens after its `local` hit into its `new_blocks` fresh
-        blocks (vLLM `update_state_after_alloc`): pin the chunks; the request now waits for it."""
+    def start_load(self, seq: Sequence, local: int, n: int, new_blocks: list) -> None:
+        """Plan the load of `seq`'s `n` tokens after its `local` hit into its fresh blocks `new_blocks`
+        (vLLM `update_state_after_alloc`): pin the chunks; the request now waits for it."""
         st = self.reqs[seq.seq_id]
         end = -(-(local + n) // self.tpc)
         first_block = -(-local // self.bs)
-        keys = st.keys[first_block // self.bpc:end]
-        self.tier.prepare_load(seq.seq_id, keys, self._positions(first_block // self.bpc, len(keys)))
+        first, bpc = first_block // self.bpc, self.bpc
+        keys = st.keys[first:end]
+        slots = self.tier.prepare_load(seq.seq_id, keys, self._positions(first, len(keys)))
         st.next_stored = end  # the hit and loaded chunks are not offered again
-        job = self._job("load", st, keys, new_blocks)
+        job = self._job("load", st, keys, len(new_blocks))
         self._planned_loads.append(job)
         if self._loading is not None:
             self._loading.update(keys)
-        self.loaded_blocks += new_blocks
+        self.loaded_blocks += len(new_blocks)
+        if self.ops is not None:  # block i of the sequence is block i % bpc of its chunk's slot
+            self.ops.emit_transfers("load", [(slots[i // bpc - first] * bpc + i % bpc, b.block_id)
+                                             for i, b in enumerate(new_blocks, first_block)], seq.seq_id)
 
     def _job(self, kind: str, st: _Request, keys: list[int], blocks: int) -> Job:
         job = Job(kind, st.seq.seq_id, keys, blocks)
@@ -194,7 +200,7 @@ class Offloader:
         for sid in self._finished:
             st = self.reqs[sid]
             seq = st.seq
-            j = self._offer(st, max(seq.num_prompt_tokens, seq.num_tokens - 1))
+            j = self._offer(st, max(seq.num_prompt_tokens, seq.num_tokens - 1), at_start=True)
             if j is not None:
                 self._fence(j)
                 if not allocated.isdisjoint(self.jobs[j].block_ids):
@@ -206,8 +212,9 @@ class Offloader:
                 del self.reqs[sid]
         self._finished.clear()
 
-    def _offer(self, st: _Request, upto: int) -> int | None:
-        """Offer `st`'s chunks up to token `upto` to the tier; the store job's id, if any."""
+    def _offer(self, st: _Request, upto: int, at_start: bool = False) -> int | None:
+        """Offer `st`'s chunks up to token `upto` to the tier; the store job's id, if any. `at_start`: a
+        finished request's, whose blocks this step may reuse, is recorded ahead of the step's ops."""
         seq = st.seq
         n = min(upto, seq.num_tokens)
         if self.prompt_only:
@@ -228,6 +235,9 @@ class Offloader:
         chunk = {key: start + i for i, key in enumerate(keys)}
         bpc, blocks = self.bpc, st.blocks
         job.block_ids = tuple(b.block_id for key in out.keys for b in blocks[chunk[key] * bpc:(chunk[key] + 1) * bpc])
+        if self.ops is not None:
+            host = [slot * bpc + i for slot in out.slots for i in range(bpc)]
+            self.ops.emit_transfers("store", list(zip(job.block_ids, host, strict=True)), seq.seq_id, at_start)
         self._planned_stores.append(job)
         self.stored_blocks += job.blocks
         return j

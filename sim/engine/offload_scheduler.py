@@ -46,7 +46,8 @@ class OffloadScheduler(Scheduler):
         tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
         off = Offloader(tier, cfg.block_size, blocks_per_chunk=cfg.offload_blocks_per_chunk,
                         prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
-                        bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching)
+                        bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
+                        ops=manager.ops if manager.records_ops else None)
         return cls(cfg, manager, log, off)
 
     def has_work(self) -> bool:
@@ -122,7 +123,7 @@ class OffloadScheduler(Scheduler):
                     new = m.allocate_for_load(seq, hit, blocks, ext, reserved=reserved, watermark=held)
                     if new is None:
                         break
-                    off.start_load(seq, hit, ext, len(new))
+                    off.start_load(seq, hit, ext, new)
                     off.allocated(m.req_blocks[sid])
                     seq.num_computed_tokens = hit + ext
                     self._loads[sid] = (hit, ext)

@@ -74,3 +74,24 @@ def test_a_fork_shares_the_tokens_decoded_before_it():
     child.append_tokens(1)  # position 4: the child's own
     assert child.token_ids(0, 5).tolist() == [5, 6, 7, -(1 + (1 << 24 | 3)), -(1 + (9 << 24 | 4))]
     assert parent.token_ids(0, 4).tolist() == child.token_ids(0, 4).tolist()
+
+
+def test_transfers_at_the_step_start_go_ahead_of_the_step_s_ops(tmp_path):
+    """A finished request's store, decided after the step reused its blocks, is recorded ahead of the
+    step's ops (sim.engine.offload: the worker copies it before the forward); later ones keep their order."""
+    m = KVCacheManager(8, 4, record_ops=True)
+    m.set_step(0)
+    prefill(m, seq("a", range(6)))
+    m.set_step(1)
+    m.free(seq("a", range(6)))
+    m.ops.emit_transfers("store", [(1, 0)], "x")
+    m.ops.emit_transfers("store", [(2, 5), (1, 6)], "b", at_start=True)
+    m.ops.emit_transfers("load", [(5, 3)], "c", at_start=True)
+    ops = m.ops.records()
+    assert [(o.step, o.kind, o.a, o.b, o.seq) for o in ops[4:]] == [
+        (1, "store", 2, 5, "b"), (1, "store", 1, 6, "b"), (1, "load", 5, 3, "c"),
+        (1, "free", 2, -1, ""), (1, "free", 1, -1, ""), (1, "store", 1, 0, "x"),
+    ]
+    assert (m.ops.counts["store"], m.ops.counts["load"]) == (3, 1)
+    m.ops.save(tmp_path)
+    assert read_ops(tmp_path / "ops.parquet") == ops

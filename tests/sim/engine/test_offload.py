@@ -94,8 +94,9 @@ def test_store_threshold_two_stores_a_chunk_the_second_time_it_is_offered() -> N
 
 
 @pytest.mark.parametrize("change", [{"async_scheduling": True}, {"preemption": "swap", "num_cpu_blocks": 4},
-                                    {"record_ops": True}, {"defrag_threshold": 4}, {"kv_offloading_size": -1.0},
+                                    {"defrag_threshold": 4}, {"kv_offloading_size": -1.0},
                                     {"offload_eviction_policy": "fifo"}])
 def test_unsupported_combinations_are_config_errors(change) -> None:
+    """record_ops is supported: tests/gpu/test_offload_replay.py replays the store and load ops."""
     with pytest.raises(ConfigError, match="kv_offloading_size|offload_eviction_policy"):
         SimConfig(**{"kv_offloading_size": 1.0, **change}).validate()
