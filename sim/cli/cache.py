@@ -13,11 +13,22 @@ import typer
 from kvcache.eviction import POLICIES, check_policy
 from kvcache.profiles import DEFAULT_VERSION
 from sim.cli.common import fail, open_workload, staged_file
+from sim.cli.options import (
+    KvOffloadingSize,
+    Model,
+    OffloadAll,
+    OffloadBlocksPerChunk,
+    OffloadEvictionPolicy,
+    OffloadStoreThreshold,
+    Tp,
+    hardware_changes,
+    offload_changes,
+)
 from workloads.names import FORMATS
 
 if TYPE_CHECKING:
     from kvcache.manager import KVCacheManager
-    from kvcache.replay import ReplayRecord, ReplayResult
+    from kvcache.replay import Offload, ReplayRecord, ReplayResult
     from workloads.request import Workload
 
 
@@ -32,13 +43,26 @@ def cache_replay(
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as one JSON object")] = False,
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="skip bad lines (and report how many)")] = False,
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33")] = DEFAULT_VERSION,
+    model: Model = None,
+    tp: Tp = None,
+    kv_offloading_size: KvOffloadingSize = None,
+    offload_eviction_policy: OffloadEvictionPolicy = None,
+    offload_store_threshold: OffloadStoreThreshold = None,
+    offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
+    offload_all: OffloadAll = False,
 ) -> None:
-    """Replay a workload through the block manager and report its prefix-cache hit rate."""
+    """Replay a workload through the block manager and report its prefix-cache hit rate
+    (with --kv-offloading-size, over a host tier with instantaneous transfers)."""
     from sim.engine.config import check_block_size
 
+    offload = None
     try:
         check_block_size(block_size)
         check_policy(eviction)
+        changes = {**hardware_changes(model, None, tp), **offload_changes(
+            kv_offloading_size, offload_eviction_policy, offload_store_threshold, offload_blocks_per_chunk, offload_all)}
+        if changes:  # checked as `kvsim run` checks them; the model's KV bytes size the tier's chunks
+            offload = _offload(changes, block_size, vllm_version)
     except ValueError as e:
         raise fail(str(e)) from None
     if num_blocks < 2:
@@ -59,7 +83,7 @@ def cache_replay(
         sink = open(stack.enter_context(staged_file(out)), "w") if out else None
         if sink:
             stack.callback(sink.close)
-        result, wall = _replay(wl, manager, max_running, sink)
+        result, wall = _replay(wl, manager, max_running, sink, offload)
     skipped = getattr(wl, "skipped", 0)
     if skipped:
         typer.echo(f"skipped {skipped} bad lines", err=True)
@@ -75,25 +99,43 @@ def cache_replay(
     typer.echo(f"prompt tokens  {result.prompt_tokens:,}")
     typer.echo(f"hit tokens     {result.hit_tokens:,}  ({result.hit_rate:.2%})")
     typer.echo(f"evicted blocks {result.evicted_blocks:,}")
+    if offload is not None:
+        typer.echo(f"host tier      {result.host_chunks:,} chunks of {offload.blocks_per_chunk} blocks: "
+                   f"{result.offload_hit_tokens:,} hit tokens, total hit rate {result.total_hit_rate:.2%}")
+        typer.echo(f"               {result.stored_blocks:,} blocks stored, {result.loaded_blocks:,} loaded, "
+                   f"{result.offload_evictions:,} chunks evicted")
     typer.echo(f"wall time      {wall:.2f} s ({result.requests / wall:,.0f} requests/s)")
 
 
-def _replay(wl: Workload, manager: KVCacheManager, max_running: int, sink: TextIO | None
-            ) -> tuple[ReplayResult, float]:
+def _offload(changes: dict, block_size: int, vllm_version: str) -> Offload | None:
+    """The host tier the options ask for (None: --kv-offloading-size not given); raises
+    ValueError (ConfigError) for a bad knob, as `kvsim run` words it."""
+    from sim.engine.config import SimConfig
+    from sim.studies.curves import replay_offload
+
+    cfg = SimConfig(block_size=block_size, vllm_version=vllm_version).replace(**changes).validate()
+    return replay_offload(cfg)
+
+
+def _replay(wl: Workload, manager: KVCacheManager, max_running: int, sink: TextIO | None,
+            offload: Offload | None = None) -> tuple[ReplayResult, float]:
     """The replay's counts and its wall time; one JSON line a request to `sink` if given."""
-    from kvcache.replay import replay
+    from kvcache.replay import OffloadRecord, replay
     from workloads.errors import WorkloadError
 
     def on_record(rec: ReplayRecord) -> None:
         if sink:
-            sink.write(json.dumps({
+            line = {
                 "id": rec.id, "prompt_tokens": rec.prompt_tokens, "hit_tokens": rec.hit_tokens,
                 "output_tokens": rec.output_tokens, "status": rec.status, "preemptions": rec.preemptions,
-            }) + "\n")
+            }
+            if isinstance(rec, OffloadRecord):  # the replay has a host tier
+                line["offload_hit_tokens"] = rec.offload_hit_tokens
+            sink.write(json.dumps(line) + "\n")
 
     t0 = time.perf_counter()
     try:
-        result = replay(wl, manager, max_running, on_record)
+        result = replay(wl, manager, max_running, on_record, offload)
     except WorkloadError as e:
         raise fail(str(e)) from None
     return result, time.perf_counter() - t0

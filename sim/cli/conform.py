@@ -8,6 +8,14 @@ from typing import Annotated
 import typer
 
 from sim.cli.common import fail, open_workload
+from sim.cli.options import (
+    KvOffloadingSize,
+    OffloadAll,
+    OffloadBlocksPerChunk,
+    OffloadEvictionPolicy,
+    OffloadStoreThreshold,
+    offload_changes,
+)
 
 
 def conform(
@@ -28,11 +36,11 @@ def conform(
     step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
-    kv_offloading_size: Annotated[float | None, typer.Option("--kv-offloading-size", help="scheduler mode: GiB of host memory for offloaded KV, as vLLM's (off by default)")] = None,
-    offload_eviction_policy: Annotated[str | None, typer.Option(help="host tier eviction: lru|arc")] = None,
-    offload_store_threshold: Annotated[int | None, typer.Option(help="store a chunk once offered this often (< 2: always)")] = None,
-    offload_blocks_per_chunk: Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")] = None,
-    offload_all: Annotated[bool, typer.Option("--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")] = False,
+    kv_offloading_size: KvOffloadingSize = None,
+    offload_eviction_policy: OffloadEvictionPolicy = None,
+    offload_store_threshold: OffloadStoreThreshold = None,
+    offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
+    offload_all: OffloadAll = False,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from sim.conform import vllm_setup
@@ -53,12 +61,8 @@ def conform(
         theirs = profile(installed).version
         if vllm_version is not None and profile(vllm_version).version != theirs:
             raise fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
-        offload = {k: v for k, v in {
-            "kv_offloading_size": kv_offloading_size, "offload_eviction_policy": offload_eviction_policy,
-            "offload_store_threshold": offload_store_threshold, "offload_blocks_per_chunk": offload_blocks_per_chunk,
-        }.items() if v is not None}
-        if offload_all:
-            offload["offload_prompt_only"] = False
+        offload = offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
+                                  offload_blocks_per_chunk, offload_all)
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,

@@ -13,6 +13,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from sim.cli.common import cannot_write, check_output, fail, open_workload
+from sim.cli.options import (
+    Gpu,
+    KvOffloadingSize,
+    Model,
+    OffloadAll,
+    OffloadBlocksPerChunk,
+    OffloadEvictionPolicy,
+    OffloadStoreThreshold,
+    Tp,
+    hardware_changes,
+    offload_changes,
+)
 from sim.cli.report import compare, format_summary, report
 from workloads.names import FORMATS
 
@@ -120,9 +132,9 @@ def run(
     workload: Annotated[Path | None, typer.Argument(help="workload file or RAGPulse folder; default: the embedded workload")] = None,
     format: Annotated[str, typer.Option("--format", "-f", help="|".join(FORMATS))] = "auto",
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="skip bad trace lines (and count them)")] = False,
-    model: Annotated[str | None, typer.Option(help="model name (see sim.engine.catalog)")] = None,
-    gpu: Annotated[str | None, typer.Option(help="GPU name (see sim.engine.catalog)")] = None,
-    tp: Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree")] = None,
+    model: Model = None,
+    gpu: Gpu = None,
+    tp: Tp = None,
     block_size: Annotated[int | None, typer.Option(help="tokens per KV block (power of two)")] = None,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: derived from GPU memory)")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of GPU memory vLLM may use")] = None,
@@ -145,11 +157,11 @@ def run(
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
-    kv_offloading_size: Annotated[float | None, typer.Option("--kv-offloading-size", help="GiB of host memory for offloaded KV, as vLLM's (off by default)")] = None,
-    offload_eviction_policy: Annotated[str | None, typer.Option(help="host tier eviction: lru|arc")] = None,
-    offload_store_threshold: Annotated[int | None, typer.Option(help="store a chunk once offered this often (< 2: always)")] = None,
-    offload_blocks_per_chunk: Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")] = None,
-    offload_all: Annotated[bool, typer.Option("--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")] = False,
+    kv_offloading_size: KvOffloadingSize = None,
+    offload_eviction_policy: OffloadEvictionPolicy = None,
+    offload_store_threshold: OffloadStoreThreshold = None,
+    offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
+    offload_all: OffloadAll = False,
     record_ops: Annotated[bool, typer.Option("--record-ops", help="write the block-op stream (ops.parquet)")] = False,
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload)")] = None,
@@ -158,7 +170,7 @@ def run(
 ) -> None:
     """Simulate WORKLOAD through the engine and write a run folder (tables, summary, plots)."""
     given = {
-        "model": model, "gpu": gpu, "tensor_parallel": tp, "block_size": block_size,
+        **hardware_changes(model, gpu, tp), "block_size": block_size,
         "num_gpu_blocks": num_gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
         "num_cpu_blocks": num_cpu_blocks, "eviction": eviction, "watermark": watermark,
         "preemption": preemption, "scheduling": scheduling, "defrag_threshold": defrag_threshold,
@@ -166,19 +178,17 @@ def run(
         "max_model_len": max_model_len, "long_prefill_token_threshold": long_prefill_token_threshold,
         "vllm_version": vllm_version, "step_time": step_time,
         "calibration": str(calibration) if calibration else None, "slo_ttft": slo_ttft,
-        "slo_tpot": slo_tpot, "seed": seed, "kv_offloading_size": kv_offloading_size,
-        "offload_eviction_policy": offload_eviction_policy, "offload_store_threshold": offload_store_threshold,
-        "offload_blocks_per_chunk": offload_blocks_per_chunk,
+        "slo_tpot": slo_tpot, "seed": seed,
     }  # fmt: skip
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    changes.update(offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
+                                   offload_blocks_per_chunk, offload_all))
     if no_prefix_caching:
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:
         changes["enable_chunked_prefill"] = False
     if async_scheduling:
         changes["async_scheduling"] = True
-    if offload_all:
-        changes["offload_prompt_only"] = False
     if record_ops:
         changes["record_ops"] = True
     if debug_invariants:

@@ -10,6 +10,18 @@ from typing import Annotated
 import typer
 
 from sim.cli.common import cannot_write, check_output, fail
+from sim.cli.options import (
+    Gpu,
+    KvOffloadingSize,
+    Model,
+    OffloadAll,
+    OffloadBlocksPerChunk,
+    OffloadEvictionPolicy,
+    OffloadStoreThreshold,
+    Tp,
+    hardware_changes,
+    offload_changes,
+)
 
 _CPUS = os.cpu_count() or 1
 
@@ -106,9 +118,19 @@ def curve(
     vllm_version: Annotated[
         str, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33")
     ] = "0.33",
+    model: Model = None,
+    gpu: Gpu = None,
+    tp: Tp = None,
+    kv_offloading_size: KvOffloadingSize = None,
+    offload_eviction_policy: OffloadEvictionPolicy = None,
+    offload_store_threshold: OffloadStoreThreshold = None,
+    offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
+    offload_all: OffloadAll = False,
 ) -> None:
-    """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy."""
+    """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy
+    (with --kv-offloading-size, over a host tier too: its hits and the total hit rate)."""
     from sim.engine.config import ConfigError, SimConfig
+    from sim.engine.cost_model import CostModel
     from sim.studies.curves import capacity_curve, check_points, format_table, write_curve
     from sim.studies.sweep import WorkloadSpec
     from workloads.errors import WorkloadError
@@ -118,13 +140,19 @@ def curve(
         caps = _int_list(capacities, "--capacities")
         pols = [p.strip() for p in policies.split(",") if p.strip()]
         check_points(caps, pols, block_size, mode)
-        SimConfig(vllm_version=vllm_version).validate()
+        changes = {**hardware_changes(model, gpu, tp), **offload_changes(
+            kv_offloading_size, offload_eviction_policy, offload_store_threshold, offload_blocks_per_chunk,
+            offload_all)}
+        base = SimConfig(vllm_version=vllm_version, block_size=block_size).replace(**changes).validate()
+        if changes:  # an unknown model, or one that TP does not split, fails here
+            CostModel.from_config(base)
         spec = WorkloadSpec(str(workload), format)
         spec.open()  # fail early on a missing file or an unknown format
         out_dir = out or Path("curves") / workload.stem
         check_output(out_dir, folder=True)
         t0 = time.perf_counter()
-        df = capacity_curve(spec, caps, pols, block_size, mode, workers, vllm_version=vllm_version)
+        df = capacity_curve(spec, caps, pols, block_size, mode, workers, base if changes else None,
+                            vllm_version=vllm_version)
         wall = time.perf_counter() - t0
         write_curve(df, out_dir, workload.name, block_size, mode)
     except (ConfigError, WorkloadError) as e:
@@ -134,6 +162,9 @@ def curve(
     typer.echo(f"{workload.name}: block size {block_size}, mode {mode}, {len(df)} points")
     typer.echo("\nprefix hit rate (% of prompt tokens)")
     typer.echo(format_table(df))
+    if "total_hit_rate" in df:
+        typer.echo(f"\nGPU + host tier hit rate (% of prompt tokens; {kv_offloading_size:g} GiB host tier)")
+        typer.echo(format_table(df, "total_hit_rate"))
     typer.echo("\nmean id-space fragmentation (blocks)")
     typer.echo(format_table(df, "mean_id_fragmentation", percent=False))
     typer.echo(f"\nwrote {out_dir / 'curve.parquet'} and {out_dir / 'curve.png'} ({wall:.1f} s)")

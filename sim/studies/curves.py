@@ -8,6 +8,9 @@ A point is (policy, capacity in GPU blocks). Two ways to compute it:
 - `sim`: the full simulator (`sim.engine.run.simulate`) with `num_gpu_blocks` =
   capacity; fragmentation is its time-weighted mean.
 
+With KV offloading in the base config (`kv_offloading_size`), both modes run over the
+host tier (the replay's with instantaneous transfers) and the rows gain its hits.
+
 Points are independent and run in parallel on local processes.
 """
 
@@ -20,8 +23,9 @@ from typing import Any
 import pandas as pd
 
 from kvcache.manager import KVCacheManager
+from kvcache.offload.tier import HostTier
 from kvcache.profiles import DEFAULT_VERSION
-from kvcache.replay import ReplayRecord, replay
+from kvcache.replay import Offload, ReplayRecord, replay
 from kvcache.sequence import Sequence
 from sim.engine.config import ConfigError, SimConfig, check_block_size
 from sim.studies.run_folder import staged_folder
@@ -39,6 +43,7 @@ COLUMNS = (
     "requests",
     "rejected",
 )
+OFFLOAD_COLUMNS = ("offload_hit_tokens", "total_hit_rate")  # with KV offloading on
 
 
 class _SamplingManager(KVCacheManager):
@@ -80,21 +85,38 @@ def check_points(capacities: list[int], policies: list[str], block_size: int, mo
     check_block_size(block_size)
 
 
+def replay_offload(cfg: SimConfig) -> Offload | None:
+    """The host tier `cfg` asks for, for a cache replay: `kv_offloading_size` GiB in chunks of the
+    model's KV blocks, sized as `kvsim run` sizes it; None when offloading is off."""
+    if cfg.kv_offloading_size is None:
+        return None
+    from kvcache.offload.size import num_host_chunks
+    from sim.engine.cost_model import CostModel
+
+    cost = CostModel.from_config(cfg)
+    chunks = num_host_chunks(cfg.kv_offloading_size, cost.kv_bytes_per_block, cfg.tensor_parallel,
+                             cfg.offload_blocks_per_chunk)
+    tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
+    return Offload(tier, cfg.offload_blocks_per_chunk, cfg.offload_prompt_only)
+
+
 def replay_point(
     workload: WorkloadSpec, policy: str, capacity: int, block_size: int,
-    vllm_version: str = DEFAULT_VERSION,
+    vllm_version: str = DEFAULT_VERSION, base: SimConfig | None = None,
 ) -> dict[str, Any]:
-    """One point by cache-only replay (sequential, as `kvsim cache-replay`)."""
+    """One point by cache-only replay (sequential, as `kvsim cache-replay`); over the host tier
+    of `base`'s KV offloading, if on."""
     m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
+    offload = replay_offload(base.replace(block_size=block_size)) if base is not None else None
     blocks = {"hit": 0, "prompt": 0}
 
     def count(rec: ReplayRecord) -> None:
         blocks["hit"] += rec.hit_tokens // block_size
         blocks["prompt"] += -(-rec.prompt_tokens // block_size)
 
-    r = replay(workload.open(), m, 1, count)
+    r = replay(workload.open(), m, 1, count, offload)
     n = m.samples or 1
-    return {
+    row = {
         "policy": policy,
         "capacity": capacity,
         "hit_rate": r.hit_rate,
@@ -105,6 +127,9 @@ def replay_point(
         "requests": r.requests,
         "rejected": r.rejected,
     }
+    if offload is not None:
+        row.update(offload_hit_tokens=r.offload_hit_tokens, total_hit_rate=r.total_hit_rate)
+    return row
 
 
 def sim_point(
@@ -125,7 +150,7 @@ def sim_point(
     if vllm_version is not None:
         cfg = cfg.replace(vllm_version=vllm_version)
     s = simulate(workload.open(), cfg).summary
-    return {
+    row = {
         "policy": policy,
         "capacity": capacity,
         "hit_rate": s["hit_rate"],
@@ -136,6 +161,9 @@ def sim_point(
         "requests": s["requests"],
         "rejected": s["rejected"],
     }
+    if cfg.kv_offloading_size is not None:
+        row.update(offload_hit_tokens=s["offload_hit_tokens"], total_hit_rate=s["total_hit_rate"])
+    return row
 
 
 def capacity_curve(
@@ -154,11 +182,14 @@ def capacity_curve(
     if vllm_version is None:
         vllm_version = base.vllm_version if base is not None else DEFAULT_VERSION
     check_points(capacities, policies, block_size, mode)
+    offloading = base is not None and base.kv_offloading_size is not None
+    if base is not None and offloading:  # fail here, not in a worker (a bad knob, an older release)
+        base.replace(block_size=block_size, vllm_version=vllm_version).validate()
     caps = sorted(set(capacities))
     # largest capacities first: the slowest points start first and the pool drains evenly
     order = sorted(((p, c) for p in policies for c in caps), key=lambda pc: -pc[1])
     if mode == "replay":
-        items = [(workload, p, c, block_size, vllm_version) for p, c in order]
+        items = [(workload, p, c, block_size, vllm_version, base) for p, c in order]
         fn: Callable[..., dict[str, Any]] = replay_point
     else:
         items = [(workload, p, c, block_size, base, vllm_version) for p, c in order]
@@ -166,7 +197,7 @@ def capacity_curve(
     rows = run_parallel(fn, items, workers, (lambda _, row: on_point(row)) if on_point else None)
     rank = {p: i for i, p in enumerate(policies)}
     rows.sort(key=lambda r: (rank[r["policy"]], r["capacity"]))
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    return pd.DataFrame(rows, columns=list(COLUMNS + OFFLOAD_COLUMNS if offloading else COLUMNS))
 
 
 def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = True) -> str:
@@ -194,7 +225,10 @@ def plot_curve(
 
     fig, (ax_hit, ax_frag) = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy, g in df.groupby("policy", sort=False):
-        ax_hit.plot(g["capacity"], g["hit_rate"] * 100, marker="o", label=policy)
+        line = ax_hit.plot(g["capacity"], g["hit_rate"] * 100, marker="o", label=policy)[0]
+        if "total_hit_rate" in g:
+            ax_hit.plot(g["capacity"], g["total_hit_rate"] * 100, marker="^", linestyle="--",
+                        color=line.get_color(), label=f"{policy} + host tier")
         frag = g["mean_id_fragmentation"] / (g["capacity"] - 1) * 100  # usable blocks
         ax_frag.plot(g["capacity"], frag, marker="o", label=policy)
     unit = f"GPU blocks of {block_size} tokens"

@@ -1,0 +1,39 @@
+"""Options that several commands take, defined once so they are named, described and validated
+alike: the model and hardware (`run`, `cache-replay`, `curve`) and KV offloading's knobs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+Model = Annotated[str | None, typer.Option(help="model name (see sim.engine.catalog)")]
+Gpu = Annotated[str | None, typer.Option(help="GPU name (see sim.engine.catalog)")]
+Tp = Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree")]
+KvOffloadingSize = Annotated[float | None, typer.Option(
+    "--kv-offloading-size", help="GiB of host memory for offloaded KV, as vLLM's (off by default)")]
+OffloadEvictionPolicy = Annotated[str | None, typer.Option(help="host tier eviction: lru|arc")]
+OffloadStoreThreshold = Annotated[int | None, typer.Option(
+    help="store a chunk once offered this often (< 2: always)")]
+OffloadBlocksPerChunk = Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")]
+OffloadAll = Annotated[bool, typer.Option(
+    "--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")]
+
+
+def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: str | None,
+                    offload_store_threshold: int | None, offload_blocks_per_chunk: int | None,
+                    offload_all: bool) -> dict[str, Any]:
+    """The `SimConfig` fields the offloading options given set (`SimConfig.validate` checks them)."""
+    given = {"kv_offloading_size": kv_offloading_size, "offload_eviction_policy": offload_eviction_policy,
+             "offload_store_threshold": offload_store_threshold,
+             "offload_blocks_per_chunk": offload_blocks_per_chunk}
+    changes = {k: v for k, v in given.items() if v is not None}
+    if offload_all:
+        changes["offload_prompt_only"] = False
+    return changes
+
+
+def hardware_changes(model: str | None, gpu: str | None, tp: int | None) -> dict[str, Any]:
+    """The `SimConfig` fields --model, --gpu and --tp set, those given."""
+    given = {"model": model, "gpu": gpu, "tensor_parallel": tp}
+    return {k: v for k, v in given.items() if v is not None}
