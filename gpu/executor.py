@@ -17,7 +17,7 @@ from gpu.storage import PagedKVStorage
 from gpu.timing import Timer
 from gpu.values import DeviceValues, device_keys
 
-PAIR_KINDS = ("copy", "swap_out", "swap_in", "move", "store", "load")
+PAIR_KINDS = ("copy", "swap_out", "swap_in", "move", "store", "load", "file_write", "file_read")
 # Fault markers in a pair op's unused `c`, set only by `gpu.faults`: what the hardware did instead.
 SKIPPED = 1  # the data op did not run (block tables still change as the manager said)
 ONE_WAY = 2  # a move copied b onto a instead of exchanging the two
@@ -25,7 +25,7 @@ ONE_WAY = 2  # a move copied b onto a instead of exchanging the two
 
 def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
     """(blocks read, blocks written) of one pair op; ("g", id) on the device, ("c", id) in the swap
-    pool, ("h", id) in the host tier of KV offloading."""
+    pool, ("h", id) in the host tier of KV offloading, ("f", id) in its file tier."""
     if kind == "copy":
         return {("g", a)}, {("g", b)}
     if kind == "swap_out":
@@ -36,6 +36,10 @@ def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
         return {("g", a)}, {("h", b)}
     if kind == "load":
         return {("h", a)}, {("g", b)}
+    if kind == "file_write":
+        return {("h", a)}, {("f", b)}
+    if kind == "file_read":
+        return {("f", a)}, {("h", b)}
     return {("g", a), ("g", b)}, {("g", a), ("g", b)}  # move: an exchange
 
 
@@ -69,7 +73,7 @@ class OpExecutor:
         self._keys.append(keys)
 
     def pair(self, kind: str, a: int, b: int) -> None:
-        """A copy, swap_out, swap_in, move, store or load of (a, b)."""
+        """A copy, swap_out, swap_in, move, store, load, file_write or file_read of (a, b)."""
         reads, writes = _footprint(kind, a, b)
         if kind != self._kind or not reads.isdisjoint(self._writes) or \
                 not writes.isdisjoint(self._reads) or not writes.isdisjoint(self._writes):
@@ -99,6 +103,12 @@ class OpExecutor:
 
     def _run_pairs(self, kind: str) -> None:
         st = self.st
+        if kind in ("file_write", "file_read"):  # host <-> files: plain file I/O
+            with self.timer(self.step, kind):
+                files = st.file_blocks()
+                (files.write if kind == "file_write" else files.read)(st.host, self._pairs)
+            self.launches += 1
+            return
         on_host = kind in ("swap_out", "swap_in", "store", "load") and self.swap_method == "torch"
         pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
         k = self.kernels

@@ -165,6 +165,8 @@ def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int, 
             cpu.append(b if k == "swap_out" else a)
         elif k == "store" or k == "load":
             host.append(b if k == "store" else a)
+        elif k == "file_write" or k == "file_read":
+            host.append(a if k == "file_write" else b)
     n_gpu, n_cpu, n_host = max(gpu) + 1, max(cpu) + 1, max(host) + 1
     for key, n in (("num_gpu_blocks", n_gpu), ("num_cpu_blocks", n_cpu)):
         limit = config.get(key)
@@ -248,7 +250,7 @@ class _Replayer:
                     ex.pair("copy", b, a)
                 elif c != SKIPPED:
                     ex.pair(kind, a, b)
-                if kind != "swap_out" and kind != "store":  # those write the host, not the GPU
+                if kind in ("copy", "swap_in", "move", "load"):  # the others write the host or files
                     checks.touch(b)
                     if kind == "move":
                         checks.touch(a)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-KINDS = ("write", "copy", "swap_out", "swap_in", "move", "store", "load", "attention")
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "store", "load", "file_write", "file_read", "attention")
 MAX_LISTED = 100  # mismatches listed whole in the JSON report
 
 

@@ -19,6 +19,9 @@ blocks, pinned when CUDA is available.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 
@@ -58,11 +61,18 @@ class PagedKVStorage:
         self.num_host_blocks = num_host_blocks
         host_shape = (num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim)
         self.host = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self._files: FileBlocks | None = None
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V (what a block op moves)."""
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.gpu.element_size()
+
+    def file_blocks(self) -> FileBlocks:
+        """The file tier's blocks, one file each in a temporary folder (made on first use)."""
+        if self._files is None:
+            self._files = FileBlocks(self.host.shape[:2] + self.host.shape[3:], self.dtype)
+        return self._files
 
     def key(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s K cache, [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -81,3 +91,28 @@ class PagedKVStorage:
     def slots(self) -> torch.Tensor:
         """Every (layer, kv) plane as slots: [num_layers, 2, num_blocks * block_size, heads, dim] (a view)."""
         return self.gpu.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+
+
+class FileBlocks:
+    """The file tier of KV offloading: each block (all layers, K and V) in its own file, written from
+    and read into host-tier blocks, as vLLM's fs tier copies host chunks to files and back."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self._dir = tempfile.TemporaryDirectory(prefix="kvsim-files-")
+        self.folder = Path(self._dir.name)
+
+    def write(self, host: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Host block a -> file block b, for each pair."""
+        for a, b in pairs:
+            host[:, :, a].contiguous().numpy().tofile(self.folder / f"{b}.bin")
+
+    def read(self, host: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """File block a -> host block b, for each pair; a file never written reads as zeros (as fresh
+        storage would: the check then finds its tokens wrong)."""
+        for a, b in pairs:
+            path = self.folder / f"{a}.bin"
+            if not path.exists():
+                host[:, :, b] = 0
+                continue
+            host[:, :, b] = torch.from_file(str(path), size=host[:, :, b].numel(), dtype=self.dtype).view(self.shape)

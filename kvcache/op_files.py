@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table", "store", "load")  # append only: codes
+KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table", "store", "load", "file_write",
+         "file_read")  # append only: a kind's code is its index
 OPS_VERSION = 1
 META = {"kvsim_ops": str(OPS_VERSION)}  # the version, in both files' metadata
 COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")  # `kvcache.ops.Op`'s fields, the file's columns

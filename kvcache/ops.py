@@ -14,6 +14,8 @@ Every physical effect of a manager decision is one typed record, in order:
 | `table`    | block      | index      |        | seq  | seq's block-table entry `index` is now `block` (0: null) |
 | `store`    | gpu block  | host block |        | seq  | KV offloading: a computed block copied to the host tier |
 | `load`     | host block | gpu block  |        | seq  | KV offloading: a block loaded back from the host tier |
+| `file_write` | host block | file block |      | seq  | the file tier: a host block copied to its chunk's file |
+| `file_read`  | file block | host block |      | seq  | the file tier: a file block promoted into the host tier |
 
 `table` ops carry no data: they let a replayer keep every request's block
 table (prefix hits, forks and swap-ins change tables without a write).

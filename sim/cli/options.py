@@ -18,6 +18,11 @@ OffloadStoreThreshold = Annotated[int | None, typer.Option(
 OffloadBlocksPerChunk = Annotated[int | None, typer.Option(help="GPU blocks an offloaded chunk holds")]
 OffloadAll = Annotated[bool, typer.Option(
     "--offload-all", help="offload decode chunks too (vLLM offload_prompt_only=false)")]
+OffloadFs = Annotated[bool, typer.Option(
+    "--offload-fs", help="a file-system tier below the host tier (vLLM's tiering `fs` secondary tier)")]
+OffloadFsSize = Annotated[float | None, typer.Option(help="GiB of disk for the file tier (default: unbounded, as vLLM)")]
+OffloadFsGbps = Annotated[float | None, typer.Option(help="GB/s one file-tier I/O thread reads or writes [2]")]
+OffloadFsThreads = Annotated[int | None, typer.Option(help="file-tier read threads, and write threads [16]")]
 
 
 def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: str | None,
@@ -31,6 +36,14 @@ def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: s
     if offload_all:
         changes["offload_prompt_only"] = False
     return changes
+
+
+def fs_changes(offload_fs: bool, offload_fs_size: float | None, offload_fs_gbps: float | None,
+               offload_fs_threads: int | None) -> dict[str, Any]:
+    """The `SimConfig` fields the file-tier options given set."""
+    given = {"offload_fs_size": offload_fs_size, "offload_fs_gbps": offload_fs_gbps,
+             "offload_fs_threads": offload_fs_threads}
+    return {k: v for k, v in given.items() if v is not None} | ({"offload_fs": True} if offload_fs else {})
 
 
 def hardware_changes(model: str | None, gpu: str | None, tp: int | None) -> dict[str, Any]:

@@ -70,6 +70,11 @@ OFFLOAD_ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] 
     ("host evictions / failed stores",
      lambda s: f"{s.get('offload_evictions', 0):,} / {s.get('offload_store_failures', 0):,}", None),
 ]
+FS_ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] | None]] = [
+    ("file tier hit tokens", "fs_hit_tokens", _num("{:,}")),
+    ("file tier files / chunks read", lambda s: f"{s.get('fs_files', 0):,} / {s.get('fs_chunks_read', 0):,}", None),
+    ("file tier failed jobs", "fs_failed_jobs", _num("{:,}")),
+]
 
 
 def cells(summary: dict[str, Any], rows=ROWS) -> list[str]:
@@ -83,7 +88,8 @@ def cells(summary: dict[str, Any], rows=ROWS) -> list[str]:
 def format_table(summaries: list[dict[str, Any]], headers: list[str] | None = None) -> str:
     """Rows of ROWS (and OFFLOAD_ROWS if a run had a host tier), one column per summary (right-aligned),
     with optional column headers."""
-    rows = ROWS + (OFFLOAD_ROWS if any("host_chunks" in s for s in summaries) else [])
+    rows = ROWS + (OFFLOAD_ROWS if any("host_chunks" in s for s in summaries) else []) \
+        + (FS_ROWS if any("fs_files" in s for s in summaries) else [])
     cols = [cells(s, rows) for s in summaries]
     label_w = max(len(label) for label, _, _ in rows)
     widths = [max(len(c) for c in col) for col in cols]

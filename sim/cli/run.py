@@ -20,8 +20,13 @@ from sim.cli.options import (
     OffloadAll,
     OffloadBlocksPerChunk,
     OffloadEvictionPolicy,
+    OffloadFs,
+    OffloadFsGbps,
+    OffloadFsSize,
+    OffloadFsThreads,
     OffloadStoreThreshold,
     Tp,
+    fs_changes,
     hardware_changes,
     offload_changes,
 )
@@ -49,6 +54,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     d = cfg.to_dict()
     if d["kv_offloading_size"] is None:  # offloading off: the names of runs from before it existed
         d = {k: v for k, v in d.items() if not k.startswith(("kv_offloading_", "offload_"))}
+    elif not d["offload_fs"]:  # no file tier: the names of offloading runs from before it existed
+        d = {k: v for k, v in d.items() if not k.startswith("offload_fs")}
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
     return f"{stem}-{cfg.model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
@@ -162,6 +169,10 @@ def run(
     offload_store_threshold: OffloadStoreThreshold = None,
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
+    offload_fs: OffloadFs = False,
+    offload_fs_size: OffloadFsSize = None,
+    offload_fs_gbps: OffloadFsGbps = None,
+    offload_fs_threads: OffloadFsThreads = None,
     record_ops: Annotated[bool, typer.Option("--record-ops", help="write the block-op stream (ops.parquet)")] = False,
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload)")] = None,
@@ -183,6 +194,7 @@ def run(
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     changes.update(offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
                                    offload_blocks_per_chunk, offload_all))
+    changes.update(fs_changes(offload_fs, offload_fs_size, offload_fs_gbps, offload_fs_threads))
     if no_prefix_caching:
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:

@@ -173,8 +173,8 @@ class _OffloadRun(_SchedRun):
 
         sched, S = self.sched, self.step_time
         step = 0
-        while self.pending() or sched.get_num_unfinished_requests():
-            if not sched.get_num_unfinished_requests():
+        while self.pending() or sched.has_requests():  # vLLM EngineCore: transfers in flight keep it stepping
+            if not sched.has_requests():
                 step = max(step, self.next_arrival_step())
             self.add_arrivals(step)
             out = sched.schedule()
@@ -191,8 +191,12 @@ class _OffloadRun(_SchedRun):
                 continue
             worker.step_ended(start)  # no forward: the worker starts its transfers at once
             until = start if completed else worker.busy_until(start)
-            if until is None:  # kvsim stops here too ("scheduler made no progress")
-                raise self.stalled(1, step, num_gpu_blocks, block_size)
+            if until is None:
+                if sched.has_requests():  # kvsim stops here too ("scheduler made no progress")
+                    raise self.stalled(1, step, num_gpu_blocks, block_size)
+                if not self.pending():
+                    break
+                until = self.reqs[self.order[self.nxt]].arrival  # idle until the next arrival
             if until <= start:
                 step += 1
                 continue

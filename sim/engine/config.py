@@ -73,6 +73,12 @@ class SimConfig:
     offload_store_threshold: int = 0  # vLLM's store_threshold: store a chunk once offered this often (< 2: always)
     offload_blocks_per_chunk: int = 1  # vLLM's blocks_per_chunk: GPU blocks an offloaded chunk holds
     offload_prompt_only: bool = True  # vLLM's offload_prompt_only: store prompt chunks only
+    # a file-system tier below the host tier (vLLM's TieringOffloadingSpec, secondary_tiers [{"type": "fs"}])
+    offload_fs: bool = False
+    offload_fs_size: float | None = None  # GiB of disk for its files; None: unbounded (a full disk fails writes)
+    offload_fs_threads: int = 16  # vLLM's n_read_threads and n_write_threads
+    offload_fs_gbps: float = 2.0  # GB/s one I/O thread reads or writes
+    offload_fs_probe_s: float = 1e-5  # seconds the probe thread takes to check one file
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -145,15 +151,32 @@ class SimConfig:
             raise ConfigError("offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0")
         size = self.kv_offloading_size
         if size is None:
+            if self.offload_fs:
+                raise ConfigError("offload_fs needs kv_offloading_size: the file tier sits below the host tier")
             return
         if not (math.isfinite(size) and size > 0):
             raise ConfigError(f"kv_offloading_size must be a positive number of GiB, got {size}")
+        if self.offload_fs:
+            self._validate_fs()
         for bad, why in ((self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
                          (self.sliding_window is not None, "a sliding window"), (self.defrag_threshold is not None,
                          "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
                                   "under vLLM 0.33's synchronous scheduler, full attention and recompute preemption")
+
+    def _validate_fs(self) -> None:
+        if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager
+            raise ConfigError("offload_store_threshold >= 2 cannot be combined with offload_fs (vLLM refuses it)")
+        fs = self.offload_fs_size
+        if fs is not None and not (math.isfinite(fs) and fs > 0):
+            raise ConfigError(f"offload_fs_size must be a positive number of GiB, got {fs}")
+        if self.offload_fs_threads < 1:
+            raise ConfigError(f"offload_fs_threads must be >= 1, got {self.offload_fs_threads}")
+        for name in ("offload_fs_gbps", "offload_fs_probe_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive number, got {v}")
 
     def batch_limits(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs): the given ones, else vLLM 0.33's defaults for

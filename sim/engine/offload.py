@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.offload.fs_pool import FsJob
 from kvcache.offload.tier import MISS, PENDING, HostTier
+from kvcache.offload.tiered import RETRY, TieredTier
 from kvcache.ops import OpLog
 from kvcache.sequence import Sequence
 
@@ -69,11 +71,15 @@ class Link:
 class Offloader:
     """The connector's scheduler side for one engine (see the module docstring)."""
 
-    def __init__(self, tier: HostTier, block_size: int, *, blocks_per_chunk: int = 1, prompt_only: bool = True,
+    def __init__(self, tier: HostTier | TieredTier, block_size: int, *, blocks_per_chunk: int = 1, prompt_only: bool = True,
                  seconds_per_block: tuple[float, float] = (0.0, 0.0), bytes_per_block: int = 0,
                  prefix_caching: bool = True, ops: OpLog | None = None):
         self.tier = tier
+        self.fs = isinstance(tier, TieredTier)  # a file tier below the host tier
         self.ops = ops  # records `store` and `load` ops when given (`record_ops`)
+        if self.fs and ops is not None:
+            tier.on_done = self._record_file_job
+        self._file_ids: dict[int, int] = {}  # a chunk's file, numbered in first-write order, for the ops
         self.bs = block_size
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk  # tokens a chunk
@@ -93,6 +99,8 @@ class Offloader:
         self.loaded: set[str] = set()  # sequences whose load is done (vLLM's finished_recving)
         # totals for the summary
         self.hit_tokens = 0  # loaded at first admissions (as the request log counts GPU hits)
+        self.fs_hit_tokens = 0  # of those, read from the file tier first
+        self.fs_loaded: dict[str, int] = {}  # a loading request's tokens read from the file tier
         self.stored_blocks = 0
         self.loaded_blocks = 0
 
@@ -129,16 +137,20 @@ class Offloader:
             return 0
         start = local // tpc
         hits, defer = 0, False
-        for key in st.keys[start:-(-top // tpc)]:
-            r = self.tier.lookup(key)
+        lookup, sid = self.tier.lookup, seq.seq_id
+        for i, key in enumerate(st.keys[start:-(-top // tpc)], start):
+            r = lookup(sid, key, (i + 1) * tpc) if self.fs else lookup(key)
             if r == MISS:
                 break
+            if r == RETRY:  # a file probe is out: no hit, but the scan goes on (to start the others)
+                defer = True
+                continue
             hits += 1
             defer |= r == PENDING
-        if hits == 0:
-            return 0
         if defer:  # before the size check: vLLM defers on a pending chunk even if the hit is short
             return None
+        if hits == 0:
+            return 0
         n = min(top, tpc * (start + hits)) - local
         if n < tpc:
             return 0
@@ -161,6 +173,11 @@ class Offloader:
         if self._loading is not None:
             self._loading.update(keys)
         self.loaded_blocks += len(new_blocks)
+        if self.fs:  # tokens of [local, local + n) whose chunk was promoted from the files
+            tpc = self.tpc
+            self.fs_loaded[seq.seq_id] = sum(min(local + n, (i + 1) * tpc) - max(local, i * tpc)
+                                             for i, key in enumerate(keys, first)
+                                             if self.tier.from_files(seq.seq_id, key))
         if self.ops is not None:  # block i of the sequence is block i % bpc of its chunk's slot
             self.ops.emit_transfers("load", [(slots[i // bpc - first] * bpc + i % bpc, b.block_id)
                                              for i, b in enumerate(new_blocks, first_block)], seq.seq_id)
@@ -211,6 +228,13 @@ class Offloader:
             if not self.reqs[sid].jobs:
                 del self.reqs[sid]
         self._finished.clear()
+        if self.fs:  # the schedule's last tier call: promotions go out, probes are posted
+            self.tier.end_step(now)
+
+    def begin_step(self, now: float) -> None:
+        """A schedule starts at `now`: the file tier's jobs and probes done by then are over."""
+        if self.fs:
+            self.tier.advance(now)
 
     def _offer(self, st: _Request, upto: int, at_start: bool = False) -> int | None:
         """Offer `st`'s chunks up to token `upto` to the tier; the store job's id, if any. `at_start`: a
@@ -281,7 +305,7 @@ class Offloader:
         start last step's stores and this step's loads on the link."""
         done = [j for j, job in self.jobs.items() if job.done_at <= start]
         for j in done:
-            self._complete(j)
+            self._complete(j, end)
         for job in self._deferred_stores:
             if job.done_at == float("inf"):  # not flushed meanwhile
                 self.stores.start(job, end)
@@ -290,11 +314,14 @@ class Offloader:
         self._deferred_stores, self._planned_stores = self._planned_stores, []
         self._planned_loads = []
 
-    def _complete(self, j: int) -> None:
+    def _complete(self, j: int, now: float) -> None:
         job = self.jobs.pop(j)
         st = self.reqs[job.sid]
         if job.kind == "store":
-            self.tier.complete_store(job.keys)
+            if self.fs:  # the chunks are copied on to the files from `now`
+                self.tier.complete_store(job.keys, req=job.sid, now=now)
+            else:
+                self.tier.complete_store(job.keys)
             if self._fences:
                 for bid in job.block_ids:
                     fenced = self._fences.get(bid)
@@ -323,6 +350,17 @@ class Offloader:
             "loaded_bytes": self.loaded_blocks * self.bytes_per_block,
             "offload_evictions": t.num_evictions,
             "offload_store_failures": t.num_alloc_failures,
+        } | (self._fs_totals() if self.fs else {})
+
+    def _fs_totals(self) -> dict[str, int]:
+        t, files = self.tier, self.tier.files
+        return {
+            "fs_hit_tokens": self.fs_hit_tokens,
+            "fs_files": len(files.files),
+            "fs_chunks_written": files.num_written,
+            "fs_chunks_read": files.num_read,
+            "fs_promotion_failures": t.num_promotion_failures,
+            "fs_failed_jobs": files.num_failed_jobs,
         }
 
     def busy_until(self, now: float) -> float | None:
@@ -331,4 +369,27 @@ class Offloader:
         None if there is none."""
         if self._deferred_stores or self._planned_stores or self._planned_loads:
             return now
-        return min((job.done_at for job in self.jobs.values()), default=None)
+        times = [job.done_at for job in self.jobs.values()]
+        if self.fs and (t := self.tier.next_event()) is not None:
+            times.append(max(t, now))
+        return min(times, default=None)
+
+    def pending(self) -> bool:
+        """Whether transfers (or file jobs) are in flight or waiting to start, or finished requests wait
+        for their last offer: vLLM's engine keeps stepping, requests or not (vllm/v1/core/sched/
+        scheduler.py `has_requests`: finished requests, the connector's `has_pending_push_work`)."""
+        return bool(self.jobs or self._finished or self._planned_loads or self._planned_stores or self._deferred_stores) \
+            or (self.fs and self.tier.has_pending_work())
+
+    def _record_file_job(self, job: FsJob, keys: tuple[int, ...]) -> None:
+        """Record a finished file job's `file_write` (host block -> file block) or `file_read` ops, a block
+        each, for the `keys` that made it: a cascade's host slots stay pinned and a promotion's slots
+        pending until this moment, so the recorded order is the order the data moved."""
+        bpc, ids, pairs = self.bpc, self._file_ids, []
+        slot_of = dict(zip(job.keys, job.slots, strict=True))
+        for key in keys:
+            f = ids.setdefault(key, len(ids))
+            for i in range(bpc):
+                host, file = slot_of[key] * bpc + i, f * bpc + i
+                pairs.append((file, host) if job.promotion else (host, file))
+        self.ops.emit_transfers("file_read" if job.promotion else "file_write", pairs, job.req)

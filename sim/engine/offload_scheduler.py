@@ -43,7 +43,10 @@ class OffloadScheduler(Scheduler):
 
         world = cfg.tensor_parallel
         chunks = num_host_chunks(cfg.kv_offloading_size, bytes_per_block, world, cfg.offload_blocks_per_chunk)
-        tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
+        if cfg.offload_fs:
+            tier = _tiered(cfg, chunks, bytes_per_block * world * cfg.offload_blocks_per_chunk)
+        else:
+            tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
         off = Offloader(tier, cfg.block_size, blocks_per_chunk=cfg.offload_blocks_per_chunk,
                         prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
                         bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
@@ -51,10 +54,11 @@ class OffloadScheduler(Scheduler):
         return cls(cfg, manager, log, off)
 
     def has_work(self) -> bool:
-        return bool(self.holding) or super().has_work()
+        return bool(self.holding) or super().has_work() or self.offload.pending()
 
     def schedule(self, now: float) -> Batch:
         self._now = now
+        self.offload.begin_step(now)
         b = super().schedule(now)
         blocks = self.m.req_blocks
         self.offload.end_step([(x.seq, n, blocks.get(x.seq.seq_id)) for x, n in zip(b.lives, b.tokens, strict=True)],
@@ -156,6 +160,8 @@ class OffloadScheduler(Scheduler):
                 b.admitted_hit_tokens -= hit - loaded[0]
                 log.hit_tokens[row] = loaded[0]
                 self.offload.hit_tokens += loaded[1]
+                self.offload.fs_hit_tokens += self.offload.fs_loaded.get(sid, 0)
+            self.offload.fs_loaded.pop(sid, None)
             if hit + n < seq.num_tokens:
                 self._inflight[sid] = live
             else:
@@ -191,3 +197,19 @@ class OffloadScheduler(Scheduler):
             if status in (FINISHED, TRUNCATED) and seq.seq_id in self.m.req_blocks:
                 self.offload.finished(seq)
         super()._retire(live, status, reason, now)
+
+
+def _tiered(cfg: SimConfig, chunks: int, chunk_bytes: int):
+    """The host tier over a file tier (vLLM's TieringOffloadingSpec with an `fs` secondary tier): each
+    of `offload_fs_threads` read and write threads moves a chunk's bytes (all ranks') at
+    `offload_fs_gbps`; `offload_fs_size` GiB holds that many whole chunks."""
+    from kvcache.offload.fs import FileTier
+    from kvcache.offload.fs_pool import IOPool
+    from kvcache.offload.tiered import TieredTier
+
+    seconds = chunk_bytes / (cfg.offload_fs_gbps * 1e9)
+    pool = IOPool(cfg.offload_fs_threads, cfg.offload_fs_threads, seconds_per_read=seconds, seconds_per_write=seconds)
+    size = cfg.offload_fs_size
+    files = FileTier(pool=pool, seconds_per_probe=cfg.offload_fs_probe_s,
+                     capacity=None if size is None else int(size * 2**30 // chunk_bytes))
+    return TieredTier(chunks, cfg.offload_eviction_policy, files=files, store_threshold=cfg.offload_store_threshold)

@@ -90,6 +90,9 @@ def replay_offload(cfg: SimConfig) -> Offload | None:
     model's KV blocks, sized as `kvsim run` sizes it; None when offloading is off."""
     if cfg.kv_offloading_size is None:
         return None
+    if cfg.offload_fs:
+        raise ConfigError("the file tier (offload_fs) needs the clock of the full simulator: its probes and "
+                          "I/O take time; use kvsim run, sweep or curve --mode sim")
     from kvcache.offload.size import num_host_chunks
     from sim.engine.cost_model import CostModel
 

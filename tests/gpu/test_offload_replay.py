@@ -66,7 +66,7 @@ def test_a_finished_request_s_store_is_recorded_ahead_of_the_step_that_reuses_it
     assert _transfers(run) == [
         *((0, "store", g, h, "x") for g, h in ((1, 0), (2, 1), (3, 2), (4, 3))),
         (7, "store", 5, 2, "a"), (7, "store", 6, 3, "a"),
-        (10, "load", 2, 5, "b"), (10, "load", 3, 6, "b"), (10, "store", 8, 3, "b"),
+        (10, "load", 2, 5, "b"), (10, "load", 3, 6, "b"), (10, "store", 8, 1, "b"),
     ]
     ops, tokens, config = load_run(run, rows=True)
     first7 = next(i for i, op in enumerate(ops) if op[0] == 7)
@@ -109,3 +109,22 @@ def test_random_offloading_runs_replay_clean(tmp_path_factory, seed, kind, link_
                   max_num_seqs=8, long_prefill_token_threshold=cap)
     rep = replay_run(run, DEVICE, kernels="torch", strict=False)
     assert rep.mismatches == 0, rep.errors[:3]
+
+
+def test_file_tier_transfers_replay_against_files(tmp_path) -> None:
+    """tests/sim/engine/test_offload_fs.py's run: a's 4 chunks are written to files once stored
+    (`file_write`, host block -> file block), evicted from the host by f's, and read back into
+    host slots (`file_read`) before b loads them: each a block, recorded as the file job is
+    applied; the replay keeps the file tier's blocks in files."""
+    from tests.sim.engine.test_offload_fs import FS
+
+    run = _record(tmp_path, _evicted_prefix(), chunks=6, **FS)
+    ops, tokens, config = load_run(run)
+    moves = [(op.kind, op.a, op.b, op.seq) for op in ops if op.kind.startswith("file_")]
+    assert moves[:4] == [("file_write", h, h, "a") for h in range(4)]
+    # promoted into the slots f's evicted chunks left, last freed first
+    assert [m for m in moves if m[0] == "file_read"] == [("file_read", f, h, "b") for f, h in
+                                                         zip(range(4), (3, 2, 1, 0), strict=True)]
+    assert replay_ops(ops, tokens, config, DEVICE).ok
+    i = next(i for i, op in enumerate(ops) if op.kind == "file_write" and op.seq == "a")
+    assert replay_ops(ops[:i] + ops[i + 1:], tokens, config, DEVICE, strict=False).mismatches == 8
