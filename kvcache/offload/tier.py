@@ -127,6 +127,17 @@ class HostTier:
             return MISS
         return PENDING if ref < 0 else HIT
 
+    def lookup_chunks(self, req: str, keys: Sequence[int], first: int, tokens_per_chunk: int) -> tuple[int, bool]:  # noqa: ARG002
+        """`lookup` of `keys` in order up to the first MISS: (hits, whether any is PENDING)."""
+        ref, hits, defer = self._ref, 0, False
+        for key in keys:
+            r = ref.get(key)
+            if r is None:
+                break
+            hits += 1
+            defer |= r < 0
+        return hits, defer
+
     def _access(self, req: str) -> _Access:
         acc = self._requests.get(req)
         if acc is None:

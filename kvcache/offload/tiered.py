@@ -147,8 +147,32 @@ class TieredTier:
         `_initiate_promotion`). `position` is the chunk's end token."""
         self._poll_once()
         r = self.host.lookup(key)
-        if r != MISS:
-            return r
+        return r if r != MISS else self._from_files(req, key, position)
+
+    def lookup_chunks(self, req: str, keys: Sequence[int], first: int, tokens_per_chunk: int) -> tuple[int, bool]:
+        """`lookup` of `keys` (chunks first, first + 1, ...) in order up to the first MISS, as the
+        connector scans them: (hits: HIT or PENDING, whether any was PENDING or RETRY)."""
+        if not keys:
+            return 0, False
+        self._poll_once()
+        ref = self.host._ref
+        hits, defer = 0, False
+        for i, key in enumerate(keys, first):
+            r = ref.get(key)
+            if r is None:
+                r = self._from_files(req, key, (i + 1) * tokens_per_chunk)
+                if r == MISS:
+                    break
+                if r == RETRY:
+                    defer = True
+                    continue
+                r = -1  # PENDING: a promotion
+            hits += 1
+            defer |= r < 0
+        return hits, defer
+
+    def _from_files(self, req: str, key: int, position: int) -> int:
+        """A host miss: MISS, RETRY, or PENDING with a promotion started (see `lookup`)."""
         if self._held:
             return MISS
         self._request(req)

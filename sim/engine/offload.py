@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.offload.fs_pool import FsJob
-from kvcache.offload.tier import MISS, PENDING, HostTier
-from kvcache.offload.tiered import RETRY, TieredTier
+from kvcache.offload.tier import HostTier
+from kvcache.offload.tiered import TieredTier
 from kvcache.ops import OpLog
 from kvcache.sequence import Sequence
 
@@ -136,17 +136,9 @@ class Offloader:
         if top - local < tpc:
             return 0
         start = local // tpc
-        hits, defer = 0, False
-        lookup, sid = self.tier.lookup, seq.seq_id
-        for i, key in enumerate(st.keys[start:-(-top // tpc)], start):
-            r = lookup(sid, key, (i + 1) * tpc) if self.fs else lookup(key)
-            if r == MISS:
-                break
-            if r == RETRY:  # a file probe is out: no hit, but the scan goes on (to start the others)
-                defer = True
-                continue
-            hits += 1
-            defer |= r == PENDING
+        # hits up to the first miss; a chunk whose file probe is out (RETRY) is no hit, but the scan
+        # goes on to start the others' probes; a pending one (or a RETRY) defers the request
+        hits, defer = self.tier.lookup_chunks(seq.seq_id, st.keys[start:-(-top // tpc)], start, tpc)
         if defer:  # before the size check: vLLM defers on a pending chunk even if the hit is short
             return None
         if hits == 0:
