@@ -64,6 +64,8 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         blocks = self.policy.pop_n(n)
+        if not self.ops.enabled and self._on_evict is None:
+            return self._take_counted(blocks)
         evicted = []
         for b in blocks:
             if b.ref_cnt:
@@ -84,6 +86,33 @@ class BlockPool:
             self.tracker.use_distinct([b.block_id for b in blocks])
         return blocks
 
+    def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
+        same effects in one pass (each popped block's key dropped in pop order)."""
+        cached, evicted = self.cached, 0
+        for b in blocks:
+            if b.ref_cnt:
+                raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
+            key = b.block_hash
+            if key is not None:
+                hit = cached[key]
+                if type(hit) is KVCacheBlock:
+                    del cached[key]
+                else:
+                    del hit[b.block_id]
+                    if len(hit) == 1:
+                        cached[key] = next(iter(hit.values()))
+                b.block_hash = None
+                evicted += 1
+            b.ref_cnt = 1
+        if evicted:
+            self.ops.counts["evict"] += evicted
+            self.num_evictions += evicted
+            self.num_cached_free -= evicted
+        if self.tracker is not None and blocks:
+            self.tracker.use_distinct([blocks[0].block_id] if len(blocks) == 1 else [b.block_id for b in blocks])
+        return blocks
+
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's key from the cache map (counted by the caller)."""
         key = block.block_hash
@@ -100,36 +129,42 @@ class BlockPool:
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free set."""
-        policy = self.policy
-        on_hit = self._on_hit
+        remove, pinned = self.policy.remove, self.policy.is_pinned if self._pins else None
+        on_hit, null = self._on_hit, self.null_block
+        used = []  # ids of the free blocks taken
         for b in blocks:
-            if b.ref_cnt == 0 and b is not self.null_block:
-                if not (self._pins and policy.is_pinned(b)):
-                    policy.remove(b)
+            if b.ref_cnt == 0 and b is not null:
+                if pinned is None or not pinned(b):
+                    remove(b)
                     self.num_cached_free -= 1
-                if self.tracker is not None:
-                    self.tracker.use_distinct([b.block_id])
+                used.append(b.block_id)
             b.ref_cnt += 1
             if on_hit is not None:
                 on_hit(b)
+        if used and self.tracker is not None:
+            self.tracker.use_distinct(used)
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free set in this order:
         with `free_first`, uncached ones at the front, cached ones at the back."""
         freed = []  # reaching 0, in order
         first = []  # of those, the ones to reuse first (uncached, with free_first)
+        later = []  # of those, the cached ones (to the back, with free_first)
+        null, pinned = self.null_block, self.policy.is_pinned if self._pins else None
         for b in ordered:
-            if b is self.null_block:
+            if b is null:
                 continue
-            if b.ref_cnt <= 0:
+            rc = b.ref_cnt - 1
+            if rc < 0:
                 raise ValueError(f"double free of block {b.block_id}")
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            b.ref_cnt = rc
+            if not rc:
                 freed.append(b)
                 if b.block_hash is None:
                     first.append(b)
-                elif not (self._pins and self.policy.is_pinned(b)):
-                    self.num_cached_free += 1
+                else:
+                    later.append(b)
+        self.num_cached_free += len(later) if pinned is None else sum(1 for b in later if not pinned(b))
         if not freed:
             return
         if self.ops.enabled:
@@ -144,7 +179,7 @@ class BlockPool:
             self.policy.free_first(freed)
         else:
             self.policy.free_first(first)
-            self.policy.free([b for b in freed if b.block_hash is not None])
+            self.policy.free(later)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no
@@ -183,12 +218,11 @@ class BlockPool:
                 raise AssertionError(f"block {b.block_id} is already cached")
             key = keys[i]
             b.block_hash = key
-            hit = cached.get(key)
-            if hit is None:
-                cached[key] = b
-            elif type(hit) is KVCacheBlock:
-                cached[key] = {hit.block_id: hit, b.block_id: b}
-            else:
-                hit[b.block_id] = b
+            hit = cached.setdefault(key, b)
+            if hit is not b:  # the key is cached already: it maps to both
+                if type(hit) is KVCacheBlock:
+                    cached[key] = {hit.block_id: hit, b.block_id: b}
+                else:
+                    hit[b.block_id] = b
             if on_cache is not None:
                 on_cache(b, i, chain)

@@ -87,11 +87,10 @@ class Sequence:
             hashes.extend(hashing.keys(states))
             have = n_known
         # Blocks holding a unique decoded token: unique content, same chain.
-        state = self._state
+        state, mix, p, salt = self._state, hashing._mix_int, hashing._P, (self.uid << 24) ^ 0x5DEECE66D
         for i in range(have, n_full):
-            c = hashing._mix_int(((self.uid << 24) ^ i ^ 0x5DEECE66D) & _MASK)
-            state = (state * hashing._P + c) & _MASK
-            hashes.append(hashing._mix_int(state))
+            state = (state * p + mix((salt ^ i) & _MASK)) & _MASK
+            hashes.append(mix(state))
         self._state = state
         return hashes
 

@@ -148,6 +148,7 @@ REQUEST_PATH = {
     "kvcache/free_queue.py": "leaf: LRU's doubly linked free queue",
     "kvcache/id_span.py": "leaf: the block-id span behind id-space fragmentation",
     "sim/engine/shortcuts.py": "shortcut: decodes that need no new block, counted in bulk",
+    "sim/engine/quiet.py": "shortcut: steps that only decode, taken in a loop of their own",
     "sim/engine/cost_model.py": "cost: the step time",
     "sim/engine/metrics.py": "log: per-request and per-step rows",
     "workloads/request.py": "leaf: the request record",

@@ -32,6 +32,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.ops import CHARGED_KINDS
 from sim.engine.config import ConfigError, SimConfig
 from sim.engine.metrics import RequestLog, StepLog
+from sim.engine.quiet import QuietRuns
 from sim.engine.scheduler import Scheduler
 from workloads.request import Request
 
@@ -208,6 +209,7 @@ class Engine:
         k = 0
         step_time = self.cfg.step_time
         g = 0  # with a fixed step time: the grid index of the next step
+        quiet = QuietRuns.build(self.cfg, sched, env, cost, self.steps, self._drain_done)
         # NOTE: the engine keeps its own clock and yields to SimPy only when another
         # event (an arrival, a session timer) falls within the step, or before it
         # sleeps: back-to-back steps cost no event each, and the order is unchanged.
@@ -231,6 +233,8 @@ class Engine:
                 clock = g * step_time
                 while env.peek() <= clock:  # queue every arrival up to and at the step's start
                     yield env.timeout(clock - env.now)
+            elif quiet is not None and sched.running:  # steps that only decode, in a loop of their own
+                clock, k, prev = yield from quiet.run(clock, k, prev)
             t0 = clock
             m.set_step(k)
             sched.step = k if step_time is None else g

@@ -1,0 +1,240 @@
+"""Quiet runs: steps in which every running sequence decodes one token and nothing else happens,
+taken in a tight loop of their own (an exact shortcut behind `SimConfig.shortcuts`).
+
+Most steps of a loaded engine are quiet: no prefill, no admission (WAITING is empty, or its head
+is blocked on KV blocks), no preemption and no finish; only context lengths grow, and a few
+sequences cross a block boundary (a new block, or a full block cached). `QuietRuns.run` takes
+such steps one after another without the general step: it checks, before each step, that the
+step must be quiet (`_visits`), then applies its decodes as `Shortcuts.decode` and `end` would
+(`_decode`: the same block-manager calls, in RUNNING order, so blocks are taken, evicted and
+cached exactly as in plain stepping), times it with the same `cost.step_time` call, and logs the
+same row. The first step that may be anything else goes back to the engine's general step.
+
+A step is quiet when, before it: nothing is swapped; every sequence the step visits (the lazy
+ones due now, and those not lazy) is past its prompt with one token to compute, does not sample
+its last token, writes no block shared with a fork, and the new blocks the step takes are free
+now (nothing frees during it); and the admission after the decodes must do nothing. That is
+decided as `Scheduler._admit_waiting` would begin it, on the state before the step (WAITING
+empty, no room in RUNNING, or a blocked head): a blocked head stays blocked through the decodes
+(see `BlockedHead.still`: they free nothing) unless they cache the key its lookup stopped at, or,
+when the budget can cut its chunk, evict one of its hit blocks (with LRU the blocks taken are the
+front of the free queue; with another policy any eviction counts); either ends the run before
+the step. Arrivals join WAITING behind its head, so the verdict is kept while the head is the same.
+
+Off with op records, defragmentation, invariant checks and a fixed step time (the general step
+handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
+priority scheduling; the async and offloading schedulers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from kvcache.eviction import LRU
+from kvcache.ops import CHARGED_KINDS
+from kvcache.sequence import Sequence
+from sim.engine.batch import Live
+from sim.engine.config import SimConfig
+from sim.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    import simpy
+
+    from sim.engine.cost_model import CostModel
+    from sim.engine.metrics import StepLog
+
+NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
+
+
+class QuietRuns:
+    """One engine's quiet runs: the scheduler, manager and logs they drive, and steps taken so far."""
+
+    def __init__(self, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
+                 drain: Callable[[float], int]):
+        self.sched, self.env, self.cost, self.steps, self.drain = sched, env, cost, steps, drain
+        self.fast = sched.fast
+        self.m = m = sched.m
+        self.bs = m.block_size
+        self.tables = m.req_blocks
+        self.taken = 0  # quiet steps taken so far
+        self._hits: tuple[object, set[int]] = (None, set())  # a BlockedHead, and its hit blocks' ids
+
+    @classmethod
+    def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
+              drain: Callable[[float], int]) -> QuietRuns | None:
+        """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
+        they do not apply (see the module docstring)."""
+        if type(sched) is not Scheduler or not sched.fast.decodes or sched.m.records_ops:
+            return None
+        if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
+            return None
+        return cls(sched, env, cost, steps, drain)
+
+    def _admission(self, n: int) -> tuple[bool, int | None, bool]:
+        """Whether the admission after this step's decodes (n running) must do nothing; if so
+        because the head is blocked, the key whose caching would unblock it (None: none) and
+        whether an eviction might."""
+        sched = self.sched
+        waiting = sched.waiting
+        budget = sched.max_tokens - n  # every running sequence takes one token
+        if not waiting or budget <= 0:
+            return True, None, False
+        live = waiting.peek()
+        seq = live.seq
+        if n + (live.req.n if seq is None else 1) > sched.max_seqs:
+            return True, None, False
+        if seq is None:  # its first try makes its sequence: the general step does that
+            return False, None, False
+        chunk = sched.long_prefill
+        if sched.long_prefill_sole_request and n + len(waiting) <= 1:
+            chunk = 0
+        fast = self.fast
+        if not fast.head_blocked(live, min(budget, chunk or budget)):
+            return False, None, False
+        m, k = self.m, len(fast.blocked.hits)
+        watch = seq.block_hashes[k] if m.enable_caching and k < (seq.num_tokens - 1) // self.bs else None
+        return True, watch, budget < seq.num_tokens
+
+    def _visits(self, k: int, watch: int | None, evicts: bool) -> bool:
+        """Wake the lazy sequences due at step k; True if every sequence step k visits decodes
+        quietly and leaves the admission as it found it (see the module docstring). Waking is
+        what the general step does first anyway."""
+        fast, lazy = self.fast, self.fast.lazy
+        woken = lazy.due(k)
+        active = fast.active
+        if woken:
+            active.extend(woken)
+            active.sort(key=_order)
+        if self.sched.max_tokens - lazy.n < len(active):
+            return False
+        bs, tables, allocs = self.bs, self.tables, 0
+        for live in active:
+            seq = live.seq
+            c = seq.num_computed_tokens
+            if seq.num_tokens - c != 1 or c < seq.num_prompt_tokens or c + 2 >= live.target:
+                return False
+            r, i = c % bs, c // bs
+            blocks = tables[seq.seq_id]
+            if r and r < bs - 1:  # mid-block: in place, unless shared (copy-on-write)
+                if blocks[i].ref_cnt != 1:
+                    return False
+                continue
+            # KVCacheManager.decode_slot: a new block, or a write to the last one (and caching it when full)
+            if i == len(blocks):
+                allocs += 1
+            elif i > len(blocks) or (r and blocks[i].ref_cnt > 1):
+                return False
+            if watch is not None and (c + 1) % bs == 0 and self._caches(seq, c + 1, watch):
+                return False
+        if not allocs:
+            return True
+        m = self.m
+        if allocs > m.num_free_blocks:
+            return False
+        return not (evicts and m.num_cached_free_blocks and self._evicts_hit(allocs))
+
+    def _evicts_hit(self, n: int) -> bool:
+        """True if taking `n` free blocks may evict one of the blocked head's hits. With LRU the
+        blocks taken are the first n of its free queue (nothing else pops, pushes or touches
+        during the decodes); with another policy, any may be."""
+        policy = self.m.pool.policy
+        if type(policy) is not LRU:
+            return True
+        blocked = self.fast.blocked
+        if self._hits[0] is not blocked:
+            self._hits = (blocked, {id(b) for b in blocked.hits})
+        hits = self._hits[1]
+        return any(id(b) in hits for b in islice(policy.queue, n))
+
+    def _caches(self, seq: Sequence, num_tokens: int, key: int) -> bool:
+        """True if caching `seq`'s full blocks within `num_tokens` would register `key`."""
+        m, bs = self.m, self.bs
+        n_full = num_tokens // bs
+        return key in seq.hashes_upto(n_full * bs, bs)[m.num_cached_block[seq.seq_id]:n_full]
+
+    def _decode(self, k: int) -> tuple[int, int, int]:
+        """Step k's decodes, after `_visits` said yes: what `Shortcuts.decode` does for each
+        visited sequence in RUNNING order, then `Shortcuts.end`. Returns the step's decode
+        tokens, context tokens and internal fragmentation (every running sequence decodes)."""
+        fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
+        tables, take, cache = self.tables, m.pool.get_new_blocks, m.cache_blocks
+        caching = m.enable_caching
+        stay = []  # visited and decoded in place (not lazy): next step visits them again
+        context = frag = 0
+        for live in fast.active:
+            seq = live.seq
+            c = seq.num_computed_tokens
+            r = c % bs
+            if not r or r == bs - 1:  # KVCacheManager.decode_slot: a new block; cache the full one
+                blocks = tables[seq.seq_id]
+                if c // bs == len(blocks):
+                    blocks.append(take(1)[0])
+                if caching and (c + 1) % bs == 0:
+                    cache(seq, c + 1)
+            last = bs - 2 - r
+            if live.target - c - 3 < last:
+                last = live.target - c - 3
+            if last > 0:
+                lazy.add(live, k, last)
+                continue
+            seq.num_computed_tokens = c + 1
+            seq.num_tokens += 1
+            stay.append(live)
+            context += c + 1
+            if r < bs - 1:
+                frag += bs - r - 2
+        fast.active = stay
+        nl = lazy.n
+        m.count_writes(len(stay) + nl)  # one write a decode
+        return len(stay) + nl, context + lazy.context_tokens(k), frag + lazy.empty_slots(k)
+
+    def run(self, clock: float, k: int, prev: tuple[int, ...]):
+        """Take the quiet steps from engine step k at `clock` on (a SimPy generator); returns the
+        engine's (clock, k, prev) after them, for the general step that follows."""
+        sched, m = self.sched, self.m
+        env, cost, record, drain = self.env, self.cost, self.steps.record, self.drain
+        running, waiting = sched.running, sched.waiting
+        usable = m.num_usable_blocks
+        count = m.op_counts.get
+        pool = m.pool
+        policy, tracker = pool.policy, pool.tracker  # KVCacheManager.id_space_fragmentation reads the tracker
+        if sched.swapped or sched.done:
+            return clock, k, prev
+        n_run = len(running)
+        head = waiting.peek() if waiting else None  # the head the admission verdict is for
+        ok, watch, evicts = self._admission(n_run)
+        while ok:
+            kk = sched._k + 1
+            if not self._visits(kk, watch, evicts):
+                break
+            sched._k = kk
+            tokens, context, frag = self._decode(kk)
+            t0 = clock
+            dt = cost.step_time(0, tokens, context, n_run, NO_OPS)
+            clock = t0 + dt
+            if env.peek() <= clock:
+                yield env.timeout(clock - env.now)
+            sched.internal_fragmentation = frag
+            done = drain(clock) if sched.done else 0
+            evicted = count("evict", 0)
+            free = len(policy)  # KVCacheManager.num_free_blocks
+            record((
+                t0, dt, n_run, len(waiting), 0, n_run, 0, tokens, context,
+                free, pool.num_cached_free, usable - free, tracker.fragmentation() if tracker is not None else 0, frag,
+                evicted - prev[0], 0, 0, 0, 0, 0, 0, 0, 0, 0, done,
+            ))  # fmt: skip
+            prev = (evicted, *prev[1:])
+            k += 1
+            self.taken += 1
+            # NOTE: a quiet step frees nothing, caches no key the blocked head waits on and evicts
+            # none of its hits, so the verdict holds while the head is the same (arrivals join behind)
+            if (waiting.peek() if waiting else None) is not head:
+                head = waiting.peek() if waiting else None
+                ok, watch, evicts = self._admission(n_run)
+        return clock, k, prev
+
+
+def _order(live: Live) -> int:
+    return live.order

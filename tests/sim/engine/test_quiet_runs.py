@@ -1,0 +1,132 @@
+"""Quiet runs (sim.engine.quiet): the steps taken in their own loop give exactly the tables of plain stepping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sim.engine.quiet as quiet
+from sim.engine.config import SimConfig
+from sim.engine.cost_model import CostModel
+from sim.engine.run import RunResult, simulate
+from tests.sim.engine.engine_fixtures import FlatCost, req
+from workloads.build import build_workload
+from workloads.request import Workload
+
+SHAPES: dict[str, dict[str, Any]] = {  # small requests, so a few dozen fill a small cache
+    "shared-prefix": {"prefix_len": "fixed:48", "user_len": "lognormal:24,1.0", "output_len": "lognormal:40,1.0",
+                      "num_prefixes": 2},
+    "multi-turn": {"prefix_len": "fixed:32", "user_len": "lognormal:16,0.5", "output_len": "lognormal:30,1.0",
+                   "turns": "uniform:2,4", "think_time": 0.5},
+    "agent": {"prefix_len": "fixed:40", "user_len": "lognormal:12,0.5", "output_len": "lognormal:20,0.5",
+              "turns": "uniform:2,3", "think_time": 0.2},
+    "parallel": {"user_len": "lognormal:40,0.5", "output_len": "lognormal:30,0.5", "samples": 2},
+    "unique": {"user_len": "lognormal:60,1.0", "output_len": "lognormal:50,1.0"},
+}
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> list[quiet.QuietRuns]:
+    """Collect every QuietRuns the engine builds (to count the quiet steps taken)."""
+    made: list[quiet.QuietRuns] = []
+    build = quiet.QuietRuns.build.__func__
+
+    def spy(cls, *args):
+        q = build(cls, *args)
+        if q is not None:
+            made.append(q)
+        return q
+
+    monkeypatch.setattr(quiet.QuietRuns, "build", classmethod(spy))
+    return made
+
+
+def _same(fast: RunResult, slow: RunResult) -> None:
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
+    assert fast.summary.keys() == slow.summary.keys()
+    for k, v in fast.summary.items():  # NaN == NaN here
+        assert v == slow.summary[k] or (v != v and slow.summary[k] != slow.summary[k]), k
+    assert fast.manager.ops.counts == slow.manager.ops.counts
+
+
+def _run(kind: str, seed: int, rate: float, cfg: SimConfig, real_cost: bool) -> RunResult:
+    wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
+    cost = CostModel.from_config(cfg) if real_cost else FlatCost(0.05)
+    return simulate(wl, cfg, cost_model=cost)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(sorted(SHAPES)),
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([2.0, 20.0, 200.0]),
+    block_size=st.sampled_from([1, 2, 4, 8, 16]),
+    num_gpu_blocks=st.integers(12, 160),
+    budget=st.sampled_from([32, 64, 512]),
+    max_seqs=st.sampled_from([4, 16, 32]),
+    eviction=st.sampled_from(["lru", "arc", "s3fifo"]),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.05]),
+    real_cost=st.booleans(),
+    closed=st.booleans(),
+)
+def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size: int, num_gpu_blocks: int,
+                                   budget: int, max_seqs: int, eviction: str, caching: bool, chunked: bool,
+                                   watermark: float, real_cost: bool, closed: bool) -> None:
+    """Steps, requests, summary and op counts are identical with the shortcuts on and off,
+    over random workloads and configurations, with a flat and the roofline cost model."""
+    cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs, eviction=eviction,
+                    enable_prefix_caching=caching, enable_chunked_prefill=chunked, watermark=watermark,
+                    closed_loop_sessions=closed)
+    fast = _run(kind, seed, rate, cfg, real_cost)
+    slow = _run(kind, seed, rate, cfg.replace(shortcuts=False), real_cost)
+    _same(fast, slow)
+
+
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_most_steps_of_a_loaded_engine_are_quiet(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A cache a few requests fill: quiet runs take many steps, and change nothing."""
+    made = _taken(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16)
+    fast = _run(kind, 7, 50.0, cfg, True)
+    assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
+    _same(fast, _run(kind, 7, 50.0, cfg.replace(shortcuts=False), True))
+
+
+@pytest.mark.parametrize("extra", [{"record_ops": True}, {"defrag_threshold": 4}, {"debug_invariants": True},
+                                   {"step_time": 0.05}, {"scheduling": "priority"}, {"num_lookahead_tokens": 2},
+                                   {"async_scheduling": True}, {"kv_offloading_size": 0.001}])
+def test_quiet_runs_stay_off_where_the_general_step_is_needed(monkeypatch: pytest.MonkeyPatch,
+                                                             extra: dict[str, Any]) -> None:
+    made = _taken(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, **extra)
+    _run("unique", 3, 50.0, cfg, True)
+    assert made == []
+
+
+def test_a_decode_caching_the_blocked_heads_next_key_ends_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b's prompt repeats a's known answer: as a decodes it, the blocks b lacks get cached, and
+    b, blocked, is admitted at the step after the one that cached its next key (4 s, 12 tokens
+    hit); a quiet run that missed this would have kept b waiting until 27 s."""
+    prompt, answer = np.arange(100, 108), np.arange(500, 524)
+    reqs = [req("a", 0, prompt, 24, output=answer), req("c", 0, 16, 20),
+            req("b", 1.5, np.concatenate([prompt, answer, np.arange(900, 908)]), 4)]
+    cfg = SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=64, max_num_seqs=8)
+
+    def go(c: SimConfig) -> RunResult:
+        return simulate(Workload.from_list(reqs, "t"), c, cost_model=FlatCost(1.0))
+
+    made = _taken(monkeypatch)
+    fast = go(cfg)
+    assert made[0].taken > 0
+    assert fast.requests[["first_scheduled", "hit_tokens"]].values.tolist()[2] == [4.0, 12]
+    _same(fast, go(cfg.replace(shortcuts=False)))
+    monkeypatch.setattr(quiet.QuietRuns, "_caches", lambda *_: False)
+    assert go(cfg).requests["first_scheduled"].tolist()[2] == 27.0
