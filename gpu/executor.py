@@ -23,24 +23,20 @@ SKIPPED = 1  # the data op did not run (block tables still change as the manager
 ONE_WAY = 2  # a move copied b onto a instead of exchanging the two
 
 
+# a one-way pair op's (source, destination) pools: "g" the device, "c" the swap pool, "h" the host
+# tier of KV offloading, "f" its file tier
+_POOLS = {"copy": ("g", "g"), "swap_out": ("g", "c"), "swap_in": ("c", "g"), "store": ("g", "h"),
+          "load": ("h", "g"), "file_write": ("h", "f"), "file_read": ("f", "h")}
+# the storage tensors (PagedKVStorage attributes) a block-to-block transfer reads and writes
+_TENSORS = {"swap_out": ("gpu", "cpu"), "swap_in": ("cpu", "gpu"), "store": ("gpu", "host"), "load": ("host", "gpu")}
+
+
 def _footprint(kind: str, a: int, b: int) -> tuple[set, set]:
-    """(blocks read, blocks written) of one pair op; ("g", id) on the device, ("c", id) in the swap
-    pool, ("h", id) in the host tier of KV offloading, ("f", id) in its file tier."""
-    if kind == "copy":
-        return {("g", a)}, {("g", b)}
-    if kind == "swap_out":
-        return {("g", a)}, {("c", b)}
-    if kind == "swap_in":
-        return {("c", a)}, {("g", b)}
-    if kind == "store":
-        return {("g", a)}, {("h", b)}
-    if kind == "load":
-        return {("h", a)}, {("g", b)}
-    if kind == "file_write":
-        return {("h", a)}, {("f", b)}
-    if kind == "file_read":
-        return {("f", a)}, {("h", b)}
-    return {("g", a), ("g", b)}, {("g", a), ("g", b)}  # move: an exchange
+    """(blocks read, blocks written) of one pair op, as (pool, id) (see `_POOLS`)."""
+    if kind == "move":  # an exchange
+        return {("g", a), ("g", b)}, {("g", a), ("g", b)}
+    src, dst = _POOLS[kind]
+    return {(src, a)}, {(dst, b)}
 
 
 class OpExecutor:
@@ -109,20 +105,15 @@ class OpExecutor:
                 (files.write if kind == "file_write" else files.read)(st.host, self._pairs)
             self.launches += 1
             return
-        on_host = kind in ("swap_out", "swap_in", "store", "load") and self.swap_method == "torch"
+        on_host = kind in _TENSORS and self.swap_method == "torch"
         pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
         k = self.kernels
         with self.timer(self.step, kind):
             if kind == "copy":
                 k.copy(st, pairs)
-            elif kind == "swap_out":
-                k.swap(st.gpu, st.cpu, pairs, self.swap_method)
-            elif kind == "swap_in":
-                k.swap(st.cpu, st.gpu, pairs, self.swap_method)
-            elif kind == "store":
-                k.swap(st.gpu, st.host, pairs, self.swap_method)
-            elif kind == "load":
-                k.swap(st.host, st.gpu, pairs, self.swap_method)
+            elif kind in _TENSORS:
+                src, dst = _TENSORS[kind]
+                k.swap(getattr(st, src), getattr(st, dst), pairs, self.swap_method)
             else:
                 k.exchange(st, pairs)
         self.launches += 1

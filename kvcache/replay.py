@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache.manager import KVCacheManager
-from kvcache.offload.tier import MISS, HostTier
+from kvcache.offload.tier import HostTier
 from kvcache.sequence import Sequence
 
 Request = Any  # anything with id, prompt, prompt_len, output, output_len (workloads.Request)
@@ -162,11 +162,7 @@ class _Connector:
         if len(keys) * tpc - local < tpc:
             return 0
         end = local // tpc  # the chunk holding the first token past the GPU hit
-        lookup = self.tier.lookup
-        for key in keys[end:]:
-            if lookup(key) == MISS:
-                break
-            end += 1
+        end += self.tier.lookup_chunks(live.seq.seq_id, keys[end:], end, tpc)[0]
         n = end * tpc - local
         return n if n >= tpc else 0
 

@@ -247,15 +247,20 @@ class HostTier:
         """Pin ready chunks for a load to the GPU and return their slots; the request reused them."""
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys but {len(positions)} positions")
+        slots = self._pin(keys, "loaded")
+        self._record(req, self._access(req), keys, positions, keys)
+        return slots
+
+    def _pin(self, keys: Sequence[int], what: str) -> list[int]:
+        """One more reader each for ready chunks (none evictable while read); their slots."""
         for key in keys:
             if self._ref.get(key, -1) < 0:
-                raise ValueError(f"chunk {key} is not ready in the host tier; it cannot be loaded")
+                raise ValueError(f"chunk {key} is not ready in the host tier; it cannot be {what}")
         for key in keys:
             if self._ref[key] == 0:
                 self.policy.mark_non_evictable(key)
                 self._num_evictable -= 1
             self._ref[key] += 1
-        self._record(req, self._access(req), keys, positions, keys)
         return [self._slot[key] for key in keys]
 
     def complete_load(self, keys: Sequence[int]) -> None:

@@ -31,15 +31,7 @@ class PrimaryTier(HostTier):
 
     def prepare_read(self, keys: Sequence[int]) -> list[int]:
         """Pin ready chunks for a copy to the files and return their slots."""
-        for key in keys:
-            if self._ref.get(key, -1) < 0:
-                raise ValueError(f"chunk {key} is not ready in the host tier; it cannot be cascaded")
-        for key in keys:
-            if self._ref[key] == 0:
-                self.policy.mark_non_evictable(key)
-                self._num_evictable -= 1
-            self._ref[key] += 1
-        return [self._slot[key] for key in keys]
+        return self._pin(keys, "cascaded")
 
 
 @dataclass(slots=True)
