@@ -6,7 +6,6 @@ import hashlib
 import json
 import shlex
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -208,7 +207,7 @@ def run(
     from sim.engine.config import ConfigError, SimConfig
     from sim.engine.cost_model import CostModel
     from sim.engine.run import simulate
-    from sim.studies.run_folder import ops_scratch, write_run
+    from sim.studies.run_folder import run_scratch, write_run
     from workloads.errors import WorkloadError
 
     try:
@@ -226,14 +225,14 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
-    with ExitStack() as stack:  # the op records stream into a scratch folder until write_run
-        scratch = stack.enter_context(ops_scratch(out_dir)) if cfg.record_ops else None
+    with run_scratch(out_dir) as scratch:  # the steps and op records stream into it until write_run
+        streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
         try:
             if bar is not None:
                 with bar:
-                    result = simulate(wl, cfg, progress, cost_model=cost, ops_dir=scratch)
+                    result = simulate(wl, cfg, progress, cost_model=cost, **streams)
             else:
-                result = simulate(wl, cfg, cost_model=cost, ops_dir=scratch)
+                result = simulate(wl, cfg, cost_model=cost, **streams)
         except (ConfigError, WorkloadError) as e:
             raise fail(str(e)) from None
         s = result.summary

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import simpy
@@ -122,13 +123,14 @@ class Engine:
         cost: CostModel,
         manager: KVCacheManager,
         progress: Callable[[int], None] | None = None,
+        steps_file: str | Path | None = None,
     ):
         self.env = env
         self.cfg = cfg
         self.cost = cost
         self.m = manager
         self.requests = RequestLog()
-        self.steps = StepLog()
+        self.steps = StepLog(steps_file)  # with a file: streamed into it
         if cfg.async_scheduling:
             from sim.engine.async_scheduler import AsyncScheduler
 

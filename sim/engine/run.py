@@ -14,7 +14,7 @@ import simpy
 from kvcache.manager import KVCacheManager
 from sim.engine.config import SimConfig
 from sim.engine.loop import Engine
-from sim.engine.metrics import summarize
+from sim.engine.metrics import SUMMARY_STEP_FIELDS, summarize
 from workloads.request import Request
 
 if TYPE_CHECKING:
@@ -23,14 +23,30 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunResult:
-    """A finished run: its tables, summary, config and (in memory only) the manager."""
+    """A finished run: its tables, summary, config and (in memory only) the manager.
+
+    The steps table may live in a parquet file (a streamed run, see `simulate`): `steps`
+    reads it on first use, `step_columns` only the columns asked for.
+    """
 
     config: SimConfig
     workload: str
-    steps: pd.DataFrame
+    steps_table: pd.DataFrame | Path
     requests: pd.DataFrame
     summary: dict[str, Any]
     manager: KVCacheManager | None = None
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        if isinstance(self.steps_table, Path):
+            self.steps_table = pd.read_parquet(self.steps_table)
+        return self.steps_table
+
+    def step_columns(self, *names: str) -> pd.DataFrame:
+        """These columns of the steps table, without reading the others from a streamed run's file."""
+        if isinstance(self.steps_table, Path):
+            return pd.read_parquet(self.steps_table, columns=list(names))
+        return self.steps_table[list(names)]
 
 
 def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
@@ -57,11 +73,14 @@ def simulate(
     *,
     cost_model: CostModel | None = None,
     ops_dir: str | Path | None = None,
+    steps_file: str | Path | None = None,
 ) -> RunResult:
     """Replay `workload` through the engine `cfg` describes; deterministic for a given
     workload and config. `progress(n)` is called as requests finish;
     `cost_model` defaults to `CostModel.from_config(cfg)`. With `record_ops`, the op
-    stream is kept in memory, or written into `ops_dir` as it goes (`OpLog.stream_to`)."""
+    stream is kept in memory, or written into `ops_dir` as it goes (`OpLog.stream_to`).
+    With `steps_file`, the steps table is written there as it goes (a parquet file), so
+    memory does not grow with the run's steps; the result reads it back on demand."""
     cfg.validate()
     if cost_model is None:
         from sim.engine.cost_model import CostModel
@@ -71,9 +90,10 @@ def simulate(
     if cfg.record_ops and ops_dir is not None:
         manager.ops.stream_to(ops_dir, process=True)
     env = simpy.Environment()
-    engine = Engine(env, workload, cfg, cost_model, manager, progress)
+    engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
     env.run()
-    steps = engine.steps.frame()
+    log = engine.steps
+    steps = log.frame(SUMMARY_STEP_FIELDS) if steps_file is not None else log.frame()
     requests = engine.requests.frame()
     counters = {"skipped_lines": getattr(workload, "skipped", 0)}
     offload = getattr(engine.sched, "offload", None)
@@ -93,4 +113,4 @@ def simulate(
         summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
     name = getattr(workload, "name", "workload")
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
-    return RunResult(cfg, name, steps, requests, summary, manager)
+    return RunResult(cfg, name, steps if steps_file is None else Path(steps_file), requests, summary, manager)

@@ -51,7 +51,8 @@ def hit_rate_over_time(steps: pd.DataFrame) -> np.ndarray:
 
 def plot_blocks(result: RunResult, path: Path) -> None:
     """Used / cached-free / free blocks, and id-space and internal fragmentation, over time."""
-    st = _thin(result.steps)
+    st = _thin(result.step_columns("time", "used_blocks", "cached_blocks", "free_blocks", "id_fragmentation",
+                                   "internal_fragmentation"))
     t = st["time"].to_numpy()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.plot(t, st["used_blocks"], label="used")
@@ -71,10 +72,11 @@ def plot_blocks(result: RunResult, path: Path) -> None:
 
 def plot_hit_rate(result: RunResult, path: Path) -> None:
     """Cumulative prefix-cache hit rate (token level) over time."""
-    rate = hit_rate_over_time(result.steps)
+    st = result.step_columns("time", "admitted_prompt_tokens", "admitted_hit_tokens")
+    rate = hit_rate_over_time(st)
     k = max(1, len(rate) // MAX_POINTS)
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(result.steps["time"].to_numpy()[::k], 100 * rate[::k])
+    ax.plot(st["time"].to_numpy()[::k], 100 * rate[::k])
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("cumulative hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)

@@ -4,8 +4,8 @@ A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
 `record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
 holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
-(`staged_folder`); a run's op records stream into a scratch folder beside
-(`ops_scratch`) and move in with the rest.
+(`staged_folder`); a run's steps table and op records stream into a scratch
+folder beside (`run_scratch`) and move in with the rest.
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ def staged_folder(out_dir: str | Path) -> Iterator[Path]:
 
 
 @contextmanager
-def ops_scratch(out_dir: str | Path) -> Iterator[Path]:
-    """A fresh folder beside `out_dir` for a run to stream its op records into (`simulate`'s
-    `ops_dir`); `write_run` moves them into the run folder; the folder is removed at the end."""
+def run_scratch(out_dir: str | Path) -> Iterator[Path]:
+    """A fresh folder beside `out_dir` for a run to stream its steps table and op records into
+    (`simulate`'s `steps_file` and `ops_dir`); `write_run` moves them into the run folder; the
+    folder is removed at the end."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".ops"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".scratch"))
     try:
         yield tmp
     finally:
@@ -62,14 +63,20 @@ def ops_scratch(out_dir: str | Path) -> Iterator[Path]:
 
 
 def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Path:
-    """Write the run folder (see the module docstring); returns its path."""
+    """Write the run folder (see the module docstring); returns its path. A streamed steps
+    table is copied in, and the result reads it from there afterwards."""
+    streamed = isinstance(result.steps_table, Path)
     with staged_folder(out_dir) as out:
         cfg = result.config.to_dict()
         if result.manager is not None:  # the resolved size, so a replay needs no cost model
             cfg["num_gpu_blocks"] = result.manager.num_blocks
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        result.steps.to_parquet(out / "steps.parquet", index=False)
-        result.requests.to_parquet(out / "requests.parquet", index=False)
+        if streamed:
+            shutil.copyfile(result.steps_table, out / TABLES[0])
+            result.steps_table = out / TABLES[0]
+        else:
+            result.steps.to_parquet(out / TABLES[0], index=False)
+        result.requests.to_parquet(out / TABLES[1], index=False)
         (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         if result.config.record_ops and result.manager is not None:
             result.manager.save_ops(out)
@@ -77,6 +84,8 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
             from sim.studies.plots import write_plots
 
             write_plots(result, out)
+    if streamed:
+        result.steps_table = Path(out_dir) / TABLES[0]
     return Path(out_dir)
 
 
