@@ -151,6 +151,7 @@ REQUEST_PATH = {
     "sim/engine/quiet.py": "shortcut: steps that only decode, taken in a loop of their own",
     "sim/engine/cost_model.py": "cost: the step time",
     "sim/engine/metrics.py": "log: per-request and per-step rows",
+    "sim/engine/step_log.py": "log: per-step rows, packed or streamed to a file",
     "workloads/request.py": "leaf: the request record",
 }
 POLICY_FILES = {  # and the eviction policy's own files

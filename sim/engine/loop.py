@@ -32,9 +32,10 @@ from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
 from kvcache.ops import CHARGED_KINDS
 from sim.engine.config import ConfigError, SimConfig
-from sim.engine.metrics import RequestLog, StepLog
+from sim.engine.metrics import RequestLog
 from sim.engine.quiet import QuietRuns
 from sim.engine.scheduler import Scheduler
+from sim.engine.step_log import StepLog
 from workloads.request import Request
 
 if TYPE_CHECKING:

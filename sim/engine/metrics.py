@@ -20,8 +20,7 @@ Summary metrics (DESIGN.md, "sim: the engine"):
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -104,105 +103,15 @@ STEP_COLUMNS: dict[str, Any] = {
 STEP_FIELDS = tuple(STEP_COLUMNS)
 
 
-# the step columns `summarize` reads (a streamed log reads back only these)
-SUMMARY_STEP_FIELDS = ("time", "duration", "used_blocks", "id_fragmentation", "internal_fragmentation",
-                       "evictions", "preempt_recompute", "preempt_swap", "copy", "swap_out", "swap_in", "move")
+class StepTable(Protocol):
+    """What `summarize` reads of a steps table: a DataFrame, or a streamed run's file
+    (`sim.engine.step_log.StepFile`) read a column at a time."""
 
+    empty: bool
 
-class StepLog:
-    """One row per engine step (see STEP_COLUMNS for each field's meaning and unit).
+    def __len__(self) -> int: ...
 
-    Rows are kept as tuples and packed, every CHUNK rows, into segments of SEGMENT rows,
-    one array a column in its own dtype (exact: these counts pass through float64
-    unchanged): appending a tuple is ~50x cheaper than 25 array stores. With a `path`,
-    each full segment is written to that parquet file as a row group and dropped, so a
-    long run's memory does not grow with its steps (`close` writes the rest).
-    """
-
-    CHUNK = 4096
-    SEGMENT = 16 * CHUNK
-
-    def __init__(self, path: str | Path | None = None) -> None:
-        self.path = None if path is None else Path(path)
-        self._writer = None
-        self._rows: list[tuple] = []
-        self._full: list[list[np.ndarray]] = [[] for _ in STEP_FIELDS]  # a column's full segments (in memory)
-        self._seg = self._segment()
-        self._fill = 0  # rows in the current segment
-        self._done = 0  # rows in the full segments
-
-    @staticmethod
-    def _segment(n: int = SEGMENT) -> list[np.ndarray]:
-        return [np.empty(n, dt) for dt in STEP_COLUMNS.values()]
-
-    def record(self, values: tuple) -> None:
-        """Append one step; `values` in STEP_FIELDS order."""
-        rows = self._rows
-        rows.append(values)
-        if len(rows) == self.CHUNK:
-            self._pack()
-
-    def _pack(self) -> None:
-        if not self._rows:
-            return
-        if self._fill + len(self._rows) > len(self._seg[0]):
-            self._flush()
-        data = np.array(self._rows, dtype=np.float64)
-        i, n = self._fill, len(self._rows)
-        for j, col in enumerate(self._seg):
-            col[i : i + n] = data[:, j]
-        self._fill += n
-        self._rows.clear()
-
-    def _flush(self) -> None:
-        """Retire the current segment: to the file, or to the in-memory list."""
-        cols = [c[: self._fill] for c in self._seg]
-        if self.path is not None:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            table = pa.table(dict(zip(STEP_FIELDS, cols, strict=True)))
-            if self._writer is None:
-                self._writer = pq.ParquetWriter(self.path, table.schema)
-            self._writer.write_table(table)
-        else:
-            for full, col in zip(self._full, cols, strict=True):
-                full.append(col)
-        self._done += self._fill
-        self._seg, self._fill = self._segment(), 0
-
-    def __len__(self) -> int:
-        return self._done + self._fill + len(self._rows)
-
-    def close(self) -> None:
-        """With a `path`: write the remaining rows and close the file (an empty log writes an
-        empty table)."""
-        if self.path is None:
-            return
-        self._pack()
-        if self._fill or self._writer is None:
-            self._flush()
-        self._writer.close()
-
-    def frame(self, columns: tuple[str, ...] = STEP_FIELDS) -> pd.DataFrame:
-        """The steps table (or those of its `columns`). In memory it shares the log's
-        columns: each is joined into one array in turn (and kept as the log's only segment),
-        so the table is never held twice. A streamed log is read back from its file."""
-        if self.path is not None:
-            self.close()
-            return pd.read_parquet(self.path, columns=list(columns))
-        self._pack()
-        cols = {}
-        for j, (k, full) in enumerate(zip(STEP_FIELDS, self._full, strict=True)):
-            if full:
-                full.append(self._seg[j][: self._fill])
-                self._seg[j] = np.concatenate(full)
-                full.clear()
-            if k in columns:
-                cols[k] = self._seg[j][: self._done + self._fill]
-        self._fill += self._done
-        self._done = 0
-        return pd.DataFrame({k: cols[k] for k in columns}, copy=False)
+    def __getitem__(self, name: str) -> pd.Series: ...
 
 
 REQUEST_COLUMNS: dict[str, Any] = {
@@ -292,7 +201,7 @@ def block_hit_rate(requests: pd.DataFrame, block_size: int) -> float:
     return float((adm["hit_tokens"] // block_size).sum()) / blocks if blocks else 0.0
 
 
-def time_mean(steps: pd.DataFrame, column: str) -> float:
+def time_mean(steps: StepTable, column: str) -> float:
     """Mean of a per-step quantity weighted by step duration (a time average)."""
     w = steps["duration"].to_numpy()
     total = w.sum()
@@ -320,7 +229,7 @@ def meets_slo(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | 
     return ok
 
 
-def duration(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
+def duration(steps: StepTable, requests: pd.DataFrame) -> float:
     """Simulated span, s: first arrival to the end of the last step."""
     if steps.empty or requests.empty:
         return 0.0
@@ -329,7 +238,7 @@ def duration(steps: pd.DataFrame, requests: pd.DataFrame) -> float:
 
 
 def summarize(
-    steps: pd.DataFrame,
+    steps: StepTable,
     requests: pd.DataFrame,
     *,
     block_size: int,

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import simpy
 
     from sim.engine.cost_model import CostModel
-    from sim.engine.metrics import StepLog
+    from sim.engine.step_log import StepLog
 
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
 

@@ -14,7 +14,8 @@ import simpy
 from kvcache.manager import KVCacheManager
 from sim.engine.config import SimConfig
 from sim.engine.loop import Engine
-from sim.engine.metrics import SUMMARY_STEP_FIELDS, summarize
+from sim.engine.metrics import summarize
+from sim.engine.step_log import StepFile
 from workloads.request import Request
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class RunResult:
     """A finished run: its tables, summary, config and (in memory only) the manager.
 
     The steps table may live in a parquet file (a streamed run, see `simulate`): `steps`
-    reads it on first use, `step_columns` only the columns asked for.
+    reads it whole on first use, `step_columns` only the columns asked for.
     """
 
     config: SimConfig
@@ -42,11 +43,16 @@ class RunResult:
             self.steps_table = pd.read_parquet(self.steps_table)
         return self.steps_table
 
-    def step_columns(self, *names: str) -> pd.DataFrame:
-        """These columns of the steps table, without reading the others from a streamed run's file."""
+    def step_columns(self, *names: str, every: int = 1) -> pd.DataFrame:
+        """These columns of the steps table (every `every`-th row), without reading the others
+        from a streamed run's file."""
         if isinstance(self.steps_table, Path):
-            return pd.read_parquet(self.steps_table, columns=list(names))
-        return self.steps_table[list(names)]
+            return StepFile(self.steps_table).frame(*names, every=every)
+        return self.steps_table[list(names)].iloc[::every]
+
+    @property
+    def num_steps(self) -> int:
+        return len(StepFile(self.steps_table)) if isinstance(self.steps_table, Path) else len(self.steps_table)
 
 
 def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
@@ -92,8 +98,11 @@ def simulate(
     env = simpy.Environment()
     engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
     env.run()
-    log = engine.steps
-    steps = log.frame(SUMMARY_STEP_FIELDS) if steps_file is not None else log.frame()
+    if steps_file is None:
+        steps = engine.steps.frame()
+    else:
+        engine.steps.close()
+        steps = StepFile(steps_file)
     requests = engine.requests.frame()
     counters = {"skipped_lines": getattr(workload, "skipped", 0)}
     offload = getattr(engine.sched, "offload", None)
@@ -113,4 +122,4 @@ def simulate(
         summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
     name = getattr(workload, "name", "workload")
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
-    return RunResult(cfg, name, steps if steps_file is None else Path(steps_file), requests, summary, manager)
+    return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager)

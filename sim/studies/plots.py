@@ -37,9 +37,12 @@ def _save(fig: plt.Figure, path: str | Path) -> None:
     plt.close(fig)
 
 
+def _every(num_steps: int) -> int:
+    return max(1, num_steps // MAX_POINTS)
+
+
 def _thin(steps: pd.DataFrame) -> pd.DataFrame:
-    k = max(1, len(steps) // MAX_POINTS)
-    return steps.iloc[::k]
+    return steps.iloc[:: _every(len(steps))]
 
 
 def hit_rate_over_time(steps: pd.DataFrame) -> np.ndarray:
@@ -51,8 +54,8 @@ def hit_rate_over_time(steps: pd.DataFrame) -> np.ndarray:
 
 def plot_blocks(result: RunResult, path: Path) -> None:
     """Used / cached-free / free blocks, and id-space and internal fragmentation, over time."""
-    st = _thin(result.step_columns("time", "used_blocks", "cached_blocks", "free_blocks", "id_fragmentation",
-                                   "internal_fragmentation"))
+    st = result.step_columns("time", "used_blocks", "cached_blocks", "free_blocks", "id_fragmentation",
+                             "internal_fragmentation", every=_every(result.num_steps))
     t = st["time"].to_numpy()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.plot(t, st["used_blocks"], label="used")
@@ -72,11 +75,10 @@ def plot_blocks(result: RunResult, path: Path) -> None:
 
 def plot_hit_rate(result: RunResult, path: Path) -> None:
     """Cumulative prefix-cache hit rate (token level) over time."""
-    st = result.step_columns("time", "admitted_prompt_tokens", "admitted_hit_tokens")
-    rate = hit_rate_over_time(st)
-    k = max(1, len(rate) // MAX_POINTS)
+    k = _every(result.num_steps)
+    rate = hit_rate_over_time(result.step_columns("admitted_prompt_tokens", "admitted_hit_tokens"))[::k]
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.plot(st["time"].to_numpy()[::k], 100 * rate[::k])
+    ax.plot(result.step_columns("time", every=k)["time"].to_numpy(), 100 * rate)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("cumulative hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)

@@ -23,6 +23,7 @@ import pandas as pd
 
 from sim.engine.config import SimConfig
 from sim.engine.run import RunResult
+from sim.engine.step_log import release_arrow_memory
 from workloads.files import read_json
 
 TABLES = ("steps.parquet", "requests.parquet")
@@ -77,6 +78,7 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
         else:
             result.steps.to_parquet(out / TABLES[0], index=False)
         result.requests.to_parquet(out / TABLES[1], index=False)
+        release_arrow_memory()
         (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         if result.config.record_ops and result.manager is not None:
             result.manager.save_ops(out)
