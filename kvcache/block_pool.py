@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvcache.block import KVCacheBlock
 from kvcache.eviction import LRU, EvictionPolicy
 from kvcache.eviction.base import overrides
+from kvcache.id_span import IdSpan
 from kvcache.ops import OpLog
 
 
@@ -44,6 +45,8 @@ class BlockPool:
         self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
         self._on_evict = self.policy.on_evict if overrides(self.policy, "on_evict") else None
         self._pins = overrides(self.policy, "is_pinned")
+        # NOTE: exact LRU (no hooks, no pins) lets `_take_lru` walk its queue itself
+        self._lru_queue = self.policy.queue if type(self.policy) is LRU else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,9 +66,12 @@ class BlockPool:
         """Pop `n` blocks for writing; a popped cached block is evicted."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
+        if not self.ops.enabled:
+            if self._lru_queue is not None:
+                return self._take_lru(n)
+            if self._on_evict is None:
+                return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
-        if not self.ops.enabled and self._on_evict is None:
-            return self._take_counted(blocks)
         evicted = []
         for b in blocks:
             if b.ref_cnt:
@@ -88,8 +94,9 @@ class BlockPool:
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
-        same effects in one pass (each popped block's key dropped in pop order)."""
-        cached, evicted = self.cached, 0
+        same effects in one pass (each popped block's key dropped in pop order; an IdSpan
+        tracker is told just the count and the highest id, all it keeps)."""
+        cached, evicted, top = self.cached, 0, 0
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
@@ -105,13 +112,66 @@ class BlockPool:
                 b.block_hash = None
                 evicted += 1
             b.ref_cnt = 1
+            if b.block_id > top:
+                top = b.block_id
         if evicted:
             self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
-        if self.tracker is not None and blocks:
-            self.tracker.use_distinct([blocks[0].block_id] if len(blocks) == 1 else [b.block_id for b in blocks])
+        tracker = self.tracker
+        if tracker is not None and blocks:
+            if type(tracker) is IdSpan:
+                tracker.use(len(blocks), top)
+            else:
+                tracker.use_distinct([b.block_id for b in blocks])
         return blocks
+
+    def _take_lru(self, n: int) -> list[KVCacheBlock]:
+        """`_take_counted(policy.pop_n(n))` for exact LRU, in one walk of the queue.
+
+        NOTE: exact because LRU's `pop_n` is `popleft_n`: the same first `n` blocks, unlinked,
+        evicted and referenced in the same order. A cached key maps to its block itself or, when
+        several blocks share it, to a dict of them.
+        """
+        queue = self._lru_queue
+        head = queue._head
+        cached, out, evicted, top = self.cached, [], 0, 0
+        b = head.next
+        for _ in range(n):
+            if b.ref_cnt:
+                raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
+            key = b.block_hash
+            if key is not None:
+                hit = cached[key]
+                if hit is b:
+                    del cached[key]
+                else:
+                    del hit[b.block_id]
+                    if len(hit) == 1:
+                        cached[key] = next(iter(hit.values()))
+                b.block_hash = None
+                evicted += 1
+            b.ref_cnt = 1
+            if b.block_id > top:
+                top = b.block_id
+            out.append(b)
+            nxt = b.next
+            b.prev = b.next = None
+            b = nxt
+        head.next = b
+        b.prev = head
+        queue.num_free_blocks -= n
+        if evicted:
+            self.ops.counts["evict"] += evicted
+            self.num_evictions += evicted
+            self.num_cached_free -= evicted
+        tracker = self.tracker
+        if tracker is not None and out:
+            if type(tracker) is IdSpan:
+                tracker.use(n, top)
+            else:
+                tracker.use_distinct([b.block_id for b in out])
+        return out
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's key from the cache map (counted by the caller)."""
@@ -147,6 +207,9 @@ class BlockPool:
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free set in this order:
         with `free_first`, uncached ones at the front, cached ones at the back."""
+        if self.free_first and not self._pins and not self.ops.enabled \
+                and (self.tracker is None or type(self.tracker) is IdSpan):
+            return self._free_counted(ordered)
         freed = []  # reaching 0, in order
         first = []  # of those, the ones to reuse first (uncached, with free_first)
         later = []  # of those, the cached ones (to the back, with free_first)
@@ -179,6 +242,38 @@ class BlockPool:
             self.policy.free_first(freed)
         else:
             self.policy.free_first(first)
+            self.policy.free(later)
+
+    def _free_counted(self, ordered: list[KVCacheBlock]) -> None:
+        """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
+        one pass that builds just the two lists the policy needs, no list of all freed blocks
+        (an IdSpan needs only their number and `ordered`)."""
+        null, first, later = self.null_block, [], []
+        for b in ordered:
+            if b is null:
+                continue
+            rc = b.ref_cnt - 1
+            if rc:
+                if rc < 0:
+                    raise ValueError(f"double free of block {b.block_id}")
+                b.ref_cnt = rc
+            else:
+                b.ref_cnt = 0
+                if b.block_hash is None:
+                    first.append(b)
+                else:
+                    later.append(b)
+        n_freed = len(first) + len(later)
+        if not n_freed:
+            return
+        self.num_cached_free += len(later)
+        self.ops.counts["free"] += n_freed
+        if self.tracker is not None:
+            self.tracker.release(n_freed, ordered)
+        # NOTE: the same calls `free_blocks` makes: only `first`, only `later`, or both in this order
+        if first:
+            self.policy.free_first(first)
+        if later:
             self.policy.free(later)
 
     def reset_prefix_cache(self) -> bool:
@@ -218,11 +313,17 @@ class BlockPool:
                 raise AssertionError(f"block {b.block_id} is already cached")
             key = keys[i]
             b.block_hash = key
-            hit = cached.setdefault(key, b)
-            if hit is not b:  # the key is cached already: it maps to both
-                if type(hit) is KVCacheBlock:
-                    cached[key] = {hit.block_id: hit, b.block_id: b}
-                else:
-                    hit[b.block_id] = b
+            if key in cached:  # cached already: it maps to both
+                self._cache_again(key, b)
+            else:
+                cached[key] = b
             if on_cache is not None:
                 on_cache(b, i, chain)
+
+    def _cache_again(self, key: int, block: KVCacheBlock) -> None:
+        """Map an already cached `key` to `block` too (lookup keeps returning the first)."""
+        hit = self.cached[key]
+        if type(hit) is KVCacheBlock:
+            self.cached[key] = {hit.block_id: hit, block.block_id: block}
+        else:
+            hit[block.block_id] = block

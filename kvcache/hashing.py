@@ -73,8 +73,10 @@ def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     if block_size > len(_R):
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R)}")
     t = tokens[: nb * block_size].astype(np.uint64).reshape(nb, block_size)
+    r = _R[:block_size]
     with np.errstate(over="ignore"):
-        return _mix(((t + _U64(1)) * _R[:block_size]).sum(axis=1, dtype=np.uint64))
+        # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries
+        return _mix(t @ r + r.sum(dtype=np.uint64))
 
 
 def chain(state: int, contents: np.ndarray) -> np.ndarray:

@@ -29,6 +29,24 @@ class IdSpan:
         if not self._max_stale and self._max_used in ids:
             self._max_stale = True
 
+    def use(self, n: int, top: int) -> None:
+        """`use_distinct` of `n` ids whose highest is `top` (all the pool's take loops work out)."""
+        self._num_used += n
+        if top > self._max_used:
+            self._max_used = top
+
+    def release(self, n: int, among: list[KVCacheBlock]) -> None:
+        """`release_distinct` of `n` blocks whose ref counts just reached 0, all in `among`.
+
+        NOTE: the top block was released here iff it is in `among` with ref count 0 (one released
+        before this call would have been a double free), so no id list is needed.
+        """
+        self._num_used -= n
+        if not self._max_stale and self._max_used:
+            top = self.blocks[self._max_used]
+            if not top.ref_cnt and top in among:
+                self._max_stale = True
+
     def num_used(self) -> int:
         return self._num_used
 

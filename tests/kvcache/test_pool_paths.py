@@ -1,0 +1,71 @@
+"""The pool's counted fast paths (ops not recorded) against its general path (ops recorded).
+
+`BlockPool` takes shortcuts when ops are only counted: one walk of LRU's queue to
+take blocks, one pass to free them, an IdSpan told only counts and top ids. Two
+managers that differ only in `record_ops` must end every step in the same state:
+tables, ref counts, free order, cache map (duplicate keys included), counters and
+the id tracker, for every policy and with or without the defragmenter.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from kvcache.block import KVCacheBlock
+from kvcache.eviction import LRU
+from kvcache.invariants import check
+from kvcache.manager import KVCacheManager
+from kvcache.sequence import Sequence
+
+BS = 4
+PROMPTS = [np.arange(k * 100, k * 100 + 30, dtype=np.int32) for k in range(3)]
+ANSWER = np.arange(7000, 7040, dtype=np.int32)  # a known answer: equal decodes fill equal blocks
+
+
+def state(m: KVCacheManager) -> tuple:
+    pool, policy = m.pool, m.pool.policy
+    cached = [(k, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for k, hit in pool.cached.items()]
+    free = policy.queue.block_ids() if isinstance(policy, LRU) else (policy.plain.block_ids(), policy.num_cached)
+    tracker = pool.tracker
+    return (
+        {sid: m.block_ids(sid) for sid in m.req_blocks}, [b.ref_cnt for b in pool.blocks[1:]], free, cached,
+        pool.num_evictions, pool.num_cached_free, pool.num_free_blocks, m.op_counts["evict"], m.op_counts["free"],
+        None if tracker is None else (tracker.num_used(), m.id_space_fragmentation()),
+    )
+
+
+def drive(policy: str, defrag: int | None, seed: int) -> None:
+    """Random admits (shared prompts, equal answers), decodes and frees on both managers."""
+    counted, recorded = (KVCacheManager(40, BS, eviction=policy, defrag_threshold=defrag, record_ops=rec)
+                         for rec in (False, True))
+    rng = random.Random(seed)
+    live: dict[str, tuple[Sequence, Sequence]] = {}
+    for uid in range(1, 200):
+        action = rng.random()
+        if action < 0.4 or not live:
+            prompt = PROMPTS[rng.randrange(3)][: rng.randint(2, 30)]
+            pair = tuple(Sequence(f"s{uid}", prompt, uid=uid, output=ANSWER) for _ in range(2))
+            for m, s in zip((counted, recorded), pair, strict=True):
+                blocks, hit = m.get_computed_blocks(s)
+                if m.allocate_slots(s, s.num_tokens - hit, hit, blocks) is not None:
+                    s.num_computed_tokens = s.num_tokens
+                    s.append_tokens(1)
+                    live[s.seq_id] = pair
+        elif action < 0.8:
+            for m, s in zip((counted, recorded), live[rng.choice(sorted(live))], strict=True):
+                if m.allocate_slots(s, 1) is not None:
+                    s.num_computed_tokens += 1
+                    s.append_tokens(1)
+        else:
+            for m, s in zip((counted, recorded), live.pop(rng.choice(sorted(live))), strict=True):
+                m.free(s)
+        assert state(counted) == state(recorded)
+        check(counted)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "cost", "pinned", "arc"])
+@pytest.mark.parametrize("defrag", [None, 4])
+def test_counted_paths_match_recorded(policy: str, defrag: int | None) -> None:
+    for seed in range(3):
+        drive(policy, defrag, seed)
