@@ -74,9 +74,9 @@ def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R)}")
     t = tokens[: nb * block_size].astype(np.uint64).reshape(nb, block_size)
     r = _R[:block_size]
-    with np.errstate(over="ignore"):
-        # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries
-        return _mix(t @ r + r.sum(dtype=np.uint64))
+    # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries;
+    # NOTE: uint64 array arithmetic wraps silently (only numpy scalars warn), so no errstate here
+    return _mix(t @ r + r.sum(dtype=np.uint64))
 
 
 def chain(state: int, contents: np.ndarray) -> np.ndarray:
@@ -86,15 +86,37 @@ def chain(state: int, contents: np.ndarray) -> np.ndarray:
     """
     n = len(contents)
     fwd, inv = _POW.upto(n + 1)
-    with np.errstate(over="ignore"):
-        acc = np.cumsum(contents * inv[1 : n + 1], dtype=np.uint64)
-        return (acc + _U64(state)) * fwd[1 : n + 1]
+    acc = np.cumsum(contents * inv[1 : n + 1], dtype=np.uint64)
+    return (acc + _U64(state)) * fwd[1 : n + 1]
 
 
 def keys(states: np.ndarray) -> list[int]:
     """Cache keys (Python ints) for raw chain states."""
-    with np.errstate(over="ignore"):
-        return _mix(states).tolist()
+    return _mix(states).tolist()
+
+
+def prefix_keys(prompts: list[np.ndarray], block_size: int, extra_key: int = 0) -> list[tuple[list[int], int]]:
+    """For each prompt, the keys of its full blocks and the raw chain state after them: what
+    hashing each prompt alone gives, in one pass over all of them.
+
+    Each chain restarts at its prompt's first block s: H_g = P^(g-s+1) * (root + P^s * (G_g - G_(s-1)))
+    with G the running sum of c_j * P^-(j+1) over every block of the batch (mod 2^64).
+    """
+    root = root_state(extra_key)
+    counts = [len(p) // block_size for p in prompts]
+    total = sum(counts)
+    if not total:
+        return [([], root) for _ in prompts]
+    contents = content_hashes(np.concatenate([p[: n * block_size] for p, n in zip(prompts, counts, strict=True)]),
+                              block_size)
+    fwd, inv = _POW.upto(total + 1)
+    g = np.zeros(total + 1, dtype=np.uint64)  # g[j + 1] = G_j
+    np.cumsum(contents * inv[1 : total + 1], dtype=np.uint64, out=g[1:])
+    ends = np.cumsum(counts)
+    starts = np.repeat(ends - counts, counts)  # each block's prompt's first block
+    states = fwd[np.arange(1, total + 1) - starts] * (fwd[starts] * (g[1:] - g[starts]) + _U64(root))
+    flat, raw = keys(states), states.tolist()
+    return [(flat[e - n : e], raw[e - 1] if n else root) for n, e in zip(counts, ends.tolist(), strict=True)]
 
 
 def root_state(extra_key: int = 0) -> int:
@@ -105,5 +127,4 @@ def root_state(extra_key: int = 0) -> int:
 
 def block_keys(tokens: np.ndarray, block_size: int, extra_key: int = 0) -> list[int]:
     """Cache keys of every full block of `tokens` (a convenience for tests and tools)."""
-    states = chain(root_state(extra_key), content_hashes(np.asarray(tokens), block_size))
-    return keys(states)
+    return keys(chain(root_state(extra_key), content_hashes(np.asarray(tokens), block_size)))

@@ -16,7 +16,8 @@ class Sequence:
     chat turn whose next prompt repeats it); past that they are unique, so a
     block holding any of them never matches another sequence's block.
     `uid` must be unique per sequence within a run; it seeds those unique keys
-    deterministically.
+    deterministically. `keys`, if given, is what `hashing.prefix_keys` computed for this
+    prompt (its full blocks' keys and the chain state after them), so it is not hashed again.
     """
 
     __slots__ = (
@@ -25,7 +26,8 @@ class Sequence:
     )
 
     def __init__(self, seq_id: str, prompt: np.ndarray, *, uid: int = 0,
-                 output: np.ndarray | None = None, extra_key: int = 0):
+                 output: np.ndarray | None = None, extra_key: int = 0,
+                 keys: tuple[list[int], int] | None = None):
         self.seq_id = seq_id
         self.uid = uid
         self.prompt = prompt
@@ -33,8 +35,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.num_tokens = len(prompt)
         self.num_computed_tokens = 0
-        self.block_hashes: list[int] = []
-        self._state = hashing.root_state(extra_key)  # chain state after the last hashed block
+        self.block_hashes: list[int] = [] if keys is None else keys[0]
+        self._state = hashing.root_state(extra_key) if keys is None else keys[1]  # chain state after the last hashed block
         self._known = len(prompt) + (0 if output is None else len(output))
         self._lineage = ((0, uid),)  # (first position, uid) of whoever decoded unique tokens from there
 

@@ -11,12 +11,13 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
+        self.keys: tuple[list[int], int] | None = None  # its prompt's block keys, hashed ahead (WaitQueue.hash_ahead)
         self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
         if max_len is not None and self.target > max_len:
             self.target = max_len  # vLLM stops the sequence at max_model_len

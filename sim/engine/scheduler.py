@@ -11,10 +11,9 @@ and while any request runs the watermark stays free. `complete(batch, now)` appl
 tokens advance, a sequence whose known tokens are all computed samples one, a request with n > 1 forks
 its samples after its prefill, and finished sequences are freed.
 
-For speed, a step visits only the sequences that need the block manager:
-mid-block decodes are counted, not visited, and a blocked head of WAITING is
-not retried while the retry must fail. Both are exact shortcuts, kept in
-`sim.engine.shortcuts` behind one switch (`SimConfig.shortcuts`).
+For speed, a step visits only the sequences that need the block manager: mid-block decodes are
+counted, not visited, and a blocked head of WAITING is not retried while the retry must fail. Both
+are exact shortcuts, in `sim.engine.shortcuts` behind one switch (`SimConfig.shortcuts`).
 """
 
 from __future__ import annotations
@@ -272,9 +271,7 @@ class Scheduler:
     def _admission_tokens(self, seq: Sequence, hit: int, budget: int, held: bool) -> int:
         """Tokens a waiting `seq` with `hit` computed takes this step (its rest, capped by the chunk and
         the budget); 0: without chunked prefill its prompt must fit one step while others run."""
-        n = seq.num_tokens - hit
-        if 0 < self._chunk < n:
-            n = self._chunk
+        n = self._chunk if 0 < self._chunk < seq.num_tokens - hit else seq.num_tokens - hit
         if n > budget:
             return 0 if not self.chunked and held else budget
         return n
@@ -300,8 +297,10 @@ class Scheduler:
             b.admitted_hit_tokens += hit
 
     def _materialise(self, live: Live) -> Sequence:
-        req = live.req
-        live.seq = Sequence(req.id, req.prompt, uid=self._uid, output=req.output)
+        if live.keys is None and self.m.enable_caching:  # with the prompts next in line, at once
+            self.waiting.hash_ahead(live, self.m.block_size)
+        r = live.req
+        live.seq = Sequence(r.id, r.prompt, uid=self._uid, output=r.output, keys=live.keys)
         self._uid += 1
         return live.seq
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from itertools import islice
 
+from kvcache.hashing import prefix_keys
 from sim.engine.batch import Live
+
+AHEAD = 64  # prompts hashed in one batch
 
 
 class WaitQueue:
@@ -44,3 +48,11 @@ class WaitQueue:
             heapq.heapify(self._q)
         else:
             self._q.remove(live)
+
+    def hash_ahead(self, live: Live, block_size: int) -> None:
+        """Give `live`, and the lives next in line not yet hashed, their prompts' block keys
+        (`Live.keys`) in one batch: hashing many prompts at once costs about what one costs."""
+        ahead = self._q if not self.priority else (e[-1] for e in self._q)  # a heap: near the front
+        batch = [live, *(x for x in islice(ahead, AHEAD) if x.keys is None and x.seq is None and x is not live)]
+        for x, keys in zip(batch, prefix_keys([x.req.prompt for x in batch], block_size), strict=True):
+            x.keys = keys
