@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -8,6 +8,9 @@
   target <= 15 s;
 - the Azure case on the trace tiled ten times (each copy's arrivals shifted
   past the one before): target <= 11x the Azure case's time, peak memory <= 500 MB.
+
+With `--only curve`, issue 4's 10-capacity `kvsim curve` on the Mooncake trace with two
+workers (target <= 120 s) instead.
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -31,6 +34,7 @@ TRACES = Path(os.environ.get("KVSIM_TRACES", Path(__file__).resolve().parents[2]
 AZURE_KNOBS = ["--model", "llama-3-70b", "--tp", "2", "--gpu", "a100-80g", "--block-size", "16",
                "--num-gpu-blocks", "1643", "--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
 TILES = 10
+CAPACITIES = "1000,2000,5000,10000,20000,30000,50000,70000,100000,150000"
 STAMP = "%Y-%m-%d %H:%M:%S"
 
 
@@ -79,7 +83,7 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -87,54 +91,47 @@ def main() -> None:
     args = ap.parse_args()
     azure = args.traces / "azure2023/AzureLLMInferenceTrace_conv.csv"
     mooncake = args.traces / "mooncake/conversation_trace.jsonl"
+    plots = ["--no-plots"] if args.no_plots else []
     sha = commit()
-    azure_s = None
-    extra = ["--no-plots"] if args.no_plots else []
+    wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        tiled = tmp / "azure_x10.csv"
+        # case: (command line, target, met(wall, peak), requests simulated)
         cases = {
-            "azure": ([str(azure), *AZURE_KNOBS], "wall_s <= 5", None),
-            "mooncake": ([str(mooncake)], "wall_s <= 15", None),
-            "tiled": ([str(tmp / "azure_x10.csv"), *AZURE_KNOBS], "wall_s <= 11 x azure, peak_mb <= 500",
-                      TILES),
+            "azure": (["run", str(azure), *AZURE_KNOBS, *plots], "wall_s <= 5",
+                      lambda w, p: w <= 5, None),
+            "mooncake": (["run", str(mooncake), *plots], "wall_s <= 15", lambda w, p: w <= 15, None),
+            "tiled": (["run", str(tiled), *AZURE_KNOBS, *plots], "wall_s <= 11 x azure, peak_mb <= 500",
+                      lambda w, p: w <= 11 * wall_of["azure"] and p <= 500, None),
+            "curve": (["curve", str(mooncake), "--capacities", CAPACITIES, "--workers", "2"], "wall_s <= 120",
+                      lambda w, p: w <= 120, 10 * 12031),
         }
-        wanted = [args.only] if args.only else list(cases)
+        wanted = [args.only] if args.only else ["azure", "mooncake", "tiled"]
         if "tiled" in wanted and "azure" not in wanted:
             wanted.insert(0, "azure")  # the tiled target is relative to it
         for name in wanted:
-            argv, target, tiles = cases[name]
-            if tiles is not None:
-                requests = tile_azure(azure, tmp / "azure_x10.csv", tiles)
-            runs = args.tiled_runs if tiles is not None else args.runs
+            argv, target, met, requests = cases[name]
+            if name == "tiled":
+                tile_azure(azure, tiled, TILES)
+            runs = args.tiled_runs if name == "tiled" else args.runs
             walls, peaks = [], []
             for i in range(runs):
-                out = tmp / f"{name}-{i}"
-                wall, peak = measure(["run", *argv, "--out", str(out), *extra])
+                wall, peak = measure([*argv, "--out", str(tmp / f"{name}-{i}")])
                 walls.append(wall)
                 peaks.append(peak)
-            wall = statistics.median(walls)
-            if name == "azure":
-                azure_s = wall
-                with (tmp / "azure-0/summary.json").open() as f:
-                    requests = json.load(f)["requests"]
-            elif name == "mooncake":
-                with (tmp / "mooncake-0/summary.json").open() as f:
-                    requests = json.load(f)["requests"]
-            peak = max(peaks)
-            if name == "azure":
-                met = wall <= 5
-            elif name == "mooncake":
-                met = wall <= 15
-            else:
-                met = azure_s is not None and wall <= 11 * azure_s and peak <= 500
+            wall, peak = statistics.median(walls), max(peaks)
+            wall_of[name] = wall
+            if requests is None:
+                requests = json.loads((tmp / f"{name}-0/summary.json").read_text())["requests"]
             row = {
-                "case": name, "commit": sha, "command": " ".join(["kvsim run", *argv, *extra]),
-                "runs": runs, "wall_s": round(wall, 2), "walls_s": [round(w, 2) for w in walls],
-                "peak_mb": round(peak), "simulated_requests_per_wall_s": round(requests / wall),
-                "target": target, "met": met,
+                "case": name, "commit": sha, "command": " ".join(["kvsim", *argv]), "runs": runs,
+                "wall_s": round(wall, 2), "walls_s": [round(w, 2) for w in walls], "peak_mb": round(peak),
+                "simulated_requests_per_wall_s": round(requests / wall), "target": target,
+                "met": met(wall, peak),
             }
-            if name == "tiled" and azure_s:
-                row["x_azure"] = round(wall / azure_s, 2)
+            if name == "tiled":
+                row["x_azure"] = round(wall / wall_of["azure"], 2)
             print(json.dumps(row), flush=True)
 
 
