@@ -189,14 +189,14 @@ def latencies(df: pd.DataFrame) -> pd.DataFrame:
 def hit_rate(requests: pd.DataFrame) -> float:
     """Token-level prefix hit rate: prompt tokens served from cache at first admission
     / prompt tokens, over requests that were admitted."""
-    adm = requests[requests["first_scheduled"].notna()]
+    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens"]]
     total = int(adm["prompt_tokens"].sum())
     return float(adm["hit_tokens"].sum()) / total if total else 0.0
 
 
 def block_hit_rate(requests: pd.DataFrame, block_size: int) -> float:
     """Block-level prefix hit rate: hit blocks / prompt blocks (ceil(prompt / block size))."""
-    adm = requests[requests["first_scheduled"].notna()]
+    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens"]]
     blocks = int((-(-adm["prompt_tokens"].astype(np.int64) // block_size)).sum())
     return float((adm["hit_tokens"] // block_size).sum()) / blocks if blocks else 0.0
 
@@ -253,12 +253,12 @@ def summarize(
     """
     span = duration(steps, requests)
     status = requests["status"]
-    finished = requests[status == "finished"]
+    done = status == "finished"
     usable = num_gpu_blocks - 1
     out_tokens = int(requests["output_tokens"].sum())
     s: dict[str, Any] = {
         "requests": len(requests),
-        "finished": int((status == "finished").sum()),
+        "finished": int(done.sum()),
         "truncated": int((status == "truncated").sum()),
         "rejected": int((status == "rejected").sum()),
     }
@@ -272,11 +272,11 @@ def summarize(
         hit_rate=hit_rate(requests),
         block_hit_rate=block_hit_rate(requests, block_size),
         output_tokens=out_tokens,
-        throughput_rps=len(finished) / span if span else 0.0,
+        throughput_rps=int(done.sum()) / span if span else 0.0,
         output_tokens_per_s=out_tokens / span if span else 0.0,
     )
     for col in ("ttft", "tpot", "e2e", "queueing"):
-        s.update(percentiles(finished[col], col))
+        s.update(percentiles(requests.loc[done, col], col))  # a column at a time: no copy of the table
     good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
     s["goodput_rps"] = good / span if span else 0.0
     s["slo_attainment"] = good / len(requests) if len(requests) else 0.0

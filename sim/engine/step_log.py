@@ -134,11 +134,17 @@ class StepFile:
         return not self._rows
 
     def column(self, name: str) -> np.ndarray:
+        """One column, read a row group at a time into its array (never two copies at once)."""
         import pyarrow.parquet as pq
 
-        col = pq.ParquetFile(self.path).read(columns=[name]).column(0).to_numpy()
+        f = pq.ParquetFile(self.path)
+        out, i = np.empty(self._rows, STEP_COLUMNS[name]), 0
+        for g in range(f.num_row_groups):
+            part = f.read_row_group(g, columns=[name]).column(0).to_numpy()
+            out[i : i + len(part)] = part
+            i += len(part)
         release_arrow_memory()
-        return col
+        return out
 
     def __getitem__(self, name: str) -> pd.Series:
         return pd.Series(self.column(name), name=name, copy=False)

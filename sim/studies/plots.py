@@ -45,10 +45,11 @@ def _thin(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.iloc[:: _every(len(steps))]
 
 
-def hit_rate_over_time(steps: pd.DataFrame) -> np.ndarray:
-    """Cumulative token-level hit rate after each step (first admissions only)."""
-    prompt = np.cumsum(steps["admitted_prompt_tokens"].to_numpy())
-    hit = np.cumsum(steps["admitted_hit_tokens"].to_numpy())
+def hit_rate_over_time(steps: pd.DataFrame, every: int = 1) -> np.ndarray:
+    """Cumulative token-level hit rate after each step (first admissions only); with `every`,
+    after every `every`-th step only."""
+    prompt = np.cumsum(steps["admitted_prompt_tokens"].to_numpy())[::every]
+    hit = np.cumsum(steps["admitted_hit_tokens"].to_numpy())[::every]
     return np.divide(hit, prompt, out=np.zeros(len(hit)), where=prompt > 0)
 
 
@@ -76,7 +77,7 @@ def plot_blocks(result: RunResult, path: Path) -> None:
 def plot_hit_rate(result: RunResult, path: Path) -> None:
     """Cumulative prefix-cache hit rate (token level) over time."""
     k = _every(result.num_steps)
-    rate = hit_rate_over_time(result.step_columns("admitted_prompt_tokens", "admitted_hit_tokens"))[::k]
+    rate = hit_rate_over_time(result.step_columns("admitted_prompt_tokens", "admitted_hit_tokens"), k)
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.plot(result.step_columns("time", every=k)["time"].to_numpy(), 100 * rate)
     ax.set_xlabel("simulated time (s)")
@@ -94,7 +95,8 @@ def _cdf(ax, values: pd.Series, label: str | None = None) -> None:
 
 def plot_latency(result: RunResult, path: Path) -> None:
     """CDFs of TTFT, TPOT and end-to-end latency (ms) over finished requests."""
-    fin = result.requests[result.requests["status"] == "finished"]
+    req = result.requests
+    fin = req.loc[req["status"] == "finished", [col for col, _ in LATENCIES]]
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     for ax, (col, name) in zip(axes, LATENCIES, strict=True):
         _cdf(ax, 1000 * fin[col])
