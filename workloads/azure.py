@@ -48,6 +48,19 @@ class _Clock:
         return (base, s) if 0 <= s < 61 else None
 
 
+class _FreshTokens:
+    """A lazy prompt of fresh tokens start..start + n - 1: a few bytes a waiting request,
+    where a closure costs some 300 (an overloaded trace keeps many thousands waiting)."""
+
+    __slots__ = ("start", "n")
+
+    def __init__(self, start: int, n: int):
+        self.start, self.n = start, n
+
+    def __call__(self) -> np.ndarray:
+        return np.arange(self.start, self.start + self.n, dtype=np.int32)
+
+
 def _decoded(path: str) -> Iterator[str]:
     """The file's lines as text for csv.reader; a line that is not UTF-8 raises, naming it."""
     for _, text in text_lines(path):
@@ -123,7 +136,7 @@ def load_azure(path: str | Path, *, skip_bad: bool = False) -> Workload:
             return make_request(
                 str(line),
                 round((t[0] - first[0]) + (t[1] - first[1]), 7),  # the file's precision
-                lambda: np.arange(start, start + n_prompt, dtype=np.int32),
+                _FreshTokens(start, n_prompt),
                 n_out,
                 prompt_len=n_prompt,
             )
