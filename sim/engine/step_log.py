@@ -34,9 +34,8 @@ class StepLog:
         self._fill = 0  # rows in the current segment
         self._done = 0  # rows in the full segments
 
-    @staticmethod
-    def _segment(n: int = SEGMENT) -> list[np.ndarray]:
-        return [np.empty(n, dt) for dt in STEP_COLUMNS.values()]
+    def _segment(self) -> list[np.ndarray]:
+        return [np.empty(self.SEGMENT, dt) for dt in STEP_COLUMNS.values()]
 
     def record(self, values: tuple) -> None:
         """Append one step; `values` in STEP_FIELDS order."""

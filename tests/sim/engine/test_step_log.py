@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from sim.engine.config import SimConfig
@@ -41,6 +42,8 @@ def test_streamed_and_in_memory_logs_give_the_same_table(tmp_path: Path, n: int)
     pd.testing.assert_frame_equal(StepFile(disk.path).frame(), a)
     assert len(StepFile(disk.path)) == n
     assert StepFile(disk.path)["internal_fragmentation"].tolist() == a["internal_fragmentation"].tolist()
+    if n == 20:  # chunks of 3 fill segments of 7 with 6 rows: written as 4 row groups, 6 + 6 + 6 + 2
+        assert [pq.ParquetFile(disk.path).metadata.row_group(g).num_rows for g in range(4)] == [6, 6, 6, 2]
     assert a["context_tokens"].tolist() == [3_000_000_000 + i for i in range(n)]
     assert a["time"].tolist() == [0.5 * i for i in range(n)]
 
