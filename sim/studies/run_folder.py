@@ -5,7 +5,8 @@ A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
 holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
 (`staged_folder`); a run's steps table and op records stream into a scratch
-folder beside (`run_scratch`) and move in with the rest.
+folder beside (`run_scratch`) and are copied (the table) or moved (the ops) in
+with the rest.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def staged_folder(out_dir: str | Path) -> Iterator[Path]:
 @contextmanager
 def run_scratch(out_dir: str | Path) -> Iterator[Path]:
     """A fresh folder beside `out_dir` for a run to stream its steps table and op records into
-    (`simulate`'s `steps_file` and `ops_dir`); `write_run` moves them into the run folder; the
+    (`simulate`'s `steps_file` and `ops_dir`); `write_run` takes them into the run folder; the
     folder is removed at the end."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
