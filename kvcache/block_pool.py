@@ -94,36 +94,23 @@ class BlockPool:
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
-        same effects in one pass (each popped block's key dropped in pop order; an IdSpan
-        tracker is told just the count and the highest id, all it keeps)."""
+        same effects in one pass (each popped block's key dropped in pop order)."""
         cached, evicted, top = self.cached, 0, 0
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
             key = b.block_hash
             if key is not None:
-                hit = cached[key]
-                if type(hit) is KVCacheBlock:
+                if cached[key] is b:
                     del cached[key]
                 else:
-                    del hit[b.block_id]
-                    if len(hit) == 1:
-                        cached[key] = next(iter(hit.values()))
+                    self._unshare(key, b)
                 b.block_hash = None
                 evicted += 1
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
-        if evicted:
-            self.ops.counts["evict"] += evicted
-            self.num_evictions += evicted
-            self.num_cached_free -= evicted
-        tracker = self.tracker
-        if tracker is not None and blocks:
-            if type(tracker) is IdSpan:
-                tracker.use(len(blocks), top)
-            else:
-                tracker.use_distinct([b.block_id for b in blocks])
+        self._taken(blocks, evicted, top)
         return blocks
 
     def _take_lru(self, n: int) -> list[KVCacheBlock]:
@@ -142,13 +129,10 @@ class BlockPool:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
             key = b.block_hash
             if key is not None:
-                hit = cached[key]
-                if hit is b:
+                if cached[key] is b:
                     del cached[key]
                 else:
-                    del hit[b.block_id]
-                    if len(hit) == 1:
-                        cached[key] = next(iter(hit.values()))
+                    self._unshare(key, b)
                 b.block_hash = None
                 evicted += 1
             b.ref_cnt = 1
@@ -161,28 +145,37 @@ class BlockPool:
         head.next = b
         b.prev = head
         queue.num_free_blocks -= n
+        self._taken(out, evicted, top)
+        return out
+
+    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int) -> None:
+        """Count what a counted take did: `evicted` cached blocks reused, `blocks` (highest id
+        `top`) now used; an IdSpan tracker is told just the count and that id, all it keeps."""
         if evicted:
             self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
         tracker = self.tracker
-        if tracker is not None and out:
+        if tracker is not None and blocks:
             if type(tracker) is IdSpan:
-                tracker.use(n, top)
+                tracker.use(len(blocks), top)
             else:
-                tracker.use_distinct([b.block_id for b in out])
-        return out
+                tracker.use_distinct([b.block_id for b in blocks])
+
+    def _unshare(self, key: int, block: KVCacheBlock) -> None:
+        """Drop `block` from `key`'s entry in the cache map, which other blocks share with it."""
+        hit = self.cached[key]
+        del hit[block.block_id]
+        if len(hit) == 1:
+            self.cached[key] = next(iter(hit.values()))
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's key from the cache map (counted by the caller)."""
         key = block.block_hash
-        hit = self.cached[key]
-        if type(hit) is KVCacheBlock:
+        if self.cached[key] is block:
             del self.cached[key]
         else:
-            del hit[block.block_id]
-            if len(hit) == 1:
-                self.cached[key] = next(iter(hit.values()))
+            self._unshare(key, block)
         if self._on_evict is not None:
             self._on_evict(block)
         block.block_hash = None
