@@ -29,7 +29,6 @@ priority scheduling; the async and offloading schedulers).
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import islice
 from typing import TYPE_CHECKING
 
 from kvcache.eviction import LRU
@@ -59,6 +58,8 @@ class QuietRuns:
         self.bs = m.block_size
         self.tables = m.req_blocks
         self.taken = 0  # quiet steps taken so far
+        self.allocs = 0  # new blocks the step `_visits` just cleared takes
+        self.lru = type(m.pool.policy) is LRU  # exact LRU: its free queue's order is all that picks blocks
         self._hits: tuple[object, set[int]] = (None, set())  # a BlockedHead, and its hit blocks' ids
 
     @classmethod
@@ -128,6 +129,7 @@ class QuietRuns:
                 return False
             if watch is not None and (c + 1) % bs == 0 and self._caches(seq, c + 1, watch):
                 return False
+        self.allocs = allocs
         if not allocs:
             return True
         m = self.m
@@ -139,14 +141,18 @@ class QuietRuns:
         """True if taking `n` free blocks may evict one of the blocked head's hits. With LRU the
         blocks taken are the first n of its free queue (nothing else pops, pushes or touches
         during the decodes); with another policy, any may be."""
-        policy = self.m.pool.policy
-        if type(policy) is not LRU:
+        if not self.lru:
             return True
         blocked = self.fast.blocked
         if self._hits[0] is not blocked:
             self._hits = (blocked, {id(b) for b in blocked.hits})
         hits = self._hits[1]
-        return any(id(b) in hits for b in islice(policy.queue, n))
+        b = self.m.pool.policy.queue._head.next
+        for _ in range(n):
+            if id(b) in hits:
+                return True
+            b = b.next
+        return False
 
     def _caches(self, seq: Sequence, num_tokens: int, key: int) -> bool:
         """True if caching `seq`'s full blocks within `num_tokens` would register `key`."""
@@ -159,8 +165,14 @@ class QuietRuns:
         visited sequence in RUNNING order, then `Shortcuts.end`. Returns the step's decode
         tokens, context tokens and internal fragmentation (every running sequence decodes)."""
         fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
-        tables, take, cache = self.tables, m.pool.get_new_blocks, m.cache_blocks
+        tables, cache = self.tables, m.cache_blocks
         caching = m.enable_caching
+        # NOTE: with exact LRU, one take for the step's new blocks, handed out in RUNNING order:
+        # the same blocks as a take each, since caching between them pushes, pops and touches no
+        # free block (a key both evicted and cached ends mapped as either order leaves it)
+        pool = m.pool
+        batch = self.allocs and self.lru
+        new = iter(pool.get_new_blocks(self.allocs)) if batch else None
         stay = []  # visited and decoded in place (not lazy): next step visits them again
         context = frag = 0
         for live in fast.active:
@@ -170,7 +182,7 @@ class QuietRuns:
             if not r or r == bs - 1:  # KVCacheManager.decode_slot: a new block; cache the full one
                 blocks = tables[seq.seq_id]
                 if c // bs == len(blocks):
-                    blocks.append(take(1)[0])
+                    blocks.append(next(new) if batch else pool.get_new_blocks(1)[0])
                 if caching and (c + 1) % bs == 0:
                     cache(seq, c + 1)
             last = bs - 2 - r
