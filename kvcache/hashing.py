@@ -72,7 +72,7 @@ def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     nb = len(tokens) // block_size
     if block_size > len(_R):
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R)}")
-    t = tokens[: nb * block_size].astype(np.uint64).reshape(nb, block_size)
+    t = tokens[: nb * block_size].astype(np.uint64, copy=False).reshape(nb, block_size)
     r = _R[:block_size]
     # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries;
     # NOTE: uint64 array arithmetic wraps silently (only numpy scalars warn), so no errstate here
@@ -107,16 +107,18 @@ def prefix_keys(prompts: list[np.ndarray], block_size: int, extra_key: int = 0) 
     total = sum(counts)
     if not total:
         return [([], root) for _ in prompts]
-    contents = content_hashes(np.concatenate([p[: n * block_size] for p, n in zip(prompts, counts, strict=True)]),
-                              block_size)
+    tokens = np.concatenate([p[: n * block_size] for p, n in zip(prompts, counts, strict=True)],
+                            dtype=np.uint64, casting="unsafe")  # int64 to uint64 keeps the bits, as astype does
+    contents = content_hashes(tokens, block_size)
     fwd, inv = _POW.upto(total + 1)
     g = np.zeros(total + 1, dtype=np.uint64)  # g[j + 1] = G_j
     np.cumsum(contents * inv[1 : total + 1], dtype=np.uint64, out=g[1:])
     ends = np.cumsum(counts)
     starts = np.repeat(ends - counts, counts)  # each block's prompt's first block
     states = fwd[np.arange(1, total + 1) - starts] * (fwd[starts] * (g[1:] - g[starts]) + _U64(root))
-    flat, raw = keys(states), states.tolist()
-    return [(flat[e - n : e], raw[e - 1] if n else root) for n, e in zip(counts, ends.tolist(), strict=True)]
+    flat, ends = keys(states), ends.tolist()
+    raw = states[[e - 1 for n, e in zip(counts, ends, strict=True) if n]].tolist()[::-1]  # last states, popped in order
+    return [(flat[e - n : e], raw.pop() if n else root) for n, e in zip(counts, ends, strict=True)]
 
 
 def root_state(extra_key: int = 0) -> int:
