@@ -6,6 +6,7 @@ import hashlib
 import json
 import shlex
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -225,7 +226,11 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
-    with run_scratch(out_dir) as scratch:  # the steps and op records stream into it until write_run
+    from sim.studies.plot_workers import NAMES, PlotWorkers
+
+    # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
+    with PlotWorkers() if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
+        # the steps and op records stream into the scratch folder until write_run
         streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
         try:
             if bar is not None:
@@ -244,7 +249,7 @@ def run(
         if s.get("skipped_lines"):
             typer.echo(f"skipped {s['skipped_lines']} bad lines (first: {wl.skipped_errors[0]})", err=True)
         try:
-            write_run(result, out_dir, plots=plots)
+            write_run(result, out_dir, plots=plots, draw=workers.draw if plots else None)
         except OSError as e:
             raise cannot_write(out_dir, e) from None
     notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
@@ -255,9 +260,7 @@ def run(
     lines = [format_summary(result, notes), "", f"run folder: {out_dir}"]
     switches = (["--skip-bad"] if skip_bad else []) + ([] if plots else ["--no-plots"])
     if plots:
-        from sim.studies.plots import PLOTS
-
-        lines += [f"{'plots:' if i == 0 else '':<12}{out_dir / p}" for i, p in enumerate(PLOTS)]
+        lines += [f"{'plots:' if i == 0 else '':<12}{out_dir / p}" for i, p in enumerate(NAMES)]
     lines += ["", "next:"] + ["  " + c for c in next_steps(workload, format, switches, changes, cfg, out_dir, s)]
     typer.echo("\n".join(lines))
 

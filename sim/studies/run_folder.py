@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -64,9 +64,11 @@ def run_scratch(out_dir: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Path:
+def write_run(result: RunResult, out_dir: str | Path, plots: bool = True,
+              draw: Callable[[RunResult, Path], object] | None = None) -> Path:
     """Write the run folder (see the module docstring); returns its path. A streamed steps
-    table is copied in, and the result reads it from there afterwards."""
+    table is copied in, and the result reads it from there afterwards. The plots are drawn
+    by `draw(result, folder)` if given (`PlotWorkers.draw`), else here."""
     streamed = isinstance(result.steps_table, Path)
     with staged_folder(out_dir) as out:
         cfg = result.config.to_dict()
@@ -83,7 +85,9 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True) -> Pat
         (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         if result.config.record_ops and result.manager is not None:
             result.manager.save_ops(out)
-        if plots:
+        if plots and draw is not None:
+            draw(result, out)
+        elif plots:
             from sim.studies.plots import write_plots
 
             write_plots(result, out)
