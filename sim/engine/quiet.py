@@ -98,10 +98,10 @@ class QuietRuns:
         watch = seq.block_hashes[k] if m.enable_caching and k < (seq.num_tokens - 1) // self.bs else None
         return True, watch, budget < seq.num_tokens
 
-    def _visits(self, k: int, watch: int | None, evicts: bool) -> bool:
+    def _visits(self, k: int, watch: int | None, evicts: bool, free: int) -> bool:
         """Wake the lazy sequences due at step k; True if every sequence step k visits decodes
-        quietly and leaves the admission as it found it (see the module docstring). Waking is
-        what the general step does first anyway."""
+        quietly (taking at most the `free` blocks there are) and leaves the admission as it found
+        it (see the module docstring). Waking is what the general step does first anyway."""
         fast, lazy = self.fast, self.fast.lazy
         woken = lazy.due(k)
         active = fast.active
@@ -132,10 +132,9 @@ class QuietRuns:
         self.allocs = allocs
         if not allocs:
             return True
-        m = self.m
-        if allocs > m.num_free_blocks:
+        if allocs > free:
             return False
-        return not (evicts and m.num_cached_free_blocks and self._evicts_hit(allocs))
+        return not (evicts and self.m.pool.num_cached_free and self._evicts_hit(allocs))
 
     def _evicts_hit(self, n: int) -> bool:
         """True if taking `n` free blocks may evict one of the blocked head's hits. With LRU the
@@ -206,35 +205,45 @@ class QuietRuns:
         """Take the quiet steps from engine step k at `clock` on (a SimPy generator); returns the
         engine's (clock, k, prev) after them, for the general step that follows."""
         sched, m = self.sched, self.m
-        env, cost, record, drain = self.env, self.cost, self.steps.record, self.drain
+        env, step_time, record, drain = self.env, self.cost.step_time, self.steps.record, self.drain
         running, waiting = sched.running, sched.waiting
         usable = m.num_usable_blocks
         count = m.op_counts.get
         pool = m.pool
-        policy, tracker = pool.policy, pool.tracker  # KVCacheManager.id_space_fragmentation reads the tracker
+        tracker = pool.tracker  # KVCacheManager.id_space_fragmentation reads the tracker
         if sched.swapped or sched.done:
             return clock, k, prev
         n_run = len(running)
         head = waiting.peek() if waiting else None  # the head the admission verdict is for
+        n_wait = len(waiting)
         ok, watch, evicts = self._admission(n_run)
+        # NOTE: only a step's new blocks change the free count and the id span (a quiet step
+        # frees nothing), and only a yield to SimPy lets an arrival change WAITING
+        free = len(pool.policy)  # KVCacheManager.num_free_blocks
+        span = tracker.fragmentation() if tracker is not None else 0
         while ok:
             kk = sched._k + 1
-            if not self._visits(kk, watch, evicts):
+            if not self._visits(kk, watch, evicts, free):
                 break
             sched._k = kk
             tokens, context, frag = self._decode(kk)
+            if self.allocs:
+                free -= self.allocs
+                if tracker is not None:
+                    span = tracker.fragmentation()
             t0 = clock
-            dt = cost.step_time(0, tokens, context, n_run, NO_OPS)
+            dt = step_time(0, tokens, context, n_run, NO_OPS)
             clock = t0 + dt
-            if env.peek() <= clock:
+            arrived = env.peek() <= clock
+            if arrived:
                 yield env.timeout(clock - env.now)
+                n_wait = len(waiting)
             sched.internal_fragmentation = frag
             done = drain(clock) if sched.done else 0
             evicted = count("evict", 0)
-            free = len(policy)  # KVCacheManager.num_free_blocks
             record((
-                t0, dt, n_run, len(waiting), 0, n_run, 0, tokens, context,
-                free, pool.num_cached_free, usable - free, tracker.fragmentation() if tracker is not None else 0, frag,
+                t0, dt, n_run, n_wait, 0, n_run, 0, tokens, context,
+                free, pool.num_cached_free, usable - free, span, frag,
                 evicted - prev[0], 0, 0, 0, 0, 0, 0, 0, 0, 0, done,
             ))  # fmt: skip
             prev = (evicted, *prev[1:])
@@ -242,7 +251,7 @@ class QuietRuns:
             self.taken += 1
             # NOTE: a quiet step frees nothing, caches no key the blocked head waits on and evicts
             # none of its hits, so the verdict holds while the head is the same (arrivals join behind)
-            if (waiting.peek() if waiting else None) is not head:
+            if arrived and (waiting.peek() if waiting else None) is not head:
                 head = waiting.peek() if waiting else None
                 ok, watch, evicts = self._admission(n_run)
         return clock, k, prev
