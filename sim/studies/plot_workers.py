@@ -1,18 +1,17 @@
 """A run's plots drawn by helper processes, so `kvsim run` does not wait for matplotlib.
 
-The helpers start with the command and load matplotlib while it simulates; once the run
-folder holds its tables, each draws its share of the PNGs (the same files `write_plots`
-draws), side by side. On a machine with a spare core the command then waits only for the
-longest share's drawing, not for the import and every plot in turn. They are spawned, not
-forked: the command holds pyarrow's threads by then.
+The helpers start with the command, at the lowest CPU priority, and load matplotlib while it
+simulates; once the run folder holds its tables, config and summary, each draws its share of
+the PNGs (the same files `write_plots` draws), side by side. On a machine with a spare core
+the command then waits only for the longest share's drawing, not for the import and every
+plot in turn. Each helper is a fresh interpreter (`python -c`), told the folder on its stdin.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import traceback
-from multiprocessing.connection import Connection
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
 # the plots each helper draws (together `plots.PLOTS`): the block plot alone takes about as long as the other two
 SHARES = (("blocks.png",), ("hit_rate.png", "latency.png"))
 NAMES = tuple(name for share in SHARES for name in share)
+_SERVE = "from sim.studies.plot_workers import serve; serve()"
 
 
 class PlotWorkers:
@@ -29,14 +29,14 @@ class PlotWorkers:
     waits. Use as a context manager: helpers never asked to draw are stopped at the end."""
 
     def __init__(self, shares: tuple[tuple[str, ...], ...] = SHARES):
-        ctx = mp.get_context("spawn")
-        self._helpers: list[tuple[mp.Process, Connection, tuple[str, ...]]] = []
+        root = str(Path(__file__).resolve().parents[2])  # where `sim` is imported from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        self._helpers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
         for share in shares:
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs, share), name="kvsim-plots", daemon=True)
-            proc.start()
-            theirs.close()
-            self._helpers.append((proc, ours, share))
+            proc = subprocess.Popen([sys.executable, "-c", _SERVE, *share], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    preexec_fn=_lowest_priority if os.name == "posix" else None)
+            self._helpers.append((proc, share))
 
     def __enter__(self) -> PlotWorkers:
         return self
@@ -45,25 +45,26 @@ class PlotWorkers:
         self.close()
 
     def draw(self, result: RunResult, folder: Path) -> None:
-        """Draw `result`'s plots into `folder`, which already holds its tables and summary. A
-        share whose helper died draws here instead; a helper's own error raises RuntimeError
-        with its traceback."""
-        job = (str(folder), result.workload, result.config.to_dict(), result.summary)
+        """Draw `result`'s plots into `folder`, which already holds its tables, config and
+        summary. A share whose helper is gone draws here instead; a helper's own error raises
+        RuntimeError with its traceback."""
         asked, here, failed = [], [], []
-        for _, conn, share in self._helpers:
+        for proc, share in self._helpers:
             try:
-                conn.send(job)
-                asked.append((conn, share))
+                proc.stdin.write(str(folder) + "\n")
+                proc.stdin.close()
+                asked.append((proc, share))
             except OSError:  # it is gone
                 here.append(share)
-        for conn, share in asked:
-            try:
-                error = conn.recv()
-            except EOFError:
-                here.append(share)
+        for proc, share in asked:
+            reply = proc.stdout.read()
+            proc.wait()
+            if reply.endswith("drawn\n") and proc.returncode == 0:
                 continue
-            if error:
-                failed.append(error)
+            if "Traceback" in reply:
+                failed.append(reply)
+            else:  # it died before it could answer
+                here.append(share)
         self.close()
         if failed:
             raise RuntimeError("drawing the plots failed:\n" + "\n".join(failed))
@@ -74,39 +75,47 @@ class PlotWorkers:
                 write_plots(result, folder, share)
 
     def close(self) -> None:
-        """Stop the helpers: one that drew has exited or is exiting; one that did not is stopped
-        at once, even mid-import, so a command that fails does not wait for it."""
-        for proc, conn, _ in self._helpers:
-            conn.close()
-            if proc.is_alive():
-                proc.terminate()
-            proc.join()
+        """Stop the helpers: one that drew has exited; one that did not is stopped at once,
+        even mid-import, so a command that fails does not wait for it."""
+        for proc, _ in self._helpers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
         self._helpers = []
 
 
-def _serve(conn: Connection, share: tuple[str, ...]) -> None:
-    """A helper: load the plotting stack now (yielding the CPU to the simulation), then draw
-    `share` of the first run folder sent."""
+def _lowest_priority() -> None:
     os.nice(19)
+
+
+def serve() -> None:
+    """A helper's main: load the plotting stack, then draw the plots named on the command line
+    into the run folder named on stdin; prints 'drawn' (or the traceback)."""
+    import traceback
+
     import pandas as pd
 
     from sim.engine.config import SimConfig
     from sim.engine.run import RunResult
     from sim.studies import plots
+    from workloads.files import read_json
 
+    share = tuple(sys.argv[1:])
     plots.warm_up()
-    try:
-        job = conn.recv()
-    except EOFError:  # the command ended without plots
+    line = sys.stdin.readline().rstrip("\n")
+    if not line:  # the command ended without plots
         return
     try:
-        folder, workload, cfg, summary = job
-        folder = Path(folder)
+        folder = Path(line)
+        summary = read_json(folder / "summary.json")
+        cfg = SimConfig.from_dict(read_json(folder / "config.json"))
         requests = pd.read_parquet(folder / "requests.parquet") if "latency.png" in share else pd.DataFrame()
-        result = RunResult(SimConfig.from_dict(cfg), workload, folder / "steps.parquet", requests, summary)
+        result = RunResult(cfg, summary["workload"], folder / "steps.parquet", requests, summary)
         plots.write_plots(result, folder, share)
-        conn.send(None)
+        print("drawn", flush=True)
     except Exception:  # noqa: BLE001 - the command reports it
-        conn.send(traceback.format_exc())
-    conn.close()
+        print(traceback.format_exc(), flush=True)
     os._exit(0)  # the files are closed; tearing down matplotlib and pandas would only keep the command waiting

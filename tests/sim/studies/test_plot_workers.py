@@ -36,8 +36,8 @@ def test_a_failed_helper_raises_with_its_traceback(tmp_path: Path) -> None:
 
 def test_helpers_never_asked_to_draw_stop_with_the_block(tmp_path: Path) -> None:
     with PlotWorkers() as workers:
-        procs = [p for p, _, _ in workers._helpers]
-    assert all(not p.is_alive() for p in procs)
+        procs = [p for p, _ in workers._helpers]
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_write_plots_draws_only_the_names_asked_for(tmp_path: Path) -> None:
@@ -51,6 +51,6 @@ def test_a_share_whose_helper_died_is_drawn_by_the_command(tmp_path: Path) -> No
     folder = write_run(res, tmp_path / "r", plots=False)
     with PlotWorkers() as workers:
         workers._helpers[0][0].kill()
-        workers._helpers[0][0].join()
+        workers._helpers[0][0].wait()
         workers.draw(res, folder)
     assert sorted(p.name for p in folder.glob("*.png")) == sorted(PLOTS)
