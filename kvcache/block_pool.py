@@ -8,11 +8,15 @@ same time), and lookup returns the one registered first.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from kvcache.block import KVCacheBlock
 from kvcache.eviction import LRU, EvictionPolicy
 from kvcache.eviction.base import overrides
 from kvcache.id_span import IdSpan
 from kvcache.ops import OpLog
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class OutOfBlocksError(RuntimeError):
@@ -61,6 +65,14 @@ class BlockPool:
         if hit is None or type(hit) is KVCacheBlock:
             return hit
         return next(iter(hit.values()))
+
+    def num_free_hits(self, hits: list[KVCacheBlock], nulls: bool = False) -> int:
+        """How many of the cache-hit blocks `hits` sit in the free set (so taking them consumes
+        it); `nulls`: the list may hold the null block (a sliding window's hit)."""
+        if nulls or self._pins:
+            null, pinned = self.null_block, self.policy.is_pinned if self._pins else None
+            return sum(1 for b in hits if b.ref_cnt == 0 and b is not null and not (pinned and pinned(b)))
+        return list(map(_ref_cnt, hits)).count(0)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Pop `n` blocks for writing; a popped cached block is evicted."""

@@ -132,8 +132,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         counting cache hits that sit in the free set (taking them consumes it)."""
         blocks = self.req_blocks.get(seq.seq_id, ())
         n = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(new_computed_blocks))
-        null, pinned = self.null_block, self.pool.policy.is_pinned if self.pool._pins else None
-        n += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null and not (pinned and pinned(b)))
+        n += self.pool.num_free_hits(new_computed_blocks, self.sliding_window is not None)
         if blocks and self._needs_cow(seq, blocks):
             n += 1
         return n
