@@ -201,9 +201,10 @@ def block_hit_rate(requests: pd.DataFrame, block_size: int) -> float:
     return float((adm["hit_tokens"] // block_size).sum()) / blocks if blocks else 0.0
 
 
-def time_mean(steps: StepTable, column: str) -> float:
-    """Mean of a per-step quantity weighted by step duration (a time average)."""
-    w = steps["duration"].to_numpy()
+def time_mean(steps: StepTable, column: str, w: np.ndarray | None = None) -> float:
+    """Mean of a per-step quantity weighted by step duration (a time average); `w`: the
+    duration column, if the caller has it already (a streamed table reads it from disk)."""
+    w = steps["duration"].to_numpy() if w is None else w
     total = w.sum()
     return float((steps[column].to_numpy() * w).sum() / total) if total > 0 else 0.0
 
@@ -292,9 +293,10 @@ def summarize(
     s["num_gpu_blocks"] = num_gpu_blocks
     s["peak_used_blocks"] = int(used.max()) if len(used) else 0
     s["peak_block_usage"] = s["peak_used_blocks"] / usable
-    s["mean_block_usage"] = time_mean(steps, "used_blocks") / usable if len(steps) else 0.0
-    s["mean_id_fragmentation"] = time_mean(steps, "id_fragmentation") if len(steps) else 0.0
-    s["mean_internal_fragmentation"] = time_mean(steps, "internal_fragmentation") if len(steps) else 0.0
+    w = steps["duration"].to_numpy() if len(steps) else None
+    s["mean_block_usage"] = time_mean(steps, "used_blocks", w) / usable if len(steps) else 0.0
+    s["mean_id_fragmentation"] = time_mean(steps, "id_fragmentation", w) if len(steps) else 0.0
+    s["mean_internal_fragmentation"] = time_mean(steps, "internal_fragmentation", w) if len(steps) else 0.0
     if counters:
         s.update(counters)
     return {k: _plain(v) for k, v in s.items()}
