@@ -6,8 +6,9 @@
   each step, not visited. A lazy sequence's `seq` lags: it holds the state at
   the step it went lazy (`since`), and every later step adds one computed and
   one sampled token. The batch totals over lazy sequences are linear in the
-  step number k, so they are kept as sums. When the token budget binds, every
-  sequence is visited again (`materialize`).
+  step number k, so they are kept as sums. When the token budget binds and a
+  lazy sequence comes after a prefill in RUNNING order (the prefill may take
+  the budget first), every sequence is visited again (`materialize`).
 - Blocked head: once the head of WAITING fails to allocate, it is not retried
   while the retry must fail (`BlockedHead`).
 
@@ -181,7 +182,8 @@ class Shortcuts:
             active.sort(key=_order)
         self._counted = 0
         budget = max_tokens - lazies.n
-        if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active):
+        if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active) \
+                and not _lazy_first(running, active):
             self.materialize(running, k)  # the budget binds: visit everyone, in order
             budget = max_tokens
         return budget
@@ -283,3 +285,19 @@ class Shortcuts:
 
 def _order(live: Live) -> int:
     return live.order
+
+
+def _lazy_first(running: list[Live], active: list[Live]) -> bool:
+    """True if every lazy sequence comes before the first active one that wants more than one
+    token, in RUNNING order: vLLM's `_schedule_running` hands the budget out in that order,
+    one token to each decode (there are at most max_num_seqs <= max_num_batched_tokens), so
+    the lazy ones keep their decode however the budget falls after them."""
+    first = min((x.order for x in active if x.seq.num_tokens - x.seq.num_computed_tokens > 1), default=None)
+    if first is None:
+        return False
+    for x in reversed(running):
+        if x.order < first:
+            return True
+        if x.since >= 0:
+            return False
+    return True

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim.engine import shortcuts
 from sim.engine.config import SimConfig
 from sim.engine.run import simulate
 from sim.engine.shortcuts import BlockedHead, LazyDecodes, Shortcuts
@@ -114,10 +115,12 @@ SHORTCUT_CASES = {
 @pytest.mark.parametrize("case", SHORTCUT_CASES)
 def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """In-place and lazy decodes and blocked-head skips give the same tables as visiting
-    every sequence every step; each is exercised, lazy decoding's fallback too."""
+    every sequence every step; each is exercised, and lazy decoding through a binding budget
+    (its fallback where a lazy one comes after a prefill: test_a_lazy_decode_behind_...)."""
     cfg = _stress(**SHORTCUT_CASES[case])
-    seen = {"skips": 0, "lazy": 0, "fallback": 0}
+    seen = {"skips": 0, "lazy": 0, "fallback": 0, "kept": 0}
     still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Shortcuts.materialize
+    lazy_first = shortcuts._lazy_first
 
     def checked_still(head: BlockedHead, live, budget: int, wm: bool) -> bool:
         if not still(head, live, budget, wm):
@@ -140,13 +143,20 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
         seen["fallback"] += fast.lazy.n > 0
         materialize(fast, running, k)
 
+    def counted_lazy_first(running: list, active: list) -> bool:
+        first = lazy_first(running, active)
+        seen["kept"] += first
+        return first
+
     monkeypatch.setattr(BlockedHead, "still", checked_still)
     monkeypatch.setattr(LazyDecodes, "drop", counted_drop)
     monkeypatch.setattr(Shortcuts, "materialize", counted_materialize)
+    monkeypatch.setattr(shortcuts, "_lazy_first", counted_lazy_first)
     fast = simulate(_mixed(), cfg)
     assert fast.summary["preemptions"] > 0 and fast.summary["cow_copies"] > 0
     # (without chunking no running sequence holds a chunk that could outrun the budget)
-    assert seen["skips"] and seen["lazy"] and (seen["fallback"] or not cfg.enable_chunked_prefill), seen
+    binds = seen["fallback"] + seen["kept"]
+    assert seen["skips"] and seen["lazy"] and (binds or not cfg.enable_chunked_prefill), seen
     tokens = fast.steps["prefill_tokens"] + fast.steps["decode_tokens"]
     assert tokens.max() <= cfg.max_num_batched_tokens  # the budget holds
     assert tokens.max() == cfg.max_num_batched_tokens or not cfg.enable_chunked_prefill  # and binds
@@ -156,6 +166,29 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     pd.testing.assert_frame_equal(fast.steps, slow.steps)
     pd.testing.assert_frame_equal(fast.requests, slow.requests)
     assert fast.manager.ops.counts == slow.manager.ops.counts
+
+
+def test_a_lazy_decode_behind_a_chunked_prefill_is_visited_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM hands the budget out in RUNNING order (sim/engine/scheduler.py `_schedule_running`,
+    as vllm/v1/core/sched/scheduler.py `Scheduler.schedule` in 0.33). A short request admitted
+    behind a long prompt still prefilling 8 tokens a step decodes lazily; while the budget binds
+    it comes after that prefill, so lazy decoding ends and everyone is visited in order. The
+    tables match visiting everyone every step."""
+    falls = []
+    materialize = Shortcuts.materialize
+
+    def counted(fast: Shortcuts, running: list, k: int) -> None:
+        falls.append(fast.lazy.n)
+        materialize(fast, running, k)
+
+    monkeypatch.setattr(Shortcuts, "materialize", counted)
+    reqs = [req("long", 0, 200, 4), req("short", 0.5, 6, 40)]
+    cfg = {"num_gpu_blocks": 80, "max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}
+    fast = run(reqs, **cfg)
+    assert falls and max(falls) == 1  # the short one, lazy behind the long prompt
+    slow = run(reqs, shortcuts=False, **cfg)
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
 
 
 @pytest.mark.parametrize(
