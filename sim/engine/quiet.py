@@ -60,7 +60,7 @@ class QuietRuns:
         self.taken = 0  # quiet steps taken so far
         self.allocs = 0  # new blocks the step `_visits` just cleared takes
         self.lru = type(m.pool.policy) is LRU  # exact LRU: its free queue's order is all that picks blocks
-        self._hits: tuple[object, set[int]] = (None, set())  # a BlockedHead, and its hit blocks' ids
+        self._hits: tuple[object, list, set[int]] = (None, [], set())  # a BlockedHead, its hits and their ids
 
     @classmethod
     def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
@@ -143,9 +143,10 @@ class QuietRuns:
         if not self.lru:
             return True
         blocked = self.fast.blocked
-        if self._hits[0] is not blocked:
-            self._hits = (blocked, {id(b) for b in blocked.hits})
-        hits = self._hits[1]
+        if self._hits[0] is not blocked:  # a new one: often the same head with the same hits again
+            same = self._hits[1] == blocked.hits  # (compares blocks by identity: they define no __eq__)
+            self._hits = (blocked, blocked.hits, self._hits[2] if same else {id(b) for b in blocked.hits})
+        hits = self._hits[2]
         b = self.m.pool.policy.queue._head.next
         for _ in range(n):
             if id(b) in hits:
