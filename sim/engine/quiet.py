@@ -7,8 +7,8 @@ sequences cross a block boundary (a new block, or a full block cached). `QuietRu
 such steps one after another without the general step: it checks, before each step, that the
 step must be quiet (`_visits`), then applies its decodes as `Shortcuts.decode` and `end` would
 (`_decode`: the same block-manager calls, in RUNNING order, so blocks are taken, evicted and
-cached exactly as in plain stepping), times it with the same `cost.step_time` call, and logs the
-same row. The first step that may be anything else goes back to the engine's general step.
+cached exactly as in plain stepping; with exact LRU one take serves the step's new blocks), times
+it with the same `cost.step_time` call, and logs the same row. The first step that may be anything else goes back to the engine's general step.
 
 A step is quiet when, before it: nothing is swapped; every sequence the step visits (the lazy
 ones due now, and those not lazy) is past its prompt with one token to compute, does not sample
