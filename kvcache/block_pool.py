@@ -49,8 +49,6 @@ class BlockPool:
         self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
         self._on_evict = self.policy.on_evict if overrides(self.policy, "on_evict") else None
         self._pins = overrides(self.policy, "is_pinned")
-        # NOTE: exact LRU (no hooks, no pins) lets `_take_lru` walk its queue itself
-        self._lru_queue = self.policy.queue if type(self.policy) is LRU else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,11 +76,8 @@ class BlockPool:
         """Pop `n` blocks for writing; a popped cached block is evicted."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if not self.ops.enabled:
-            if self._lru_queue is not None:
-                return self._take_lru(n)
-            if self._on_evict is None:
-                return self._take_counted(self.policy.pop_n(n))
+        if not self.ops.enabled and self._on_evict is None:
+            return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
         evicted = []
         for b in blocks:
@@ -122,57 +117,17 @@ class BlockPool:
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
-        self._taken(blocks, evicted, top)
-        return blocks
-
-    def _take_lru(self, n: int) -> list[KVCacheBlock]:
-        """`_take_counted(policy.pop_n(n))` for exact LRU, in one walk of the queue.
-
-        NOTE: exact because LRU's `pop_n` is `popleft_n`: the same first `n` blocks, unlinked,
-        evicted and referenced in the same order. A cached key maps to its block itself or, when
-        several blocks share it, to a dict of them.
-        """
-        queue = self._lru_queue
-        head = queue._head
-        cached, out, evicted, top = self.cached, [], 0, 0
-        b = head.next
-        for _ in range(n):
-            if b.ref_cnt:
-                raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
-            key = b.block_hash
-            if key is not None:
-                if cached[key] is b:
-                    del cached[key]
-                else:
-                    self._unshare(key, b)
-                b.block_hash = None
-                evicted += 1
-            b.ref_cnt = 1
-            if b.block_id > top:
-                top = b.block_id
-            out.append(b)
-            nxt = b.next
-            b.prev = b.next = None
-            b = nxt
-        head.next = b
-        b.prev = head
-        queue.num_free_blocks -= n
-        self._taken(out, evicted, top)
-        return out
-
-    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int) -> None:
-        """Count what a counted take did: `evicted` cached blocks reused, `blocks` (highest id
-        `top`) now used; an IdSpan tracker is told just the count and that id, all it keeps."""
         if evicted:
             self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
         tracker = self.tracker
-        if tracker is not None and blocks:
+        if tracker is not None and blocks:  # an IdSpan keeps just the count and the top id
             if type(tracker) is IdSpan:
                 tracker.use(len(blocks), top)
             else:
                 tracker.use_distinct([b.block_id for b in blocks])
+        return blocks
 
     def _unshare(self, key: int, block: KVCacheBlock) -> None:
         """Drop `block` from `key`'s entry in the cache map, which other blocks share with it."""

@@ -1,7 +1,7 @@
 """The pool's counted fast paths (ops not recorded) against its general path (ops recorded).
 
-`BlockPool` takes shortcuts when ops are only counted: one walk of LRU's queue to
-take blocks, one pass to free them, an IdSpan told only counts and top ids. Two
+`BlockPool` takes shortcuts when ops are only counted: one pass over the popped blocks
+to take them, one pass to free them, an IdSpan told only counts and top ids. Two
 managers that differ only in `record_ops` must end every step in the same state:
 tables, ref counts, free order, cache map (duplicate keys included), counters and
 the id tracker, for every policy and with or without the defragmenter.
