@@ -2,18 +2,21 @@
 taken in a tight loop of their own (an exact shortcut behind `SimConfig.shortcuts`).
 
 Most steps of a loaded engine are quiet: no prefill, no admission (WAITING is empty, or its head
-is blocked on KV blocks), no preemption and no finish; only context lengths grow, and a few
-sequences cross a block boundary (a new block, or a full block cached). `QuietRuns.run` takes
-such steps one after another without the general step: it checks, before each step, that the
-step must be quiet (`_visits`), then applies its decodes as `Shortcuts.decode` and `end` would
-(`_decode`: the same block-manager calls, in RUNNING order, so blocks are taken, evicted and
-cached exactly as in plain stepping; with exact LRU one take serves the step's new blocks), times
-it with the same `cost.step_time` call, and logs the same row. The first step that may be anything else goes back to the engine's general step.
+is blocked on KV blocks) and no preemption; only context lengths grow, a few sequences cross a
+block boundary (a new block, or a full block cached), and some sample their last token.
+`QuietRuns.run` takes such steps one after another without the general step: it checks, before
+each step, that the step must be quiet (`_visits`), then applies its decodes as
+`Shortcuts.decode` and `end` would (`_decode`: the same block-manager calls, in RUNNING order,
+so blocks are taken, evicted and cached exactly as in plain stepping; with exact LRU one take
+serves the step's new blocks), times it with the same `cost.step_time` call, and logs the same
+row. Sequences that sample their last token are freed when the step is done (`Scheduler.finish`,
+as `complete` frees them); that changes what the next admission may do, so it is decided again.
+The first step that may be anything else goes back to the engine's general step.
 
 A step is quiet when, before it: nothing is swapped; every sequence the step visits (the lazy
-ones due now, and those not lazy) is past its prompt with one token to compute, does not sample
-its last token, writes no block shared with a fork, and the new blocks the step takes are free
-now (nothing frees during it); and the admission after the decodes must do nothing. That is
+ones due now, and those not lazy) is past its prompt with one token to compute, writes no block
+shared with a fork, and the new blocks the step takes are free now (nothing frees before the
+step is done); and the admission after the decodes must do nothing. That is
 decided as `Scheduler._admit_waiting` would begin it, on the state before the step (WAITING
 empty, no room in RUNNING, or a blocked head): a blocked head stays blocked through the decodes
 (see `BlockedHead.still`: they free nothing) unless they cache the key its lookup stopped at, or,
@@ -59,6 +62,7 @@ class QuietRuns:
         self.tables = m.req_blocks
         self.taken = 0  # quiet steps taken so far
         self.allocs = 0  # new blocks the step `_visits` just cleared takes
+        self.finishing: list[Live] = []  # the sequences the step `_decode` just took sampled their last token
         self.lru = type(m.pool.policy) is LRU  # exact LRU: its free queue's order is all that picks blocks
         self._hits: tuple[object, list, set[int]] = (None, [], set())  # a BlockedHead, its hits and their ids
 
@@ -114,7 +118,7 @@ class QuietRuns:
         for live in active:
             seq = live.seq
             c = seq.num_computed_tokens
-            if seq.num_tokens - c != 1 or c < seq.num_prompt_tokens or c + 2 >= live.target:
+            if seq.num_tokens - c != 1 or c < seq.num_prompt_tokens:
                 return False
             r, i = c % bs, c // bs
             blocks = tables[seq.seq_id]
@@ -174,6 +178,7 @@ class QuietRuns:
         batch = self.allocs and self.lru
         new = iter(pool.get_new_blocks(self.allocs)) if batch else None
         stay = []  # visited and decoded in place (not lazy): next step visits them again
+        finishing = self.finishing = []  # of the visited, those sampling their last token
         context = frag = 0
         for live in fast.active:
             seq = live.seq
@@ -193,14 +198,18 @@ class QuietRuns:
                 continue
             seq.num_computed_tokens = c + 1
             seq.num_tokens += 1
-            stay.append(live)
             context += c + 1
+            if c + 2 >= live.target:
+                finishing.append(live)
+                continue
+            stay.append(live)
             if r < bs - 1:
                 frag += bs - r - 2
         fast.active = stay
         nl = lazy.n
-        m.count_writes(len(stay) + nl)  # one write a decode
-        return len(stay) + nl, context + lazy.context_tokens(k), frag + lazy.empty_slots(k)
+        decodes = len(stay) + len(finishing) + nl
+        m.count_writes(decodes)  # one write a decode
+        return decodes, context + lazy.context_tokens(k), frag + lazy.empty_slots(k)
 
     def run(self, clock: float, k: int, prev: tuple[int, ...]):
         """Take the quiet steps from engine step k at `clock` on (a SimPy generator); returns the
@@ -239,11 +248,18 @@ class QuietRuns:
             if arrived:
                 yield env.timeout(clock - env.now)
                 n_wait = len(waiting)
+            finishing = self.finishing
+            if finishing:  # as `Scheduler.complete`: their blocks free once the step is done
+                sched.step = k
+                sched.finish(finishing, clock)
+                free = len(pool.policy)
+                if tracker is not None:
+                    span = tracker.fragmentation()
             sched.internal_fragmentation = frag
             done = drain(clock) if sched.done else 0
             evicted = count("evict", 0)
             record((
-                t0, dt, n_run, n_wait, 0, n_run, 0, tokens, context,
+                t0, dt, n_run - len(finishing), n_wait, 0, n_run, 0, tokens, context,
                 free, pool.num_cached_free, usable - free, span, frag,
                 evicted - prev[0], 0, 0, 0, 0, 0, 0, 0, 0, 0, done,
             ))  # fmt: skip
@@ -252,7 +268,13 @@ class QuietRuns:
             self.taken += 1
             # NOTE: a quiet step frees nothing, caches no key the blocked head waits on and evicts
             # none of its hits, so the verdict holds while the head is the same (arrivals join behind)
-            if arrived and (waiting.peek() if waiting else None) is not head:
+            if finishing:  # freed blocks and a smaller batch: the admission is decided again
+                n_run -= len(finishing)
+                if not n_run:
+                    break
+                head = waiting.peek() if waiting else None
+                ok, watch, evicts = self._admission(n_run)
+            elif arrived and (waiting.peek() if waiting else None) is not head:
                 head = waiting.peek() if waiting else None
                 ok, watch, evicts = self._admission(n_run)
         return clock, k, prev

@@ -337,14 +337,18 @@ class Scheduler:
             if b.finishing and len(finished) > len(b.finishing):  # free in batch (= running) order
                 pos = {id(x): k for k, x in enumerate(self.running)}
                 finished.sort(key=lambda x: pos[id(x)])
-            for live in finished:
-                self._retire(live, FINISHED, "", now)
-            self.running = [x for x in self.running if x.order >= 0]
-            self.fast.active = [x for x in self.fast.active if x.order >= 0]
+            self.finish(finished, now)
         if alive != len(self.running):  # some running sequences were not scheduled
             self.materialize()
             frag = sum(self._fragmentation(x.seq) for x in self.running)
         self.internal_fragmentation = frag
+
+    def finish(self, lives: list[Live], now: float) -> None:
+        """`lives` (in RUNNING order) sampled their last tokens in the step that ended at `now`."""
+        for live in lives:
+            self._retire(live, FINISHED, "", now)
+        self.running = [x for x in self.running if x.order >= 0]
+        self.fast.active = [x for x in self.fast.active if x.order >= 0]
 
     def _fragmentation(self, seq: Sequence) -> int:
         """Allocated slots of a running sequence not holding a token (see the NOTE in complete)."""

@@ -130,3 +130,25 @@ def test_a_decode_caching_the_blocked_heads_next_key_ends_the_run(monkeypatch: p
     _same(fast, go(cfg.replace(shortcuts=False)))
     monkeypatch.setattr(quiet.QuietRuns, "_caches", lambda *_: False)
     assert go(cfg).requests["first_scheduled"].tolist()[2] == 27.0
+
+
+def test_a_finish_is_a_quiet_step_and_the_blocked_head_is_decided_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """a, b and c run from step 0; d arrives at 0.5 s and waits for blocks until c is done.
+    a, b and c finish inside quiet runs (steps 10, 20, 30: their blocks free once the step is
+    done, as `Scheduler.complete` frees them); each finish ends its run, and the general step
+    after it retries d: it fails at steps 11 and 21, and admits d at step 31, where plain
+    stepping does. General steps: 0 (prefill), 1 (d's first try), 11, 21 and 31."""
+    reqs = [req("a", 0, 8, 11), req("b", 0, 8, 21), req("c", 0, 8, 31), req("d", 0.5, 64, 4)]
+    cfg = SimConfig(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=128, max_num_seqs=8)
+
+    def go(c: SimConfig) -> RunResult:
+        return simulate(Workload.from_list(reqs, "t"), c, cost_model=FlatCost(1.0))
+
+    made = _taken(monkeypatch)
+    fast = go(cfg)
+    _same(fast, go(cfg.replace(shortcuts=False)))
+    steps = fast.steps
+    assert steps.index[steps["finished"] == 1].tolist() == [10, 20, 30, 34]
+    assert steps.index[steps["admitted"] == 1].tolist() == [31]
+    assert steps["running"].tolist()[9:12] == [3, 2, 2] and steps["scheduled_seqs"].tolist()[9:12] == [3, 3, 2]
+    assert len(steps) == 35 and made[0].taken == 30
