@@ -9,8 +9,10 @@ It is computed for all blocks of a sequence at once with numpy:
     key_i = mix(H_i)
 
 The recurrence is solved in closed form with a cumulative sum, so hashing a
-10k-token prompt is a handful of vector operations. Keys are stable across
-runs and machines (no salted `hash()`).
+10k-token prompt is a handful of vector operations. A block holding a unique
+decoded token (past its sequence's known tokens) matches nothing, so its key is
+just distinct (`unique_keys`). Keys are stable across runs and machines (no
+salted `hash()`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,21 @@ def prefix_keys(prompts: list[np.ndarray], block_size: int, extra_key: int = 0) 
     flat, ends = keys(states), ends.tolist()
     raw = states[[e - 1 for n, e in zip(counts, ends, strict=True) if n]].tolist()[::-1]  # last states, popped in order
     return [(flat[e - n : e], raw.pop() if n else root) for n, e in zip(counts, ends, strict=True)]
+
+
+_ODD = 0xD1342543DE82EF95  # x -> x * _ODD is a bijection mod 2^64
+
+
+def unique_keys(uid: int, start: int, end: int) -> list[int]:
+    """Keys of blocks start..end-1 of the sequence `uid` that hold a unique decoded token. No
+    other sequence's block holds that token, so these keys need only be distinct, not a hash
+    of the prefix: an odd multiply and an xorshift (both invertible) spread (uid, i) over 64 bits."""
+    base = uid << 32
+    out = []
+    for i in range(start, end):
+        y = ((base | i) * _ODD) & _MASK
+        out.append(y ^ (y >> 29))
+    return out
 
 
 def root_state(extra_key: int = 0) -> int:

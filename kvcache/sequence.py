@@ -6,8 +6,6 @@ import numpy as np
 
 from kvcache import hashing
 
-_MASK = (1 << 64) - 1
-
 
 class Sequence:
     """Prompt, decoded tokens so far, computed tokens, and chained block keys.
@@ -39,6 +37,12 @@ class Sequence:
         self._state = hashing.root_state(extra_key) if keys is None else keys[1]  # chain state after the last hashed block
         self._known = len(prompt) + (0 if output is None else len(output))
         self._lineage = ((0, uid),)  # (first position, uid) of whoever decoded unique tokens from there
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and known output: a block past them holds a unique decoded token, so its key
+        matches no other sequence's."""
+        return self._known
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,12 +92,8 @@ class Sequence:
             self._state = int(states[-1])
             hashes.extend(hashing.keys(states))
             have = n_known
-        # Blocks holding a unique decoded token: unique content, same chain.
-        state, mix, p, salt = self._state, hashing._mix_int, hashing._P, (self.uid << 24) ^ 0x5DEECE66D
-        for i in range(have, n_full):
-            state = (state * p + mix((salt ^ i) & _MASK)) & _MASK
-            hashes.append(mix(state))
-        self._state = state
+        if n_full > have:  # blocks holding a unique decoded token (no known block comes after them)
+            hashes.extend(hashing.unique_keys(self.uid, have, n_full))
         return hashes
 
     def fork(self, seq_id: str, uid: int) -> Sequence:

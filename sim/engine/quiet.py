@@ -159,10 +159,12 @@ class QuietRuns:
         return False
 
     def _caches(self, seq: Sequence, num_tokens: int, key: int) -> bool:
-        """True if caching `seq`'s full blocks within `num_tokens` would register `key`."""
-        m, bs = self.m, self.bs
-        n_full = num_tokens // bs
-        return key in seq.hashes_upto(n_full * bs, bs)[m.num_cached_block[seq.seq_id]:n_full]
+        """True if caching `seq`'s full blocks within `num_tokens` would register `key` (a key of
+        the blocked head, another sequence: so only blocks within `seq`'s known tokens can)."""
+        bs = self.bs
+        n_full = min(num_tokens, seq.num_known_tokens) // bs
+        lo = self.m.num_cached_block[seq.seq_id]
+        return lo < n_full and key in seq.hashes_upto(n_full * bs, bs)[lo:n_full]
 
     def _decode(self, k: int) -> tuple[int, int, int]:
         """Step k's decodes, after `_visits` said yes: what `Shortcuts.decode` does for each

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.hashing import block_keys, prefix_keys, root_state
+from kvcache.hashing import block_keys, prefix_keys, root_state, unique_keys
 from kvcache.sequence import Sequence
 
 prompts = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=80), max_size=6)
@@ -21,7 +21,7 @@ def test_a_batch_hashes_each_prompt_as_alone(batch: list[list[int]], bs: int, ex
     for p, (keys, state) in zip(arrays, got, strict=True):
         alone = Sequence("s", p, extra_key=extra)
         assert keys == alone.hashes_upto(len(p) // bs * bs, bs) == block_keys(p, bs, extra)
-        assert state == alone._state  # the chain goes on from there when decoded blocks fill
+        assert state == alone._state  # the chain goes on from there through known output
 
 
 def test_a_sequence_given_its_keys_hashes_on_as_one_that_hashed_them() -> None:
@@ -33,3 +33,16 @@ def test_a_sequence_given_its_keys_hashes_on_as_one_that_hashed_them() -> None:
     given_keys.num_tokens = hashed.num_tokens = 37 + 60  # past the known output: unique decoded tokens
     assert given_keys.hashes_upto(97, 4) == hashed.hashes_upto(97, 4)
     assert len(hashed.block_hashes) == 24
+
+
+def test_blocks_past_the_known_tokens_get_distinct_unique_keys() -> None:
+    """A block holding a unique decoded token matches no other block, so its key is only made
+    distinct: (uid, block index) through an invertible mix, not a hash of the prefix."""
+    seq = Sequence("a", np.arange(10, dtype=np.int32), uid=3, output=np.arange(90, 96, dtype=np.int32))
+    seq.num_tokens = 24  # known: 10 prompt and 6 output tokens, 4 full blocks of 4
+    keys = seq.hashes_upto(24, 4)
+    assert keys[:4] == block_keys(np.concatenate([seq.prompt, seq.output]), 4)
+    assert keys[4:] == unique_keys(3, 4, 6) == [0xE05963C978C0A027, 0xB18D8917D4E2E57B]
+    grid = [k for uid in range(64) for k in unique_keys(uid, 0, 256)]
+    assert len(set(grid)) == len(grid) and all(0 <= k < 1 << 64 for k in grid)
+    assert len({k & 0xFFFF for k in grid}) > 14_000  # low bits spread like random ones (about 14,500): dict slots do not pile up
