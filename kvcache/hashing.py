@@ -56,14 +56,15 @@ class _Powers:
     def upto(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self.fwd) < n:
             size = max(n, 2 * len(self.fwd), _CHUNK)
-            f = [1] * size
-            b = [1] * size
-            for k in range(1, size):
-                f[k] = (f[k - 1] * _P) & _MASK
-                b[k] = (b[k - 1] * _P_INV) & _MASK
-            self.fwd = np.array(f, dtype=np.uint64)
-            self.inv = np.array(b, dtype=np.uint64)
+            self.fwd, self.inv = _powers(_P, size), _powers(_P_INV, size)
         return self.fwd, self.inv
+
+
+def _powers(x: int, size: int) -> np.ndarray:
+    """x^0 .. x^(size-1) mod 2^64 (uint64 products wrap)."""
+    out = np.full(size, x, dtype=np.uint64)
+    out[0] = 1
+    return np.multiply.accumulate(out, out=out)
 
 
 _POW = _Powers()
