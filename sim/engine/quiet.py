@@ -35,7 +35,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcache.eviction import LRU
-from kvcache.ops import CHARGED_KINDS
 from kvcache.sequence import Sequence
 from sim.engine.batch import Live
 from sim.engine.config import SimConfig
@@ -46,8 +45,6 @@ if TYPE_CHECKING:
 
     from sim.engine.cost_model import CostModel
     from sim.engine.step_log import StepLog
-
-NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
 
 
 class QuietRuns:
@@ -244,7 +241,7 @@ class QuietRuns:
                 if tracker is not None:
                     span = tracker.fragmentation()
             t0 = clock
-            dt = step_time(0, tokens, context, n_run, NO_OPS)
+            dt = step_time(0, tokens, context, n_run, None)  # no charged ops
             clock = t0 + dt
             arrived = env.peek() <= clock
             if arrived:
