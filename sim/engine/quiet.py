@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcache.eviction import LRU
+from kvcache.ops import CHARGED_KINDS
 from kvcache.sequence import Sequence
 from sim.engine.batch import Live
 from sim.engine.config import SimConfig
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
     from sim.engine.cost_model import CostModel
     from sim.engine.step_log import StepLog
+
+NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)  # what a cost model is told a step without charged ops did
 
 
 class QuietRuns:
@@ -168,7 +171,7 @@ class QuietRuns:
         visited sequence in RUNNING order, then `Shortcuts.end`. Returns the step's decode
         tokens, context tokens and internal fragmentation (every running sequence decodes)."""
         fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
-        tables, cache = self.tables, m.cache_blocks
+        tables, cache, window = self.tables, m.cache_blocks, lazy.window
         caching = m.enable_caching
         # NOTE: with exact LRU, one take for the step's new blocks, handed out in RUNNING order:
         # the same blocks as a take each, since caching between them pushes, pops and touches no
@@ -189,7 +192,7 @@ class QuietRuns:
                     blocks.append(next(new) if batch else pool.get_new_blocks(1)[0])
                 if caching and (c + 1) % bs == 0:
                     cache(seq, c + 1)
-            last = bs - 2 - r
+            last = window(seq, c)
             if live.target - c - 3 < last:
                 last = live.target - c - 3
             if last > 0:
@@ -241,7 +244,7 @@ class QuietRuns:
                 if tracker is not None:
                     span = tracker.fragmentation()
             t0 = clock
-            dt = step_time(0, tokens, context, n_run, None)  # no charged ops
+            dt = step_time(0, tokens, context, n_run, NO_OPS)
             clock = t0 + dt
             arrived = env.peek() <= clock
             if arrived:

@@ -6,7 +6,12 @@
   each step, not visited. A lazy sequence's `seq` lags: it holds the state at
   the step it went lazy (`since`), and every later step adds one computed and
   one sampled token. The batch totals over lazy sequences are linear in the
-  step number k, so they are kept as sums. When the token budget binds and a
+  step number k, so they are kept as sums (a block filling at step k holds no
+  empty slot, not -1: `_fills`). A block that holds a unique decoded token
+  (past the known tokens) may fill lazily: nothing can look its key up while
+  its sequence holds it, so it is cached when the sequence is visited again
+  (`LazyDecodes.cache`), not at the step that filled it; with op records or
+  defragmentation each cache stays in its step. When the token budget binds and a
   lazy sequence comes after a prefill in RUNNING order (the prefill may take
   the budget first), every sequence is visited again (`materialize`).
 - Blocked head: once the head of WAITING fails to allocate, it is not retried
@@ -51,21 +56,34 @@ class LazyDecodes:
         self._ctx = 0  # sum of (computed + 1 - since)
         self._frag = 0  # sum of (bs - 2 - computed % bs + since)
         self._wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there
+        self._fills: dict[int, int] = {}  # step -> lazy sequences whose block fills at it
         self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
+        self.cache: Callable[[Sequence, int], None] | None = None  # caches a block that filled lazily
 
     def add(self, live: Lazy, k: int, last: int) -> None:
         """`live` (computed tokens c, c % bs in [0, bs - 2]) decodes in place at step k and at
-        the `last` steps after it; it is visited again at step k + last + 1."""
+        the `last` steps after it (the last may fill its block); it is visited again at step
+        k + last + 1."""
         c = live.seq.num_computed_tokens
         live.since, live.wake = k, k + last + 1
         self.n += 1
         self._ctx += c + 1 - k
         self._frag += self.bs - 2 - c % self.bs + k
+        if (c + last + 1) % self.bs == 0:  # a full block holds no empty slot, not -1
+            self._fills[k + last] = self._fills.get(k + last, 0) + 1
         w = self._wakes.get(k + last + 1)
         if w is None:
             self._wakes[k + last + 1] = [live]
         else:
             w.append(live)
+
+    def window(self, seq: Sequence, c: int) -> int:
+        """Steps `seq`, decoding position c now, may decode lazily after this one: to its block's
+        last slot but one, or to its last slot where that block holds a unique decoded token."""
+        bs = self.bs
+        if self.cache is not None and c // bs >= seq.num_known_tokens // bs:
+            return bs - 1 - c % bs
+        return bs - 2 - c % bs
 
     def drop(self, live: Lazy, k: int) -> None:
         """Bring `live`'s `seq` up to date at the start of step k; it is no longer lazy."""
@@ -76,9 +94,17 @@ class LazyDecodes:
         self.n -= 1
         self._ctx -= c + 1 - live.since
         self._frag -= self.bs - 2 - c % self.bs + live.since
+        if k < live.wake and (c + live.wake - live.since) % self.bs == 0:  # dropped before its block filled
+            f = live.wake - 1
+            if self._fills[f] == 1:
+                del self._fills[f]
+            else:
+                self._fills[f] -= 1
         seq.num_computed_tokens = c + d
         seq.num_tokens += d
         live.since = -1
+        if self.cache is not None and not (c + d) % self.bs:  # its block filled lazily
+            self.cache(seq, c + d)
 
     def due(self, k: int) -> list[Lazy]:
         """Drop and return the sequences to visit again from step k on."""
@@ -98,14 +124,15 @@ class LazyDecodes:
             if live.since >= 0:
                 self.drop(live, k)
         self._wakes.clear()
+        self._fills.clear()
 
     def context_tokens(self, k: int) -> int:
         """Sum of the lazy sequences' lengths after step k's decode (before its sample)."""
         return self._ctx + self.n * k
 
     def empty_slots(self, k: int) -> int:
-        """Allocated slots of their last blocks not holding a token, after step k."""
-        return self._frag - self.n * k
+        """Allocated slots of their last blocks not holding a token, after step k (asked once a step)."""
+        return self._frag - self.n * k + (self._fills.pop(k, 0) if self._fills else 0)
 
 
 class BlockedHead:
@@ -166,6 +193,8 @@ class Shortcuts:
         if self.records:
             self.lazy.record = self._record
             m.ops.lag = self.bs  # late writes: a lazy run lasts at most bs - 1 steps
+        elif self.decodes and m.defrag is None:  # (records and defrag keep each cache in its step)
+            self.lazy.cache = m.cache_blocks
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
@@ -205,7 +234,9 @@ class Shortcuts:
             if got is None or got is False:
                 return False
             self._counted += 1  # the manager counted its write
-        last = min(bs - 2 - r, live.target - c - 3)  # steps this stays mid-block, after this one
+        last = self.lazy.window(seq, c)
+        if live.target - c - 3 < last:  # visited at the step sampling its last token
+            last = live.target - c - 3
         if last > 0:
             # Only a fork shares a partial block, and only at its prefill's end:
             # this one stays unshared until it fills.

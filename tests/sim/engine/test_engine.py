@@ -116,9 +116,11 @@ SHORTCUT_CASES = {
 def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """In-place and lazy decodes and blocked-head skips give the same tables as visiting
     every sequence every step; each is exercised, and lazy decoding through a binding budget
-    (its fallback where a lazy one comes after a prefill: test_a_lazy_decode_behind_...)."""
+    (its fallback where a lazy one comes after a prefill: test_a_lazy_decode_behind_...), and
+    blocks of unique decoded tokens that fill lazily (cached when visited again, or never filled:
+    the sequence was visited again first); defrag keeps each cache in its step."""
     cfg = _stress(**SHORTCUT_CASES[case])
-    seen = {"skips": 0, "lazy": 0, "fallback": 0, "kept": 0}
+    seen = {"skips": 0, "lazy": 0, "fallback": 0, "kept": 0, "filled": 0, "cut": 0}
     still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Shortcuts.materialize
     lazy_first = shortcuts._lazy_first
 
@@ -137,6 +139,8 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
 
     def counted_drop(lazies: LazyDecodes, live, k: int) -> None:
         seen["lazy"] += 1
+        if lazies.cache is not None and (live.seq.num_computed_tokens + live.wake - live.since) % cfg.block_size == 0:
+            seen["filled" if k == live.wake else "cut"] += 1  # a window through its block's last slot
         drop(lazies, live, k)
 
     def counted_materialize(fast: Shortcuts, running: list, k: int) -> None:
@@ -157,6 +161,7 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     # (without chunking no running sequence holds a chunk that could outrun the budget)
     binds = seen["fallback"] + seen["kept"]
     assert seen["skips"] and seen["lazy"] and (binds or not cfg.enable_chunked_prefill), seen
+    assert (seen["filled"] > 0 and seen["cut"] > 0) == (cfg.defrag_threshold is None), seen
     tokens = fast.steps["prefill_tokens"] + fast.steps["decode_tokens"]
     assert tokens.max() <= cfg.max_num_batched_tokens  # the budget holds
     assert tokens.max() == cfg.max_num_batched_tokens or not cfg.enable_chunked_prefill  # and binds
