@@ -169,8 +169,7 @@ class Scheduler:
         return budget
 
     def materialize(self, k: int | None = None) -> None:
-        """End all lazy decoding: every running sequence's `seq` is exact at the start of
-        step `k` (default: the next step)."""
+        """End all lazy decoding: every running `seq` is exact at the start of step `k` (default: the next)."""
         self.fast.materialize(self.running, self._k + 1 if k is None else k)
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
@@ -181,10 +180,7 @@ class Scheduler:
             victim = max(running, key=_priority_key) if self.priority else running[-1]
             if victim is live and len(running) == 1 and not b.num_seqs:
                 running.pop()  # alone and still out of blocks: it can never fit
-                if live.seq.num_output_tokens:
-                    self._retire(live, TRUNCATED, "context_exceeds_cache", now)
-                else:
-                    self._retire(live, REJECTED, "prompt_exceeds_cache", now)
+                self._retire_never_fits(live, now)
                 return False
             if victim is running[-1]:
                 running.pop()
@@ -277,7 +273,7 @@ class Scheduler:
         return n
 
     def _retire_never_fits(self, live: Live, now: float) -> None:
-        """A waiting request that cannot fit even with nothing else holding blocks."""
+        """A request that cannot fit even with nothing else holding blocks: truncated once it has output."""
         dropped = (TRUNCATED, "context_exceeds_cache") if live.seq.num_output_tokens else (REJECTED, "prompt_exceeds_cache")
         self._retire(live, *dropped, now)
 
@@ -352,8 +348,8 @@ class Scheduler:
 
     def _fragmentation(self, seq: Sequence) -> int:
         """Allocated slots of a running sequence not holding a token (see the NOTE in complete)."""
-        bs = self.m.block_size
-        return max(0, -(-(seq.num_computed_tokens + self.lookahead) // bs) * bs - seq.num_tokens)
+        return max(0, cdiv(seq.num_computed_tokens + self.lookahead, self.m.block_size) * self.m.block_size
+                   - seq.num_tokens)
 
     def _join(self, live: Live) -> None:
         """`live` joins RUNNING (at the back)."""
