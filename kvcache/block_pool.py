@@ -58,6 +58,12 @@ class BlockPool:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def policy_sees_caching(self) -> bool:
+        """True if the eviction policy hooks blocks being cached: when and in what order
+        blocks are cached is then part of its state (FIFO's birth order, ARC's ghosts)."""
+        return self._on_cache is not None
+
     def get_cached_block(self, key: int) -> KVCacheBlock | None:
         hit = self.cached.get(key)
         if hit is None or type(hit) is KVCacheBlock:

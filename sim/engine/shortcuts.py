@@ -10,8 +10,9 @@
   empty slot, not -1: `_fills`). A block that holds a unique decoded token
   (past the known tokens) may fill lazily: nothing can look its key up while
   its sequence holds it, so it is cached when the sequence is visited again
-  (`LazyDecodes.cache`), not at the step that filled it; with op records or
-  defragmentation each cache stays in its step. When the token budget binds and a
+  (`LazyDecodes.cache`), not at the step that filled it; with op records,
+  defragmentation or an eviction policy that hooks caching (FIFO, ARC) each
+  cache stays in its step. When the token budget binds and a
   lazy sequence comes after a prefill in RUNNING order (the prefill may take
   the budget first), every sequence is visited again (`materialize`).
 - Blocked head: once the head of WAITING fails to allocate, it is not retried
@@ -193,8 +194,8 @@ class Shortcuts:
         if self.records:
             self.lazy.record = self._record
             m.ops.lag = self.bs  # late writes: a lazy run lasts at most bs - 1 steps
-        elif self.decodes and m.defrag is None:  # (records and defrag keep each cache in its step)
-            self.lazy.cache = m.cache_blocks
+        elif self.decodes and m.defrag is None and not m.pool.policy_sees_caching:
+            self.lazy.cache = m.cache_blocks  # (records, defrag and such policies keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
