@@ -377,7 +377,7 @@ class Scheduler:
         live.order = -1
         if seq is not None:
             if seq.seq_id in self.m.req_blocks:
-                self.m.free(seq)
+                self.fast.free(seq)
             log.output_tokens[row] += (1 if row in self._open else live.req.n) * seq.num_output_tokens
         if status > log.status[row]:
             log.status[row] = status

@@ -8,9 +8,10 @@
   one sampled token. The batch totals over lazy sequences are linear in the
   step number k, so they are kept as sums (a block filling at step k holds no
   empty slot, not -1: `_fills`). A block that holds a unique decoded token
-  (past the known tokens) may fill lazily: nothing can look its key up while
-  its sequence holds it, so it is cached when the sequence is visited again
-  (`LazyDecodes.cache`), not at the step that filled it; with op records,
+  (past the known tokens) may fill lazily (`LazyDecodes.fills`): nothing can
+  look its key up while its sequence holds it, so it is cached when the
+  sequence's blocks are freed or swapped out (`Shortcuts.free`, `preempted`), or
+  when a later block of it is cached, not at the step that filled it; with op records,
   defragmentation or an eviction policy that hooks caching (FIFO, ARC) each
   cache stays in its step. When the token budget binds and a
   lazy sequence comes after a prefill in RUNNING order (the prefill may take
@@ -59,7 +60,7 @@ class LazyDecodes:
         self._wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there
         self._fills: dict[int, int] = {}  # step -> lazy sequences whose block fills at it
         self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
-        self.cache: Callable[[Sequence, int], None] | None = None  # caches a block that filled lazily
+        self.fills = False  # a block of unique decoded tokens may fill lazily (cached when freed)
 
     def add(self, live: Lazy, k: int, last: int) -> None:
         """`live` (computed tokens c, c % bs in [0, bs - 2]) decodes in place at step k and at
@@ -82,7 +83,7 @@ class LazyDecodes:
         """Steps `seq`, decoding position c now, may decode lazily after this one: to its block's
         last slot but one, or to its last slot where that block holds a unique decoded token."""
         bs = self.bs
-        if self.cache is not None and c // bs >= seq.num_known_tokens // bs:
+        if self.fills and c // bs >= seq.num_known_tokens // bs:
             return bs - 1 - c % bs
         return bs - 2 - c % bs
 
@@ -104,8 +105,6 @@ class LazyDecodes:
         seq.num_computed_tokens = c + d
         seq.num_tokens += d
         live.since = -1
-        if self.cache is not None and not (c + d) % self.bs:  # its block filled lazily
-            self.cache(seq, c + d)
 
     def due(self, k: int) -> list[Lazy]:
         """Drop and return the sequences to visit again from step k on."""
@@ -195,7 +194,7 @@ class Shortcuts:
             self.lazy.record = self._record
             m.ops.lag = self.bs  # late writes: a lazy run lasts at most bs - 1 steps
         elif self.decodes and m.defrag is None and not m.pool.policy_sees_caching:
-            self.lazy.cache = m.cache_blocks  # (records, defrag and such policies keep each cache in its step)
+            self.lazy.fills = True  # (records, defrag and such policies keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
@@ -293,9 +292,19 @@ class Shortcuts:
                 self.m.record_decodes(live.seq, c + i, stamps[(first + i) % r], 1)
 
     def preempted(self, live: Live, k: int) -> None:
-        """`live` leaves RUNNING at step k: it is no longer lazy."""
+        """`live` leaves RUNNING at step k: it is no longer lazy, and its blocks that filled
+        lazily are cached before they are freed or swapped out."""
         if live.since >= 0:
             self.lazy.drop(live, k)
+        if self.lazy.fills:
+            self.m.cache_blocks(live.seq, live.seq.num_computed_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """`KVCacheManager.free` for a sequence leaving RUNNING for good, its blocks that filled
+        lazily cached first (a no-op for any other block: each is cached when it fills)."""
+        if self.lazy.fills:
+            self.m.cache_blocks(seq, seq.num_computed_tokens)
+        self.m.free(seq)
 
     def materialize(self, running: list[Live], k: int) -> None:
         """End all lazy decoding: every running sequence's `seq` is exact at the start of step k."""

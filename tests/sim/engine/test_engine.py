@@ -117,8 +117,8 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
     """In-place and lazy decodes and blocked-head skips give the same tables as visiting
     every sequence every step; each is exercised, and lazy decoding through a binding budget
     (its fallback where a lazy one comes after a prefill: test_a_lazy_decode_behind_...), and
-    blocks of unique decoded tokens that fill lazily (cached when visited again, or never filled:
-    the sequence was visited again first); defrag keeps each cache in its step."""
+    blocks of unique decoded tokens that fill lazily (cached once freed or swapped out, or never
+    filled: the sequence was visited again first); defrag keeps each cache in its step."""
     cfg = _stress(**SHORTCUT_CASES[case])
     seen = {"skips": 0, "lazy": 0, "fallback": 0, "kept": 0, "filled": 0, "cut": 0}
     still, drop, materialize = BlockedHead.still, LazyDecodes.drop, Shortcuts.materialize
@@ -139,7 +139,7 @@ def test_shortcuts_change_nothing(monkeypatch: pytest.MonkeyPatch, case: str) ->
 
     def counted_drop(lazies: LazyDecodes, live, k: int) -> None:
         seen["lazy"] += 1
-        if lazies.cache is not None and (live.seq.num_computed_tokens + live.wake - live.since) % cfg.block_size == 0:
+        if lazies.fills and (live.seq.num_computed_tokens + live.wake - live.since) % cfg.block_size == 0:
             seen["filled" if k == live.wake else "cut"] += 1  # a window through its block's last slot
         drop(lazies, live, k)
 
