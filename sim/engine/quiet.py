@@ -229,8 +229,8 @@ class QuietRuns:
         head = waiting.peek() if waiting else None  # the head the admission verdict is for
         n_wait = len(waiting)
         ok, watch, evicts = self._admission(n_run)
-        # NOTE: only a step's new blocks change the free count and the id span (a quiet step
-        # frees nothing), and only a yield to SimPy lets an arrival change WAITING
+        # NOTE: only a step's new blocks and its finishes change the free count and the id span
+        # (its decodes free nothing), and only a yield to SimPy lets an arrival change WAITING
         free = len(pool.policy)  # KVCacheManager.num_free_blocks
         span = tracker.fragmentation() if tracker is not None else 0
         while ok:
@@ -268,8 +268,9 @@ class QuietRuns:
             prev = (evicted, *prev[1:])
             k += 1
             self.taken += 1
-            # NOTE: a quiet step frees nothing, caches no key the blocked head waits on and evicts
-            # none of its hits, so the verdict holds while the head is the same (arrivals join behind)
+            # NOTE: a quiet step's decodes free nothing, cache no key the blocked head waits on and
+            # evict none of its hits, so without a finish the verdict holds while the head is the
+            # same (arrivals join behind)
             if finishing:  # freed blocks and a smaller batch: the admission is decided again
                 n_run -= len(finishing)
                 if not n_run:
