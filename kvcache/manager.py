@@ -165,7 +165,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         blocks for all of the sequence's known tokens be free, not just the chunk's.
         """
         if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens \
-                and self.sliding_window is None:
+                and self.sliding_window is None and not full_sequence_must_fit:
             decoded = self.decode_slot(seq, watermark)
             if decoded is not False:
                 return decoded

@@ -260,6 +260,20 @@ def test_failed_allocation_leaves_no_table():
     assert "a" not in m.req_blocks
 
 
+def test_a_one_token_admission_holding_blocks_must_fit_its_whole_sequence():
+    # vllm 0.33 vllm/v1/core/kv_cache_manager.py allocate_slots: with full_sequence_must_fit
+    # (the scheduler's scheduler_reserve_full_isl) the whole sequence is checked first, even
+    # for a one-token chunk of a request that already holds blocks (one whose host-tier load
+    # landed). a holds 2 blocks of its 20-token prompt; 1 of the 3 it still needs is free.
+    m = KVCacheManager(6, 4)
+    a, b = seq("a", range(20)), seq("b", range(100, 108))
+    assert m.allocate_slots(a, 8) is not None and m.allocate_slots(b, 8) is not None
+    a.num_computed_tokens = 8
+    assert m.allocate_slots(a, 1, full_sequence_must_fit=True) is None
+    assert (m.block_ids("a"), m.num_free_blocks) == ([1, 2], 1)
+    assert len(m.allocate_slots(a, 1)) == 1  # without the gate the chunk's one block is enough
+
+
 def test_swap_in_reuses_blocks_still_cached_on_gpu():
     m = KVCacheManager(10, 4, num_cpu_blocks=4)
     a = seq("a", range(6))

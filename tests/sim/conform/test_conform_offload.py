@@ -270,3 +270,25 @@ def test_cli_runs_the_scheduler_mode_with_offloading(tmp_path):
     lines = r.output.splitlines()
     assert lines[1].startswith("manager   skipped: manager mode replays the cache without a scheduler")
     assert lines[2] == "scheduler 6 requests, 0 differ" and lines[-1] == "identical"
+
+
+@needs_vllm
+def test_a_landed_load_resumed_with_one_token_must_fit_its_whole_prompt():
+    # Found by a random conformance run. sp-15 loads 28 blocks (224 of its 970 prompt tokens)
+    # from the tier; at step 8429 sp-16's last chunk leaves one token of the budget, and vLLM
+    # (allocate_slots, full_sequence_must_fit) will not take sp-15's one-token chunk while its
+    # other 94 blocks are not free. kvsim once took it through the decode fast path, then
+    # preempted it: first scheduled at step 8429 against vLLM's 8434.
+    from workloads.build import build_workload
+
+    opts = {"prefix_len": "uniform:16,400", "user_len": "uniform:1,1200", "output_len": "uniform:1,20",
+            "num_prefixes": 8}
+    keep = {"sp-12", "sp-13", "sp-14", "sp-15", "sp-16"}
+    reqs = [r for r in build_workload("shared-prefix", 40, 50.0, "poisson", 1.0, 46, opts) if r.id in keep]
+    cost = CostModel.from_config(SimConfig(block_size=8))
+    cfg = SimConfig(block_size=8, num_gpu_blocks=183, max_num_batched_tokens=64, max_num_seqs=4,
+                    step_time=2 * cost.op_cost_s["store"], closed_loop_sessions=False,
+                    kv_offloading_size=200 * cost.kv_bytes_per_block * 4 / (1 << 30),
+                    offload_blocks_per_chunk=4, offload_prompt_only=False).validate()
+    s = _same(reqs, cfg)
+    assert (s["offload_hit_tokens"], s["preemptions"]) == (224, 0)
