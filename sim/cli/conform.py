@@ -41,6 +41,7 @@ def conform(
     offload_store_threshold: OffloadStoreThreshold = None,
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
+    random_seeds: Annotated[str | None, typer.Option("--random", help="START:STOP: instead, one random workload and configuration a seed (sim.conform.random_cases)")] = None,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from sim.conform import vllm_setup
@@ -51,10 +52,16 @@ def conform(
 
     if mode not in MODES:
         raise fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    seeds = None if random_seeds is None else _seeds(random_seeds)
+    if seeds is not None and workload is not None:
+        raise fail("--random makes its own workloads: give no workload file")
     missing = vllm_setup.vllm_available()
     if missing:
         raise fail(missing)
     installed = vllm_setup.vllm_version()
+    if seeds is not None:
+        _random(seeds, mode)
+        return
     try:
         from kvcache.profiles import profile
 
@@ -85,6 +92,44 @@ def conform(
     if not all(d.ok for d in diffs):
         raise typer.Exit(1)
     typer.echo("identical")
+
+
+def _seeds(text: str) -> range:
+    """'START:STOP' (or 'N' for 0:N) as a range of seeds."""
+    try:
+        lo, hi = text.split(":") if ":" in text else ("0", text)
+        seeds = range(int(lo), int(hi))
+    except ValueError:
+        raise fail(f"--random takes START:STOP (two integers), got {text!r}") from None
+    if not seeds:
+        raise fail(f"--random {text}: no seeds in that range")
+    return seeds
+
+
+def _random(seeds: range, mode: str) -> None:
+    """Conform one random case a seed, a line each; the seeds that differ, and how to rerun one."""
+    from sim.conform.check import conform as run_conform
+    from sim.conform.random_cases import random_case
+    from sim.engine.config import ConfigError
+
+    differ, skipped = [], 0
+    for seed in seeds:
+        try:
+            case = random_case(seed)
+            diffs = run_conform(case.requests, case.cfg, mode, case.max_running)
+        except (ConfigError, ValueError) as e:  # a case vLLM cannot run (it would stall)
+            typer.echo(f"seed {seed}: skipped ({e})")
+            skipped += 1
+            continue
+        bad = [d.format() for d in diffs if not d.ok]
+        typer.echo(f"{case.describe()}: " + ("; ".join(bad) if bad else "identical"))
+        if bad:
+            differ.append(seed)
+    typer.echo(f"{len(seeds)} cases, {len(differ)} differ" + (f", {skipped} skipped" if skipped else ""))
+    for seed in differ:
+        typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}")
+    if differ:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

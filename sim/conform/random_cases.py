@@ -1,0 +1,97 @@
+"""Random conformance cases: a seeded workload and knobs for `kvsim conform --random`.
+
+Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
+budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
+priority, async scheduling), with a cache sized from the workload's longest request so every
+request fits and memory pressure ranges from preemption storms to none. A third of the seeds
+turn on KV offloading (tier size, chunk width, policy, store threshold, link speed). The same
+seed always gives the same case.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from sim.engine.config import SimConfig
+from workloads.build import build_workload
+from workloads.request import Request
+
+KINDS = ("shared-prefix", "multi-turn", "few-shot", "agent", "unique")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One random case: what `check.conform` runs, and a line that says what it is."""
+
+    seed: int
+    kind: str
+    requests: list[Request]
+    cfg: SimConfig
+    max_running: int  # the manager mode's concurrency
+
+    def describe(self) -> str:
+        c = self.cfg
+        tokens, seqs = c.batch_limits()
+        knobs = [f"block {c.block_size}", f"{c.num_gpu_blocks} blocks", f"budget {tokens}/{seqs}"]
+        knobs += [f"watermark {c.watermark}"] if c.watermark else []
+        knobs += [f"long-prefill {c.long_prefill_token_threshold}"] if c.long_prefill_token_threshold else []
+        knobs += [] if c.enable_prefix_caching else ["caching off"]
+        knobs += [] if c.enable_chunked_prefill else ["chunking off"]
+        knobs += ["priority"] if c.scheduling == "priority" else []
+        knobs += ["async"] if c.async_scheduling else []
+        if c.kv_offloading_size is not None:
+            bpc = c.offload_blocks_per_chunk
+            knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
+                      f"{c.offload_eviction_policy}, threshold {c.offload_store_threshold}"
+                      + (", decode chunks too" if not c.offload_prompt_only else "") + ")"]
+        return f"seed {self.seed}: {self.kind}, {len(self.requests)} requests, " + ", ".join(knobs)
+
+
+def _shape(r: random.Random, kind: str) -> dict[str, object]:
+    """Length options for `kind` (None: the generator's own)."""
+    if kind == "shared-prefix":
+        return {"prefix_len": f"uniform:{r.choice([16, 100, 300])},{r.choice([400, 900])}",
+                "user_len": f"uniform:1,{r.choice([50, 300, 1200])}",
+                "output_len": f"uniform:1,{r.choice([20, 200])}", "num_prefixes": r.choice([1, 3, 8])}
+    if kind == "unique":
+        return {"user_len": f"uniform:1,{r.choice([100, 700, 2500])}",
+                "output_len": f"uniform:1,{r.choice([10, 300])}"}
+    return {}
+
+
+def random_case(seed: int) -> Case:
+    """The case of `seed` (see the module docstring)."""
+    r = random.Random(seed)
+    kind = r.choice(KINDS)
+    requests = list(build_workload(kind, r.choice([20, 40, 80]), r.choice([2.0, 10.0, 50.0]), "poisson", 1.0,
+                                   seed, _shape(r, kind)))
+    bs = r.choice([8, 16, 32])
+    longest = max(q.prompt_len + max(q.output_len, 1) for q in requests)
+    kw: dict[str, object] = {
+        "block_size": bs, "step_time": 0.05, "closed_loop_sessions": False,
+        "num_gpu_blocks": int((-(-longest // bs) + 2) * r.choice([1.0, 1.2, 1.6, 3, 10])),
+        "max_num_batched_tokens": r.choice([64, 256, 512, 2048]), "max_num_seqs": r.choice([2, 4, 16, 64]),
+        "watermark": r.choice([0.0, 0.0, 0.01, 0.05]), "long_prefill_token_threshold": r.choice([0, 0, 32, 200]),
+        "enable_prefix_caching": r.random() < 0.85, "enable_chunked_prefill": r.random() < 0.85,
+        "scheduling": r.choice(["fcfs", "fcfs", "fcfs", "priority"]), "async_scheduling": r.random() < 0.25,
+    }
+    if not kw["enable_chunked_prefill"]:  # vLLM needs the budget to hold the longest request
+        kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], longest)
+        kw["long_prefill_token_threshold"] = 0
+    if r.random() < 1 / 3:
+        kw.update(_offloading(r, bs, kw["num_gpu_blocks"], longest))
+    return Case(seed, kind, requests, SimConfig(**kw).validate(), r.choice([1, 1, 4, 16]))
+
+
+def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:
+    """Offloading knobs; the tier's link takes a block in 2, 1, 1/2 or 1/4 of a step."""
+    from sim.engine.cost_model import CostModel
+
+    cost = CostModel.from_config(SimConfig(block_size=bs))
+    bpc = r.choice([1, 1, 2, 4])
+    return {"kv_offloading_size": r.choice([3, 8, 32, 200]) * cost.kv_bytes_per_block * bpc / (1 << 30),
+            "offload_blocks_per_chunk": bpc, "offload_eviction_policy": r.choice(["lru", "arc"]),
+            "offload_store_threshold": r.choice([0, 0, 2]), "offload_prompt_only": r.random() < 0.7,
+            "step_time": cost.op_cost_s["store"] / r.choice([0.5, 1, 2, 4]), "async_scheduling": False,
+            "scheduling": "fcfs", "num_gpu_blocks": max(blocks // 2, -(-longest // bs) + 2)}

@@ -1,0 +1,52 @@
+"""`kvsim conform --random`: seeded random workloads and configurations against vLLM 0.33."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli.app import app
+from sim.conform import vllm_setup
+from sim.conform.random_cases import KINDS, random_case
+
+needs_vllm = pytest.mark.skipif(vllm_setup.vllm_available() is not None,
+                                reason=str(vllm_setup.vllm_available()))
+
+
+def test_a_seed_always_gives_the_same_case():
+    a, b = random_case(5), random_case(5)
+    assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
+    assert a.describe() == ("seed 5: unique, 40 requests, block 16, 43 blocks, budget 64/4, long-prefill 32, "
+                            "offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, decode chunks too)")
+
+
+def test_every_request_fits_and_the_seeds_cover_the_knobs():
+    cases = [random_case(seed) for seed in range(60)]
+    for c in cases:
+        longest = max(-(-(r.prompt_len + max(r.output_len, 1)) // c.cfg.block_size) for r in c.requests)
+        assert longest + 2 <= c.cfg.num_gpu_blocks, c.describe()
+    cfgs = [c.cfg for c in cases]
+    assert {c.kind for c in cases} == set(KINDS)
+    assert sum(c.kv_offloading_size is not None for c in cfgs) == 17
+    assert sum(c.async_scheduling for c in cfgs) == 11
+    assert sum(not c.enable_chunked_prefill for c in cfgs) == 12
+    assert sum(c.scheduling == "priority" for c in cfgs) == 11
+    assert sum(not c.enable_prefix_caching for c in cfgs) == 9
+
+
+def test_random_takes_no_workload_and_two_integers():
+    r = CliRunner().invoke(app, ["conform", "--random", "a:b"])
+    assert (r.exit_code, r.output) == (2, "error: --random takes START:STOP (two integers), got 'a:b'\n")
+    r = CliRunner().invoke(app, ["conform", "--random", "4:4"])
+    assert (r.exit_code, r.output) == (2, "error: --random 4:4: no seeds in that range\n")
+    r = CliRunner().invoke(app, ["conform", "w.jsonl", "--random", "3"])
+    assert (r.exit_code, r.output) == (2, "error: --random makes its own workloads: give no workload file\n")
+
+
+@needs_vllm
+def test_random_cases_match_vllm():
+    r = CliRunner().invoke(app, ["conform", "--random", "0:10"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) == 11 and all(line.endswith(": identical") for line in lines[:10])
+    assert lines[-1] == "10 cases, 0 differ"
