@@ -75,6 +75,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        self.admission_tokens: int | None = None  # a window's admission cap (sliding_window.admission_blocks)
         self.ops = OpLog(record_ops)
         self.op_counts = MappingProxyType(self.ops.counts)  # kind -> ops so far (read-only, live)
         policy = make_policy(eviction, block_size) if isinstance(eviction, str) else eviction
@@ -177,16 +178,21 @@ class KVCacheManager(Forking, Swapping, Loads):
         num_computed = seq.num_computed_tokens + num_new_computed_tokens
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         blocks = self.req_blocks.get(sid)
+        reserve = self.watermark_blocks if watermark else 0
+        if full_sequence_must_fit and num_slots < seq.num_tokens:
+            # NOTE: vllm/v1/core/kv_cache_manager.py allocate_slots: blocks for every known
+            # token, hits counted, before the chunk's own check and before dead blocks go back
+            if self.sliding_window is None:
+                need = self.num_blocks_to_allocate(seq, seq.num_tokens, new_computed_blocks)
+            else:
+                need = sw.admission_blocks(seq.num_tokens, self.admission_tokens, self.sliding_window, bs,
+                                           blocks or (), new_computed_blocks, num_computed, self.pool.num_free_hits)
+            if need + reserve > self.pool.num_free_blocks:
+                return None
         if blocks is not None and self.sliding_window is not None:
             # NOTE: as in vLLM V1, dead blocks go back even if this allocation then fails
             self._remove_skipped_blocks(sid, num_computed)
         free = self.pool.num_free_blocks
-        reserve = self.watermark_blocks if watermark else 0
-        if full_sequence_must_fit and self.sliding_window is None and num_slots < seq.num_tokens:
-            # NOTE: vllm/v1/core/kv_cache_manager.py allocate_slots: blocks for every known
-            # token, hits counted, before the chunk's own check
-            if self.num_blocks_to_allocate(seq, seq.num_tokens, new_computed_blocks) + reserve > free:
-                return None
         n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
         if n_alloc + reserve > free:
             return None
@@ -270,18 +276,12 @@ class KVCacheManager(Forking, Swapping, Loads):
         self.num_cached_block[sid] = n_full
 
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:
-        blocks = self.req_blocks[sid]
-        n_skip = min(sw.num_skipped_blocks(num_computed, self.sliding_window, self.block_size), len(blocks))
-        removed = []
-        for i in range(n_skip - 1, -1, -1):
-            if blocks[i] is self.null_block:
-                break
-            removed.append(blocks[i])
-            blocks[i] = self.null_block
-            if self.ops.enabled:
-                self.ops.emit_entry(sid, blocks[i].block_id, i)
+        null = self.null_block
+        removed = sw.null_skipped(self.req_blocks[sid], num_computed, self.sliding_window, self.block_size, null)
         if removed:
-            self.pool.free_blocks(removed)
+            for i in removed if self.ops.enabled else ():
+                self.ops.emit_entry(sid, null.block_id, i)
+            self.pool.free_blocks(list(removed.values()))
 
     # ------------------------------------------------------------------- free
     def free(self, seq: Sequence) -> None:

@@ -9,11 +9,26 @@ table is taken by the null block).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from kvcache.block import KVCacheBlock
 
 
 def num_skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
     return max(0, num_computed - window + 1) // block_size
+
+
+def null_skipped(blocks: list[KVCacheBlock], num_computed: int, window: int, block_size: int,
+                 null: KVCacheBlock) -> dict[int, KVCacheBlock]:
+    """Put the null block in place of the blocks the window no longer reads, from the last of
+    them back to the first one already null; returns the blocks taken out by index, last first."""
+    removed = {}
+    for i in range(min(num_skipped_blocks(num_computed, window, block_size), len(blocks)) - 1, -1, -1):
+        if blocks[i] is null:
+            break
+        removed[i] = blocks[i]
+        blocks[i] = null
+    return removed
 
 
 def contiguous_blocks_needed(window: int, block_size: int) -> int:
@@ -39,3 +54,19 @@ def find_longest_cache_hit(hashes: list[int], max_blocks: int, window: int, bloc
         if run >= need:
             return out[: i + run]
     return out[:run]
+
+
+def admission_blocks(num_tokens: int, cap_tokens: int | None, window: int, block_size: int,
+                     held: Sequence[KVCacheBlock], hits: list[KVCacheBlock], num_computed: int,
+                     free_hits: Callable[[list[KVCacheBlock], bool], int]) -> int:
+    """Free blocks vLLM 0.33's whole-sequence admission gate asks of a windowed request
+    (vllm/v1/core/single_type_kv_cache_manager.py get_num_blocks_to_allocate with
+    apply_admission_cap): blocks for all `num_tokens`, but at most those of `cap_tokens` plus
+    one (vllm/v1/kv_cache_interface.py SlidingWindowSpec.max_admission_blocks_per_request: the
+    window and a step's tokens), less the blocks it holds or hits or that the window skips,
+    plus its hits sitting in the free queue (`free_hits`, nulls allowed)."""
+    need = -(-num_tokens // block_size)
+    if cap_tokens is not None:
+        need = min(need, -(-cap_tokens // block_size) + 1)
+    skipped = num_skipped_blocks(num_computed, window, block_size)
+    return max(need - max(skipped, len(hits) + len(held)), 0) + free_hits(hits[max(0, skipped - len(held)):], True)

@@ -32,6 +32,7 @@ def conform(
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
+    sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: full attention)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
     step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
@@ -73,7 +74,7 @@ def conform(
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
-            watermark=watermark, enable_prefix_caching=not no_prefix_caching,
+            watermark=watermark, enable_prefix_caching=not no_prefix_caching, sliding_window=sliding_window,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
             closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
         ).validate()
@@ -83,6 +84,7 @@ def conform(
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, block size "
                    f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs"
                    + (", async scheduling" if async_scheduling else "")
+                   + (f", a {sliding_window}-token sliding window" if sliding_window is not None else "")
                    + (f", {kv_offloading_size:g} GiB KV offloading" if kv_offloading_size is not None else ""))
         if kv_offloading_size is not None and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")

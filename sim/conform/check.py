@@ -71,13 +71,13 @@ def compare(mode: str, ours: Sequence[dict], theirs: Sequence[dict], fields: Seq
 
 
 def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
-                  enable_caching: bool, vllm_version: str) -> list[dict]:
+                  enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> list[dict]:
     """kvsim's cache replay, one record per request as `kvsim cache-replay --out` writes it."""
     from kvcache.manager import KVCacheManager
     from kvcache.replay import replay
 
     m = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, track_ids=False,
-                       vllm_version=vllm_version)
+                       vllm_version=vllm_version, sliding_window=sliding_window)
     out: list[dict] = []
     replay(requests, m, max_running, lambda rec: out.append({
         "id": rec.id, "prompt_tokens": rec.prompt_tokens, "hit_tokens": rec.hit_tokens,
@@ -120,11 +120,11 @@ def check_workload(requests: list) -> None:
 
 
 def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
-                enable_caching: bool, vllm_version: str) -> Diff:
+                enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> Diff:
     from sim.conform import vllm_cache
 
     kw = {"block_size": block_size, "num_blocks": num_blocks, "max_running": max_running,
-          "enable_caching": enable_caching}
+          "enable_caching": enable_caching, "sliding_window": sliding_window}
     ours = kvsim_manager(requests, vllm_version=vllm_version, **kw)
     theirs = vllm_cache.replay_manager(requests, **kw)
     return compare("manager", ours, theirs, MANAGER_FIELDS)
@@ -146,7 +146,8 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
     from sim.engine.cost_model import CostModel
 
     tokens, seqs = cfg.batch_limits()
-    return {"block_size": cfg.block_size, "num_gpu_blocks": CostModel.from_config(cfg).num_gpu_blocks(cfg),
+    cost = CostModel.from_config(cfg)
+    return {"block_size": cfg.block_size, "num_gpu_blocks": cost.num_gpu_blocks(cfg), "sliding_window": cost.sliding_window,
             "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
             "long_prefill_token_threshold": cfg.long_prefill_token_threshold, "watermark": cfg.watermark,
@@ -171,7 +172,9 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     ours, summary = simulate_scheduler(requests, cfg)
     if summary["host_chunks"] != chunks:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
-    theirs = vllm_run_offload(requests, offloading=off, **_scheduler_args(cfg))
+    args = _scheduler_args(cfg)
+    del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
+    theirs = vllm_run_offload(requests, offloading=off, **args)
     diff = compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:
@@ -193,9 +196,10 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
     if mode in ("manager", "both") and not offloading:
         from sim.engine.cost_model import CostModel
 
-        d = run_manager(requests, block_size=cfg.block_size,
-                        num_blocks=CostModel.from_config(cfg).num_gpu_blocks(cfg), max_running=max_running,
-                        enable_caching=cfg.enable_prefix_caching, vllm_version=cfg.vllm_version)
+        cost = CostModel.from_config(cfg)
+        d = run_manager(requests, block_size=cfg.block_size, num_blocks=cost.num_gpu_blocks(cfg),
+                        max_running=max_running, enable_caching=cfg.enable_prefix_caching,
+                        vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window)
         diffs.append(d)
         if on_diff:
             on_diff(d)

@@ -2,10 +2,10 @@
 
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
-priority, async scheduling), with a cache sized from the workload's longest request so every
-request fits and memory pressure ranges from preemption storms to none. A third of the seeds
-turn on KV offloading (tier size, chunk width, policy, store threshold, link speed). The same
-seed always gives the same case.
+priority, async scheduling, a sliding window), with a cache sized from the workload's longest
+request so every request fits and memory pressure ranges from preemption storms to none. A
+third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
+speed). The same seed always gives the same case.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Case:
         knobs += [] if c.enable_chunked_prefill else ["chunking off"]
         knobs += ["priority"] if c.scheduling == "priority" else []
         knobs += ["async"] if c.async_scheduling else []
+        knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
         if c.kv_offloading_size is not None:
             bpc = c.offload_blocks_per_chunk
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
@@ -81,7 +82,11 @@ def random_case(seed: int) -> Case:
         kw["long_prefill_token_threshold"] = 0
     if r.random() < 1 / 3:
         kw.update(_offloading(r, bs, kw["num_gpu_blocks"], longest))
-    return Case(seed, kind, requests, SimConfig(**kw).validate(), r.choice([1, 1, 4, 16]))
+    max_running = r.choice([1, 1, 4, 16])
+    # drawn last, so the knobs above are what they were before windows were drawn
+    if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.3:
+        kw["sliding_window"] = r.choice([8, 17, 64, 500])
+    return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:

@@ -65,7 +65,7 @@ class _Live:
 
 def replay_manager(
     requests: Iterable[Request], *, block_size: int, num_blocks: int, max_running: int = 1,
-    enable_caching: bool = True,
+    enable_caching: bool = True, sliding_window: int | None = None,
 ) -> list[dict]:
     """Run vLLM's KVCacheManager under kvsim's cache-replay loop; records in completion order.
 
@@ -81,7 +81,7 @@ def replay_manager(
     check_ids(reqs)
     max_len = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1) + block_size
     manager = KVCacheManager(
-        kv_cache_config(block_size, num_blocks), max_model_len=max_len,
+        kv_cache_config(block_size, num_blocks, sliding_window), max_model_len=max_len,
         scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=enable_caching,
     )
     algo = CacheConfig().prefix_caching_hash_algo
@@ -89,7 +89,7 @@ def replay_manager(
     lives = [_Live(r, uid, hasher) for uid, r in enumerate(reqs)]
     done: list[dict] = []
     if max_running == 1:
-        _sequential(lives, manager, block_size, done)
+        _sequential(lives, manager, block_size, done, sliding_window is not None)
     else:
         _concurrent(lives, manager, max_running, done)
     return done
@@ -104,7 +104,7 @@ def _admit(m, live: _Live) -> int | None:
     return hit
 
 
-def _sequential(lives: list[_Live], m, block_size: int, done: list[dict]) -> None:
+def _sequential(lives: list[_Live], m, block_size: int, done: list[dict], windowed: bool) -> None:
     for live in lives:
         v, rec = live.vreq, live.rec
         hit = _admit(m, live)
@@ -117,7 +117,7 @@ def _sequential(lives: list[_Live], m, block_size: int, done: list[dict]) -> Non
         live.sample(1)
         sampled = 1
         n = live.target - 1
-        if n > 0:
+        if n > 0 and not windowed:  # as kvsim's replay: a window frees blocks token by token
             live.sample(n)
             if m.allocate_slots(v, n) is not None:
                 v.num_computed_tokens += n

@@ -32,9 +32,10 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int,
                      watermark: float, scheduling: str, async_scheduling: bool = False,
-                     offloading: tuple[float, dict[str, Any]] | None = None):
+                     offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
-    `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector.
+    `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
+    `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec).
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches).
     """
@@ -74,7 +75,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     if offloading is not None:  # the connector reads these when the Scheduler builds it
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
-    kv_config = kv_cache_config(block_size, num_gpu_blocks)
+    kv_config = kv_cache_config(block_size, num_gpu_blocks, sliding_window)
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
     kv_config.hash_block_size = hash_bs
@@ -98,7 +99,7 @@ def run_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
-    async_scheduling: bool = False,
+    async_scheduling: bool = False, sliding_window: int | None = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
 
@@ -141,7 +142,7 @@ def run_scheduler(
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling, async_scheduling=async_scheduling)
+            scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if async_scheduling:
             if queue_size != 2:

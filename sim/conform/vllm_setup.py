@@ -73,12 +73,18 @@ def token_ids(req: Request, uid: int) -> list[int]:
     return seq.token_ids(0, req.prompt_len + max(req.output_len, 1)).tolist()
 
 
-def kv_cache_config(block_size: int, num_blocks: int):
+def kv_cache_config(block_size: int, num_blocks: int, sliding_window: int | None = None):
+    """One KV-cache group of a one-layer model: full attention, or a sliding window of that many tokens."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                             dtype=torch.float32)
+    kw = {"block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    spec = FullAttentionSpec(**kw) if sliding_window is None else SlidingWindowSpec(**kw, sliding_window=sliding_window)
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layers.0.self_attn"], spec)],

