@@ -32,6 +32,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.enable_chunked_prefill for c in cfgs) == 12
     assert sum(c.scheduling == "priority" for c in cfgs) == 11
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
+    assert sum(c.sliding_window is not None for c in cfgs) == 9
 
 
 def test_random_takes_no_workload_and_two_integers():
