@@ -2,7 +2,7 @@
 
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
-priority, async scheduling, a sliding window), with a cache sized from the workload's longest
+priority with random priorities, async scheduling, a sliding window), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -11,7 +11,7 @@ speed). The same seed always gives the same case.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sim.engine.config import SimConfig
 from workloads.build import build_workload
@@ -86,6 +86,8 @@ def random_case(seed: int) -> Case:
     # drawn last, so the knobs above are what they were before windows were drawn
     if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.3:
         kw["sliding_window"] = r.choice([8, 17, 64, 500])
+    if kw["scheduling"] == "priority":  # the generators give every request priority 0
+        requests = [replace(q, priority=r.choice([0, 0, 1, 2])) for q in requests]
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
