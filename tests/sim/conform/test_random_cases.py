@@ -51,3 +51,24 @@ def test_random_cases_match_vllm():
     lines = r.output.splitlines()
     assert len(lines) == 11 and all(line.endswith(": identical") for line in lines[:10])
     assert lines[-1] == "10 cases, 0 differ"
+
+
+def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: pytest.MonkeyPatch):
+    from sim.conform import check
+
+    def fake(requests, cfg, mode, max_running):
+        n = len(requests)
+        return [check.Diff("scheduler", n, 1 if n == 20 else 0, ("r", "finish_step", 5, 6) if n == 20 else None)]
+
+    monkeypatch.setattr(vllm_setup, "vllm_available", lambda: None)
+    monkeypatch.setattr(vllm_setup, "vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(check, "conform", fake)
+    r = CliRunner().invoke(app, ["conform", "--random", "1:3", "--mode", "scheduler"])
+    assert r.exit_code == 1
+    assert r.output.splitlines() == [
+        "seed 1: multi-turn, 80 requests, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200: identical",
+        "seed 2: shared-prefix, 20 requests, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
+        "scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
+        "2 cases, 1 differ",
+        "  rerun: kvsim conform --random 2:3 --mode scheduler",
+    ]
