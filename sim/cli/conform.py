@@ -33,6 +33,7 @@ def conform(
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
     sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: full attention)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="scheduler mode: tokens per sequence; longer answers stop there (default: no limit)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
     step_time: Annotated[float, typer.Option("--step-time", help="scheduler mode: seconds per step")] = 0.05,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
@@ -75,6 +76,7 @@ def conform(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
             watermark=watermark, enable_prefix_caching=not no_prefix_caching, sliding_window=sliding_window,
+            max_model_len=max_model_len,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
             closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
         ).validate()

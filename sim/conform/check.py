@@ -151,7 +151,7 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
             "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
             "long_prefill_token_threshold": cfg.long_prefill_token_threshold, "watermark": cfg.watermark,
-            "step_time": cfg.step_time, "scheduling": cfg.scheduling}
+            "step_time": cfg.step_time, "scheduling": cfg.scheduling, "max_model_len": cfg.max_model_len}
 
 
 def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:

@@ -2,7 +2,7 @@
 
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
-priority with random priorities, async scheduling, a sliding window), with a cache sized from the workload's longest
+priority with random priorities, async scheduling, a sliding window, a max_model_len), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -41,6 +41,7 @@ class Case:
         knobs += ["priority"] if c.scheduling == "priority" else []
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
+        knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
         if c.kv_offloading_size is not None:
             bpc = c.offload_blocks_per_chunk
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
@@ -88,6 +89,12 @@ def random_case(seed: int) -> Case:
         kw["sliding_window"] = r.choice([8, 17, 64, 500])
     if kw["scheduling"] == "priority":  # the generators give every request priority 0
         requests = [replace(q, priority=r.choice([0, 0, 1, 2])) for q in requests]
+    if r.random() < 0.2:  # a max_model_len that cuts answers; longer prompts are left out (vLLM refuses them)
+        prompts = sorted(q.prompt_len for q in requests)
+        kw["max_model_len"] = r.choice([prompts[len(prompts) // 2], prompts[-1]]) + r.choice([1, 2, 9])
+        requests = [q for q in requests if q.prompt_len < kw["max_model_len"]]
+        if not kw["enable_chunked_prefill"]:
+            kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 

@@ -113,7 +113,7 @@ def run_offload_scheduler(
     requests: Iterable[Request], *, offloading: Offloading, block_size: int, num_gpu_blocks: int,
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
+    watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs", max_model_len: int | None = None,
 ) -> list[dict]:
     """vLLM's sync Scheduler with the OffloadingConnector and the fake worker, one step per
     `step_time`; records in workload order, as `sim.conform.vllm_scheduler.run_scheduler`'s
@@ -123,7 +123,7 @@ def run_offload_scheduler(
     reqs, tokens, recs, max_model_len = prepare(
         requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold)
+        long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
     for rec in recs.values():
         rec["offload_hit_tokens"] = 0
     page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes

@@ -99,7 +99,7 @@ def run_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
-    async_scheduling: bool = False, sliding_window: int | None = None,
+    async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
 
@@ -134,7 +134,7 @@ def run_scheduler(
     reqs, tokens, recs, max_model_len = prepare(
         requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold)
+        long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
     with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
         sched, hasher, queue_size = _build_scheduler(
             tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -154,8 +154,10 @@ def run_scheduler(
 
 
 def prepare(requests: Iterable[Request], *, step_time: float, scheduling: str, max_num_batched_tokens: int,
-            max_num_seqs: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int):
-    """Checked arguments for a run: (requests, their token ids, empty records by id, max_model_len)."""
+            max_num_seqs: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int,
+            max_model_len: int | None = None):
+    """Checked arguments for a run: (requests, their token ids, empty records by id, max_model_len).
+    With `max_model_len` (kvsim's `--max-model-len`) vLLM gets that one and stops a request there."""
     if step_time <= 0:
         raise ValueError(f"step_time must be positive, got {step_time}")
     if scheduling not in ("fcfs", "priority"):
@@ -165,10 +167,13 @@ def prepare(requests: Iterable[Request], *, step_time: float, scheduling: str, m
     reqs = list(requests)
     check_ids(reqs)
     longest = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1)
-    # NOTE: any max_model_len >= the longest request schedules the same; the other
-    # terms only keep vLLM's config checks quiet (its warnings, its threshold check).
-    max_model_len = max(longest, -(-max_num_batched_tokens // max_num_seqs),
-                        long_prefill_token_threshold)
+    if max_model_len is not None:
+        longest = min(longest, max_model_len)
+    else:
+        # NOTE: any max_model_len >= the longest request schedules the same; the other
+        # terms only keep vLLM's config checks quiet (its warnings, its threshold check).
+        max_model_len = max(longest, -(-max_num_batched_tokens // max_num_seqs),
+                            long_prefill_token_threshold)
     if not enable_chunked_prefill:
         if longest > max_num_batched_tokens:
             raise ValueError(

@@ -33,6 +33,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(c.scheduling == "priority" for c in cfgs) == 11
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
     assert sum(c.sliding_window is not None for c in cfgs) == 9
+    assert sum(c.max_model_len is not None for c in cfgs) == 13
 
 
 def test_random_takes_no_workload_and_two_integers():
@@ -46,7 +47,9 @@ def test_random_takes_no_workload_and_two_integers():
 
 @needs_vllm
 def test_random_cases_match_vllm():
-    r = CliRunner().invoke(app, ["conform", "--random", "0:10"])
+    # seeds 8-17 draw every knob: 3 offloading, 2 windowed, 2 priority, 2 async, 1 max_model_len,
+    # 1 without chunking, 3 without caching
+    r = CliRunner().invoke(app, ["conform", "--random", "8:18"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert len(lines) == 11 and all(line.endswith(": identical") for line in lines[:10])
