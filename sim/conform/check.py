@@ -100,6 +100,12 @@ def simulate_scheduler(requests: list, cfg: SimConfig) -> tuple[list[dict], dict
     dropped = rq[rq["status"] != "finished"]
     if len(dropped):
         r = dropped.iloc[0]
+        if r["reason"] == "prompt_exceeds_max_model_len":
+            n = int((dropped["reason"] == r["reason"]).sum())
+            raise ConfigError(
+                f"{n} requests leave no token under max_model_len {cfg.max_model_len} (first: "
+                f"{r['id']!r}, a {int(r['prompt_tokens'])}-token prompt); vLLM refuses them before it "
+                "schedules: give a larger --max-model-len or leave them out")
         raise ConfigError(
             f"{len(dropped)} requests do not fit (first: {r['id']!r}, {r['reason']}); vLLM would "
             "stall on them: give more --num-gpu-blocks or a larger --max-num-batched-tokens"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -75,3 +77,15 @@ def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: 
         "2 cases, 1 differ",
         "  rerun: kvsim conform --random 2:3 --mode scheduler",
     ]
+
+
+@needs_vllm
+def test_max_model_len_cuts_answers_on_both_sides_and_too_long_prompts_are_named():
+    wl = str(Path(__file__).resolve().parents[2] / "golden" / "workloads" / "multi-turn.jsonl")
+    args = ["conform", wl, "--mode", "scheduler", "--num-gpu-blocks", "60", "--max-num-batched-tokens", "256"]
+    r = CliRunner().invoke(app, [*args, "--max-model-len", "480"])  # 451-token prompts, 509-token requests
+    assert r.exit_code == 0 and r.output.splitlines()[1:] == ["scheduler 120 requests, 0 differ", "identical"]
+    r = CliRunner().invoke(app, [*args, "--max-model-len", "300"])
+    assert r.exit_code == 2 and r.output.endswith(
+        "error: 12 requests leave no token under max_model_len 300 (first: 'mt-1-3', a 341-token prompt); "
+        "vLLM refuses them before it schedules: give a larger --max-model-len or leave them out\n")
