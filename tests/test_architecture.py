@@ -141,6 +141,7 @@ REQUEST_PATH = {
     "sim/engine/scheduler.py": "core: queues, admission, preemption, retirement",
     "kvcache/manager.py": "core: prefix lookup, slot allocation, caching, free",
     "kvcache/block_pool.py": "core: blocks, the prefix-cache map, eviction calls",
+    "sim/engine/arrivals.py": "part of the scheduler (a mixin): arrival, rejection, parallel sampling",
     "sim/engine/batch.py": "leaf: the live request and batch records",
     "sim/engine/wait_queue.py": "leaf: the waiting queue (FCFS or priority)",
     "kvcache/sequence.py": "leaf: the request's tokens and block hashes",

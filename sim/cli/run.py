@@ -52,6 +52,8 @@ FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-cachin
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
     d = cfg.to_dict()
+    if d["parallel_sampling"] == "fanout":  # the default: the names of runs from before the option
+        del d["parallel_sampling"]
     if d["kv_offloading_size"] is None:  # offloading off: the names of runs from before it existed
         d = {k: v for k, v in d.items() if not k.startswith(("kv_offloading_", "offload_"))}
     elif not d["offload_fs"]:  # no file tier: the names of offloading runs from before it existed
@@ -151,6 +153,7 @@ def run(
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     preemption: Annotated[str | None, typer.Option(help="recompute|swap")] = None,
     scheduling: Annotated[str | None, typer.Option(help="fcfs|priority")] = None,
+    parallel_sampling: Annotated[str | None, typer.Option("--parallel-sampling", help="n > 1: fanout (vLLM 0.33: n requests) | fork (v0: fork after the prefill)")] = None,
     defrag_threshold: Annotated[int | None, typer.Option(help="run the online defragmenter past this id gap")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="most sequences per step")] = None,
     load: Annotated[float | None, typer.Option(help="arrival-rate multiplier (2: arrivals twice as dense)")] = None,
@@ -184,7 +187,8 @@ def run(
         **hardware_changes(model, gpu, tp), "block_size": block_size,
         "num_gpu_blocks": num_gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
         "num_cpu_blocks": num_cpu_blocks, "eviction": eviction, "watermark": watermark,
-        "preemption": preemption, "scheduling": scheduling, "defrag_threshold": defrag_threshold,
+        "preemption": preemption, "scheduling": scheduling, "parallel_sampling": parallel_sampling,
+        "defrag_threshold": defrag_threshold,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "load": load,
         "max_model_len": max_model_len, "long_prefill_token_threshold": long_prefill_token_threshold,
         "vllm_version": vllm_version, "step_time": step_time,

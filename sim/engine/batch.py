@@ -11,10 +11,11 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
+        self.parent: Request | None = None  # the request with n > 1 this sample fanned out from
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.keys: tuple[list[int], int] | None = None  # its prompt's block keys, hashed ahead (WaitQueue.hash_ahead)

@@ -49,6 +49,9 @@ class SimConfig:
     preemption: str = "recompute"  # or "swap"
     scheduling: str = "fcfs"  # or "priority"
     num_lookahead_tokens: int = 0
+    # a request with n > 1: "fanout", vLLM V1's n requests sharing the prompt through the prefix
+    # cache; "fork", vLLM v0's samples forked after the prefill (copy-on-write of the last block)
+    parallel_sampling: str = "fanout"
     # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
     # (sim.engine.async_scheduler); recompute preemption only, no lookahead slots
     async_scheduling: bool = False
@@ -116,6 +119,8 @@ class SimConfig:
             raise ConfigError(f"async_scheduling does not model lookahead slots, got num_lookahead_tokens={self.num_lookahead_tokens}")
         if self.scheduling not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling must be 'fcfs' or 'priority', got {self.scheduling!r}")
+        if self.parallel_sampling not in ("fanout", "fork"):
+            raise ConfigError(f"parallel_sampling must be 'fanout' or 'fork', got {self.parallel_sampling!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.step_time is not None and not (math.isfinite(self.step_time) and self.step_time > 0):

@@ -8,8 +8,8 @@ to CPU). A step that preempted admits nothing. Otherwise swapped sequences come 
 be swapped in, then WAITING requests in FCFS (or priority) order, with a prefix-cache lookup, until
 the first one that cannot be allocated: its whole known context must fit (`scheduler_reserve_full_isl`),
 and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
-tokens advance, a sequence whose known tokens are all computed samples one, a request with n > 1 forks
-its samples after its prefill, and finished sequences are freed.
+tokens advance, a sequence whose known tokens are all computed samples one (a v0-style request with
+n > 1 forks its samples after its prefill: `sim.engine.arrivals`), and finished sequences are freed.
 
 For speed, a step visits only the sequences that need the block manager: mid-block decodes are
 counted, not visited, and a blocked head of WAITING is not retried while the retry must fail. Both
@@ -23,6 +23,7 @@ import heapq
 from kvcache.admission import AllocStatus
 from kvcache.manager import KVCacheManager, cdiv
 from kvcache.sequence import Sequence
+from sim.engine.arrivals import Arrivals
 from sim.engine.batch import Batch, Live
 from sim.engine.config import SimConfig
 from sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
@@ -33,8 +34,8 @@ from workloads.request import Request
 __all__ = ["Batch", "Live", "Scheduler", "WaitQueue"]  # Batch, Live, WaitQueue: re-exported
 
 
-class Scheduler:
-    """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager."""
+class Scheduler(Arrivals):
+    """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager (arrivals: `Arrivals`)."""
 
     has_shortcuts = True  # takes sim.engine.shortcuts where SimConfig.shortcuts allows
     live_type: type[Live] = Live  # what `add` makes for a request (sim.engine.async_scheduler keeps more)
@@ -46,6 +47,7 @@ class Scheduler:
         self.chunked = cfg.enable_chunked_prefill
         self.swap = cfg.preemption == "swap"
         self.priority = cfg.scheduling == "priority"
+        self.fork = cfg.parallel_sampling == "fork"  # else n > 1 fans out (sim.engine.arrivals)
         self.lookahead = cfg.num_lookahead_tokens
         self.max_len = cfg.max_model_len
         self.long_prefill = cfg.long_prefill_token_threshold
@@ -59,33 +61,9 @@ class Scheduler:
         self.step = 0  # the engine's number for the step being scheduled (logged per request)
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
-        self._open: dict[int, int] = {}  # row -> samples not yet done, for forked requests
+        self._open: dict[int, int] = {}  # row -> samples not yet done, of a request with n > 1
         self._uid = 0
         self.internal_fragmentation = 0  # allocated slots not holding a token, after `complete`
-
-    # ------------------------------------------------------------- arrivals
-    def add(self, req: Request, now: float) -> None:
-        """A request arrives: queue it, or drop it at once if it can never run."""
-        row = self.log.add(req.id, now, req.prompt_len, req.output_len, req.n, req.priority)
-        reason = self._never_fits(req)
-        if reason:
-            self.log.status[row] = REJECTED
-            self.log.reason[row] = REASON_CODE[reason]
-            self.log.finish[row] = now
-            self.done.append(req)
-            return
-        self.waiting.push(self.live_type(req, row, self.max_len))
-
-    def _never_fits(self, req: Request) -> str:
-        if self.max_len is not None and req.prompt_len >= self.max_len:
-            return "prompt_exceeds_max_model_len"
-        if req.n > self.max_seqs:
-            return "n_exceeds_max_num_seqs"
-        if not self.chunked and req.prompt_len > self.max_tokens:
-            return "prompt_exceeds_batch"
-        if self.m.sliding_window is None and cdiv(req.prompt_len, self.m.block_size) > self.m.num_usable_blocks:
-            return "prompt_exceeds_cache"
-        return ""
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped)
@@ -316,9 +294,10 @@ class Scheduler:
             if c == t:  # all known tokens computed: sample one
                 seq.append_tokens(1)
                 t += 1
-                if c == seq.num_prompt_tokens:  # the request's first token
-                    log.first_token[live.row] = now
-                    log.first_token_step[live.row] = self.step
+                row = live.row
+                if c == seq.num_prompt_tokens and log.first_token[row] != log.first_token[row]:  # NaN: the first
+                    log.first_token[row] = now
+                    log.first_token_step[row] = self.step
                     if live.req.n > 1 and t < live.target:
                         seqs = self._fork(live)
                 if t >= live.target:
@@ -358,18 +337,6 @@ class Scheduler:
         self.running.append(live)
         self.fast.active.append(live)
 
-    def _fork(self, live: Live) -> int:
-        """Parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write).
-        Returns n, the sequences the request now runs."""
-        req = live.req
-        self._open[live.row] = req.n
-        for j in range(1, req.n):
-            child = Live(req, live.row, self.max_len)
-            child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
-            self._uid += 1
-            self._join(child)
-        return req.n
-
     def _retire(self, live: Live, status: int, reason: str, now: float) -> None:
         """A sequence is done (finished or dropped): free its blocks; when it is the
         request's last sample, close the request."""
@@ -390,7 +357,7 @@ class Scheduler:
             del self._open[row]
         log.finish[row] = now
         log.finish_step[row] = self.step
-        self.done.append(live.req)
+        self.done.append(live.parent or live.req)
 
 
 def _priority_key(live: Live) -> tuple[int, float]:

@@ -122,7 +122,7 @@ def simulated(folder: Path, requests: int = 6, gpu_blocks: int = 10, forks: bool
     reqs = [make_request(f"q{i}", 0.001 * i, np.concatenate([system, rng.integers(0, 1000, 3 + i % 5)]), 6 + i % 3,
                          n=2 if forks and i % 3 == 0 else 1) for i in range(requests)]
     cfg = SimConfig(block_size=4, num_gpu_blocks=gpu_blocks, num_cpu_blocks=32, preemption="swap", defrag_threshold=2,
-                    record_ops=True, max_num_batched_tokens=32, max_num_seqs=6)
+                    record_ops=True, max_num_batched_tokens=32, max_num_seqs=6, parallel_sampling="fork")
     result = simulate(reqs, cfg)
     folder.mkdir(parents=True, exist_ok=True)
     result.manager.ops.save(folder)

@@ -45,7 +45,8 @@ CASES = {
 
 
 def _cfg(**kw) -> SimConfig:
-    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64, "record_ops": True}
+    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64, "record_ops": True,
+            "parallel_sampling": "fork"}  # v0-style samples: copy-on-write ops are recorded too
     return SimConfig(**{**base, **kw})
 
 

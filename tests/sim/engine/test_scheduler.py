@@ -104,8 +104,24 @@ def test_swap_round_trip_restores_the_request() -> None:
     assert s.log.preemptions[2] == 1
 
 
-def test_parallel_sampling_forks_after_prefill_and_copies_on_write() -> None:
+def test_parallel_sampling_fans_out_into_n_requests_sharing_the_prompt_through_the_cache() -> None:
+    # vllm 0.33 vllm/v1/engine/parallel_sampling.py ParentRequest.get_child_info: n requests
+    # "{j}_{id}", each admitted on its own; the later ones hit the first's full block (cached
+    # at allocation) and compute the partial last block again. One row, closed by the last.
     s = make_scheduler()
+    s.add(req("a", 0, 6, 3, n=3), 0)
+    assert step(s, 0) == [("0_a", 6), ("1_a", 2), ("2_a", 2)]
+    assert [s.m.block_ids(x)[0] for x in ("0_a", "1_a", "2_a")] == [1, 1, 1]
+    assert len({s.m.block_ids(x)[1] for x in ("0_a", "1_a", "2_a")}) == 3 and s.m.num_cow_copies == 0
+    assert (s.log.hit_tokens[0], s.log.first_token_step[0]) == (0, 0)
+    step(s, 1)
+    step(s, 2)
+    assert s.log.status[0] == FINISHED and s.log.output_tokens[0] == 9 and s.log.finish[0] == 3.0
+    assert [r.id for r in s.done] == ["a"]
+
+
+def test_v0_parallel_sampling_forks_after_prefill_and_copies_on_write() -> None:
+    s = make_scheduler(parallel_sampling="fork")
     s.add(req("a", 0, 6, 3, n=3), 0)
     assert step(s, 0) == [("a", 6)]
     assert ids(s) == ["a", "a", "a"]
@@ -165,8 +181,9 @@ def test_priority_scheduling_admits_lower_values_first() -> None:
 
 
 def test_requests_that_can_never_run_are_rejected_with_a_reason() -> None:
+    # n > max_num_seqs never runs only when its samples are forked together (v0); fanned out they queue
     s = make_scheduler(num_gpu_blocks=5, max_num_seqs=2, enable_chunked_prefill=False,
-                       max_num_batched_tokens=32)
+                       max_num_batched_tokens=32, parallel_sampling="fork")
     s.add(req("big", 0, 17, 1), 0)  # 5 blocks > 4 usable
     s.add(req("wide", 0, 4, 1, n=3), 0)
     s.add(req("long", 0, 33, 1), 0)
