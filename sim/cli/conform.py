@@ -47,7 +47,7 @@ def conform(
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from sim.conform import vllm_setup
-    from sim.conform.check import MANAGER_NO_OFFLOADING, MODES
+    from sim.conform.check import MANAGER_NO_OFFLOADING, MANAGER_NO_SAMPLES, MODES
     from sim.conform.check import conform as run_conform
     from sim.engine.config import ConfigError, SimConfig
     from workloads.errors import WorkloadError
@@ -90,6 +90,8 @@ def conform(
                    + (f", {kv_offloading_size:g} GiB KV offloading" if kv_offloading_size is not None else ""))
         if kv_offloading_size is not None and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")
+        elif any(r.n > 1 for r in requests) and mode == "both":
+            typer.echo(f"manager   skipped: {MANAGER_NO_SAMPLES.split(';')[0]}")
         diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None

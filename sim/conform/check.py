@@ -25,6 +25,8 @@ SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "
 MODES = ("manager", "scheduler", "both")
 MANAGER_NO_OFFLOADING = ("manager mode replays the cache without a scheduler and does not cover KV "
                          "offloading; use --mode scheduler")
+MANAGER_NO_SAMPLES = ("manager mode drives one sequence per request and does not cover parallel sampling "
+                      "(n > 1); use --mode scheduler")
 
 
 @dataclass
@@ -117,12 +119,33 @@ def simulate_scheduler(requests: list, cfg: SimConfig) -> tuple[list[dict], dict
 
 
 def check_workload(requests: list) -> None:
-    """What the vLLM side cannot take: parallel sampling and empty prompts."""
+    """What the vLLM side cannot take: empty prompts."""
     for r in requests:
-        if r.n != 1:
-            raise ConfigError(f"request {r.id!r}: n={r.n}; conform drives one sequence per request")
         if r.prompt_len < 1:
             raise ConfigError(f"request {r.id!r}: empty prompt")
+
+
+def fan_out(requests: list) -> list:
+    """The workload as vLLM's scheduler sees it: a request with n > 1 as its n requests "{j}_{id}"
+    (vllm/v1/engine/parallel_sampling.py ParentRequest.get_child_info)."""
+    from dataclasses import replace
+
+    return [c for r in requests for c in ([r] if r.n == 1 else
+                                          [replace(r, id=f"{j}_{r.id}", n=1) for j in range(r.n)])]
+
+
+def by_request(requests: list, records: list[dict]) -> list[dict]:
+    """vLLM's per-sample records folded into one a request, as kvsim's log keeps them: the first
+    scheduling and first token of any sample, the finish of the last, preemptions summed, and the
+    hit of the first sample (the one admitted first)."""
+    recs = {r["id"]: r for r in records}
+    out = []
+    for q in requests:
+        kids = [recs[q.id]] if q.n == 1 else [recs[f"{j}_{q.id}"] for j in range(q.n)]
+        out.append({"id": q.id, **{f: min(k[f] for k in kids) for f in ("first_scheduled_step", "first_token_step")},
+                    "finish_step": max(k["finish_step"] for k in kids),
+                    "preemptions": sum(k["preemptions"] for k in kids), "hit_tokens": kids[0]["hit_tokens"]})
+    return out
 
 
 def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
@@ -143,8 +166,8 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
     from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
     ours = kvsim_scheduler(requests, cfg)
-    theirs = vllm_run_scheduler(requests, **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
-    return compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
+    theirs = vllm_run_scheduler(fan_out(requests), **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
+    return compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
 
 
 def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
@@ -191,15 +214,20 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
 def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int = 1,
             on_diff: Callable[[Diff], None] | None = None) -> list[Diff]:
     """Run the chosen modes; `cfg` must have a step time and give the block count. With KV
-    offloading only the scheduler mode runs ("both" skips the manager mode)."""
+    offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode)."""
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_workload(requests)
     offloading = cfg.kv_offloading_size is not None
+    samples = any(r.n > 1 for r in requests)
     if offloading and mode == "manager":
         raise ConfigError(MANAGER_NO_OFFLOADING)
+    if samples and mode == "manager":
+        raise ConfigError(MANAGER_NO_SAMPLES)
+    if samples and (offloading or cfg.parallel_sampling != "fanout"):
+        raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out, without KV offloading")
     diffs = []
-    if mode in ("manager", "both") and not offloading:
+    if mode in ("manager", "both") and not offloading and not samples:
         from sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)

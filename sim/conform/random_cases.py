@@ -2,7 +2,8 @@
 
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
-priority with random priorities, async scheduling, a sliding window, a max_model_len), with a cache sized from the workload's longest
+priority with random priorities, async scheduling, a sliding window, a max_model_len, parallel
+sampling), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -47,6 +48,8 @@ class Case:
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
                       f"{c.offload_eviction_policy}, threshold {c.offload_store_threshold}"
                       + (", decode chunks too" if not c.offload_prompt_only else "") + ")"]
+        samples = sum(r.n > 1 for r in self.requests)
+        knobs += [f"{samples} with n > 1"] if samples else []
         return f"seed {self.seed}: {self.kind}, {len(self.requests)} requests, " + ", ".join(knobs)
 
 
@@ -95,6 +98,8 @@ def random_case(seed: int) -> Case:
         requests = [q for q in requests if q.prompt_len < kw["max_model_len"]]
         if not kw["enable_chunked_prefill"]:
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
+    if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.2:  # parallel sampling
+        requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 

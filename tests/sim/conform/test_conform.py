@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from sim.cli.app import app
 from sim.conform import vllm_setup
 from sim.conform.check import SCHEDULER_FIELDS, compare, conform, run_manager
-from sim.engine.config import SimConfig
+from sim.engine.config import ConfigError, SimConfig
 from workloads.default import default_workload
 from workloads.request import make_request
 from workloads.traces import load_workload
@@ -111,3 +111,19 @@ def test_without_vllm_the_cli_says_how_to_install_it(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(vllm_setup, "vllm_available", lambda: msg)
     r = CliRunner().invoke(app, ["conform", str(GOLDEN / "shared-prefix.jsonl")])
     assert (r.exit_code, r.output) == (2, f"error: {msg}\n")
+
+
+@needs_vllm
+def test_parallel_sampling_is_compared_as_vllm_fans_it_out():
+    # vllm/v1/engine/parallel_sampling.py: vLLM's scheduler sees n requests "{j}_{id}"; their
+    # records fold into one a request (first scheduling and token of any, finish of the last)
+    from sim.conform.check import MANAGER_NO_SAMPLES
+    from workloads.build import build_workload
+
+    reqs = list(build_workload("parallel", 30, 10.0, "poisson", 1.0, 4, {"samples": 3}))
+    cfg = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=300,
+                    max_num_batched_tokens=256, max_num_seqs=16).validate()
+    assert [d.format() for d in conform(reqs, cfg, "both")] == ["scheduler 30 requests, 0 differ"]
+    with pytest.raises(ConfigError, match="does not cover parallel sampling"):
+        conform(reqs, cfg, "manager")
+    assert MANAGER_NO_SAMPLES.endswith("use --mode scheduler")

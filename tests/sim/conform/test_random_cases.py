@@ -36,6 +36,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
     assert sum(c.sliding_window is not None for c in cfgs) == 9
     assert sum(c.max_model_len is not None for c in cfgs) == 13
+    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 7
 
 
 def test_random_takes_no_workload_and_two_integers():
@@ -50,7 +51,7 @@ def test_random_takes_no_workload_and_two_integers():
 @needs_vllm
 def test_random_cases_match_vllm():
     # seeds 8-17 draw every knob: 3 offloading, 2 windowed, 2 priority, 2 async, 1 max_model_len,
-    # 1 without chunking, 3 without caching
+    # 1 without chunking, 3 without caching, 1 with parallel sampling
     r = CliRunner().invoke(app, ["conform", "--random", "8:18"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
