@@ -86,8 +86,8 @@ class AsyncScheduler(Scheduler):
         self._finished = False  # vLLM's finished_req_ids: some request finished since the last batch
 
     def add(self, req: Request, now: float) -> None:
-        if req.n != 1:
-            raise ConfigError(f"request {req.id!r}: n={req.n}; async scheduling runs one sequence per request")
+        if req.n != 1 and self.fork:
+            raise ConfigError(f"request {req.id!r}: n={req.n}; async scheduling does not fork samples (parallel_sampling='fork')")
         super().add(req, now)
 
     def has_requests(self) -> bool:
@@ -211,7 +211,8 @@ class AsyncScheduler(Scheduler):
             seq.append_tokens(1)
             if not stale and had_ph:
                 live.ph -= 1
-            if seq.num_tokens == seq.num_prompt_tokens + 1:  # the request's first token
+            row = live.row  # (a fanned-out request's first token is its first sample's)
+            if seq.num_tokens == seq.num_prompt_tokens + 1 and log.first_token[row] != log.first_token[row]:
                 log.first_token[live.row] = now
                 log.first_token_step[live.row] = self.step
             running = live.order >= 0

@@ -36,7 +36,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
     assert sum(c.sliding_window is not None for c in cfgs) == 9
     assert sum(c.max_model_len is not None for c in cfgs) == 13
-    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 7
+    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 8
 
 
 def test_random_takes_no_workload_and_two_integers():

@@ -71,9 +71,11 @@ def test_what_async_scheduling_does_not_model_is_a_config_error(change: dict, me
         SimConfig(async_scheduling=True, **change).validate()
 
 
-def test_parallel_sampling_is_refused_by_name():
-    with pytest.raises(ConfigError, match="request 'a': n=2"):
-        run([req("a", 0, 4, 2, n=2)], async_scheduling=True)
+def test_parallel_sampling_fans_out_and_v0_forks_are_refused_by_name():
+    res = run([req("a", 0, 4, 2, n=2)], async_scheduling=True)  # two requests 0_a, 1_a (vLLM V1)
+    assert (res.requests["status"].tolist(), res.requests["output_tokens"].tolist()) == (["finished"], [4])
+    with pytest.raises(ConfigError, match="request 'a': n=2; async scheduling does not fork"):
+        run([req("a", 0, 4, 2, n=2)], async_scheduling=True, parallel_sampling="fork")
 
 
 # ------------------------------------------------------------------ against vLLM
