@@ -8,8 +8,9 @@ to CPU). A step that preempted admits nothing. Otherwise swapped sequences come 
 be swapped in, then WAITING requests in FCFS (or priority) order, with a prefix-cache lookup, until
 the first one that cannot be allocated: its whole known context must fit (`scheduler_reserve_full_isl`),
 and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
-tokens advance, a sequence whose known tokens are all computed samples one (a v0-style request with
-n > 1 forks its samples after its prefill: `sim.engine.arrivals`), and finished sequences are freed.
+tokens advance, a sequence whose known tokens are all computed samples one, and finished sequences are
+freed. A request with n > 1 arrived as n requests (vLLM 0.33's fan-out), or, v0-style, forks its samples
+after its prefill (both in `sim.engine.arrivals`).
 
 For speed, a step visits only the sequences that need the block manager: mid-block decodes are
 counted, not visited, and a blocked head of WAITING is not retried while the retry must fail. Both
