@@ -136,15 +136,14 @@ def fan_out(requests: list) -> list:
 
 def by_request(requests: list, records: list[dict]) -> list[dict]:
     """vLLM's per-sample records folded into one a request, as kvsim's log keeps them: the first
-    scheduling and first token of any sample, the finish of the last, preemptions summed, and the
-    hit of the first sample (the one admitted first)."""
+    scheduling and first token of any sample, the finish of the last, preemptions and hits summed."""
     recs = {r["id"]: r for r in records}
     out = []
     for q in requests:
         kids = [recs[q.id]] if q.n == 1 else [recs[f"{j}_{q.id}"] for j in range(q.n)]
         out.append({"id": q.id, **{f: min(k[f] for k in kids) for f in ("first_scheduled_step", "first_token_step")},
                     "finish_step": max(k["finish_step"] for k in kids),
-                    "preemptions": sum(k["preemptions"] for k in kids), "hit_tokens": kids[0]["hit_tokens"]})
+                    **{f: sum(k[f] for k in kids) for f in ("preemptions", "hit_tokens")}})
     return out
 
 

@@ -96,6 +96,8 @@ def random_case(seed: int) -> Case:
         prompts = sorted(q.prompt_len for q in requests)
         kw["max_model_len"] = r.choice([prompts[len(prompts) // 2], prompts[-1]]) + r.choice([1, 2, 9])
         requests = [q for q in requests if q.prompt_len < kw["max_model_len"]]
+        # vLLM's SchedulerConfig refuses a long-prefill cap above max_model_len
+        kw["long_prefill_token_threshold"] = min(kw["long_prefill_token_threshold"], kw["max_model_len"])
         if not kw["enable_chunked_prefill"]:
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
     if "kv_offloading_size" not in kw and r.random() < 0.2:  # parallel sampling

@@ -57,6 +57,7 @@ class Arrivals:
         self._open[live.row] = req.n
         for j in range(1, req.n):
             child = Live(req, live.row, self.max_len)
+            child.admitted = True  # its prompt came with the fork: a later re-admission is not a first one
             child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
             self._uid += 1
             self._join(child)

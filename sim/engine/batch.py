@@ -11,11 +11,12 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
         self.parent: Request | None = None  # the request with n > 1 this sample fanned out from
+        self.admitted = False  # admitted once already (its prompt and hit are counted then)
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.keys: tuple[list[int], int] | None = None  # its prompt's block keys, hashed ahead (WaitQueue.hash_ahead)

@@ -128,7 +128,7 @@ REQUEST_COLUMNS: dict[str, Any] = {
     "first_scheduled_step": np.float64,
     "first_token_step": np.float64,
     "finish_step": np.float64,
-    "hit_tokens": np.int32,  # prompt tokens served from cache at first admission
+    "hit_tokens": np.int32,  # prompt tokens served from cache at first admission (each sample's, summed, when n > 1 fans out)
     "output_tokens": np.int64,  # tokens sampled, all samples together
     "preemptions": np.int32,
     "status": np.int8,  # index into STATUS
@@ -186,19 +186,27 @@ def latencies(df: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------ summary
 
 
-def hit_rate(requests: pd.DataFrame) -> float:
+def _admitted(requests: pd.DataFrame, fanned_out: bool) -> tuple[pd.Series, pd.Series, pd.Series]:
+    """Admitted requests' prompt tokens, the times each prompt was scheduled (once a sample when
+    n > 1 fans out, else once), and their hit tokens (at each of those first admissions)."""
+    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens", "n"]]
+    times = adm["n"].astype(np.int64) if fanned_out else pd.Series(1, index=adm.index)
+    return adm["prompt_tokens"].astype(np.int64), times, adm["hit_tokens"]
+
+
+def hit_rate(requests: pd.DataFrame, fanned_out: bool = True) -> float:
     """Token-level prefix hit rate: prompt tokens served from cache at first admission
-    / prompt tokens, over requests that were admitted."""
-    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens"]]
-    total = int(adm["prompt_tokens"].sum())
-    return float(adm["hit_tokens"].sum()) / total if total else 0.0
+    / prompt tokens scheduled, over requests that were admitted."""
+    prompts, times, hits = _admitted(requests, fanned_out)
+    total = int((prompts * times).sum())
+    return float(hits.sum()) / total if total else 0.0
 
 
-def block_hit_rate(requests: pd.DataFrame, block_size: int) -> float:
+def block_hit_rate(requests: pd.DataFrame, block_size: int, fanned_out: bool = True) -> float:
     """Block-level prefix hit rate: hit blocks / prompt blocks (ceil(prompt / block size))."""
-    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens"]]
-    blocks = int((-(-adm["prompt_tokens"].astype(np.int64) // block_size)).sum())
-    return float((adm["hit_tokens"] // block_size).sum()) / blocks if blocks else 0.0
+    prompts, times, hits = _admitted(requests, fanned_out)
+    blocks = int((-(-prompts // block_size) * times).sum())
+    return float((hits // block_size).sum()) / blocks if blocks else 0.0
 
 
 def time_mean(steps: StepTable, column: str, w: np.ndarray | None = None) -> float:
@@ -247,10 +255,12 @@ def summarize(
     slo_ttft: float | None = None,
     slo_tpot: float | None = None,
     counters: dict[str, int] | None = None,
+    fanned_out: bool = True,
 ) -> dict[str, Any]:
     """The run's summary: one flat JSON-friendly dict (see the module docstring).
 
-    `counters` adds totals the logs do not hold (CoW copies, swapped blocks, ...).
+    `counters` adds totals the logs do not hold (CoW copies, swapped blocks, ...); `fanned_out`:
+    a request with n > 1 ran as n requests, each scheduling its prompt (else its samples forked).
     """
     span = duration(steps, requests)
     status = requests["status"]
@@ -265,13 +275,14 @@ def summarize(
     }
     for reason in REASONS[1:]:
         s[f"dropped_{reason}"] = int((requests["reason"] == reason).sum())
+    prompts, times, _ = _admitted(requests, fanned_out)
     s.update(
         steps=len(steps),
         duration_s=span,
-        prompt_tokens=int(requests.loc[requests["first_scheduled"].notna(), "prompt_tokens"].sum()),
+        prompt_tokens=int((prompts * times).sum()),
         hit_tokens=int(requests["hit_tokens"].sum()),
-        hit_rate=hit_rate(requests),
-        block_hit_rate=block_hit_rate(requests, block_size),
+        hit_rate=hit_rate(requests, fanned_out),
+        block_hit_rate=block_hit_rate(requests, block_size, fanned_out),
         output_tokens=out_tokens,
         throughput_rps=int(done.sum()) / span if span else 0.0,
         output_tokens_per_s=out_tokens / span if span else 0.0,

@@ -120,6 +120,7 @@ def simulate(
         slo_ttft=cfg.slo_ttft,
         slo_tpot=cfg.slo_tpot,
         counters=counters,
+        fanned_out=cfg.parallel_sampling == "fanout",
     )
     if offload is not None:  # GPU and tier hits at first admissions, over their prompt tokens
         prompt = summary["prompt_tokens"]

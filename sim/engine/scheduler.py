@@ -263,11 +263,13 @@ class Scheduler(Arrivals):
         self._join(live)
         self._add(b, live, n)
         log, row = self.log, live.row
-        if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: first admission
+        if log.first_scheduled[row] != log.first_scheduled[row]:  # NaN: the request's first admission
             log.first_scheduled[row] = now
             log.first_scheduled_step[row] = self.step
-            log.hit_tokens[row] = hit
             b.admitted += 1
+        if not live.admitted:  # each fanned-out sample's prompt is scheduled, and counted, on its own
+            live.admitted = True
+            log.hit_tokens[row] += hit
             b.admitted_prompt_tokens += seq.num_prompt_tokens
             b.admitted_hit_tokens += hit
 

@@ -113,7 +113,7 @@ def test_parallel_sampling_fans_out_into_n_requests_sharing_the_prompt_through_t
     assert step(s, 0) == [("0_a", 6), ("1_a", 2), ("2_a", 2)]
     assert [s.m.block_ids(x)[0] for x in ("0_a", "1_a", "2_a")] == [1, 1, 1]
     assert len({s.m.block_ids(x)[1] for x in ("0_a", "1_a", "2_a")}) == 3 and s.m.num_cow_copies == 0
-    assert (s.log.hit_tokens[0], s.log.first_token_step[0]) == (0, 0)
+    assert (s.log.hit_tokens[0], s.log.first_token_step[0]) == (4 + 4, 0)  # each later sample's hit counts
     step(s, 1)
     step(s, 2)
     assert s.log.status[0] == FINISHED and s.log.output_tokens[0] == 9 and s.log.finish[0] == 3.0

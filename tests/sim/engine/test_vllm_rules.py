@@ -95,6 +95,18 @@ def test_hit_tokens_are_those_of_the_first_scheduling():
     assert res.requests["hit_tokens"].tolist() == [0, 8, 4]
 
 
+def test_a_fanned_out_request_counts_each_samples_prompt_and_hit():
+    # DESIGN.md: prefix hit rate = prompt tokens served from cache / prompt tokens scheduled.
+    # Fanned out (vllm/v1/engine/parallel_sampling.py), each of the 3 samples schedules the
+    # 6-token prompt and the later two hit the first one's full block; forked (v0), only one does
+    reqs = [make_request("a", 0, range(100, 106), 3, n=3)]
+    cfg = SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20)
+    fan = simulate(reqs, cfg).summary
+    fork = simulate(reqs, cfg.replace(parallel_sampling="fork")).summary
+    assert (fan["prompt_tokens"], fan["hit_tokens"], fan["hit_rate"], fan["block_hit_rate"]) == (18, 8, 8 / 18, 2 / 6)
+    assert (fork["prompt_tokens"], fork["hit_tokens"], fork["hit_rate"], fork["cow_copies"]) == (6, 0, 0.0, 2)
+
+
 def test_priority_order_is_priority_then_arrival_then_request_id():
     # vllm/v1/request.py Request.__lt__: ties in priority and arrival go by request id as a
     # string, so "r10" runs before "r2"; one sequence at a time makes the order visible
