@@ -202,8 +202,8 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
-    theirs = vllm_run_offload(requests, offloading=off, **args)
-    diff = compare("scheduler", ours, theirs, SCHEDULER_FIELDS)
+    theirs = vllm_run_offload(fan_out(requests), offloading=off, **args)
+    diff = compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:
         diff.total = ("offload_hit_tokens", *loaded)
@@ -223,8 +223,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         raise ConfigError(MANAGER_NO_OFFLOADING)
     if samples and mode == "manager":
         raise ConfigError(MANAGER_NO_SAMPLES)
-    if samples and (offloading or cfg.parallel_sampling != "fanout"):
-        raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out, without KV offloading")
+    if samples and cfg.parallel_sampling != "fanout":
+        raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
     if mode in ("manager", "both") and not offloading and not samples:
         from sim.engine.cost_model import CostModel

@@ -100,7 +100,7 @@ def random_case(seed: int) -> Case:
         kw["long_prefill_token_threshold"] = min(kw["long_prefill_token_threshold"], kw["max_model_len"])
         if not kw["enable_chunked_prefill"]:
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
-    if "kv_offloading_size" not in kw and r.random() < 0.2:  # parallel sampling
+    if r.random() < 0.2:  # parallel sampling
         requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 

@@ -154,11 +154,11 @@ class OffloadScheduler(Scheduler):
             self._landed.discard(sid)
             loaded = self._loads.pop(sid, None)
             log, row = self.log, live.row
-            first = log.first_scheduled[row] != log.first_scheduled[row]  # NaN: its first admission
+            first = not live.admitted  # its (sample's) first admission
             self._admit(b, live, hit, n, now)
             if loaded is not None and first:  # the log counts the GPU hit; the rest came from the tier
                 b.admitted_hit_tokens -= hit - loaded[0]
-                log.hit_tokens[row] = loaded[0]
+                log.hit_tokens[row] -= hit - loaded[0]
                 self.offload.hit_tokens += loaded[1]
                 self.offload.fs_hit_tokens += self.offload.fs_loaded.get(sid, 0)
             self.offload.fs_loaded.pop(sid, None)

@@ -19,7 +19,7 @@ def test_a_seed_always_gives_the_same_case():
     a, b = random_case(5), random_case(5)
     assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
     assert a.describe() == ("seed 5: unique, 40 requests, block 16, 43 blocks, budget 64/4, long-prefill 32, "
-                            "offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, decode chunks too)")
+                            "offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, decode chunks too), 23 with n > 1")
 
 
 def test_every_request_fits_and_the_seeds_cover_the_knobs():
@@ -36,7 +36,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
     assert sum(c.sliding_window is not None for c in cfgs) == 9
     assert sum(c.max_model_len is not None for c in cfgs) == 13
-    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 8
+    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 12
 
 
 def test_random_takes_no_workload_and_two_integers():
