@@ -125,22 +125,22 @@ def check_workload(requests: list) -> None:
             raise ConfigError(f"request {r.id!r}: empty prompt")
 
 
-def fan_out(requests: list) -> list:
-    """The workload as vLLM's scheduler sees it: a request with n > 1 as its n requests "{j}_{id}"
-    (vllm/v1/engine/parallel_sampling.py ParentRequest.get_child_info)."""
-    from dataclasses import replace
+def fanned_out(requests: list) -> list:
+    """The workload as vLLM's scheduler sees it: each request with n > 1 as its n requests."""
+    from sim.engine.arrivals import fan_out
 
-    return [c for r in requests for c in ([r] if r.n == 1 else
-                                          [replace(r, id=f"{j}_{r.id}", n=1) for j in range(r.n)])]
+    return [sample for r in requests for sample in fan_out(r)]
 
 
 def by_request(requests: list, records: list[dict]) -> list[dict]:
     """vLLM's per-sample records folded into one a request, as kvsim's log keeps them: the first
     scheduling and first token of any sample, the finish of the last, preemptions and hits summed."""
+    from sim.engine.arrivals import fan_out
+
     recs = {r["id"]: r for r in records}
     out = []
     for q in requests:
-        kids = [recs[q.id]] if q.n == 1 else [recs[f"{j}_{q.id}"] for j in range(q.n)]
+        kids = [recs[sample.id] for sample in fan_out(q)]
         out.append({"id": q.id, **{f: min(k[f] for k in kids) for f in ("first_scheduled_step", "first_token_step")},
                     "finish_step": max(k["finish_step"] for k in kids),
                     **{f: sum(k[f] for k in kids) for f in ("preemptions", "hit_tokens")}})
@@ -165,7 +165,7 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
     from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
     ours = kvsim_scheduler(requests, cfg)
-    theirs = vllm_run_scheduler(fan_out(requests), **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
+    theirs = vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
     return compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
 
 
@@ -202,7 +202,7 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
-    theirs = vllm_run_offload(fan_out(requests), offloading=off, **args)
+    theirs = vllm_run_offload(fanned_out(requests), offloading=off, **args)
     diff = compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:

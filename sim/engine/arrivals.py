@@ -17,6 +17,12 @@ from sim.engine.metrics import REASON_CODE, REJECTED
 from workloads.request import Request
 
 
+def fan_out(req: Request) -> list[Request]:
+    """The requests vLLM's front end makes of `req`: itself if n = 1, else n requests "{j}_{id}"
+    with n = 1 (vllm/v1/engine/parallel_sampling.py ParentRequest.get_child_info)."""
+    return [req] if req.n == 1 else [replace(req, id=f"{j}_{req.id}", n=1) for j in range(req.n)]
+
+
 class Arrivals:
     """`add` and the fork of a v0-style parallel request (attributes are the scheduler's)."""
 
@@ -34,8 +40,8 @@ class Arrivals:
             self.waiting.push(self.live_type(req, row, self.max_len))
             return
         self._open[row] = req.n
-        for j in range(req.n):
-            live = self.live_type(replace(req, id=f"{j}_{req.id}", n=1), row, self.max_len)
+        for sample in fan_out(req):
+            live = self.live_type(sample, row, self.max_len)
             live.parent = req
             self.waiting.push(live)
 

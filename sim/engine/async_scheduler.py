@@ -213,8 +213,8 @@ class AsyncScheduler(Scheduler):
                 live.ph -= 1
             row = live.row  # (a fanned-out request's first token is its first sample's)
             if seq.num_tokens == seq.num_prompt_tokens + 1 and log.first_token[row] != log.first_token[row]:
-                log.first_token[live.row] = now
-                log.first_token_step[live.row] = self.step
+                log.first_token[row] = now
+                log.first_token_step[row] = self.step
             running = live.order >= 0
             if running and not stale and had_ph:
                 self.m.cache_blocks(seq, seq.num_computed_tokens - live.inflight)

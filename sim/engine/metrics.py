@@ -186,27 +186,18 @@ def latencies(df: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------ summary
 
 
-def _admitted(requests: pd.DataFrame, fanned_out: bool) -> tuple[pd.Series, pd.Series, pd.Series]:
-    """Admitted requests' prompt tokens, the times each prompt was scheduled (once a sample when
-    n > 1 fans out, else once), and their hit tokens (at each of those first admissions)."""
+def prefix_hits(requests: pd.DataFrame, block_size: int, fanned_out: bool = True) -> dict[str, Any]:
+    """Prompt tokens scheduled by admitted requests (once a sample when n > 1 fans out, else once)
+    and the prefix hit rates over them: token level, prompt tokens served from cache at first
+    admission / prompt tokens scheduled; block level, hit blocks / prompt blocks (ceil(prompt / block size))."""
     adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens", "n"]]
-    times = adm["n"].astype(np.int64) if fanned_out else pd.Series(1, index=adm.index)
-    return adm["prompt_tokens"].astype(np.int64), times, adm["hit_tokens"]
-
-
-def hit_rate(requests: pd.DataFrame, fanned_out: bool = True) -> float:
-    """Token-level prefix hit rate: prompt tokens served from cache at first admission
-    / prompt tokens scheduled, over requests that were admitted."""
-    prompts, times, hits = _admitted(requests, fanned_out)
+    prompts = adm["prompt_tokens"].astype(np.int64)
+    times = adm["n"].astype(np.int64) if fanned_out else 1
     total = int((prompts * times).sum())
-    return float(hits.sum()) / total if total else 0.0
-
-
-def block_hit_rate(requests: pd.DataFrame, block_size: int, fanned_out: bool = True) -> float:
-    """Block-level prefix hit rate: hit blocks / prompt blocks (ceil(prompt / block size))."""
-    prompts, times, hits = _admitted(requests, fanned_out)
     blocks = int((-(-prompts // block_size) * times).sum())
-    return float((hits // block_size).sum()) / blocks if blocks else 0.0
+    hits = adm["hit_tokens"]
+    return {"prompt_tokens": total, "hit_rate": float(hits.sum()) / total if total else 0.0,
+            "block_hit_rate": float((hits // block_size).sum()) / blocks if blocks else 0.0}
 
 
 def time_mean(steps: StepTable, column: str, w: np.ndarray | None = None) -> float:
@@ -275,14 +266,14 @@ def summarize(
     }
     for reason in REASONS[1:]:
         s[f"dropped_{reason}"] = int((requests["reason"] == reason).sum())
-    prompts, times, _ = _admitted(requests, fanned_out)
+    hits = prefix_hits(requests, block_size, fanned_out)
     s.update(
         steps=len(steps),
         duration_s=span,
-        prompt_tokens=int((prompts * times).sum()),
+        prompt_tokens=hits["prompt_tokens"],
         hit_tokens=int(requests["hit_tokens"].sum()),
-        hit_rate=hit_rate(requests, fanned_out),
-        block_hit_rate=block_hit_rate(requests, block_size, fanned_out),
+        hit_rate=hits["hit_rate"],
+        block_hit_rate=hits["block_hit_rate"],
         output_tokens=out_tokens,
         throughput_rps=int(done.sum()) / span if span else 0.0,
         output_tokens_per_s=out_tokens / span if span else 0.0,
