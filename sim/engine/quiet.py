@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)  # what a cost model is told a step without charged ops did
 
-
 class QuietRuns:
     """One engine's quiet runs: the scheduler, manager and logs they drive, and steps taken so far."""
 
@@ -233,12 +232,22 @@ class QuietRuns:
         # (its decodes free nothing), and only a yield to SimPy lets an arrival change WAITING
         free = len(pool.policy)  # KVCacheManager.num_free_blocks
         span = tracker.fragmentation() if tracker is not None else 0
+        fast = self.fast
+        lazy = fast.lazy
         while ok:
             kk = sched._k + 1
-            if not self._visits(kk, watch, evicts, free):
-                break
-            sched._k = kk
-            tokens, context, frag = self._decode(kk)
+            if not fast.active and kk not in lazy.wakes:
+                # NOTE: a step that visits no one: the lazy sums are its totals, and the budget
+                # holds them all (validate: max_num_batched_tokens >= max_num_seqs)
+                sched._k = kk
+                self.allocs, self.finishing, tokens = 0, [], lazy.n
+                m.count_writes(tokens)
+                context, frag = lazy.context_tokens(kk), lazy.empty_slots(kk)
+            else:
+                if not self._visits(kk, watch, evicts, free):
+                    break
+                sched._k = kk
+                tokens, context, frag = self._decode(kk)
             if self.allocs:
                 free -= self.allocs
                 if tracker is not None:

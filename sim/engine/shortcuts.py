@@ -57,7 +57,7 @@ class LazyDecodes:
         self.n = 0
         self._ctx = 0  # sum of (computed + 1 - since)
         self._frag = 0  # sum of (bs - 2 - computed % bs + since)
-        self._wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there
+        self.wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there (stale ones too)
         self._fills: dict[int, int] = {}  # step -> lazy sequences whose block fills at it
         self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
         self.fills = False  # a block of unique decoded tokens may fill lazily (cached when freed)
@@ -73,9 +73,9 @@ class LazyDecodes:
         self._frag += self.bs - 2 - c % self.bs + k
         if (c + last + 1) % self.bs == 0:  # a full block holds no empty slot, not -1
             self._fills[k + last] = self._fills.get(k + last, 0) + 1
-        w = self._wakes.get(k + last + 1)
+        w = self.wakes.get(k + last + 1)
         if w is None:
-            self._wakes[k + last + 1] = [live]
+            self.wakes[k + last + 1] = [live]
         else:
             w.append(live)
 
@@ -108,7 +108,7 @@ class LazyDecodes:
 
     def due(self, k: int) -> list[Lazy]:
         """Drop and return the sequences to visit again from step k on."""
-        woken = self._wakes.pop(k, None) if self._wakes else None
+        woken = self.wakes.pop(k, None) if self.wakes else None
         if not woken:
             return []
         out = []
@@ -123,7 +123,7 @@ class LazyDecodes:
         for live in lives:
             if live.since >= 0:
                 self.drop(live, k)
-        self._wakes.clear()
+        self.wakes.clear()
         self._fills.clear()
 
     def context_tokens(self, k: int) -> int:
