@@ -32,18 +32,19 @@ class Loads:
     num_cached_block: dict[str, int]
 
     def allocate_for_load(self, seq: Sequence, hit: int, hit_blocks: list[KVCacheBlock], loaded: int, *,
-                          reserved: int = 0, watermark: bool = False) -> list[KVCacheBlock] | None:
+                          reserved: int = 0, watermark: bool = False, whole: bool = True) -> list[KVCacheBlock] | None:
         """Blocks for `seq`'s `hit` cached tokens (`hit_blocks`) and the next `loaded` tokens, none
         computed here; None (nothing changes) unless the whole sequence fits the free blocks (plus
-        the watermark) and this allocation fits them less `reserved` (blocks other in-flight
-        prefills still need). Returns the new blocks: the load's destinations."""
+        the watermark; not asked when `whole` is False: scheduler_reserve_full_isl off) and this
+        allocation fits them less `reserved` (blocks other in-flight prefills still need). Returns
+        the new blocks: the load's destinations."""
         if self.sliding_window is not None:
             raise ValueError("loads from the host tier need full attention (no sliding window)")
         if seq.seq_id in self.req_blocks:
             raise ValueError(f"{seq.seq_id}: already holds blocks")
         free = self.pool.num_free_blocks
         mark = self.watermark_blocks if watermark else 0
-        if self.num_blocks_to_allocate(seq, seq.num_tokens, hit_blocks) + mark > free:
+        if whole and self.num_blocks_to_allocate(seq, seq.num_tokens, hit_blocks) + mark > free:
             return None
         if self.num_blocks_to_allocate(seq, hit + loaded, hit_blocks) + mark > free - reserved:
             return None

@@ -52,6 +52,22 @@ RULES = (
         what="long_prefill_token_threshold is ignored while only one request is running or "
              "waiting (since 0.31; before, it always capped a chunk).",
     ),
+    Rule(
+        "admission_knobs", (0, 31),
+        where="vllm/config/scheduler.py SchedulerConfig.max_num_active_seqs, "
+              "long_prefill_token_threshold_adaptive; vllm/v1/core/sched/scheduler.py Scheduler.schedule",
+        what="max_num_active_seqs caps admissions into RUNNING below max_num_seqs, and an adaptive "
+             "long-prefill cap is floored at max_num_batched_tokens / (running + waiting requests) "
+             "(both options came in 0.31).",
+    ),
+    Rule(
+        "local_prefill_cadence", (0, 33),
+        where="vllm/v1/core/sched/scheduler.py Scheduler.__init__ (local_prefill_interval), Scheduler.schedule",
+        what="prefill_schedule_interval holds prefill in an engine without data parallelism: until N "
+             "executed steps have passed since the last step that carried prefill, a step admits no "
+             "prompt and runs no prefill chunk while some running request decodes (since 0.33; from "
+             "0.24 the option paced only data-parallel engines, so one engine ignored it).",
+    ),
 )
 
 
@@ -64,11 +80,21 @@ class Profile:
     free_appends_without_caching: bool
     watermark: bool
     long_prefill_sole_request: bool
+    admission_knobs: bool
+    local_prefill_cadence: bool
 
     def check_watermark(self, watermark: float) -> None:
         """ValueError if a watermark is asked of a release that has none (before 0.24)."""
         if watermark and not self.watermark:
             raise ValueError(f"vLLM {self.version} has no watermark (it came in 0.24); use watermark=0")
+
+    def check_scheduler(self, max_num_active_seqs: int | None, adaptive_long_prefill: bool) -> None:
+        """ValueError if a scheduler option is asked of a release that has none (before 0.31)."""
+        if not self.admission_knobs:
+            for name, asked in (("max_num_active_seqs", max_num_active_seqs is not None),
+                                ("long_prefill_token_threshold_adaptive", adaptive_long_prefill)):
+                if asked:
+                    raise ValueError(f"vLLM {self.version} has no {name} (it came in 0.31)")
 
     def free_first(self, enable_caching: bool) -> bool:
         """Whether freed blocks without a hash go to the front of the free queue."""

@@ -10,10 +10,14 @@ import typer
 from sim.cli.common import fail, open_workload
 from sim.cli.options import (
     KvOffloadingSize,
+    LongPrefillAdaptive,
+    MaxNumActiveSeqs,
+    NoReserveFullIsl,
     OffloadAll,
     OffloadBlocksPerChunk,
     OffloadEvictionPolicy,
     OffloadStoreThreshold,
+    admission_changes,
     offload_changes,
 )
 
@@ -28,6 +32,9 @@ def conform(
     max_num_seqs: Annotated[int | None, typer.Option(help="most sequences per step (default: vLLM's for the GPU)")] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="token budget per step (default: vLLM's for the GPU)")] = None,
     long_prefill_token_threshold: Annotated[int, typer.Option(help="most prefill tokens of one request per step (0: no cap)")] = 0,
+    long_prefill_token_threshold_adaptive: LongPrefillAdaptive = False,
+    max_num_active_seqs: MaxNumActiveSeqs = None,
+    no_scheduler_reserve_full_isl: NoReserveFullIsl = False,
     watermark: Annotated[float, typer.Option(help="fraction of blocks kept free at admission")] = 0.0,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
@@ -72,6 +79,8 @@ def conform(
             raise fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
         offload = offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
                                   offload_blocks_per_chunk, offload_all)
+        admission = admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
+                                      no_scheduler_reserve_full_isl)
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -79,6 +88,7 @@ def conform(
             max_model_len=max_model_len,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
             closed_loop_sessions=False, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
+            **admission,
         ).validate()
         requests = list(open_workload(workload, format, False, cfg.seed))
         name = "the default workload" if workload is None else str(workload)

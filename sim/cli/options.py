@@ -1,5 +1,6 @@
 """Options that several commands take, defined once so they are named, described and validated
-alike: the model and hardware (`run`, `cache-replay`, `curve`) and KV offloading's knobs."""
+alike: the model and hardware (`run`, `cache-replay`, `curve`), vLLM's admission knobs (`run`,
+`conform`) and KV offloading's knobs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,25 @@ OffloadFs = Annotated[bool, typer.Option(
 OffloadFsSize = Annotated[float | None, typer.Option(help="GiB of disk for the file tier (default: unbounded, as vLLM)")]
 OffloadFsGbps = Annotated[float | None, typer.Option(help="GB/s one file-tier I/O thread reads or writes [2]")]
 OffloadFsThreads = Annotated[int | None, typer.Option(help="file-tier read threads, and write threads [16]")]
+
+MaxNumActiveSeqs = Annotated[int | None, typer.Option(
+    help="most requests admitted into RUNNING, at most max_num_seqs (vLLM 0.31+)")]
+LongPrefillAdaptive = Annotated[bool, typer.Option(
+    "--long-prefill-token-threshold-adaptive",
+    help="floor the long-prefill cap at the token budget / requests running and waiting (vLLM 0.31+)")]
+NoReserveFullIsl = Annotated[bool, typer.Option(
+    "--no-scheduler-reserve-full-isl", help="admit a request once its chunk fits, not its whole known context")]
+
+
+def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bool,
+                      no_reserve_full_isl: bool) -> dict[str, Any]:
+    """The `SimConfig` fields the admission options given set."""
+    changes: dict[str, Any] = {} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}
+    if long_prefill_adaptive:
+        changes["long_prefill_token_threshold_adaptive"] = True
+    if no_reserve_full_isl:
+        changes["scheduler_reserve_full_isl"] = False
+    return changes
 
 
 def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: str | None,

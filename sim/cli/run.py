@@ -16,7 +16,10 @@ from sim.cli.common import cannot_write, check_output, fail, open_workload
 from sim.cli.options import (
     Gpu,
     KvOffloadingSize,
+    LongPrefillAdaptive,
+    MaxNumActiveSeqs,
     Model,
+    NoReserveFullIsl,
     OffloadAll,
     OffloadBlocksPerChunk,
     OffloadEvictionPolicy,
@@ -26,6 +29,7 @@ from sim.cli.options import (
     OffloadFsThreads,
     OffloadStoreThreshold,
     Tp,
+    admission_changes,
     fs_changes,
     hardware_changes,
     offload_changes,
@@ -49,11 +53,18 @@ FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-cachin
          "enable_chunked_prefill": "--no-chunked-prefill"}
 
 
+# config fields added after run names were first digested (offloading's are handled apart)
+LATER_FIELDS = ("parallel_sampling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs",
+                "scheduler_reserve_full_isl", "prefill_schedule_interval")
+
+
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
     d = cfg.to_dict()
-    if d["parallel_sampling"] == "fanout":  # the default: the names of runs from before the option
-        del d["parallel_sampling"]
+    default = type(cfg)()
+    for k in LATER_FIELDS:  # at their defaults: the names runs had before these options came
+        if d[k] == getattr(default, k):
+            del d[k]
     if d["kv_offloading_size"] is None:  # offloading off: the names of runs from before it existed
         d = {k: v for k, v in d.items() if not k.startswith(("kv_offloading_", "offload_"))}
     elif not d["offload_fs"]:  # no file tier: the names of offloading runs from before it existed
@@ -161,6 +172,9 @@ def run(
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     max_model_len: Annotated[int | None, typer.Option(help="tokens per sequence, as vLLM's --max-model-len (default: no limit)")] = None,
     long_prefill_token_threshold: Annotated[int | None, typer.Option(help="most prefill tokens of one request per step (0: no cap)")] = None,
+    long_prefill_token_threshold_adaptive: LongPrefillAdaptive = False,
+    max_num_active_seqs: MaxNumActiveSeqs = None,
+    no_scheduler_reserve_full_isl: NoReserveFullIsl = False,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs")] = False,
@@ -199,6 +213,8 @@ def run(
     changes.update(offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
                                    offload_blocks_per_chunk, offload_all))
     changes.update(fs_changes(offload_fs, offload_fs_size, offload_fs_gbps, offload_fs_threads))
+    changes.update(admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
+                                     no_scheduler_reserve_full_isl))
     if no_prefix_caching:
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:

@@ -179,7 +179,15 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
             "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
             "long_prefill_token_threshold": cfg.long_prefill_token_threshold, "watermark": cfg.watermark,
-            "step_time": cfg.step_time, "scheduling": cfg.scheduling, "max_model_len": cfg.max_model_len}
+            "step_time": cfg.step_time, "scheduling": cfg.scheduling, "max_model_len": cfg.max_model_len,
+            "scheduler_extra": scheduler_extra(cfg)}
+
+
+def scheduler_extra(cfg: SimConfig) -> dict[str, Any]:
+    """vLLM SchedulerConfig fields for `cfg`'s admission knobs, those not at vLLM's defaults."""
+    default = SimConfig()
+    names = ("max_num_active_seqs", "long_prefill_token_threshold_adaptive", "scheduler_reserve_full_isl")
+    return {k: getattr(cfg, k) for k in names if getattr(cfg, k) != getattr(default, k)}
 
 
 def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:

@@ -3,7 +3,7 @@
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
 priority with random priorities, async scheduling, a sliding window, a max_model_len, parallel
-sampling), with a cache sized from the workload's longest
+sampling, vLLM 0.31+'s admission knobs), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -43,6 +43,9 @@ class Case:
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
         knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
+        knobs += [f"{c.max_num_active_seqs} active"] if c.max_num_active_seqs is not None else []
+        knobs += ["adaptive"] if c.long_prefill_token_threshold_adaptive else []
+        knobs += [] if c.scheduler_reserve_full_isl else ["no full-isl reserve"]
         if c.kv_offloading_size is not None:
             bpc = c.offload_blocks_per_chunk
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
@@ -102,7 +105,20 @@ def random_case(seed: int) -> Case:
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
     if r.random() < 0.2:  # parallel sampling
         requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
+    kw.update(_admission(r, kw))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
+
+
+def _admission(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
+    """vLLM 0.31+'s admission knobs (drawn last, so the knobs before them are what they were)."""
+    out: dict[str, object] = {}
+    if r.random() < 0.2:
+        out["max_num_active_seqs"] = r.randint(1, kw["max_num_seqs"])
+    if kw["long_prefill_token_threshold"] and r.random() < 0.5:
+        out["long_prefill_token_threshold_adaptive"] = True
+    if r.random() < 0.2:
+        out["scheduler_reserve_full_isl"] = False
+    return out
 
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:

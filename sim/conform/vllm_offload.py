@@ -114,6 +114,7 @@ def run_offload_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs", max_model_len: int | None = None,
+    scheduler_extra: dict[str, Any] | None = None,
 ) -> list[dict]:
     """vLLM's sync Scheduler with the OffloadingConnector and the fake worker, one step per
     `step_time`; records in workload order, as `sim.conform.vllm_scheduler.run_scheduler`'s
@@ -134,7 +135,8 @@ def run_offload_scheduler(
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling, offloading=(offloading.vllm_size_gib(page), offloading.extra_config()))
+            scheduling=scheduling, offloading=(offloading.vllm_size_gib(page), offloading.extra_config()),
+            scheduler_extra=scheduler_extra)
         _check_connector(sched, offloading)
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
         run.run(FakeWorker(offloading.seconds_per_block), num_gpu_blocks, block_size)

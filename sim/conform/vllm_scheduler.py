@@ -32,10 +32,12 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int,
                      watermark: float, scheduling: str, async_scheduling: bool = False,
-                     offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None):
+                     offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
+                     scheduler_extra: dict[str, Any] | None = None):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
-    `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec).
+    `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec);
+    `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...).
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches).
     """
@@ -63,7 +65,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-        policy=scheduling, async_scheduling=async_scheduling,
+        policy=scheduling, async_scheduling=async_scheduling, **(scheduler_extra or {}),
     )
     offload_kw = {} if offloading is None else {"kv_offloading_size": offloading[0],
                                                  "kv_offloading_backend": "native"}
@@ -100,8 +102,10 @@ def run_scheduler(
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
     async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
+    scheduler_extra: dict[str, Any] | None = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
+    `scheduler_extra`: more SchedulerConfig fields (vLLM 0.31+'s max_num_active_seqs, ...).
 
     Each record: id, first_scheduled_step, first_token_step, finish_step, preemptions,
     hit_tokens (local prefix-cache hit at first admission). num_gpu_blocks counts block 0.
@@ -142,7 +146,8 @@ def run_scheduler(
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window)
+            scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
+            scheduler_extra=scheduler_extra)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if async_scheduling:
             if queue_size != 2:

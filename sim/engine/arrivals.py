@@ -48,7 +48,7 @@ class Arrivals:
     def _never_fits(self, req: Request) -> str:
         if self.max_len is not None and req.prompt_len >= self.max_len:
             return "prompt_exceeds_max_model_len"
-        if self.fork and req.n > self.max_seqs:  # its samples are admitted together
+        if self.fork and req.n > self.max_active:  # its samples are admitted together
             return "n_exceeds_max_num_seqs"
         if not self.chunked and req.prompt_len > self.max_tokens:
             return "prompt_exceeds_batch"

@@ -98,9 +98,7 @@ class AsyncScheduler(Scheduler):
     def schedule(self, now: float) -> AsyncBatch:
         self._k += 1
         b = AsyncBatch()
-        self._chunk = self.long_prefill
-        if self.long_prefill_sole_request and len(self.running) + len(self.waiting) <= 1:
-            self._chunk = 0
+        self._chunk = self.chunk_cap(self._eligible())
         budget = self._schedule_running(b, now)
         if not b.preempted_recompute:
             self._admit_waiting(b, budget, now)
@@ -167,7 +165,7 @@ class AsyncScheduler(Scheduler):
         m, running, waiting = self.m, self.running, self.waiting
         skipped: list[Live] = []
         while waiting and budget > 0:
-            if len(running) >= self.max_seqs:
+            if len(running) >= self.max_active:
                 break
             live = waiting.peek()
             if live.stale:  # its stale output may still finish it: come back after that
@@ -179,7 +177,7 @@ class AsyncScheduler(Scheduler):
             n = self._admission_tokens(seq, hit, budget, held)
             if not n:
                 break
-            if m.allocate_slots(seq, n, hit, blocks, watermark=held, full_sequence_must_fit=True) is None:
+            if m.allocate_slots(seq, n, hit, blocks, watermark=held, full_sequence_must_fit=self.whole_fit) is None:
                 if held:
                     break
                 waiting.pop()  # nothing else holds blocks: it can never fit

@@ -46,6 +46,10 @@ class SimConfig:
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: none
+    long_prefill_token_threshold_adaptive: bool = False  # (vLLM 0.31+) floor that cap at budget / requests
+    max_num_active_seqs: int | None = None  # (vLLM 0.31+) most requests admitted into RUNNING; None: max_num_seqs
+    scheduler_reserve_full_isl: bool = True  # admit a request only if its whole known context fits
+    prefill_schedule_interval: int = 1  # (vLLM 0.33) prefill only once every N executed steps
     preemption: str = "recompute"  # or "swap"
     scheduling: str = "fcfs"  # or "priority"
     num_lookahead_tokens: int = 0
@@ -131,15 +135,20 @@ class SimConfig:
         from kvcache.profiles import profile
 
         try:
-            profile(self.vllm_version).check_watermark(self.watermark)
+            rules = profile(self.vllm_version)
+            rules.check_watermark(self.watermark)
+            rules.check_scheduler(self.max_num_active_seqs, self.long_prefill_token_threshold_adaptive)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel", "max_num_active_seqs",
+                     "prefill_schedule_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         tokens, seqs = self.batch_limits()
         if tokens < seqs:  # vllm/config/scheduler.py SchedulerConfig.__post_init__
             raise ConfigError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > seqs:  # (the same)
+            raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be <= max_num_seqs ({seqs})")
         try:
             check_policy(self.eviction)
         except ValueError as e:

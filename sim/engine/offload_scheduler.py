@@ -83,12 +83,9 @@ class OffloadScheduler(Scheduler):
         return self.offload.busy_until(now)
 
     # ------------------------------------------------------------- admission
-    def _schedule_running(self, b: Batch, now: float) -> int:
-        # NOTE: vLLM counts the requests holding blocks for a load as waiting (get_request_counts):
-        # the long-prefill cap is lifted only when no other request is running, waiting or loading
-        if self.long_prefill_sole_request and len(self.running) + len(self.waiting) + len(self.holding) > 1:
-            self._chunk = self.long_prefill
-        return super()._schedule_running(b, now)
+    def _eligible(self) -> int:
+        # NOTE: vLLM counts the requests holding blocks for a load as waiting (get_request_counts)
+        return len(self.running) + len(self.waiting) + len(self.holding)
 
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
         m, running, off = self.m, self.running, self.offload
@@ -100,7 +97,7 @@ class OffloadScheduler(Scheduler):
                 break
             live = queue.peek()
             width = live.req.n if live.seq is None else 1
-            if len(running) + width > self.max_seqs:
+            if len(running) + width > self.max_active:
                 break
             held = bool(running)
             seq = live.seq if live.seq is not None else self._materialise(live)
@@ -124,7 +121,8 @@ class OffloadScheduler(Scheduler):
                     continue
                 if ext:
                     reserved = sum(m.blocks_to_finish(x.seq) for x in self._inflight.values())
-                    new = m.allocate_for_load(seq, hit, blocks, ext, reserved=reserved, watermark=held)
+                    new = m.allocate_for_load(seq, hit, blocks, ext, reserved=reserved, watermark=held,
+                                              whole=self.whole_fit)
                     if new is None:
                         break
                     off.start_load(seq, hit, ext, new)
@@ -139,9 +137,11 @@ class OffloadScheduler(Scheduler):
             if not n:
                 break
             if blocks is None:  # its blocks are held: `hit` tokens are computed already
-                ok = m.allocate_slots(seq, n, 0, None, self.lookahead, watermark=held, full_sequence_must_fit=True)
+                ok = m.allocate_slots(seq, n, 0, None, self.lookahead, watermark=held,
+                                      full_sequence_must_fit=self.whole_fit)
             else:
-                ok = m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held, full_sequence_must_fit=True)
+                ok = m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held,
+                                      full_sequence_must_fit=self.whole_fit)
             if ok is None:
                 # NOTE: requests holding blocks for a load (popped into skipped_holding meanwhile)
                 # hold them as running ones do: vLLM waits for them, nothing "never fits"

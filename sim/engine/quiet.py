@@ -87,13 +87,11 @@ class QuietRuns:
             return True, None, False
         live = waiting.peek()
         seq = live.seq
-        if n + (live.req.n if seq is None else 1) > sched.max_seqs:
+        if n + (live.req.n if seq is None else 1) > sched.max_active:
             return True, None, False
         if seq is None:  # its first try makes its sequence: the general step does that
             return False, None, False
-        chunk = sched.long_prefill
-        if sched.long_prefill_sole_request and n + len(waiting) <= 1:
-            chunk = 0
+        chunk = sched.chunk_cap(n + len(waiting))
         fast = self.fast
         if not fast.head_blocked(live, min(budget, chunk or budget)):
             return False, None, False

@@ -6,8 +6,9 @@ chunk (capped by `long_prefill_token_threshold`), preempting the newest running 
 run out (recompute: free and requeue at the front of WAITING; swap, a v0/v2 option: move its blocks
 to CPU). A step that preempted admits nothing. Otherwise swapped sequences come back while they can
 be swapped in, then WAITING requests in FCFS (or priority) order, with a prefix-cache lookup, until
-the first one that cannot be allocated: its whole known context must fit (`scheduler_reserve_full_isl`),
-and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
+RUNNING holds `max_num_active_seqs` (vLLM 0.31+; default `max_num_seqs`) or the first one that cannot
+be allocated: its whole known context must fit (`scheduler_reserve_full_isl`, on by default; off, its
+chunk), and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
 tokens advance, a sequence whose known tokens are all computed samples one, and finished sequences are
 freed. A request with n > 1 arrived as n requests (vLLM 0.33's fan-out), or, v0-style, forks its samples
 after its prefill (both in `sim.engine.arrivals`).
@@ -53,8 +54,12 @@ class Scheduler(Arrivals):
         self.max_len = cfg.max_model_len
         self.long_prefill = cfg.long_prefill_token_threshold
         self.long_prefill_sole_request = manager.profile.long_prefill_sole_request
+        self.adaptive = cfg.long_prefill_token_threshold_adaptive
         self._chunk = self.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
-        self.fast = Shortcuts(manager, cfg.shortcuts and self.has_shortcuts, self.lookahead, self.priority)
+        self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
+        self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
+        self.fast = Shortcuts(manager, cfg.shortcuts and self.has_shortcuts, self.lookahead, self.priority,
+                              whole_fit=self.whole_fit)
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self._joined = 0  # lives that joined RUNNING so far (their `order`)
@@ -74,9 +79,7 @@ class Scheduler(Arrivals):
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         self._k += 1
         b = Batch()
-        self._chunk = self.long_prefill
-        if self.long_prefill_sole_request and len(self.running) + len(self.waiting) <= 1:
-            self._chunk = 0  # vLLM 0.31+: nobody to starve, the one request takes the budget
+        self._chunk = self.chunk_cap(self._eligible())
         budget = self._schedule_running(b, now)
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
@@ -87,6 +90,21 @@ class Scheduler(Arrivals):
 
     def _has_waiting(self) -> bool:
         return bool(self.waiting)
+
+    def _eligible(self) -> int:
+        """Requests running or waiting (vLLM `get_request_counts`, summed)."""
+        return len(self.running) + len(self.waiting)
+
+    def chunk_cap(self, eligible: int) -> int:
+        """A step's cap on one request's prefill chunk (0: none) with `eligible` requests running or
+        waiting: long_prefill_token_threshold, lifted for a sole request (vLLM 0.31+) and, adaptive,
+        floored at a fair share of the budget (0.31+; vllm/v1/core/sched/scheduler.py Scheduler.schedule)."""
+        cap = self.long_prefill
+        if not cap or (eligible <= 1 and self.long_prefill_sole_request):
+            return 0
+        if self.adaptive:
+            return max(cap, self.max_tokens // eligible)
+        return cap
 
     def idle_until(self, now: float) -> float | None:  # noqa: ARG002
         return None  # a step at `now` scheduled nothing: no progress is possible (see OffloadScheduler)
@@ -190,7 +208,7 @@ class Scheduler(Arrivals):
 
     def _resume_swapped(self, b: Batch, budget: int, now: float) -> int:
         m, running = self.m, self.running
-        while self.swapped and budget > 0 and len(running) < self.max_seqs:
+        while self.swapped and budget > 0 and len(running) < self.max_active:
             live = self.swapped[0][-1]
             seq = live.seq
             alone = not running and not b.lives
@@ -219,7 +237,7 @@ class Scheduler(Arrivals):
         while waiting and budget > 0:
             live = waiting.peek()
             width = live.req.n if live.seq is None else 1
-            if len(running) + width > self.max_seqs:
+            if len(running) + width > self.max_active:
                 break
             seq = live.seq if live.seq is not None else self._materialise(live)
             # vLLM allocate_slots(has_scheduled_reqs=bool(self.running)): the watermark
@@ -232,7 +250,7 @@ class Scheduler(Arrivals):
             if not n:
                 break
             if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held,
-                                full_sequence_must_fit=True) is None:
+                                full_sequence_must_fit=self.whole_fit) is None:
                 if held:  # FCFS head of line: wait for blocks to free
                     self.fast.block_head(live, blocks, hit, n)
                     break

@@ -181,12 +181,12 @@ class Shortcuts:
     """One scheduler's shortcut state: the running sequences it visits (`active`), the lazy
     ones, and the blocked head. With the switch off it only keeps `active` (= RUNNING)."""
 
-    def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool):
+    def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True):
         self.m = m
         self.bs, self.tables, self.decode_slot = m.block_size, m.req_blocks, m.decode_slot
         self.lookahead = lookahead
         self.decodes = on and not (m.sliding_window or lookahead or priority)
-        self.heads = on and m.sliding_window is None
+        self.heads = on and m.sliding_window is None and whole_fit  # BlockedHead's arithmetic assumes the whole-fit gate
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
         self.records = self.decodes and m.records_ops

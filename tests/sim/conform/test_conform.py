@@ -4,7 +4,9 @@ The CI set (skipped, with the reason, where vLLM is not installed: `bash
 .ci/install_vllm_cpu.sh`) covers shared system prompts, multi-turn sessions,
 prompts longer than the token budget, preemption under memory pressure,
 caching off, the watermark, the long-prefill cap, chunking off, a
-full-cache eviction storm and sliding windows, in both modes.
+full-cache eviction storm, sliding windows and vLLM 0.31+'s admission knobs
+(max_num_active_seqs, the adaptive long-prefill cap, scheduler_reserve_full_isl off),
+in both modes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ CASES = {
                                                              "sliding_window": 64}),
     "multi-turn, 33-token window": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 50, "max_num_batched_tokens": 128,
                                                              "sliding_window": 33}),
+    # vLLM 0.31+'s admission knobs (each changes the schedule of most requests, but the last: 42 of 120)
+    "multi-turn, 3 active of 8": ("multi-turn.jsonl", 1, {"num_gpu_blocks": 200, "max_num_batched_tokens": 256,
+                                                           "max_num_seqs": 8, "max_num_active_seqs": 3}),
+    "default, adaptive long-prefill cap": ("default", 16, {"num_gpu_blocks": 300, "max_num_batched_tokens": 1024,
+                                                           "long_prefill_token_threshold": 64,
+                                                           "long_prefill_token_threshold_adaptive": True}),
+    "multi-turn, no full-isl reserve": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 60, "max_num_batched_tokens": 256,
+                                                                "scheduler_reserve_full_isl": False}),
 }
 
 

@@ -37,6 +37,9 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(c.sliding_window is not None for c in cfgs) == 9
     assert sum(c.max_model_len is not None for c in cfgs) == 13
     assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 12
+    assert sum(c.max_num_active_seqs is not None for c in cfgs) == 8
+    assert sum(c.long_prefill_token_threshold_adaptive for c in cfgs) == 9
+    assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 9
 
 
 def test_random_takes_no_workload_and_two_integers():
@@ -50,9 +53,10 @@ def test_random_takes_no_workload_and_two_integers():
 
 @needs_vllm
 def test_random_cases_match_vllm():
-    # seeds 8-17 draw every knob: 3 offloading, 2 windowed, 2 priority, 2 async, 1 max_model_len,
-    # 1 without chunking, 3 without caching, 1 with parallel sampling
-    r = CliRunner().invoke(app, ["conform", "--random", "8:18"])
+    # seeds 20-29 draw every knob: 1 offloading, 1 windowed, 2 priority, 4 async, 5 max_model_len,
+    # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
+    # 2 adaptive long-prefill caps, 1 without the full-isl reserve
+    r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert len(lines) == 11 and all(line.endswith(": identical") for line in lines[:10])
@@ -72,7 +76,8 @@ def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: 
     r = CliRunner().invoke(app, ["conform", "--random", "1:3", "--mode", "scheduler"])
     assert r.exit_code == 1
     assert r.output.splitlines() == [
-        "seed 1: multi-turn, 80 requests, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200: identical",
+        "seed 1: multi-turn, 80 requests, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200, "
+        "adaptive: identical",
         "seed 2: shared-prefix, 20 requests, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
         "scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
         "2 cases, 1 differ",

@@ -125,3 +125,44 @@ def test_step_time_runs_queue_session_turns_at_their_arrival():
         r.session, r.think_time = "s", 10.0
     got = steps([t1, t2], num_gpu_blocks=20, closed_loop_sessions=True)
     assert got == {"t1": (0, 0, 4, 0), "t2": (1, 1, 1, 0)}
+
+
+@pytest.mark.parametrize("active,late", [(2, (3, 3, 5, 0)), (None, (0, 0, 2, 0))])
+def test_max_num_active_seqs_caps_admissions_below_max_num_seqs(active, late):
+    # vLLM 0.31+ (0.33: `if num_running >= self.max_num_active_reqs: break` in the WAITING loop,
+    # max_num_active_reqs = SchedulerConfig.max_num_active_seqs or max_num_seqs): with 2 of 4,
+    # c and d wait for a and b to finish at step 2
+    got = steps([req(x, 0, 4, 3) for x in "abcd"], num_gpu_blocks=100, max_num_batched_tokens=64,
+                max_num_seqs=4, max_num_active_seqs=active)
+    assert got == {"a": (0, 0, 2, 0), "b": (0, 0, 2, 0), "c": late, "d": late}
+
+
+@pytest.mark.parametrize("adaptive,first_token", [(True, 3), (False, 12)])
+def test_an_adaptive_long_prefill_cap_is_floored_at_a_fair_share_of_the_budget(adaptive, first_token):
+    # vLLM 0.31+ (long_prefill_token_threshold_adaptive): the cap is max(8, 64 // 2 requests) = 32,
+    # so each 100-token prompt takes 32 + 32 + 32 + 4 tokens (first token at step 3), not 8 a step
+    got = steps([req("a", 0, 100, 1), req("b", 0, 100, 1)], num_gpu_blocks=60, max_num_batched_tokens=64,
+                long_prefill_token_threshold=8, long_prefill_token_threshold_adaptive=adaptive)
+    assert got == {x: (0, first_token, first_token, 0) for x in "ab"}
+
+
+@pytest.mark.parametrize("reserve,b", [(True, (20, 22, 22, 0)), (False, (1, 22, 22, 1))])
+def test_without_the_full_isl_reserve_a_first_chunk_is_enough_to_be_admitted(reserve, b):
+    # KVCacheManager.allocate_slots(full_sequence_must_fit=SchedulerConfig.scheduler_reserve_full_isl):
+    # 7 usable blocks, a holds 3 at step 1. b's 20 tokens need 5 blocks: with the reserve b
+    # waits for a to finish (step 19); without it b's 7-token chunk takes 2 blocks at once,
+    # is preempted as a grows, and finishes no sooner
+    got = steps([req("a", 0, 8, 20), req("b", 0.5, 20, 1)], num_gpu_blocks=8, max_num_batched_tokens=8,
+                max_num_seqs=2, scheduler_reserve_full_isl=reserve)
+    assert got == {"a": (0, 0, 19, 0), "b": b}
+
+
+def test_the_admission_knobs_need_a_release_that_has_them():
+    from sim.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"vLLM 0.30 has no max_num_active_seqs \(it came in 0.31\)"):
+        SimConfig(max_num_active_seqs=2, vllm_version="0.30").validate()
+    with pytest.raises(ConfigError, match=r"vLLM 0.28 has no long_prefill_token_threshold_adaptive"):
+        SimConfig(long_prefill_token_threshold_adaptive=True, vllm_version="0.28").validate()
+    with pytest.raises(ConfigError, match=r"max_num_active_seqs \(9\) must be <= max_num_seqs \(8\)"):
+        SimConfig(max_num_seqs=8, max_num_active_seqs=9).validate()
