@@ -61,6 +61,11 @@ RULES = (
              "(both options came in 0.31).",
     ),
     Rule(
+        "prefill_schedule_interval", (0, 24),
+        where="vllm/config/scheduler.py SchedulerConfig.prefill_schedule_interval",
+        what="the option exists (0.24+); it paced data-parallel engines only until 0.33.",
+    ),
+    Rule(
         "local_prefill_cadence", (0, 33),
         where="vllm/v1/core/sched/scheduler.py Scheduler.__init__ (local_prefill_interval), Scheduler.schedule",
         what="prefill_schedule_interval holds prefill in an engine without data parallelism: until N "
@@ -81,6 +86,7 @@ class Profile:
     watermark: bool
     long_prefill_sole_request: bool
     admission_knobs: bool
+    prefill_schedule_interval: bool
     local_prefill_cadence: bool
 
     def check_watermark(self, watermark: float) -> None:
@@ -88,8 +94,11 @@ class Profile:
         if watermark and not self.watermark:
             raise ValueError(f"vLLM {self.version} has no watermark (it came in 0.24); use watermark=0")
 
-    def check_scheduler(self, max_num_active_seqs: int | None, adaptive_long_prefill: bool) -> None:
-        """ValueError if a scheduler option is asked of a release that has none (before 0.31)."""
+    def check_scheduler(self, max_num_active_seqs: int | None, adaptive_long_prefill: bool,
+                        prefill_schedule_interval: int = 1) -> None:
+        """ValueError if a scheduler option is asked of a release that has none."""
+        if prefill_schedule_interval > 1 and not self.prefill_schedule_interval:
+            raise ValueError(f"vLLM {self.version} has no prefill_schedule_interval (it came in 0.24)")
         if not self.admission_knobs:
             for name, asked in (("max_num_active_seqs", max_num_active_seqs is not None),
                                 ("long_prefill_token_threshold_adaptive", adaptive_long_prefill)):

@@ -142,6 +142,7 @@ REQUEST_PATH = {
     "kvcache/manager.py": "core: prefix lookup, slot allocation, caching, free",
     "kvcache/block_pool.py": "core: blocks, the prefix-cache map, eviction calls",
     "sim/engine/arrivals.py": "part of the scheduler (a mixin): arrival, rejection, parallel sampling",
+    "sim/engine/prefill.py": "part of the scheduler (a mixin): the long-prefill cap and the prefill cadence",
     "sim/engine/batch.py": "leaf: the live request and batch records",
     "sim/engine/wait_queue.py": "leaf: the waiting queue (FCFS or priority)",
     "kvcache/sequence.py": "leaf: the request's tokens and block hashes",

@@ -32,12 +32,15 @@ LongPrefillAdaptive = Annotated[bool, typer.Option(
     help="floor the long-prefill cap at the token budget / requests running and waiting (vLLM 0.31+)")]
 NoReserveFullIsl = Annotated[bool, typer.Option(
     "--no-scheduler-reserve-full-isl", help="admit a request once its chunk fits, not its whole known context")]
+PrefillScheduleInterval = Annotated[int | None, typer.Option(
+    help="prefill only once every N executed steps while requests decode (vLLM 0.33)")]
 
 
 def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bool,
-                      no_reserve_full_isl: bool) -> dict[str, Any]:
+                      no_reserve_full_isl: bool, prefill_schedule_interval: int | None = None) -> dict[str, Any]:
     """The `SimConfig` fields the admission options given set."""
-    changes: dict[str, Any] = {} if max_num_active_seqs is None else {"max_num_active_seqs": max_num_active_seqs}
+    given = {"max_num_active_seqs": max_num_active_seqs, "prefill_schedule_interval": prefill_schedule_interval}
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if long_prefill_adaptive:
         changes["long_prefill_token_threshold_adaptive"] = True
     if no_reserve_full_isl:

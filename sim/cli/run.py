@@ -28,6 +28,7 @@ from sim.cli.options import (
     OffloadFsSize,
     OffloadFsThreads,
     OffloadStoreThreshold,
+    PrefillScheduleInterval,
     Tp,
     admission_changes,
     fs_changes,
@@ -175,6 +176,7 @@ def run(
     long_prefill_token_threshold_adaptive: LongPrefillAdaptive = False,
     max_num_active_seqs: MaxNumActiveSeqs = None,
     no_scheduler_reserve_full_isl: NoReserveFullIsl = False,
+    prefill_schedule_interval: PrefillScheduleInterval = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs")] = False,
@@ -214,7 +216,7 @@ def run(
                                    offload_blocks_per_chunk, offload_all))
     changes.update(fs_changes(offload_fs, offload_fs_size, offload_fs_gbps, offload_fs_threads))
     changes.update(admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
-                                     no_scheduler_reserve_full_isl))
+                                     no_scheduler_reserve_full_isl, prefill_schedule_interval))
     if no_prefix_caching:
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:

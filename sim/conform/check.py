@@ -186,7 +186,8 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
 def scheduler_extra(cfg: SimConfig) -> dict[str, Any]:
     """vLLM SchedulerConfig fields for `cfg`'s admission knobs, those not at vLLM's defaults."""
     default = SimConfig()
-    names = ("max_num_active_seqs", "long_prefill_token_threshold_adaptive", "scheduler_reserve_full_isl")
+    names = ("max_num_active_seqs", "long_prefill_token_threshold_adaptive", "scheduler_reserve_full_isl",
+             "prefill_schedule_interval")
     return {k: getattr(cfg, k) for k in names if getattr(cfg, k) != getattr(default, k)}
 
 

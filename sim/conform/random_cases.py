@@ -3,7 +3,7 @@
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
 priority with random priorities, async scheduling, a sliding window, a max_model_len, parallel
-sampling, vLLM 0.31+'s admission knobs), with a cache sized from the workload's longest
+sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -46,6 +46,7 @@ class Case:
         knobs += [f"{c.max_num_active_seqs} active"] if c.max_num_active_seqs is not None else []
         knobs += ["adaptive"] if c.long_prefill_token_threshold_adaptive else []
         knobs += [] if c.scheduler_reserve_full_isl else ["no full-isl reserve"]
+        knobs += [f"prefill every {c.prefill_schedule_interval}"] if c.prefill_schedule_interval > 1 else []
         if c.kv_offloading_size is not None:
             bpc = c.offload_blocks_per_chunk
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
@@ -106,6 +107,7 @@ def random_case(seed: int) -> Case:
     if r.random() < 0.2:  # parallel sampling
         requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
     kw.update(_admission(r, kw))
+    kw.update(_cadence(r))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
@@ -119,6 +121,11 @@ def _admission(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
     if r.random() < 0.2:
         out["scheduler_reserve_full_isl"] = False
     return out
+
+
+def _cadence(r: random.Random) -> dict[str, object]:
+    """vLLM 0.33's prefill cadence (drawn after the admission knobs, for the same reason)."""
+    return {"prefill_schedule_interval": r.choice([2, 3, 8])} if r.random() < 0.2 else {}
 
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:

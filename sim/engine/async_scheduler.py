@@ -99,9 +99,12 @@ class AsyncScheduler(Scheduler):
         self._k += 1
         b = AsyncBatch()
         self._chunk = self.chunk_cap(self._eligible())
+        self._hold()
         budget = self._schedule_running(b, now)
         if not b.preempted_recompute:
             self._admit_waiting(b, budget, now)
+            self._released()
+        self._end_prefill(b)
         # vLLM _update_after_schedule: computed tokens advance now; a chunk that reaches the
         # known tokens plus placeholders samples one more (a placeholder)
         for live, n in zip(b.lives, b.tokens, strict=True):
@@ -111,6 +114,7 @@ class AsyncScheduler(Scheduler):
             live.inflight += n
             sampled = c >= seq.num_tokens + live.ph
             b.sampled.append(sampled)
+            live.prefilling = not sampled  # vLLM is_prefill_chunk
             if sampled:
                 live.ph += 1
         self._finished = False
@@ -119,7 +123,7 @@ class AsyncScheduler(Scheduler):
 
     def _schedule_running(self, b: Batch, now: float) -> int:
         budget = self.max_tokens
-        chunk, max_len, alloc = self._chunk, self.max_len, self.m.allocate_slots
+        chunk, max_len, alloc, hold = self._chunk, self.max_len, self.m.allocate_slots, self.prefill_held
         for live in list(self.running):
             if budget <= 0:
                 break
@@ -129,6 +133,8 @@ class AsyncScheduler(Scheduler):
             c = seq.num_computed_tokens
             if live.ph and c + 2 - live.ph >= live.limit:
                 continue  # its in-flight output reaches max_tokens
+            if hold and live.prefilling:  # the cadence holds its chunk back
+                continue
             n = seq.num_tokens + live.ph - c
             if 0 < chunk < n:
                 n = chunk
@@ -149,6 +155,8 @@ class AsyncScheduler(Scheduler):
             self.m.cache_blocks(seq, min(c + n, seq.num_tokens))
             self._add(b, live, n)
             budget -= n
+            if live.prefilling:
+                self._prefilled = True
         return budget
 
     def _preempt(self, live: Live, b: Batch) -> None:
@@ -170,10 +178,13 @@ class AsyncScheduler(Scheduler):
             live = waiting.peek()
             if live.stale:  # its stale output may still finish it: come back after that
                 skipped.append(waiting.pop())
+                self._skipped(live)
                 continue
             seq = live.seq if live.seq is not None else self._materialise(live)
             held = bool(running)
             blocks, hit = m.get_computed_blocks(seq)
+            if self.prefill_held and hit < seq.num_tokens - 1:  # the cadence holds prompts back
+                break
             n = self._admission_tokens(seq, hit, budget, held)
             if not n:
                 break

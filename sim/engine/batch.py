@@ -11,7 +11,7 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted", "prefilling")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
@@ -24,6 +24,7 @@ class Live:
         if max_len is not None and self.target > max_len:
             self.target = max_len  # vLLM stops the sequence at max_model_len
         self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
+        self.prefilling = False  # its last chunk left prompt to compute (vLLM is_prefill_chunk; cadence only)
         # NOTE: kept by sim.engine.shortcuts (lazy decodes), nowhere else
         self.since = -1  # decoding lazily since this step; -1: not
         self.wake = 0  # the step at which lazy decoding ends

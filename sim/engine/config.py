@@ -117,6 +117,8 @@ class SimConfig:
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_blocks <= 0:
             raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
+        if self.prefill_schedule_interval > 1 and self.preemption != "recompute":
+            raise ConfigError("prefill_schedule_interval needs preemption='recompute' (vLLM V1 has no swap)")
         if self.async_scheduling and self.preemption != "recompute":
             raise ConfigError(f"async_scheduling needs preemption='recompute' (vLLM V1 has no swap), got {self.preemption!r}")
         if self.async_scheduling and self.num_lookahead_tokens:
@@ -137,7 +139,8 @@ class SimConfig:
         try:
             rules = profile(self.vllm_version)
             rules.check_watermark(self.watermark)
-            rules.check_scheduler(self.max_num_active_seqs, self.long_prefill_token_threshold_adaptive)
+            rules.check_scheduler(self.max_num_active_seqs, self.long_prefill_token_threshold_adaptive,
+                                  self.prefill_schedule_interval)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel", "max_num_active_seqs",

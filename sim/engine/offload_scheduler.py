@@ -106,6 +106,7 @@ class OffloadScheduler(Scheduler):
                 if sid not in self._landed:
                     if sid not in off.loaded:
                         skipped_holding.append(queue.pop())
+                        self._skipped(live)
                         continue
                     off.loaded.discard(sid)
                     self._landed.add(sid)
@@ -118,6 +119,7 @@ class OffloadScheduler(Scheduler):
                 ext = off.lookup(seq, hit)
                 if ext is None:
                     skipped_waiting.append(queue.pop())
+                    self._skipped(live)
                     continue
                 if ext:
                     reserved = sum(m.blocks_to_finish(x.seq) for x in self._inflight.values())
@@ -132,7 +134,10 @@ class OffloadScheduler(Scheduler):
                     self._inflight[sid] = live
                     queue.pop()
                     skipped_holding.append(live)  # it holds blocks now
+                    self._skipped(live)
                     continue
+            if self.prefill_held and hit < seq.num_tokens - 1:  # the cadence holds prompts back (loads still start)
+                break
             n = self._admission_tokens(seq, hit, budget, held)
             if not n:
                 break

@@ -24,8 +24,8 @@ when the budget can cut its chunk, evict one of its hit blocks (with LRU the blo
 front of the free queue; with another policy any eviction counts); either ends the run before
 the step. Arrivals join WAITING behind its head, so the verdict is kept while the head is the same.
 
-Off with op records, defragmentation, invariant checks and a fixed step time (the general step
-handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
+Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
+(the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
 priority scheduling; the async and offloading schedulers).
 """
 
@@ -70,7 +70,7 @@ class QuietRuns:
               drain: Callable[[float], int]) -> QuietRuns | None:
         """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
         they do not apply (see the module docstring)."""
-        if type(sched) is not Scheduler or not sched.fast.decodes or sched.m.records_ops:
+        if type(sched) is not Scheduler or not sched.fast.decodes or sched.m.records_ops or sched.cadence:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None

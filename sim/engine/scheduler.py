@@ -29,6 +29,7 @@ from sim.engine.arrivals import Arrivals
 from sim.engine.batch import Batch, Live
 from sim.engine.config import SimConfig
 from sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
+from sim.engine.prefill import PrefillRules
 from sim.engine.shortcuts import Shortcuts
 from sim.engine.wait_queue import WaitQueue
 from workloads.request import Request
@@ -36,7 +37,7 @@ from workloads.request import Request
 __all__ = ["Batch", "Live", "Scheduler", "WaitQueue"]  # Batch, Live, WaitQueue: re-exported
 
 
-class Scheduler(Arrivals):
+class Scheduler(Arrivals, PrefillRules):
     """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager (arrivals: `Arrivals`)."""
 
     has_shortcuts = True  # takes sim.engine.shortcuts where SimConfig.shortcuts allows
@@ -52,10 +53,7 @@ class Scheduler(Arrivals):
         self.fork = cfg.parallel_sampling == "fork"  # else n > 1 fans out (sim.engine.arrivals)
         self.lookahead = cfg.num_lookahead_tokens
         self.max_len = cfg.max_model_len
-        self.long_prefill = cfg.long_prefill_token_threshold
-        self.long_prefill_sole_request = manager.profile.long_prefill_sole_request
-        self.adaptive = cfg.long_prefill_token_threshold_adaptive
-        self._chunk = self.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
+        self._init_prefill(cfg, manager)
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.fast = Shortcuts(manager, cfg.shortcuts and self.has_shortcuts, self.lookahead, self.priority,
@@ -80,31 +78,19 @@ class Scheduler(Arrivals):
         self._k += 1
         b = Batch()
         self._chunk = self.chunk_cap(self._eligible())
+        self._hold()
         budget = self._schedule_running(b, now)
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)
             if self._has_waiting() and not self.swapped:
                 self._admit_waiting(b, budget, now)
+            self._released()
+        self._end_prefill(b)
         return b
 
     def _has_waiting(self) -> bool:
         return bool(self.waiting)
-
-    def _eligible(self) -> int:
-        """Requests running or waiting (vLLM `get_request_counts`, summed)."""
-        return len(self.running) + len(self.waiting)
-
-    def chunk_cap(self, eligible: int) -> int:
-        """A step's cap on one request's prefill chunk (0: none) with `eligible` requests running or
-        waiting: long_prefill_token_threshold, lifted for a sole request (vLLM 0.31+) and, adaptive,
-        floored at a fair share of the budget (0.31+; vllm/v1/core/sched/scheduler.py Scheduler.schedule)."""
-        cap = self.long_prefill
-        if not cap or (eligible <= 1 and self.long_prefill_sole_request):
-            return 0
-        if self.adaptive:
-            return max(cap, self.max_tokens // eligible)
-        return cap
 
     def idle_until(self, now: float) -> float | None:  # noqa: ARG002
         return None  # a step at `now` scheduled nothing: no progress is possible (see OffloadScheduler)
@@ -132,18 +118,20 @@ class Scheduler(Arrivals):
         budget = fast.begin(k, self.max_tokens, self.running)
         active, decode = fast.active, fast.decodes and fast.decode
         alloc, la = self.m.allocate_slots, self.lookahead
-        chunk = self._chunk
+        chunk, hold = self._chunk, self.prefill_held
         i, end = 0, len(active)
         while i < end and budget > 0:
             live = active[i]
             i += 1
-            if live.order < 0:  # preempted earlier in this step
+            if live.order < 0 or (hold and live.prefilling):  # preempted earlier in this step, or held back
                 continue
             seq = live.seq
             c = seq.num_computed_tokens
             n = seq.num_tokens - c
             if n == 1 and decode and c >= seq.num_prompt_tokens and decode(b, live, c, k):
                 budget -= 1
+                if live.prefilling:  # a resumed sequence's last known token: the end of its prefill
+                    self._prefilled, live.prefilling = True, False
                 continue
             if 0 < chunk < n:
                 n = chunk
@@ -162,6 +150,8 @@ class Scheduler(Arrivals):
                     budget = self.max_tokens - sum(b.tokens)
             self._add(b, live, n)
             budget -= n
+            if live.prefilling:
+                self._prefilled = True
         fast.end(b, k)
         return budget
 
@@ -246,6 +236,8 @@ class Scheduler(Arrivals):
             if held and self.fast.head_blocked(live, min(budget, self._chunk or budget)):
                 break
             blocks, hit = m.get_computed_blocks(seq)
+            if self.prefill_held and hit < seq.num_tokens - 1:  # the cadence holds prompts back
+                break
             n = self._admission_tokens(seq, hit, budget, held)
             if not n:
                 break
@@ -278,6 +270,7 @@ class Scheduler(Arrivals):
         """Run a waiting request whose `n` tokens after `hit` cached ones got slots; log a first admission."""
         seq = live.seq
         seq.num_computed_tokens = hit
+        self._admitted_prefill(live, hit)
         self._join(live)
         self._add(b, live, n)
         log, row = self.log, live.row
@@ -306,11 +299,14 @@ class Scheduler(Arrivals):
         log, la, bs = self.log, self.lookahead, self.m.block_size
         finished = list(b.finishing)
         frag, alive = b.frag, len(b.decodes) - len(finished) + b.lazy
+        track = self.cadence is not None
         for live, n in zip(b.lives, b.tokens, strict=True):
             seq = live.seq
             c = seq.num_computed_tokens + n
             seq.num_computed_tokens = c
             t = seq.num_tokens
+            if track:
+                live.prefilling = c < t
             seqs = 1
             if c == t:  # all known tokens computed: sample one
                 seq.append_tokens(1)
@@ -363,6 +359,8 @@ class Scheduler(Arrivals):
         request's last sample, close the request."""
         seq, row, log = live.seq, live.row, self.log
         live.order = -1
+        if self.cadence is not None:
+            self.cadence.deferred.discard(live)
         if seq is not None:
             if seq.seq_id in self.m.req_blocks:
                 self.fast.free(seq)

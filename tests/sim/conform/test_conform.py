@@ -5,8 +5,8 @@ The CI set (skipped, with the reason, where vLLM is not installed: `bash
 prompts longer than the token budget, preemption under memory pressure,
 caching off, the watermark, the long-prefill cap, chunking off, a
 full-cache eviction storm, sliding windows and vLLM 0.31+'s admission knobs
-(max_num_active_seqs, the adaptive long-prefill cap, scheduler_reserve_full_isl off),
-in both modes.
+(max_num_active_seqs, the adaptive long-prefill cap, scheduler_reserve_full_isl off)
+and 0.33's prefill cadence, in both modes.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ CASES = {
                                                            "long_prefill_token_threshold_adaptive": True}),
     "multi-turn, no full-isl reserve": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 60, "max_num_batched_tokens": 256,
                                                                 "scheduler_reserve_full_isl": False}),
+    # vLLM 0.33's prefill cadence: prompts admitted once every 4 executed steps while others decode
+    "default, prefill every 4 steps": ("default", 16, {"num_gpu_blocks": 300, "max_num_batched_tokens": 1024,
+                                                       "prefill_schedule_interval": 4}),
 }
 
 

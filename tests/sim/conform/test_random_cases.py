@@ -19,7 +19,8 @@ def test_a_seed_always_gives_the_same_case():
     a, b = random_case(5), random_case(5)
     assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
     assert a.describe() == ("seed 5: unique, 40 requests, block 16, 43 blocks, budget 64/4, long-prefill 32, "
-                            "offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, decode chunks too), 23 with n > 1")
+                            "prefill every 3, offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, "
+                            "decode chunks too), 23 with n > 1")
 
 
 def test_every_request_fits_and_the_seeds_cover_the_knobs():
@@ -40,6 +41,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(c.max_num_active_seqs is not None for c in cfgs) == 8
     assert sum(c.long_prefill_token_threshold_adaptive for c in cfgs) == 9
     assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 9
+    assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 11
 
 
 def test_random_takes_no_workload_and_two_integers():
@@ -55,7 +57,7 @@ def test_random_takes_no_workload_and_two_integers():
 def test_random_cases_match_vllm():
     # seeds 20-29 draw every knob: 1 offloading, 1 windowed, 2 priority, 4 async, 5 max_model_len,
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
-    # 2 adaptive long-prefill caps, 1 without the full-isl reserve
+    # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence
     r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -77,7 +79,7 @@ def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: 
     assert r.exit_code == 1
     assert r.output.splitlines() == [
         "seed 1: multi-turn, 80 requests, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200, "
-        "adaptive: identical",
+        "adaptive, prefill every 8: identical",
         "seed 2: shared-prefix, 20 requests, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
         "scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
         "2 cases, 1 differ",

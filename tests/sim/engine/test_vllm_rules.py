@@ -164,5 +164,40 @@ def test_the_admission_knobs_need_a_release_that_has_them():
         SimConfig(max_num_active_seqs=2, vllm_version="0.30").validate()
     with pytest.raises(ConfigError, match=r"vLLM 0.28 has no long_prefill_token_threshold_adaptive"):
         SimConfig(long_prefill_token_threshold_adaptive=True, vllm_version="0.28").validate()
+    with pytest.raises(ConfigError, match=r"vLLM 0.23 has no prefill_schedule_interval \(it came in 0.24\)"):
+        SimConfig(prefill_schedule_interval=2, vllm_version="0.23").validate()
+    with pytest.raises(ConfigError, match="prefill_schedule_interval needs preemption=.recompute."):
+        SimConfig(prefill_schedule_interval=2, preemption="swap", num_cpu_blocks=8).validate()
     with pytest.raises(ConfigError, match=r"max_num_active_seqs \(9\) must be <= max_num_seqs \(8\)"):
         SimConfig(max_num_seqs=8, max_num_active_seqs=9).validate()
+
+
+def _cadence_case():
+    return [req("a", 0, 4, 12), req("b", 0.5, 4, 2), req("c", 3.5, 4, 1)]
+
+
+@pytest.mark.parametrize("interval,version,b,c", [(3, "0.33", (3, 3, 4, 0), (6, 6, 6, 0)),
+                                                  (1, "0.33", (1, 1, 2, 0), (4, 4, 4, 0)),
+                                                  (3, "0.32", (1, 1, 2, 0), (4, 4, 4, 0))])
+def test_the_prefill_cadence_admits_prompts_once_every_interval(interval, version, b, c):
+    # vLLM 0.33 Scheduler.schedule, local prefill cadence (prefill_schedule_interval, no data
+    # parallelism): a's prefill is executed step 1; steps 1 and 2 hold b back (fewer than 3
+    # executed steps since, and a decodes); step 3 admits it and restarts the interval, so c,
+    # queued before step 4, waits for step 6. vLLM 0.32 paced only data-parallel engines.
+    got = steps(_cadence_case(), num_gpu_blocks=100, max_num_batched_tokens=64,
+                prefill_schedule_interval=interval, vllm_version=version)
+    assert got == {"a": (0, 0, 11, 0), "b": b, "c": c}
+
+
+def test_the_prefill_cadence_holds_a_running_chunk_and_lets_a_backlog_through():
+    # a held step skips a running request mid-prefill: d's second 36 tokens wait for step 6
+    got = steps([req("a", 0, 4, 12), req("d", 0.5, 100, 1)], num_gpu_blocks=100, max_num_batched_tokens=64,
+                prefill_schedule_interval=3)
+    assert got == {"a": (0, 0, 11, 0), "d": (3, 6, 6, 0)}
+    # a release that leaves requests waiting (2 active: c cannot join at step 3) marks the
+    # engine capacity-bound (prefill_capacity_bound), and steps stop holding: c joins at step 6,
+    # as soon as b is done, and e at step 9
+    got = steps([req("a", 0, 4, 12), req("b", 0.5, 4, 3), req("c", 0.5, 4, 3), req("e", 4.5, 4, 1)],
+                num_gpu_blocks=100, max_num_batched_tokens=64, max_num_seqs=3, max_num_active_seqs=2,
+                prefill_schedule_interval=3)
+    assert got == {"a": (0, 0, 11, 0), "b": (3, 3, 5, 0), "c": (6, 6, 8, 0), "e": (9, 9, 9, 0)}
