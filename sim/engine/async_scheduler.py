@@ -99,12 +99,16 @@ class AsyncScheduler(Scheduler):
         self._k += 1
         b = AsyncBatch()
         self._chunk = self.chunk_cap(self._eligible())
-        self._hold()
+        cadence = self.cadence is not None
+        if cadence:
+            self._hold()
         budget = self._schedule_running(b, now)
         if not b.preempted_recompute:
             self._admit_waiting(b, budget, now)
-            self._released()
-        self._end_prefill(b)
+            if cadence:
+                self._released()
+        if cadence:
+            self._end_prefill(b)
         # vLLM _update_after_schedule: computed tokens advance now; a chunk that reaches the
         # known tokens plus placeholders samples one more (a placeholder)
         for live, n in zip(b.lives, b.tokens, strict=True):

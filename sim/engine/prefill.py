@@ -46,27 +46,26 @@ class PrefillRules:
             return max(cap, self.max_tokens // eligible)
         return cap
 
+    # NOTE: the four below are called only where there is a cadence (`self.cadence` is not None)
     def _hold(self) -> None:
         """A step starts: whether the cadence holds its prefill back."""
-        self.prefill_held = self.cadence is not None and self.cadence.holds(self.running)
+        self.prefill_held = self.cadence.holds(self.running)
         self._prefilled = False
 
     def _released(self) -> None:
         """The WAITING scan is done (no preemption this step): a step that did not hold records
         whether requests still wait beyond the skipped ones."""
-        if self.cadence is not None and not self.prefill_held:
+        if not self.prefill_held:
             self.cadence.released(self._eligible() - len(self.running))
 
     def _end_prefill(self, b: Batch) -> None:
-        if self.cadence is not None:
-            self.cadence.end(b.num_seqs > 0, self._prefilled)
+        self.cadence.end(b.num_seqs > 0, self._prefilled)
 
     def _admitted_prefill(self, live: Live, hit: int) -> None:
         """`live` was admitted with `hit` tokens computed: it carries prefill unless only its last token is left."""
-        if self.cadence is not None:
-            self.cadence.deferred.discard(live)
-            if hit < live.seq.num_tokens - 1:
-                self._prefilled = True
+        self.cadence.deferred.discard(live)
+        if hit < live.seq.num_tokens - 1:
+            self._prefilled = True
 
     def _skipped(self, live: Live) -> None:
         """The WAITING scan skipped `live` (vLLM `skip_request`)."""

@@ -91,7 +91,7 @@ class QuietRuns:
             return True, None, False
         if seq is None:  # its first try makes its sequence: the general step does that
             return False, None, False
-        chunk = sched.chunk_cap(n + len(waiting))
+        chunk = sched.chunk_cap(n + len(waiting)) if sched.long_prefill else 0
         fast = self.fast
         if not fast.head_blocked(live, min(budget, chunk or budget)):
             return False, None, False

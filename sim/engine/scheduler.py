@@ -77,16 +77,20 @@ class Scheduler(Arrivals, PrefillRules):
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         self._k += 1
         b = Batch()
-        self._chunk = self.chunk_cap(self._eligible())
-        self._hold()
+        self._chunk = self.chunk_cap(self._eligible()) if self.long_prefill else 0
+        cadence = self.cadence is not None
+        if cadence:
+            self._hold()
         budget = self._schedule_running(b, now)
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)
             if self._has_waiting() and not self.swapped:
                 self._admit_waiting(b, budget, now)
-            self._released()
-        self._end_prefill(b)
+            if cadence:
+                self._released()
+        if cadence:
+            self._end_prefill(b)
         return b
 
     def _has_waiting(self) -> bool:
@@ -270,7 +274,8 @@ class Scheduler(Arrivals, PrefillRules):
         """Run a waiting request whose `n` tokens after `hit` cached ones got slots; log a first admission."""
         seq = live.seq
         seq.num_computed_tokens = hit
-        self._admitted_prefill(live, hit)
+        if self.cadence is not None:
+            self._admitted_prefill(live, hit)
         self._join(live)
         self._add(b, live, n)
         log, row = self.log, live.row
