@@ -54,16 +54,15 @@ FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-cachin
          "enable_chunked_prefill": "--no-chunked-prefill"}
 
 
-# config fields added after run names were first digested (offloading's are handled apart)
-LATER_FIELDS = ("parallel_sampling", "long_prefill_token_threshold_adaptive", "max_num_active_seqs",
-                "scheduler_reserve_full_isl", "prefill_schedule_interval")
-
-
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
+    from sim.engine.config import SCHEDULER_KNOBS
+
     d = cfg.to_dict()
     default = type(cfg)()
-    for k in LATER_FIELDS:  # at their defaults: the names runs had before these options came
+    # fields added after run names were first digested (offloading's below), left out at their
+    # defaults: the names runs had before these options came
+    for k in ("parallel_sampling", *SCHEDULER_KNOBS):
         if d[k] == getattr(default, k):
             del d[k]
     if d["kv_offloading_size"] is None:  # offloading off: the names of runs from before it existed

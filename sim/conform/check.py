@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim.engine.config import ConfigError, SimConfig
+from sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
 
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
 SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "preemptions", "hit_tokens")
@@ -184,11 +184,9 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
 
 
 def scheduler_extra(cfg: SimConfig) -> dict[str, Any]:
-    """vLLM SchedulerConfig fields for `cfg`'s admission knobs, those not at vLLM's defaults."""
+    """vLLM SchedulerConfig fields for `cfg`'s SCHEDULER_KNOBS, those not at vLLM's defaults."""
     default = SimConfig()
-    names = ("max_num_active_seqs", "long_prefill_token_threshold_adaptive", "scheduler_reserve_full_isl",
-             "prefill_schedule_interval")
-    return {k: getattr(cfg, k) for k in names if getattr(cfg, k) != getattr(default, k)}
+    return {k: getattr(cfg, k) for k in SCHEDULER_KNOBS if getattr(cfg, k) != getattr(default, k)}
 
 
 def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:

@@ -10,7 +10,12 @@ from typing import Any
 from kvcache.eviction import check_policy
 from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["ConfigError", "SimConfig", "check_block_size"]
+__all__ = ["SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
+
+# vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
+# 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
+SCHEDULER_KNOBS = ("long_prefill_token_threshold_adaptive", "max_num_active_seqs", "scheduler_reserve_full_isl",
+                   "prefill_schedule_interval")
 
 
 def check_block_size(block_size: int) -> None:

@@ -5,7 +5,8 @@ is lifted while one request is alone (0.31+) and, adaptive, floored at the token
 requests running and waiting (0.31+); vllm/v1/core/sched/scheduler.py `Scheduler.schedule`.
 The cadence (`prefill_schedule_interval`, 0.33): see `sim.engine.cadence`. The schedulers call
 `_hold` as a step starts, `_released` after a WAITING scan the step did not hold, and `_end_prefill`
-when the step is chosen; they skip running requests mid-prefill and stop the scan where `held` says.
+when the step is chosen; while `prefill_held` they skip running requests mid-prefill and stop the
+WAITING scan at the first request with prompt left to compute.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class PrefillRules:
             return max(cap, self.max_tokens // eligible)
         return cap
 
-    # NOTE: the four below are called only where there is a cadence (`self.cadence` is not None)
+    # NOTE: these four are called only where there is a cadence (`self.cadence` is not None); `_skipped` checks
     def _hold(self) -> None:
         """A step starts: whether the cadence holds its prefill back."""
         self.prefill_held = self.cadence.holds(self.running)
