@@ -3,7 +3,9 @@ workload through them and summarize what happened (`sim.studies.run_folder` keep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,6 +78,20 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
     return m
 
 
+@contextmanager
+def rare_collections(every: int = 100_000) -> Iterator[None]:
+    """Run the cyclic garbage collector's youngest pass every `every` container allocations, not
+    700: a run makes millions of short-lived tuples and lists that die by reference count, and
+    scanning them for cycles cost ~5% of the simulation (a run makes almost none: ~900 objects
+    on the Azure trace). The old threshold is restored after."""
+    old = gc.get_threshold()
+    gc.set_threshold(every, *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def simulate(
     workload: Iterable[Request],
     cfg: SimConfig,
@@ -101,7 +117,8 @@ def simulate(
         manager.ops.stream_to(ops_dir, process=True)
     env = simpy.Environment()
     engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
-    env.run()
+    with rare_collections():
+        env.run()
     if steps_file is None:
         steps = engine.steps.frame()
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvcache.ops import read_ops
 from sim.engine.metrics import STEP_FIELDS
+from sim.engine.run import rare_collections
 from sim.studies.plots import PLOTS
 from sim.studies.run_folder import load_run, write_run
 from tests.sim.engine.engine_fixtures import req, run
@@ -80,3 +82,13 @@ def test_ops_are_written_only_when_recorded(tmp_path: Path) -> None:
 def test_load_run_names_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         load_run(tmp_path)
+
+
+def test_rare_collections_raises_the_young_threshold_only_while_it_runs() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError), rare_collections(12_345):
+        assert gc.get_threshold() == (12_345, *before[1:])
+        raise RuntimeError("a run that fails still restores it")
+    assert gc.get_threshold() == before
+    run(shared_prefix_requests())  # simulate wraps its run in it
+    assert gc.get_threshold() == before
