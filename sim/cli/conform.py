@@ -12,6 +12,7 @@ from sim.cli.options import (
     KvOffloadingSize,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
+    MaxNumScheduledTokens,
     NoReserveFullIsl,
     OffloadAll,
     OffloadBlocksPerChunk,
@@ -37,6 +38,7 @@ def conform(
     max_num_active_seqs: MaxNumActiveSeqs = None,
     no_scheduler_reserve_full_isl: NoReserveFullIsl = False,
     prefill_schedule_interval: PrefillScheduleInterval = None,
+    max_num_scheduled_tokens: MaxNumScheduledTokens = None,
     watermark: Annotated[float, typer.Option(help="fraction of blocks kept free at admission")] = 0.0,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
@@ -82,7 +84,8 @@ def conform(
         offload = offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
                                   offload_blocks_per_chunk, offload_all)
         admission = admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
-                                      no_scheduler_reserve_full_isl, prefill_schedule_interval)
+                                      no_scheduler_reserve_full_isl, prefill_schedule_interval,
+                                      max_num_scheduled_tokens)
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,

@@ -34,12 +34,16 @@ NoReserveFullIsl = Annotated[bool, typer.Option(
     "--no-scheduler-reserve-full-isl", help="admit a request once its chunk fits, not its whole known context")]
 PrefillScheduleInterval = Annotated[int | None, typer.Option(
     help="prefill only once every N executed steps while requests decode (vLLM 0.33)")]
+MaxNumScheduledTokens = Annotated[int | None, typer.Option(
+    help="a step's token budget, from max_num_seqs to max_num_batched_tokens (default: the latter)")]
 
 
 def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bool,
-                      no_reserve_full_isl: bool, prefill_schedule_interval: int | None = None) -> dict[str, Any]:
+                      no_reserve_full_isl: bool, prefill_schedule_interval: int | None = None,
+                      max_num_scheduled_tokens: int | None = None) -> dict[str, Any]:
     """The `SimConfig` fields the admission options given set."""
-    given = {"max_num_active_seqs": max_num_active_seqs, "prefill_schedule_interval": prefill_schedule_interval}
+    given = {"max_num_active_seqs": max_num_active_seqs, "prefill_schedule_interval": prefill_schedule_interval,
+             "max_num_scheduled_tokens": max_num_scheduled_tokens}
     changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if long_prefill_adaptive:
         changes["long_prefill_token_threshold_adaptive"] = True

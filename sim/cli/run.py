@@ -18,6 +18,7 @@ from sim.cli.options import (
     KvOffloadingSize,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
+    MaxNumScheduledTokens,
     Model,
     NoReserveFullIsl,
     OffloadAll,
@@ -176,6 +177,7 @@ def run(
     max_num_active_seqs: MaxNumActiveSeqs = None,
     no_scheduler_reserve_full_isl: NoReserveFullIsl = False,
     prefill_schedule_interval: PrefillScheduleInterval = None,
+    max_num_scheduled_tokens: MaxNumScheduledTokens = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs")] = False,
@@ -215,7 +217,8 @@ def run(
                                    offload_blocks_per_chunk, offload_all))
     changes.update(fs_changes(offload_fs, offload_fs_size, offload_fs_gbps, offload_fs_threads))
     changes.update(admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
-                                     no_scheduler_reserve_full_isl, prefill_schedule_interval))
+                                     no_scheduler_reserve_full_isl, prefill_schedule_interval,
+                                     max_num_scheduled_tokens))
     if no_prefix_caching:
         changes["enable_prefix_caching"] = False
     if no_chunked_prefill:

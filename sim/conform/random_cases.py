@@ -47,6 +47,7 @@ class Case:
         knobs += ["adaptive"] if c.long_prefill_token_threshold_adaptive else []
         knobs += [] if c.scheduler_reserve_full_isl else ["no full-isl reserve"]
         knobs += [f"prefill every {c.prefill_schedule_interval}"] if c.prefill_schedule_interval > 1 else []
+        knobs += [f"{c.max_num_scheduled_tokens} scheduled"] if c.max_num_scheduled_tokens is not None else []
         if c.kv_offloading_size is not None:
             bpc = c.offload_blocks_per_chunk
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
@@ -108,6 +109,7 @@ def random_case(seed: int) -> Case:
         requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
     kw.update(_admission(r, kw))
     kw.update(_cadence(r))
+    kw.update(_step_budget(r, kw))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
@@ -126,6 +128,16 @@ def _admission(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
 def _cadence(r: random.Random) -> dict[str, object]:
     """vLLM 0.33's prefill cadence (drawn after the admission knobs, for the same reason)."""
     return {"prefill_schedule_interval": r.choice([2, 3, 8])} if r.random() < 0.2 else {}
+
+
+def _step_budget(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
+    """max_num_scheduled_tokens up to max_num_batched_tokens, with chunked prefill; at times below
+    max_num_seqs, where decodes are cut (drawn last, for the same reason)."""
+    seqs, hi = kw["max_num_seqs"], kw["max_num_batched_tokens"]
+    if not kw["enable_chunked_prefill"] or r.random() >= 0.2:
+        return {}
+    return {"max_num_scheduled_tokens": r.choice([r.randint(1, min(seqs, hi)), min(seqs, hi), r.randint(1, hi),
+                                                  max(1, hi // 4)])}
 
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:

@@ -15,7 +15,7 @@ __all__ = ["SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
 SCHEDULER_KNOBS = ("long_prefill_token_threshold_adaptive", "max_num_active_seqs", "scheduler_reserve_full_isl",
-                   "prefill_schedule_interval")
+                   "prefill_schedule_interval", "max_num_scheduled_tokens")
 
 
 def check_block_size(block_size: int) -> None:
@@ -49,6 +49,9 @@ class SimConfig:
     # scheduler; None: what vLLM 0.33 picks on the GPU (see `batch_limits`)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # vLLM's --max-num-scheduled-tokens: one step's token budget, when below max_num_batched_tokens
+    # (the forward's size, which still sizes activations and the adaptive long-prefill floor)
+    max_num_scheduled_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0: none
     long_prefill_token_threshold_adaptive: bool = False  # (vLLM 0.31+) floor that cap at budget / requests
@@ -149,7 +152,7 @@ class SimConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel", "max_num_active_seqs",
-                     "prefill_schedule_interval"):
+                     "prefill_schedule_interval", "max_num_scheduled_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         tokens, seqs = self.batch_limits()
@@ -157,11 +160,32 @@ class SimConfig:
             raise ConfigError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
         if self.max_num_active_seqs is not None and self.max_num_active_seqs > seqs:  # (the same)
             raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) must be <= max_num_seqs ({seqs})")
+        self._validate_scheduled_tokens(tokens)
         try:
             check_policy(self.eviction)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return self
+
+    def _validate_scheduled_tokens(self, tokens: int) -> None:
+        """kvsim models max_num_scheduled_tokens up to max_num_batched_tokens, with chunked prefill
+        (vLLM takes any value; above, its releases differ, and without chunking a prompt longer
+        than the step budget waits forever)."""
+        n = self.max_num_scheduled_tokens
+        if n is None:
+            return
+        if n > tokens:
+            raise ConfigError(f"max_num_scheduled_tokens ({n}) must be <= max_num_batched_tokens ({tokens}): "
+                              "kvsim models a step budget within the forward's size")
+        if n < tokens and not self.enable_chunked_prefill:
+            raise ConfigError(f"max_num_scheduled_tokens ({n}) below max_num_batched_tokens ({tokens}) needs "
+                              "chunked prefill: without it vLLM never schedules a longer prompt")
+
+    def step_tokens(self) -> int:
+        """One step's token budget: max_num_scheduled_tokens, else max_num_batched_tokens
+        (vllm/v1/core/sched/scheduler.py Scheduler.__init__, max_num_scheduled_tokens)."""
+        n = self.max_num_scheduled_tokens
+        return self.batch_limits()[0] if n is None else n
 
     def _validate_offloading(self) -> None:
         from kvcache.offload import OFFLOAD_POLICIES

@@ -28,6 +28,7 @@ class PrefillRules:
         self.long_prefill = cfg.long_prefill_token_threshold
         self.long_prefill_sole_request = manager.profile.long_prefill_sole_request
         self.adaptive = cfg.long_prefill_token_threshold_adaptive
+        self.input_tokens = cfg.batch_limits()[0]  # the forward's size: the adaptive cap's floor divides it
         self._chunk = self.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
         every = cfg.prefill_schedule_interval if manager.profile.local_prefill_cadence else 1
         self.cadence = PrefillCadence(every) if every > 1 else None
@@ -44,7 +45,7 @@ class PrefillRules:
         if not cap or (eligible <= 1 and self.long_prefill_sole_request):
             return 0
         if self.adaptive:
-            return max(cap, self.max_tokens // eligible)
+            return max(cap, self.input_tokens // eligible)
         return cap
 
     # NOTE: these four are called only where there is a cadence (`self.cadence` is not None); `_skipped` checks

@@ -236,7 +236,7 @@ class QuietRuns:
             kk = sched._k + 1
             if not fast.active and kk not in lazy.wakes:
                 # NOTE: a step that visits no one: the lazy sums are its totals, and the budget
-                # holds them all (validate: max_num_batched_tokens >= max_num_seqs)
+                # holds them all (lazy decodes need max_num_seqs <= the step budget)
                 sched._k = kk
                 self.allocs, self.finishing, tokens = 0, [], lazy.n
                 m.count_writes(tokens)

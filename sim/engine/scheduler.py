@@ -1,7 +1,7 @@
 """One engine step's scheduling decision, as vLLM 0.33's `Scheduler.schedule`; no simulated clock.
 
-`schedule(now)` builds a batch under a token budget (`max_num_batched_tokens`) and `max_num_seqs`
-(vllm/v1/core/sched/scheduler.py): RUNNING sequences first, each its decode token or next prefill
+`schedule(now)` builds a batch under a token budget (`max_num_scheduled_tokens`, else
+`max_num_batched_tokens`) and `max_num_seqs` (vllm/v1/core/sched/scheduler.py): RUNNING sequences first, each its decode token or next prefill
 chunk (capped by `long_prefill_token_threshold`), preempting the newest running sequence when blocks
 run out (recompute: free and requeue at the front of WAITING; swap, a v0/v2 option: move its blocks
 to CPU). A step that preempted admits nothing. Otherwise swapped sequences come back while they can
@@ -46,7 +46,8 @@ class Scheduler(Arrivals, PrefillRules):
     def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
         self.m = manager
         self.log = log
-        self.max_tokens, self.max_seqs = cfg.batch_limits()
+        self.max_seqs = cfg.batch_limits()[1]
+        self.max_tokens = cfg.step_tokens()  # a step's token budget
         self.chunked = cfg.enable_chunked_prefill
         self.swap = cfg.preemption == "swap"
         self.priority = cfg.scheduling == "priority"
@@ -57,7 +58,7 @@ class Scheduler(Arrivals, PrefillRules):
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.fast = Shortcuts(manager, cfg.shortcuts and self.has_shortcuts, self.lookahead, self.priority,
-                              whole_fit=self.whole_fit)
+                              whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self._joined = 0  # lives that joined RUNNING so far (their `order`)

@@ -23,7 +23,7 @@ Both are exact: tests/sim/engine/test_engine.py compares every table with the
 switch on and off. With op records, a lazy sequence's writes are recorded when
 it is visited again, stamped with their steps (`KVCacheManager.record_decodes`).
 Lazy decodes stay off where `allocate_slots` does more (sliding window,
-lookahead slots) and under priority scheduling;
+lookahead slots), under priority scheduling and where a step's budget is below max_num_seqs;
 the blocked-head skip stays off with a sliding window. The async scheduler
 takes neither (`Scheduler.has_shortcuts`).
 """
@@ -181,11 +181,14 @@ class Shortcuts:
     """One scheduler's shortcut state: the running sequences it visits (`active`), the lazy
     ones, and the blocked head. With the switch off it only keeps `active` (= RUNNING)."""
 
-    def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True):
+    def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True,
+                 decodes_fit: bool = True):
         self.m = m
         self.bs, self.tables, self.decode_slot = m.block_size, m.req_blocks, m.decode_slot
         self.lookahead = lookahead
-        self.decodes = on and not (m.sliding_window or lookahead or priority)
+        # NOTE: lazy decodes assume a step's budget holds every running decode (`decodes_fit`:
+        # max_num_seqs <= the step budget); a smaller max_num_scheduled_tokens turns them off
+        self.decodes = on and decodes_fit and not (m.sliding_window or lookahead or priority)
         self.heads = on and m.sliding_window is None and whole_fit  # BlockedHead's arithmetic assumes the whole-fit gate
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
@@ -331,7 +334,7 @@ def _order(live: Live) -> int:
 def _lazy_first(running: list[Live], active: list[Live]) -> bool:
     """True if every lazy sequence comes before the first active one that wants more than one
     token, in RUNNING order: vLLM's `_schedule_running` hands the budget out in that order,
-    one token to each decode (there are at most max_num_seqs <= max_num_batched_tokens), so
+    one token to each decode (there are at most max_num_seqs <= the step budget), so
     the lazy ones keep their decode however the budget falls after them."""
     first = min((x.order for x in active if x.seq.num_tokens - x.seq.num_computed_tokens > 1), default=None)
     if first is None:

@@ -69,6 +69,15 @@ CASES = {
                                                            "long_prefill_token_threshold_adaptive": True}),
     "multi-turn, no full-isl reserve": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 60, "max_num_batched_tokens": 256,
                                                                 "scheduler_reserve_full_isl": False}),
+    # max_num_scheduled_tokens: a step budget below the forward's size (and below max_num_seqs)
+    "multi-turn, 64 of 256 tokens scheduled": ("multi-turn.jsonl", 1, {"num_gpu_blocks": 200,
+                                                                        "max_num_batched_tokens": 256,
+                                                                        "max_num_seqs": 16,
+                                                                        "max_num_scheduled_tokens": 64}),
+    "default, 32 tokens a step for 64 sequences": ("default", 16, {"num_gpu_blocks": 300,
+                                                                   "max_num_batched_tokens": 1024,
+                                                                   "max_num_seqs": 64,
+                                                                   "max_num_scheduled_tokens": 32}),
     # vLLM 0.33's prefill cadence: prompts admitted once every 4 executed steps while others decode
     "default, prefill every 4 steps": ("default", 16, {"num_gpu_blocks": 300, "max_num_batched_tokens": 1024,
                                                        "prefill_schedule_interval": 4}),

@@ -42,6 +42,9 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(c.long_prefill_token_threshold_adaptive for c in cfgs) == 9
     assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 9
     assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 11
+    assert sum(c.max_num_scheduled_tokens is not None for c in cfgs) == 13
+    assert sum(c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens < c.batch_limits()[1]
+               for c in cfgs) == 2
 
 
 def test_random_takes_no_workload_and_two_integers():
@@ -57,7 +60,8 @@ def test_random_takes_no_workload_and_two_integers():
 def test_random_cases_match_vllm():
     # seeds 20-29 draw every knob: 1 offloading, 1 windowed, 2 priority, 4 async, 5 max_model_len,
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
-    # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence
+    # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence,
+    # 3 with max_num_scheduled_tokens (one with an adaptive cap)
     r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()

@@ -80,21 +80,24 @@ def _run(kind: str, seed: int, rate: float, cfg: SimConfig, real_cost: bool) -> 
     adaptive=st.booleans(),
     reserve=st.sampled_from([True, True, False]),
     interval=st.sampled_from([1, 1, 3]),
+    scheduled=st.sampled_from([None, None, 0, 1]),
 )
 def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size: int, num_gpu_blocks: int,
                                    budget: int, max_seqs: int, eviction: str, caching: bool, chunked: bool,
                                    watermark: float, real_cost: bool, closed: bool, active: int | None,
-                                   long_prefill: int, adaptive: bool, reserve: bool, interval: int) -> None:
+                                   long_prefill: int, adaptive: bool, reserve: bool, interval: int,
+                                   scheduled: int | None) -> None:
     """Steps, requests, summary and op counts are identical with the shortcuts on and off,
-    over random workloads and configurations (vLLM 0.31+'s admission knobs and 0.33's prefill
-    cadence too), with a flat
+    over random workloads and configurations (vLLM 0.31+'s admission knobs, 0.33's prefill
+    cadence, a step budget at max_num_seqs (`scheduled` 0) or below it (1) too), with a flat
     and the roofline cost model."""
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs, eviction=eviction,
                     enable_prefix_caching=caching, enable_chunked_prefill=chunked, watermark=watermark,
                     closed_loop_sessions=closed, max_num_active_seqs=None if active is None else min(active, max_seqs),
                     long_prefill_token_threshold=long_prefill, long_prefill_token_threshold_adaptive=adaptive,
-                    scheduler_reserve_full_isl=reserve, prefill_schedule_interval=interval)
+                    scheduler_reserve_full_isl=reserve, prefill_schedule_interval=interval,
+                    max_num_scheduled_tokens=None if scheduled is None or not chunked else max_seqs >> scheduled)
     fast = _run(kind, seed, rate, cfg, real_cost)
     slow = _run(kind, seed, rate, cfg.replace(shortcuts=False), real_cost)
     _same(fast, slow)

@@ -157,6 +157,53 @@ def test_without_the_full_isl_reserve_a_first_chunk_is_enough_to_be_admitted(res
     assert got == {"a": (0, 0, 19, 0), "b": b}
 
 
+@pytest.mark.parametrize("scheduled,want", [
+    (16, {"a": (0, 6, 6, 0), "b": (6, 12, 12, 0), "c": (12, 13, 15, 0)}),
+    (None, {"a": (0, 1, 1, 0), "b": (1, 3, 3, 0), "c": (3, 3, 5, 0)}),
+])
+def test_max_num_scheduled_tokens_is_the_step_budget(scheduled, want):
+    # vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.33): token_budget starts at
+    # max_num_scheduled_tokens (Scheduler.__init__; max_num_batched_tokens when unset). At 16 a
+    # step, a's 100-token prompt takes steps 0-6 and b waits behind it; at 64, two steps
+    got = steps([req("a", 0, 100, 1), req("b", 0, 100, 1), req("c", 2.5, 10, 3)], num_gpu_blocks=100,
+                max_num_seqs=4, max_num_batched_tokens=64, max_num_scheduled_tokens=scheduled)
+    assert got == want
+
+
+def test_the_adaptive_long_prefill_floor_divides_max_num_batched_tokens():
+    # Scheduler.schedule (0.33): the floor is input_budget (max_num_batched_tokens) // 2 requests
+    # = 32, not the step budget of 48 // 2: a takes 32 a step, b the 16 left (first tokens 3, 4)
+    got = steps([req("a", 0, 100, 1), req("b", 0, 100, 1)], num_gpu_blocks=60, max_num_seqs=4,
+                max_num_batched_tokens=64, max_num_scheduled_tokens=48, long_prefill_token_threshold=8,
+                long_prefill_token_threshold_adaptive=True)
+    assert got == {"a": (0, 3, 3, 0), "b": (0, 4, 4, 0)}
+
+
+def test_max_num_scheduled_tokens_outside_what_kvsim_models_is_refused():
+    from sim.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_num_scheduled_tokens \(65\) must be <= max_num_batched_tokens \(64\)"):
+        SimConfig(max_num_seqs=4, max_num_batched_tokens=64, max_num_scheduled_tokens=65).validate()
+    with pytest.raises(ConfigError, match="needs chunked prefill"):
+        SimConfig(max_num_seqs=4, max_num_batched_tokens=64, max_num_scheduled_tokens=32,
+                  enable_chunked_prefill=False).validate()
+    with pytest.raises(ConfigError, match=r"max_num_scheduled_tokens must be >= 1, got 0"):
+        SimConfig(max_num_scheduled_tokens=0).validate()
+
+
+def test_a_step_budget_below_max_num_seqs_cuts_decodes_in_running_order():
+    # Scheduler.schedule (0.33): the RUNNING loop hands the 2-token budget out in order and
+    # admissions get what is left. a's prompt takes step 0; from step 1 a decodes and b's prompt
+    # takes the other token (two steps); a and b then spend the budget, so c is admitted only
+    # once a finishes (step 5). kvsim's lazy decodes, which assume every running decode fits,
+    # are off here (Shortcuts decodes_fit); the same steps with the shortcuts off, and in vLLM
+    reqs = [req("a", 0, 2, 6), req("b", 0, 2, 6), req("c", 0, 2, 6)]
+    want = {"a": (0, 0, 5, 0), "b": (1, 2, 7, 0), "c": (6, 7, 12, 0)}
+    for shortcuts in (True, False):
+        assert steps(reqs, num_gpu_blocks=40, max_num_seqs=4, max_num_batched_tokens=8, max_num_scheduled_tokens=2,
+                     shortcuts=shortcuts) == want
+
+
 def test_the_admission_knobs_need_a_release_that_has_them():
     from sim.engine.config import ConfigError
 
