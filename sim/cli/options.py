@@ -35,7 +35,7 @@ NoReserveFullIsl = Annotated[bool, typer.Option(
 PrefillScheduleInterval = Annotated[int | None, typer.Option(
     help="prefill only once every N executed steps while requests decode (vLLM 0.33)")]
 MaxNumScheduledTokens = Annotated[int | None, typer.Option(
-    help="a step's token budget, from max_num_seqs to max_num_batched_tokens (default: the latter)")]
+    help="a step's token budget, at most max_num_batched_tokens (default: the latter)")]
 
 
 def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bool,

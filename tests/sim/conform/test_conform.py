@@ -69,7 +69,7 @@ CASES = {
                                                            "long_prefill_token_threshold_adaptive": True}),
     "multi-turn, no full-isl reserve": ("multi-turn.jsonl", 8, {"num_gpu_blocks": 60, "max_num_batched_tokens": 256,
                                                                 "scheduler_reserve_full_isl": False}),
-    # max_num_scheduled_tokens: a step budget below the forward's size (and below max_num_seqs)
+    # max_num_scheduled_tokens: a step budget below the forward's size (the second below max_num_seqs too)
     "multi-turn, 64 of 256 tokens scheduled": ("multi-turn.jsonl", 1, {"num_gpu_blocks": 200,
                                                                         "max_num_batched_tokens": 256,
                                                                         "max_num_seqs": 16,
