@@ -1,4 +1,5 @@
-"""Fixtures: the public traces folder (skip when absent) and a writer for small input files."""
+"""Fixtures: the public traces folder (skip when absent) and a writer for small input files; the
+`needs_vllm` marker (skip without vLLM 0.33.0, fail where KVSIM_REQUIRE_VLLM=1, as in CI)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+REQUIRE_VLLM = "KVSIM_REQUIRE_VLLM"  # =1: a test marked needs_vllm fails, not skips, without vLLM
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"needs_vllm: runs against vLLM 0.33.0; skipped without it, failed where {REQUIRE_VLLM}=1")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `needs_vllm` test without an importable vLLM: skipped, or failed under KVSIM_REQUIRE_VLLM=1
+    (CI installs vLLM, so a broken install must not pass as skipped conformance tests)."""
+    if item.get_closest_marker("needs_vllm") is None:
+        return
+    from sim.conform import vllm_setup
+
+    missing = vllm_setup.vllm_available()
+    if missing is None:
+        return
+    if os.environ.get(REQUIRE_VLLM) == "1":
+        pytest.fail(f"{REQUIRE_VLLM}=1: {missing}", pytrace=False)
+    pytest.skip(missing)
 
 
 def traces_dir() -> Path | None:

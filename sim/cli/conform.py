@@ -128,28 +128,48 @@ def _seeds(text: str) -> range:
 
 
 def _random(seeds: range, mode: str) -> None:
-    """Conform one random case a seed, a line each; the seeds that differ, and how to rerun one."""
+    """Conform one random case a seed, a line each; the seeds that differ or fail, and how to rerun
+    one. Only kvsim's refusal of a case (its ConfigError, raised outside vLLM and the vLLM drivers
+    `sim.conform.vllm_*`) is a skip; any other error fails its seed, in vLLM (or a driver) or in kvsim."""
     from sim.conform.check import conform as run_conform
     from sim.conform.random_cases import random_case
     from sim.engine.config import ConfigError
 
-    differ, skipped = [], 0
+    def in_vllm(e: BaseException) -> bool:
+        """Whether a frame `e` passed through is vLLM's or a vLLM driver's (by module name)."""
+        tb = e.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_globals.get("__name__", "")
+            if name == "vllm" or name.startswith(("vllm.", "sim.conform.vllm_")):
+                return True
+            tb = tb.tb_next
+        return False
+
+    differ, failed, skipped = [], [], 0
     for seed in seeds:
+        case = None
         try:
             case = random_case(seed)
             diffs = run_conform(case.requests, case.cfg, mode, case.max_running)
-        except (ConfigError, ValueError) as e:  # a case vLLM cannot run (it would stall)
-            typer.echo(f"seed {seed}: skipped ({e})")
-            skipped += 1
+        except Exception as e:  # every error is reported, one line a seed
+            vllm = in_vllm(e)
+            if isinstance(e, ConfigError) and not vllm:  # kvsim refuses the case before vLLM runs it
+                typer.echo(f"seed {seed}: skipped ({e})")
+                skipped += 1
+                continue
+            head = case.describe() if case is not None else f"seed {seed}"
+            typer.echo(f"{head}: failed in {'vLLM' if vllm else 'kvsim'}: {type(e).__name__}: {' '.join(str(e).split())}")
+            failed.append(seed)
             continue
         bad = [d.format() for d in diffs if not d.ok]
         typer.echo(f"{case.describe()}: " + ("; ".join(bad) if bad else "identical"))
         if bad:
             differ.append(seed)
-    typer.echo(f"{len(seeds)} cases, {len(differ)} differ" + (f", {skipped} skipped" if skipped else ""))
-    for seed in differ:
+    typer.echo(f"{len(seeds)} cases, {len(differ)} differ" + (f", {len(failed)} failed" if failed else "")
+               + (f", {skipped} skipped" if skipped else ""))
+    for seed in sorted(differ + failed):
         typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}")
-    if differ:
+    if differ or failed:
         raise typer.Exit(1)
 
 
