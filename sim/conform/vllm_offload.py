@@ -2,19 +2,14 @@
 OffloadingConnector over its CPU tier) on kvsim's step grid, for diffing against kvsim's
 engine with `SimConfig.kv_offloading_size` (`sim.engine.offload`).
 
-The connector's scheduler side is vLLM's own; its worker is faked with kvsim's timing
-model (the `sim.engine.offload` docstring), on kvsim's own `Link`:
+The connector's scheduler side is vLLM's own; its worker is `FakeWorker`, which takes the
+order of its copies from vLLM's worker and times them on kvsim's `Link`. On kvsim's step grid:
 
 - step g is scheduled at g * S; its poll sees the transfers done by g * S, and its output
   reports them (`completed_jobs`, and `finished_recving` for the loads' requests);
-- a job vLLM flushes in step g (`jobs_to_flush`: a preempted request's stores) is done at
-  g * S, reported in that step's output, and never takes the link;
-- after the output the stores planned in the previous step, then the loads planned in this
-  one, start on their link (first in first out per direction) at (g + 1) * S, or at g * S
-  when the step ran nothing (no forward); one lasts its GPU blocks * seconds per block;
-- an empty step takes its slot; if it applied no transfer and left no store waiting to start,
-  the next step is the first slot whose start is at or after the next transfer's end or the
-  next arrival (sim.engine.loop, `OffloadScheduler.idle_until`).
+- an empty step takes its slot; if it applied no transfer and left no store waiting to be
+  submitted, the next step is the first slot whose start is at or after the next transfer's end
+  or the next arrival (sim.engine.loop, `OffloadScheduler.idle_until`).
 
 vLLM keeps the requests finished since the last step in a set; the driver gives the Scheduler
 an insertion-ordered one each step, so their last offers and policy commits follow the order
@@ -34,10 +29,8 @@ from typing import Any
 from kvcache.offload.size import PAGE_BYTES
 from sim.conform.vllm_scheduler import Request, _build_scheduler, _SchedRun, prepare
 from sim.conform.vllm_setup import kv_cache_config
+from sim.engine.host_link import Job, Link
 from sim.engine.loop import grid_index
-from sim.engine.offload import Job, Link
-
-INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -64,47 +57,74 @@ class Offloading:
 
 
 class FakeWorker:
-    """The connector's worker side, timed as `sim.engine.offload.Offloader` (see the module docstring)."""
+    """vLLM 0.33's connector worker (`OffloadingConnectorWorker`, vllm/distributed/kv_transfer/
+    kv_connector/v1/offloading/worker.py) over its CPU worker (vllm/v1/kv_offload/cpu/gpu_worker.py),
+    with copies timed on kvsim's `Link`: a copy lasts its GPU blocks * seconds per block. Each step g
+    (starting at g * S) runs, as vLLM's model runner calls them (vllm/v1/worker/gpu_model_runner.py
+    `execute_model`, kv_connector_model_runner_mixin.py `_get_kv_connector_output`):
+
+    - `handle_preemptions`, before the forward: the step's store jobs in `jobs_to_flush` join the
+      held ones, and all of those are submitted at g * S; then `wait(jobs_to_flush)`;
+    - `start_kv_transfers`, after the forward is launched: the step's loads are submitted, and
+      start when the forward ends ((g + 1) * S; at g * S when the step has none);
+    - `wait_for_save` -> `prepare_store_kv`: the step's other store jobs are held for the next step;
+    - `get_finished`: the copies done by g * S are reported (`completed_jobs`, and
+      `finished_recving` for a load's request).
+
+    `CPUOffloadingWorker.submit_store` / `submit_load` put a copy on its direction's
+    `SingleDirectionOffloadingHandler`, whose stream waits for the compute stream and for the
+    previous copy's end event (first in first out); `wait` synchronizes on a job's end event, so
+    the jobs ahead of it end first. Waiting takes no time here (kvsim's steps are never
+    lengthened): the job waited for and those ahead are done at g * S, those behind start then.
+    Sync loads (`sync_load_budget_bytes`, off by default) are not modelled."""
 
     def __init__(self, seconds_per_block: tuple[float, float]):
         self.loads, self.stores = Link(seconds_per_block[0]), Link(seconds_per_block[1])
-        self.jobs: dict[int, Job] = {}  # vLLM job id -> the transfer, until reported
-        self._planned_loads: list[Job] = []
-        self._planned_stores: list[Job] = []
-        self._deferred_stores: list[Job] = []  # last step's, started when this step's forward ends
+        self.jobs: dict[int, Job] = {}  # vLLM job id -> the copy, until reported
+        self._held_stores: list[Job] = []  # `_unsubmitted_store_jobs`
+        self._step_loads: list[Job] = []  # submitted after this step's forward
 
     def poll(self, meta, start: float) -> tuple[dict[int, int], set[str]]:
-        """Take step `meta`'s new jobs and flushes; the jobs done by `start` (completed_jobs) and
-        the requests whose loads they are (finished_recving)."""
-        for jid, t in meta.load_jobs.items():
-            job = self.jobs[jid] = Job("load", t.req_id, [], len(t.dst_spec.block_ids))
-            self._planned_loads.append(job)
-        for jid, t in meta.store_jobs.items():
-            job = self.jobs[jid] = Job("store", t.req_id, [], len(t.src_spec.block_ids))
-            self._planned_stores.append(job)
-        for jid in meta.jobs_to_flush or ():
-            job = self.jobs[jid]  # the worker waits for it before the forward
-            job.done_at = min(job.done_at, start)
-        done = [jid for jid, job in self.jobs.items() if job.done_at <= start]
+        """Step `meta` at `start` up to its output: its flushes, its jobs, and the jobs done by
+        `start` (completed_jobs) with the requests whose loads they are (finished_recving)."""
+        flush = meta.jobs_to_flush or set()
+        stores = [(jid, t) for jid, t in meta.store_jobs.items() if jid not in flush]
+        self._held_stores += [self._job(jid, "store", t.req_id, t.src_spec) for jid, t in meta.store_jobs.items()
+                              if jid in flush]
+        for job in self._held_stores:  # handle_preemptions
+            self.stores.start(job, start)
+        self._held_stores = []
+        for jid in flush:
+            job = self.jobs.get(jid)  # None once reported (no end event left to wait on)
+            if job is not None:
+                (self.stores if job.kind == "store" else self.loads).wait(job, start)
+        for jid, t in meta.load_jobs.items():  # start_kv_transfers
+            if t.sync:
+                raise NotImplementedError("sync KV loads are not modelled (sync_load_budget_bytes)")
+            self._step_loads.append(self._job(jid, "load", t.req_id, t.dst_spec))
+        self._held_stores = [self._job(jid, "store", t.req_id, t.src_spec) for jid, t in stores]  # prepare_store_kv
+        # get_finished: the store handler's copies, then the loads', each in submission order
+        done = [jid for kind in ("store", "load") for jid, job in self.jobs.items()
+                if job.kind == kind and job.done_at <= start]
         recving = {self.jobs[jid].sid for jid in done if self.jobs[jid].kind == "load"}
         for jid in done:
             del self.jobs[jid]
         return dict.fromkeys(done, 1), recving
 
+    def _job(self, jid: int, kind: str, req_id: str, gpu_spec) -> Job:
+        job = self.jobs[jid] = Job(kind, req_id, [], len(gpu_spec.block_ids))
+        return job
+
     def step_ended(self, end: float) -> None:
-        """Start last step's stores (those not flushed meanwhile), then this step's loads, at `end`."""
-        for job in self._deferred_stores:
-            if job.done_at == INF:
-                self.stores.start(job, end)
-        for job in self._planned_loads:
+        """The step's forward ended at `end`: its loads start."""
+        for job in self._step_loads:
             self.loads.start(job, end)
-        self._deferred_stores, self._planned_stores = self._planned_stores, []
-        self._planned_loads = []
+        self._step_loads = []
 
     def busy_until(self, now: float) -> float | None:
-        """After an empty step at `now`: `now` if stores wait to start (the next step starts them),
-        else when the next transfer ends; None if none is in flight."""
-        if self._deferred_stores or self._planned_stores or self._planned_loads:
+        """After an empty step at `now`: `now` if stores are held (the next step submits them),
+        else when the next copy ends; None if none is in flight."""
+        if self._held_stores or self._step_loads:
             return now
         return min((job.done_at for job in self.jobs.values()), default=None)
 

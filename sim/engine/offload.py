@@ -8,16 +8,18 @@ being stored or loaded); such a request loads asynchronously and waits; each ste
 the full chunks its scheduled requests will have computed (prompt chunks only, by default)
 and the finished requests' remaining ones (`end_step`).
 
-Timing (what kvsim assumes of vLLM's worker, vllm/v1/kv_offload/cpu/gpu_worker.py): transfers
-use the host link beside compute, first in first out per direction, and never lengthen a
-step. A load planned in step N starts when step N's forward ends; stores planned in step N
-are submitted in step N + 1 and start when its forward ends. One takes its blocks' bytes
-over the link bandwidth (each TP rank moves its own share in parallel). It is seen by the
-poll at the start of the first step that begins once it is done, and applied when that step
-ends, so the schedule after it sees the result. A step without a forward starts its transfers
-at once. The worker waits before a step's forward for the stores vLLM flushes (`jobs_to_flush`):
-a preempted request's, and a finished request's once the step hands one of the GPU blocks it
-reads to a request; such a store is done at that step's start and never takes the link.
+Timing (kvsim's model of vLLM's worker, vllm/distributed/kv_transfer/kv_connector/v1/offloading/
+worker.py over vllm/v1/kv_offload/cpu/gpu_worker.py): transfers use the host link beside compute,
+first in first out per direction, and never lengthen a step. A load planned in step N starts when
+step N's forward ends (`start_kv_transfers`, after the forward is launched); stores planned in step
+N are held (`prepare_store_kv`) and submitted when step N + 1 starts (`handle_preemptions`, before
+its forward), so they start when step N's forward ends. One takes its blocks' bytes over the link
+bandwidth (each TP rank moves its own share in parallel). It is seen by the poll at the start of
+the first step that begins once it is done, and applied when that step ends, so the schedule after
+it sees the result. A step without a forward starts its loads at once. Before a step's forward the
+worker waits for the stores vLLM flushes (`jobs_to_flush`: a preempted request's, and a finished
+request's once the step hands one of the GPU blocks it reads to a request): they and the stores
+ahead of them are done at that step's start, taking no time (`Link.wait`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvcache.offload.tier import HostTier
 from kvcache.offload.tiered import TieredTier
 from kvcache.ops import OpLog
 from kvcache.sequence import Sequence
+from sim.engine.host_link import INF, Job, Link
 
 
 @dataclass(slots=True)
@@ -42,30 +45,6 @@ class _Request:
     jobs: set[int] = field(default_factory=set)  # its transfers in flight
     finished: bool = False
     num_seen_blocks: int = 0  # of `blocks`, those a step already counted as allocated
-
-
-@dataclass(slots=True)
-class Job:
-    """One transfer: `load` (host -> GPU) or `store`, of whole chunks."""
-
-    kind: str
-    sid: str
-    keys: list[int]
-    blocks: int  # GPU blocks moved
-    done_at: float = float("inf")  # when the link finishes it (inf: not started)
-    block_ids: tuple[int, ...] = ()  # a store's GPU blocks (the flush fence, once its request finished)
-
-
-class Link:
-    """One direction of the host link: jobs run one after another."""
-
-    def __init__(self, seconds_per_block: float):
-        self.seconds_per_block = seconds_per_block
-        self.free_at = 0.0
-
-    def start(self, job: Job, at: float) -> None:
-        begin = max(at, self.free_at)
-        job.done_at = self.free_at = begin + job.blocks * self.seconds_per_block
 
 
 class Offloader:
@@ -91,8 +70,7 @@ class Offloader:
         self._next_job = 0
         self._loading: set[int] | None = set() if prefix_caching else None  # keys of loads in flight
         self._planned_loads: list[Job] = []  # this step's, started when its forward ends
-        self._planned_stores: list[Job] = []  # this step's, submitted in the next step
-        self._deferred_stores: list[Job] = []  # last step's, started when this step's forward ends
+        self._planned_stores: list[Job] = []  # this step's, started when the next step starts
         self._finished: list[str] = []  # finished since the last `end_step`
         self._allocated: set[int] = set()  # GPU blocks the step being scheduled gave to requests
         self._fences: dict[int, set[int]] = {}  # GPU block -> finished requests' stores reading it
@@ -224,7 +202,11 @@ class Offloader:
             self.tier.end_step(now)
 
     def begin_step(self, now: float) -> None:
-        """A schedule starts at `now`: the file tier's jobs and probes done by then are over."""
+        """A step starts at `now`: last step's stores start on the link (vLLM `handle_preemptions`
+        submits them before the forward); the file tier's jobs and probes done by then are over."""
+        for job in self._planned_stores:
+            self.stores.start(job, now)
+        self._planned_stores = []
         if self.fs:
             self.tier.advance(now)
 
@@ -264,11 +246,13 @@ class Offloader:
             self._fences.setdefault(bid, set()).add(j)
 
     def _flush(self, jobs, now: float) -> None:
-        """The worker waits for `jobs` before the forward of the step starting `now` (vLLM
-        `jobs_to_flush`): that step's poll sees them done, and they never take the link."""
+        """The worker waits for `jobs` before the forward of the step starting `now` (vLLM worker.py
+        `handle_preemptions`, `jobs_to_flush`): that step's poll sees them done (`Link.wait`)."""
         for j in jobs:
             job = self.jobs[j]
-            job.done_at = min(job.done_at, now)
+            if job.done_at == INF:  # planned this step: submitted at once, not with the step's others
+                self._planned_stores.remove(job)
+            (self.stores if job.kind == "store" else self.loads).wait(job, now)
 
     def finished(self, seq: Sequence) -> None:
         """`seq` finished (its blocks are freed now); its last chunks are offered next step."""
@@ -294,16 +278,12 @@ class Offloader:
     # ------------------------------------------------------------- time
     def step_ended(self, start: float, end: float) -> None:
         """The step that began at `start` ended at `end`: apply the transfers its poll saw, then
-        start last step's stores and this step's loads on the link."""
+        start this step's loads on the link (its stores wait for the next step's start)."""
         done = [j for j, job in self.jobs.items() if job.done_at <= start]
         for j in done:
             self._complete(j, end)
-        for job in self._deferred_stores:
-            if job.done_at == float("inf"):  # not flushed meanwhile
-                self.stores.start(job, end)
         for job in self._planned_loads:
             self.loads.start(job, end)
-        self._deferred_stores, self._planned_stores = self._planned_stores, []
         self._planned_loads = []
 
     def _complete(self, j: int, now: float) -> None:
@@ -359,7 +339,7 @@ class Offloader:
         """When the engine must step again after an empty step at `now`: `now` if stores wait to
         be started (the next step starts them), else when the next transfer in flight is done;
         None if there is none."""
-        if self._deferred_stores or self._planned_stores or self._planned_loads:
+        if self._planned_stores or self._planned_loads:
             return now
         times = [job.done_at for job in self.jobs.values()]
         if self.fs and (t := self.tier.next_event()) is not None:
@@ -370,7 +350,7 @@ class Offloader:
         """Whether transfers (or file jobs) are in flight or waiting to start, or finished requests wait
         for their last offer: vLLM's engine keeps stepping, requests or not (vllm/v1/core/sched/
         scheduler.py `has_requests`: finished requests, the connector's `has_pending_push_work`)."""
-        return bool(self.jobs or self._finished or self._planned_loads or self._planned_stores or self._deferred_stores) \
+        return bool(self.jobs or self._finished or self._planned_loads or self._planned_stores) \
             or (self.fs and self.tier.has_pending_work())
 
     def _record_file_job(self, job: FsJob, keys: tuple[int, ...]) -> None:

@@ -51,7 +51,8 @@ def test_a_prefix_loaded_back_from_the_tier_replays_clean(tmp_path, kernels) -> 
 
 
 def _finished_store_flushed():
-    """x fills the 4-chunk tier with stores that land at t=7; a's own offers fail until then. a finishes
+    """x fills the 4-chunk tier with stores that land at t=7 (4 blocks at 1.25 s, from t=1, when the step
+    after the one planning them starts); a's own offers fail until then. a finishes
     at t=7; at step 7 f takes every free GPU block, a's included, and its 8-chunk offer fails, so a's
     retried 2-chunk offer (vLLM offers a finished request's chunks at the next step) is stored from
     blocks f is about to overwrite: the worker copies them before the forward (`jobs_to_flush`). b
@@ -62,7 +63,7 @@ def _finished_store_flushed():
 
 
 def test_a_finished_request_s_store_is_recorded_ahead_of_the_step_that_reuses_its_blocks(tmp_path) -> None:
-    run = _record(tmp_path, _finished_store_flushed(), link_s=1.0, chunks=4, num_gpu_blocks=16)
+    run = _record(tmp_path, _finished_store_flushed(), link_s=1.25, chunks=4, num_gpu_blocks=16)
     assert _transfers(run) == [
         *((0, "store", g, h, "x") for g, h in ((1, 0), (2, 1), (3, 2), (4, 3))),
         (7, "store", 5, 2, "a"), (7, "store", 6, 3, "a"),

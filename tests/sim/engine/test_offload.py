@@ -3,10 +3,16 @@ stores of computed prompt chunks, a later admission's prefix loaded back from th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from kvcache.offload.tier import HostTier
+from kvcache.sequence import Sequence
 from sim.engine.config import ConfigError, SimConfig
+from sim.engine.host_link import Job, Link
+from sim.engine.offload import Offloader
 from sim.engine.run import simulate
 from tests.sim.engine.engine_fixtures import FlatCost, req
 from workloads.request import Workload
@@ -58,7 +64,7 @@ def test_a_load_takes_its_blocks_over_the_host_link() -> None:
 
 
 def test_a_finished_request_s_store_is_flushed_when_its_blocks_are_reused() -> None:
-    """a's stores (planned at step 0, started when step 1 ends at t=2) would take 4 * 5 s, but at
+    """a's stores (planned at step 0, started when step 1 starts at t=1) would take 4 * 5 s, but at
     t=10 f takes a's freed blocks: the worker finishes the store first (vLLM `_build_connector_meta`
     flushes jobs whose blocks are reallocated), so at t=20 b finds a's chunks ready, loads them
     for 4 * 5 s and runs at t=40."""
@@ -102,3 +108,78 @@ def test_unsupported_combinations_are_config_errors(change) -> None:
     """record_ops is supported: tests/gpu/test_offload_replay.py replays the store and load ops."""
     with pytest.raises(ConfigError, match="kv_offloading_size|offload_eviction_policy"):
         SimConfig(**{"kv_offloading_size": 1.0, **change}).validate()
+
+
+def test_a_step_s_stores_start_when_the_next_step_starts() -> None:
+    """vLLM's worker holds step N's store jobs (vllm/distributed/kv_transfer/kv_connector/v1/offloading/
+    worker.py `prepare_store_kv`) and submits them in step N+1's `handle_preemptions`, which
+    vllm/v1/worker/gpu_model_runner.py `execute_model` calls before the forward: a's 4-block store,
+    planned at t=0, runs 1 to 2 (0.25 s a block), not from the end of step 1's forward (t=2).
+    b, a's prompt again at t=2, hits 12 tokens on the GPU; its last chunk is still pending for the
+    schedule at 2 (the store is applied when that step ends), ready in the empty step after it:
+    b loads one block, 2 to 2.25, and runs at 2.25 (3.25 with stores started a step later)."""
+    a = np.arange(100, 116)
+    res = _run([req("a", 0, a, 2), req("b", 2, a.copy(), 2)], link_s=0.25)
+    r = res.requests.set_index("id")
+    assert (r.loc["b", "first_scheduled"], r.loc["b", "first_token"], r.loc["b", "hit_tokens"]) == (2.25, 3.25, 12)
+    assert (res.summary["offload_hit_tokens"], res.summary["loaded_blocks"]) == (4, 1)
+
+
+def _job(blocks: int) -> Job:
+    return Job("store", "r", [], blocks)
+
+
+def test_a_link_waited_on_finishes_the_jobs_ahead_and_restarts_those_behind() -> None:
+    """vllm/v1/kv_offload/cpu/gpu_worker.py `SingleDirectionOffloadingHandler`: each copy's stream
+    waits for the previous copy's end event (`transfer_async`), and `wait` synchronizes on one
+    job's end event, so every copy ahead of it is over too. kvsim's wait takes no time: at t=3 the
+    jobs up to the one waited for are done, the one behind runs from 3."""
+    link = Link(1.0)
+    first, second, third = _job(4), _job(2), _job(2)
+    for at, job in enumerate((first, second, third)):
+        link.start(job, at)
+    assert (first.done_at, second.done_at, third.done_at) == (4.0, 6.0, 8.0)
+    link.wait(second, 3.0)
+    assert (first.done_at, second.done_at, third.done_at) == (3.0, 3.0, 5.0)
+    unstarted = _job(1)  # a store planned in the step that flushes it: submitted behind all others
+    link.wait(unstarted, 3.5)
+    assert (third.done_at, unstarted.done_at) == (3.5, 3.5)
+    later = _job(1)
+    link.start(later, 3.5)
+    assert later.done_at == 4.5
+
+
+def _prompt(sid: str, first: int, n: int) -> Sequence:
+    return Sequence(sid, np.arange(first, first + n))
+
+
+def _blocks(*ids: int) -> list:
+    return [SimpleNamespace(block_id=i) for i in ids]
+
+
+def test_a_flush_completes_the_stores_queued_ahead_of_it_and_frees_their_chunks() -> None:
+    """An 8-chunk tier, block size 4, 5 s a block. a, b, c are scheduled at t=0, 1, 2 and offer 4,
+    2 and 2 chunks; each step's store starts when the next step starts (a's 1 to 21, b's to 31,
+    c's to 41). b is preempted at t=3: vLLM's worker waits for b's store (worker.py
+    `handle_preemptions`, `jobs_to_flush`), and copies on one direction end in order
+    (gpu_worker.py `SingleDirectionOffloadingHandler.wait`), so a's ends too: both are done at 3,
+    and c's runs 3 to 13. At t=4 d offers 4 chunks: a's and b's 6 are evictable, so it is accepted.
+    Completing b's alone (a's left pending until 21) refused d's offer: 2 evictable chunks."""
+    off = Offloader(HostTier(8), 4, seconds_per_block=(0.0, 5.0))
+    a, b, c, d = _prompt("a", 100, 16), _prompt("b", 200, 8), _prompt("c", 300, 8), _prompt("d", 400, 16)
+
+    def step(now: float, scheduled: list, preempted: tuple = ()) -> None:
+        off.begin_step(now)
+        for seq in preempted:
+            off.preempted(seq, now)
+        off.end_step(scheduled, now)
+
+    for now, seq, blocks in ((0.0, a, _blocks(0, 1, 2, 3)), (1.0, b, _blocks(4, 5)), (2.0, c, _blocks(6, 7))):
+        step(now, [(seq, seq.num_tokens, blocks)])
+        off.step_ended(now, now + 1.0)
+    step(3.0, [], preempted=(b,))
+    assert {j: job.done_at for j, job in off.jobs.items()} == {0: 3.0, 1: 3.0, 2: 13.0}
+    off.step_ended(3.0, 4.0)  # the poll at 3 saw a's and b's: applied when the step ends
+    assert list(off.jobs) == [2]
+    step(4.0, [(d, 16, _blocks(4, 5, 8, 9))])
+    assert (off.tier.num_alloc_failures, off.tier.num_evictions, off.stored_blocks) == (0, 4, 12)
