@@ -12,7 +12,8 @@ watermark come from the v0/v2 managers (fork and swap are mixed in from
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 from pathlib import Path
 from types import MappingProxyType
 
@@ -23,7 +24,7 @@ from kvcache.admission import AllocStatus, watermark_status
 from kvcache.block import KVCacheBlock
 from kvcache.block_pool import BlockPool
 from kvcache.defrag import Defragmenter
-from kvcache.eviction import EvictionPolicy, make_policy
+from kvcache.eviction import LRU, EvictionPolicy, make_policy
 from kvcache.fork import Forking
 from kvcache.id_span import IdSpan
 from kvcache.loads import Loads
@@ -85,6 +86,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         self.cpu = CpuPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.block_tables = MappingProxyType(self.req_blocks)  # sequence id -> its blocks (read-only, live)
         self.num_cached_block: dict[str, int] = {}
         self.swapped: dict[str, list[int]] = {}  # seq id -> CPU block ids (-1 for null)
         self.num_cow_copies = 0
@@ -357,6 +359,42 @@ class KVCacheManager(Forking, Swapping, Loads):
         """Free blocks that still hold a cached prefix (the evictable ones)."""
         return self.pool.num_cached_free
 
+    @property
+    def free_order_is_lru(self) -> bool:
+        """Whether free blocks are handed out in the order of vLLM's free queue alone (exact LRU)."""
+        return type(self.pool.policy) is LRU
+
+    def next_free_blocks(self, n: int) -> Iterator[KVCacheBlock]:
+        """The first `n` blocks an allocation would take now (exact LRU only: `free_order_is_lru`)."""
+        if not self.free_order_is_lru:
+            raise ValueError(f"next_free_blocks needs exact LRU, not {type(self.pool.policy).__name__}")
+        return islice(self.pool.policy.queue, n)
+
+    @property
+    def caching_hooks_policy(self) -> bool:
+        """Whether the eviction policy hears of each block cached (so caching must stay in its step)."""
+        return self.pool.policy_sees_caching
+
+    def num_cached_blocks_of(self, seq_id: str) -> int:
+        """Of sequence `seq_id`'s blocks, how many are cached (in the prefix-cache map) so far."""
+        return self.num_cached_block[seq_id]
+
+    def decode_in_place(self, seqs: list[Sequence], num_new: int = 0) -> None:
+        """Slots for the decode token of each of `seqs` (running, prompt done, one token to compute,
+        at a block's first or last slot, unshared), in order: a new block where its token starts one,
+        caching the block its token fills. No write is counted (the caller counts them in bulk).
+        `num_new` > 0 (exact LRU only): the new blocks are taken in one go, which hands out the same
+        blocks as a take each, since caching between them pushes, pops and touches no free block."""
+        bs, tables, caching = self.block_size, self.req_blocks, self.enable_caching
+        take = iter(self.pool.get_new_blocks(num_new)) if num_new else None
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            blocks = tables[seq.seq_id]
+            if c // bs == len(blocks):
+                blocks.append(next(take) if take is not None else self.pool.get_new_blocks(1)[0])
+            if caching and (c + 1) % bs == 0:
+                self._cache_full_blocks(seq, blocks, c + 1)
+
     def is_cached(self, block_hash: int) -> bool:
         """True if a block with this hash is in the prefix cache."""
         return block_hash in self.pool.cached
@@ -365,11 +403,33 @@ class KVCacheManager(Forking, Swapping, Loads):
         """Count `n` decode writes the caller applied without `allocate_slots` (negative: taken back)."""
         self.ops.counts["write"] += n
 
+    @property
+    def op_step(self) -> int:
+        """The step number ops are being stamped with now (`set_step`)."""
+        return self.ops.step
+
+    def keep_late_ops(self, steps: int) -> None:
+        """Let ops arrive up to `steps` steps late (lazy decodes' writes), before rows are final."""
+        self.ops.lag = steps
+
+    def stream_ops(self, folder: str | Path, *, process: bool = False) -> None:
+        """Stream the op records into `folder` as they become final (see `OpLog.stream_to`)."""
+        self.ops.stream_to(folder, process=process)
+
     def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
         """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the
         i-th at step `step + i`: late, by at most `ops.lag` steps (`OpLog.late_writes`)."""
         bs = self.block_size
         self.ops.late_writes(seq.seq_id, self.req_blocks[seq.seq_id][pos // bs].block_id, step, n, pos % bs, pos)
+
+    def holds_blocks(self, seq_id: str) -> bool:
+        """Whether sequence `seq_id` holds GPU blocks (running, or loading from the host tier)."""
+        return seq_id in self.req_blocks
+
+    @property
+    def op_log(self) -> OpLog:
+        """The op stream, for the host tier's transfers recorded beside the manager's own ops."""
+        return self.ops
 
     @property
     def records_ops(self) -> bool:

@@ -2,7 +2,7 @@
 
 Imports are read with `ast` (those inside functions too, since a lazy import is still a
 dependency): layers go one way, no two files import each other in a circle, no module is
-over 400 lines, and one request passes through at most four core files.
+over 700 lines (a guard against a file that grew past one concept, not a place to cut), and one request passes through at most four core files.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "workloads", "sim", "gpu")
-MAX_LINES = 400
+MAX_LINES = 700
 
 # What each layer may import of ours, by module prefix (its own package always allowed).
 ALLOWED = {
@@ -126,7 +126,42 @@ def test_no_import_circle_between_files():
     assert circles == []
 
 
-def test_no_module_over_400_lines():
+# The block manager's insides: outside kvcache/ no code reaches them (ARCHITECTURE.md, "The map").
+MANAGER_INSIDES = {"pool", "policy", "ops", "req_blocks", "num_cached_block", "tracker", "queue"}
+MANAGER_NAMES = {"m", "manager", "mgr"}  # what code outside kvcache/ calls a KVCacheManager
+
+
+def _reaches_in(node: ast.Attribute) -> bool:
+    """`node` is `<manager>.<inside>`, `<manager>.<_private>`, or `.pool` / `.policy` of anything."""
+    attr, base = node.attr, node.value
+    if attr in ("pool", "policy"):
+        return True
+    name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+    private = attr.startswith("_") and not attr.startswith("__")
+    return name in MANAGER_NAMES and (attr in MANAGER_INSIDES or private)
+
+
+def test_only_the_managers_public_api_is_used_outside_kvcache():
+    """The scheduler, the shortcuts and every other package use the block manager (and its pool)
+    only through its public methods and properties."""
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith(("kvcache", "sim.conform.vllm_")):  # (the drivers' managers are vLLM's)
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and _reaches_in(node):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert found == []
+
+
+def test_the_api_check_sees_a_reach_into_the_manager():
+    bad = ["m.pool.num_free_blocks", "self.m.req_blocks", "manager.ops.lag", "sched.m._needs_cow", "x.policy"]
+    ok = ["m.block_tables", "self.m.num_free_blocks", "self.ops", "rep.ops", "m.__class__"]
+    found = [any(isinstance(n, ast.Attribute) and _reaches_in(n) for n in ast.walk(ast.parse(e))) for e in bad + ok]
+    assert found == [True] * len(bad) + [False] * len(ok)
+
+
+def test_no_module_over_700_lines():
     files = [p for d in (*PACKAGES, "benchmarks", "notebooks", "tests") for p in (ROOT / d).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
@@ -137,12 +172,12 @@ def test_no_module_over_400_lines():
 # hashes), the eviction policy, the speed shortcut, the step-time model or the logs.
 # A new file on the path must be placed here, with its role: that is the point.
 REQUEST_PATH = {
-    "sim/engine/loop.py": "core: arrivals, the step loop, completion",
+    "sim/engine/loop.py": "core: the step loop, completion",
+    "sim/engine/frontend.py": "leaf: the arrivals process (and closed-loop sessions)",
     "sim/engine/scheduler.py": "core: queues, admission, preemption, retirement",
     "kvcache/manager.py": "core: prefix lookup, slot allocation, caching, free",
     "kvcache/block_pool.py": "core: blocks, the prefix-cache map, eviction calls",
-    "sim/engine/arrivals.py": "part of the scheduler (a mixin): arrival, rejection, parallel sampling",
-    "sim/engine/prefill.py": "part of the scheduler (a mixin): the long-prefill cap and the prefill cadence",
+    "sim/engine/prefill.py": "the scheduler's prefill rules (an object it holds): the long-prefill cap, the cadence",
     "sim/engine/batch.py": "leaf: the live request and batch records",
     "sim/engine/wait_queue.py": "leaf: the waiting queue (FCFS or priority)",
     "kvcache/sequence.py": "leaf: the request's tokens and block hashes",

@@ -127,7 +127,7 @@ def check_workload(requests: list) -> None:
 
 def fanned_out(requests: list) -> list:
     """The workload as vLLM's scheduler sees it: each request with n > 1 as its n requests."""
-    from sim.engine.arrivals import fan_out
+    from sim.engine.scheduler import fan_out
 
     return [sample for r in requests for sample in fan_out(r)]
 
@@ -135,7 +135,7 @@ def fanned_out(requests: list) -> list:
 def by_request(requests: list, records: list[dict]) -> list[dict]:
     """vLLM's per-sample records folded into one a request, as kvsim's log keeps them: the first
     scheduling and first token of any sample, the finish of the last, preemptions and hits summed."""
-    from sim.engine.arrivals import fan_out
+    from sim.engine.scheduler import fan_out
 
     recs = {r["id"]: r for r in records}
     out = []
@@ -162,11 +162,30 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
     """kvsim's engine against vLLM's Scheduler (with its OffloadingConnector when `cfg` offloads)."""
     if cfg.kv_offloading_size is not None:
         return run_offload_scheduler(requests, cfg)
-    from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
-
     ours = kvsim_scheduler(requests, cfg)
-    theirs = vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg), async_scheduling=cfg.async_scheduling)
+    if cfg.step_time is None:
+        from sim.conform.vllm_timed import run_timed
+
+        args = _scheduler_args(cfg)
+        del args["step_time"]
+        theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
+                           load=cfg.load, closed_loop=cfg.closed_loop_sessions)
+    else:
+        from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
+
+        theirs = vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg),
+                                    async_scheduling=cfg.async_scheduling)
     return compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
+
+
+def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int], float]:
+    """kvsim's cost model for `cfg` as the cost-clock driver asks it: a batch's (prefill, decode and
+    context tokens, sequences) to seconds, with no charged block ops (vLLM V1 copies and swaps none)."""
+    from kvcache.ops import CHARGED_KINDS
+    from sim.engine.cost_model import CostModel
+
+    cost, none = CostModel.from_config(cfg), dict.fromkeys(CHARGED_KINDS, 0)
+    return lambda prefill, decode, context, seqs: cost.step_time(prefill, decode, context, seqs, none)
 
 
 def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
 priority with random priorities, async scheduling, a sliding window, a max_model_len, parallel
-sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence), with a cache sized from the workload's longest
+sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence, the clock: a fixed step grid or
+the cost model's step times with closed-loop sessions), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed). The same seed always gives the same case.
@@ -34,7 +35,7 @@ class Case:
     def describe(self) -> str:
         c = self.cfg
         tokens, seqs = c.batch_limits()
-        knobs = [f"block {c.block_size}", f"{c.num_gpu_blocks} blocks", f"budget {tokens}/{seqs}"]
+        knobs = ["cost clock" if c.step_time is None else f"grid {c.step_time:g} s", f"block {c.block_size}", f"{c.num_gpu_blocks} blocks", f"budget {tokens}/{seqs}"]
         knobs += [f"watermark {c.watermark}"] if c.watermark else []
         knobs += [f"long-prefill {c.long_prefill_token_threshold}"] if c.long_prefill_token_threshold else []
         knobs += [] if c.enable_prefix_caching else ["caching off"]
@@ -110,6 +111,7 @@ def random_case(seed: int) -> Case:
     kw.update(_admission(r, kw))
     kw.update(_cadence(r))
     kw.update(_step_budget(r, kw))
+    kw.update(_clock(r, kw))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
@@ -138,6 +140,15 @@ def _step_budget(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
         return {}
     return {"max_num_scheduled_tokens": r.choice([r.randint(1, min(seqs, hi)), min(seqs, hi), r.randint(1, hi),
                                                   max(1, hi // 4)])}
+
+
+def _clock(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
+    """Two cases in three without offloading run on the cost model's clock, as a default `kvsim run`:
+    each step as long as its batch costs, the speed shortcuts on, closed-loop sessions (drawn last,
+    for the same reason); the others, and offloading's, on the fixed grid."""
+    if "kv_offloading_size" in kw or r.random() >= 2 / 3:
+        return {}
+    return {"step_time": None, "closed_loop_sessions": True}
 
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:

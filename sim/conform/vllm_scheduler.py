@@ -158,12 +158,12 @@ def run_scheduler(
     return [recs[r.id] for r in reqs]
 
 
-def prepare(requests: Iterable[Request], *, step_time: float, scheduling: str, max_num_batched_tokens: int,
+def prepare(requests: Iterable[Request], *, step_time: float | None, scheduling: str, max_num_batched_tokens: int,
             max_num_seqs: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int,
             max_model_len: int | None = None):
     """Checked arguments for a run: (requests, their token ids, empty records by id, max_model_len).
     With `max_model_len` (kvsim's `--max-model-len`) vLLM gets that one and stops a request there."""
-    if step_time <= 0:
+    if step_time is not None and step_time <= 0:
         raise ValueError(f"step_time must be positive, got {step_time}")
     if scheduling not in ("fcfs", "priority"):
         raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")

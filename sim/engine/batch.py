@@ -11,12 +11,14 @@ from workloads.request import Request
 class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
-    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted", "prefilling")
+    __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted", "prefilling",
+                 "arrival", "ph", "inflight", "stale", "fin", "limit")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
         self.parent: Request | None = None  # the request with n > 1 this sample fanned out from
         self.admitted = False  # admitted once already (its prompt and hit are counted then)
+        self.arrival = req.arrival  # when it reached the engine (set by `Scheduler.add`): priority's tie-break
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
         self.keys: tuple[list[int], int] | None = None  # its prompt's block keys, hashed ahead (WaitQueue.hash_ahead)
@@ -25,6 +27,12 @@ class Live:
             self.target = max_len  # vLLM stops the sequence at max_model_len
         self.order = -1  # sort key of its place in RUNNING (when it joined); -1: not running
         self.prefilling = False  # its last chunk left prompt to compute (vLLM is_prefill_chunk; cadence only)
+        # vLLM's output counters: non-zero only with async output (sim.engine.scheduler.AsyncOutput)
+        self.ph = 0  # num_output_placeholders: sampled tokens in flight
+        self.inflight = 0  # num_in_flight_tokens: scheduled tokens whose batch is not applied
+        self.stale = 0  # num_stale_output_tokens: in-flight tokens from before a preemption
+        self.fin = False  # finished or dropped: later outputs are ignored
+        self.limit = req.prompt_len + max(req.output_len, 1)  # prompt + max_tokens
         # NOTE: kept by sim.engine.shortcuts (lazy decodes), nowhere else
         self.since = -1  # decoding lazily since this step; -1: not
         self.wake = 0  # the step at which lazy decoding ends
@@ -49,6 +57,8 @@ class Batch:
     admitted_hit_tokens: int = 0
 
     lazy: int = 0  # lazy decodes (see sim.engine.shortcuts)
+    start: float = 0.0  # when it was scheduled (and starts to run)
+    sampled: list[bool] = field(default_factory=list)  # async output: per sequence, whether it samples a token
 
     @property
     def num_seqs(self) -> int:

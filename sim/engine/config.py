@@ -65,7 +65,7 @@ class SimConfig:
     # cache; "fork", vLLM v0's samples forked after the prefill (copy-on-write of the last block)
     parallel_sampling: str = "fanout"
     # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
-    # (sim.engine.async_scheduler); recompute preemption only, no lookahead slots
+    # (sim.engine.scheduler.AsyncOutput); recompute preemption only, no lookahead slots
     async_scheduling: bool = False
     # the scheduler's exact speed shortcuts (sim.engine.shortcuts: lazy decodes, blocked-head
     # skips); off: every running sequence is visited and the head retried every step, same results

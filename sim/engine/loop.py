@@ -14,15 +14,15 @@ and an idle engine wakes on the first grid point at or after the next
 arrival; steps are numbered by k.
 
 With `SimConfig.async_scheduling` the steps process is `_async_steps`: vLLM's
-batch queue, two deep, over `sim.engine.async_scheduler` (each batch is scheduled
-while the previous one runs, and its output applied after it ends).
+batch queue, two deep, over the scheduler's async output mode (`sim.engine.scheduler.AsyncOutput`: each
+batch is scheduled while the previous one runs, and its output applied after it ends).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,10 +31,12 @@ import simpy
 from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
 from kvcache.ops import CHARGED_KINDS
+from kvcache.profiles import profile
 from sim.engine.config import ConfigError, SimConfig
+from sim.engine.frontend import Frontend
 from sim.engine.metrics import RequestLog
 from sim.engine.quiet import QuietRuns
-from sim.engine.scheduler import Scheduler
+from sim.engine.scheduler import Batch, Scheduler
 from sim.engine.step_log import StepLog
 from workloads.request import Request
 
@@ -63,54 +65,37 @@ def grid_index(t: float, step_time: float) -> int:
     return k
 
 
-class Sessions:
-    """Closed-loop multi-turn sessions: turn i is released `think_time` after turn i-1 is done."""
+def step_row(t0: float, dt: float, sched: Scheduler, b: Batch, deltas: tuple[int, ...], done: int) -> tuple:
+    """The steps table's row (`STEP_FIELDS` order) of batch `b`, which ran from `t0` for `dt` seconds
+    and whose output is applied: queues and blocks as they are now; `deltas`: the step's evict count,
+    then its counts of `CHARGED_KINDS`; `done`: requests done. (Quiet runs write the same row for a
+    step of decodes from their own counters: `sim.engine.quiet`.)"""
+    m = sched.m
+    free = m.num_free_blocks
+    return (
+        t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), b.num_seqs,
+        b.prefill_tokens, b.decode_tokens, b.context_tokens,
+        free, m.num_cached_free_blocks, m.num_usable_blocks - free,
+        m.id_space_fragmentation(), sched.internal_fragmentation,
+        deltas[0], b.preempted_recompute, b.preempted_swap, *deltas[1:],
+        b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
+    )  # fmt: skip
 
-    def __init__(self, env: simpy.Environment, release: Callable[[Request], None]):
-        self.env = env
-        self.release = release
-        self.last_done: dict[str, float | None] = {}  # session -> when its last turn was done; None: in flight
-        self.held: dict[str, deque[Request]] = {}  # turns whose previous turn is still in flight
-        self.outstanding = 0  # turns held or on a timer
 
-    def arrive(self, req: Request) -> None:
-        """A turn reached its open-loop arrival time in the stream."""
-        sid = req.session
-        if req.think_time is None or sid not in self.last_done:  # a first turn
-            self.last_done[sid] = None
-            self.release(req)
-            return
-        last = self.last_done[sid]
-        if last is None:
-            self.held.setdefault(sid, deque()).append(req)
-            self.outstanding += 1
-        else:
-            self.last_done[sid] = None
-            self._at(max(self.env.now, last + req.think_time), req)
+def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, cost: CostModel) -> Scheduler:
+    """The scheduler `cfg` asks for, with its collaborators: the output mode (sync or async, a
+    setting of the scheduler), the KV connector (offloading's, with `kv_offloading_size`) and the
+    release's rules (`kvcache.profiles`)."""
+    connector = None
+    if cfg.kv_offloading_size is not None:
+        from sim.engine.offload_connector import OffloadConnector
 
-    def done(self, req: Request, now: float) -> None:
-        """A turn finished (or was dropped) at `now`: release the session's next turn, if held."""
-        sid = req.session
-        if sid not in self.last_done:
-            return
-        q = self.held.get(sid)
-        if q:
-            nxt = q.popleft()
-            if not q:
-                del self.held[sid]
-            self.outstanding -= 1
-            self._at(now + (nxt.think_time or 0.0), nxt)
-        else:
-            self.last_done[sid] = now
-
-    def _at(self, t: float, req: Request) -> None:
-        self.outstanding += 1
-
-        def fire(_: simpy.Event) -> None:
-            self.outstanding -= 1
-            self.release(req)
-
-        self.env.timeout(t - self.env.now).callbacks.append(fire)
+        if manager.sliding_window is not None:
+            raise ConfigError(f"kv_offloading_size: {cfg.model} uses a sliding window; offloading is "
+                              "modelled for full attention only")
+        per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
+        connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
+    return Scheduler(cfg, manager, log, connector=connector, rules=profile(cfg.vllm_version))
 
 
 class Engine:
@@ -132,64 +117,27 @@ class Engine:
         self.m = manager
         self.requests = RequestLog()
         self.steps = StepLog(steps_file)  # with a file: streamed into it
-        if cfg.async_scheduling:
-            from sim.engine.async_scheduler import AsyncScheduler
-
-            self.sched: Scheduler = AsyncScheduler(cfg, manager, self.requests)
-        elif cfg.kv_offloading_size is not None:
-            from sim.engine.offload_scheduler import OffloadScheduler
-
-            if manager.sliding_window is not None:
-                raise ConfigError(f"kv_offloading_size: {cfg.model} uses a sliding window; offloading is "
-                                  "modelled for full attention only")
-            per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
-            self.sched = OffloadScheduler.build(cfg, manager, self.requests, cost.kv_bytes_per_block, per_block)
-        else:
-            self.sched = Scheduler(cfg, manager, self.requests)
+        self.sched = build_scheduler(cfg, manager, self.requests, cost)
         # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
         # request at its arrival time: open loop
         closed = cfg.closed_loop_sessions and cfg.step_time is None
-        self.sessions = Sessions(env, self._release) if closed else None
         self.progress = progress
         self.num_done = 0
-        self._wake: simpy.Event | None = None
-        self._source_done = False
-        env.process(self._arrivals(iter(workload)))
+        self.front = Frontend(env, workload, self._admit, load=cfg.load, closed_loop=closed)
         self.process = env.process(self._async_steps() if cfg.async_scheduling else self._steps())
 
     # ------------------------------------------------------------- arrivals
-    def _arrivals(self, stream: Iterator[Request]):
-        env, sessions = self.env, self.sessions
-        load = self.cfg.load
-        for req in stream:
-            delay = req.arrival / load - env.now
-            if delay > 0:
-                yield env.timeout(delay)
-            if sessions is not None and req.session is not None:
-                sessions.arrive(req)
-            else:
-                self._release(req)
-        self._source_done = True
-        self._poke()
-
-    def _release(self, req: Request) -> None:
-        """The request reaches the engine now."""
+    def _admit(self, req: Request) -> None:
+        """The request reaches the engine now (the front end's hand-off)."""
         self.sched.add(req, self.env.now)
         self._drain_done(self.env.now)
-        self._poke()
-
-    def _poke(self) -> None:
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
 
     def _drain_done(self, now: float) -> int:
         done = self.sched.done
         if not done:
             return 0
-        if self.sessions is not None:
-            for req in done:
-                if req.session is not None:
-                    self.sessions.done(req, now)
+        for req in done:
+            self.front.done(req, now)
         n = len(done)
         done.clear()
         self.num_done += n
@@ -198,13 +146,9 @@ class Engine:
         return n
 
     # ---------------------------------------------------------------- steps
-    def _idle(self) -> bool:
-        return self._source_done and (self.sessions is None or self.sessions.outstanding == 0)
-
     def _steps(self):
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
         count = m.op_counts.get  # NOTE: not [...]: a missing key would call Counter.__missing__
-        usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
         check = check_invariants if self.cfg.debug_invariants else None
@@ -222,11 +166,9 @@ class Engine:
                 if clock > env.now:  # catch up first: an arrival may be due meanwhile
                     yield env.timeout(clock - env.now)
                     continue
-                if self._idle():
+                if self.front.idle():
                     break
-                self._wake = env.event()
-                yield self._wake
-                self._wake = None
+                yield from self.front.wait()
                 clock = env.now
                 if step_time is not None:
                     g = max(g, grid_index(clock, step_time))
@@ -273,18 +215,9 @@ class Engine:
                 dt = clock - t0
             if env.peek() <= clock:
                 yield env.timeout(clock - env.now)
-            sched.complete(b, clock)
+            sched.update(b, clock)
             done = dropped + (self._drain_done(clock) if sched.done else 0)
-            free = m.num_free_blocks
-            record((
-                t0, dt, len(sched.running), len(sched.waiting), len(sched.swapped), seqs,
-                b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                free, m.num_cached_free_blocks, usable - free,
-                m.id_space_fragmentation(), sched.internal_fragmentation,
-                now[0] - prev[0], b.preempted_recompute, b.preempted_swap,
-                ops["copy"], ops["swap_out"], ops["swap_in"], ops["move"],
-                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
-            ))  # fmt: skip
+            record(step_row(t0, dt, sched, b, tuple(a - p for a, p in zip(now, prev, strict=True)), done))
             prev = now
             if check is not None:
                 check(m)
@@ -298,7 +231,7 @@ class Engine:
 
     # ---------------------------------------------------------- async steps
     def _async_steps(self):
-        """vLLM's EngineCore.step_with_batch_queue over sim.engine.async_scheduler, two batches deep.
+        """vLLM's EngineCore.step_with_batch_queue over the async output mode, two batches deep.
 
         Each iteration at clock time T queues the arrivals <= T; if the scheduler has
         requests it schedules a batch, and unless the queue is full (2) or the batch is
@@ -311,7 +244,6 @@ class Engine:
         """
         env, m, sched, cost = self.env, self.m, self.sched, self.cost
         count = m.op_counts.get
-        usable = m.num_usable_blocks
         record = self.steps.record
         defrag = self.cfg.defrag_threshold is not None
         check = check_invariants if self.cfg.debug_invariants else None
@@ -332,11 +264,9 @@ class Engine:
             while env.peek() <= t:  # queue every arrival up to and at the clock
                 yield env.timeout(max(t - env.now, 0.0))
             if not sched.has_requests() and not queue:
-                if self._idle():
+                if self.front.idle():
                     break
-                self._wake = env.event()
-                yield self._wake
-                self._wake = None
+                yield from self.front.wait()
                 clock = max(clock, grid_index(env.now, S) if grid else env.now)
                 continue
             if sched.has_requests():
@@ -373,22 +303,14 @@ class Engine:
                     continue
             b, start, end, step, deltas, dropped = queue.pop()
             if start is None:
-                sched.apply(b, at(clock))  # nothing ran; the scheduler only hears of it
+                sched.update(b, at(clock))  # nothing ran; the scheduler only hears of it
                 continue
             clock = max(clock, end)
             sched.step = step
             m.set_step(step)
-            sched.apply(b, at(end))
+            sched.update(b, at(end))
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
-            free_blocks = m.num_free_blocks
-            record((
-                at(start), at(end) - at(start), len(sched.running), len(sched.waiting), 0, b.num_seqs,
-                b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                free_blocks, m.num_cached_free_blocks, usable - free_blocks,
-                m.id_space_fragmentation(), sched.internal_fragmentation,
-                deltas[0], b.preempted_recompute, 0, deltas[1], deltas[2], deltas[3], deltas[4],
-                b.admitted, b.admitted_prompt_tokens, b.admitted_hit_tokens, done,
-            ))  # fmt: skip
+            record(step_row(at(start), at(end) - at(start), sched, b, deltas, done))
             if check is not None:
                 check(m)
         if self.progress is not None:

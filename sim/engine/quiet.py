@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvcache.eviction import LRU
 from kvcache.ops import CHARGED_KINDS
 from kvcache.sequence import Sequence
 from sim.engine.batch import Live
@@ -58,11 +57,11 @@ class QuietRuns:
         self.fast = sched.fast
         self.m = m = sched.m
         self.bs = m.block_size
-        self.tables = m.req_blocks
+        self.tables = m.block_tables
         self.taken = 0  # quiet steps taken so far
         self.allocs = 0  # new blocks the step `_visits` just cleared takes
         self.finishing: list[Live] = []  # the sequences the step `_decode` just took sampled their last token
-        self.lru = type(m.pool.policy) is LRU  # exact LRU: its free queue's order is all that picks blocks
+        self.lru = m.free_order_is_lru  # exact LRU: its free queue's order is all that picks blocks
         self._hits: tuple[object, list, set[int]] = (None, [], set())  # a BlockedHead, its hits and their ids
 
     @classmethod
@@ -70,7 +69,7 @@ class QuietRuns:
               drain: Callable[[float], int]) -> QuietRuns | None:
         """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
         they do not apply (see the module docstring)."""
-        if type(sched) is not Scheduler or not sched.fast.decodes or sched.m.records_ops or sched.cadence:
+        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
@@ -91,7 +90,8 @@ class QuietRuns:
             return True, None, False
         if seq is None:  # its first try makes its sequence: the general step does that
             return False, None, False
-        chunk = sched.chunk_cap(n + len(waiting)) if sched.long_prefill else 0
+        prefill = sched.prefill
+        chunk = prefill.chunk_cap(n + len(waiting)) if prefill.long_prefill else 0
         fast = self.fast
         if not fast.head_blocked(live, min(budget, chunk or budget)):
             return False, None, False
@@ -135,7 +135,7 @@ class QuietRuns:
             return True
         if allocs > free:
             return False
-        return not (evicts and self.m.pool.num_cached_free and self._evicts_hit(allocs))
+        return not (evicts and self.m.num_cached_free_blocks and self._evicts_hit(allocs))
 
     def _evicts_hit(self, n: int) -> bool:
         """True if taking `n` free blocks may evict one of the blocked head's hits. With LRU the
@@ -148,19 +148,14 @@ class QuietRuns:
             same = self._hits[1] == blocked.hits  # (compares blocks by identity: they define no __eq__)
             self._hits = (blocked, blocked.hits, self._hits[2] if same else {id(b) for b in blocked.hits})
         hits = self._hits[2]
-        b = self.m.pool.policy.queue._head.next
-        for _ in range(n):
-            if id(b) in hits:
-                return True
-            b = b.next
-        return False
+        return any(id(b) in hits for b in self.m.next_free_blocks(n))
 
     def _caches(self, seq: Sequence, num_tokens: int, key: int) -> bool:
         """True if caching `seq`'s full blocks within `num_tokens` would register `key` (a key of
         the blocked head, another sequence: so only blocks within `seq`'s known tokens can)."""
         bs = self.bs
         n_full = min(num_tokens, seq.num_known_tokens) // bs
-        lo = self.m.num_cached_block[seq.seq_id]
+        lo = self.m.num_cached_blocks_of(seq.seq_id)
         return lo < n_full and key in seq.hashes_upto(n_full * bs, bs)[lo:n_full]
 
     def _decode(self, k: int) -> tuple[int, int, int]:
@@ -168,14 +163,12 @@ class QuietRuns:
         visited sequence in RUNNING order, then `Shortcuts.end`. Returns the step's decode
         tokens, context tokens and internal fragmentation (every running sequence decodes)."""
         fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
-        tables, cache, window = self.tables, m.cache_blocks, lazy.window
-        caching = m.enable_caching
-        # NOTE: with exact LRU, one take for the step's new blocks, handed out in RUNNING order:
-        # the same blocks as a take each, since caching between them pushes, pops and touches no
-        # free block (a key both evicted and cached ends mapped as either order leaves it)
-        pool = m.pool
-        batch = self.allocs and self.lru
-        new = iter(pool.get_new_blocks(self.allocs)) if batch else None
+        window = lazy.window
+        # KVCacheManager.decode_slot for those whose token starts a block or fills one, in RUNNING order
+        # (nothing below touches the manager): with exact LRU, one take for the step's new blocks
+        edge = [live.seq for live in fast.active if (live.seq.num_computed_tokens + 1) % bs < 2]
+        if edge:
+            m.decode_in_place(edge, self.allocs if self.lru else 0)
         stay = []  # visited and decoded in place (not lazy): next step visits them again
         finishing = self.finishing = []  # of the visited, those sampling their last token
         context = frag = 0
@@ -183,12 +176,6 @@ class QuietRuns:
             seq = live.seq
             c = seq.num_computed_tokens
             r = c % bs
-            if not r or r == bs - 1:  # KVCacheManager.decode_slot: a new block; cache the full one
-                blocks = tables[seq.seq_id]
-                if c // bs == len(blocks):
-                    blocks.append(next(new) if batch else pool.get_new_blocks(1)[0])
-                if caching and (c + 1) % bs == 0:
-                    cache(seq, c + 1)
             last = window(seq, c)
             if live.target - c - 3 < last:
                 last = live.target - c - 3
@@ -218,8 +205,6 @@ class QuietRuns:
         running, waiting = sched.running, sched.waiting
         usable = m.num_usable_blocks
         count = m.op_counts.get
-        pool = m.pool
-        tracker = pool.tracker  # KVCacheManager.id_space_fragmentation reads the tracker
         if sched.swapped or sched.done:
             return clock, k, prev
         n_run = len(running)
@@ -228,28 +213,27 @@ class QuietRuns:
         ok, watch, evicts = self._admission(n_run)
         # NOTE: only a step's new blocks and its finishes change the free count and the id span
         # (its decodes free nothing), and only a yield to SimPy lets an arrival change WAITING
-        free = len(pool.policy)  # KVCacheManager.num_free_blocks
-        span = tracker.fragmentation() if tracker is not None else 0
+        free = m.num_free_blocks
+        span = m.id_space_fragmentation()
         fast = self.fast
         lazy = fast.lazy
         while ok:
-            kk = sched._k + 1
+            kk = sched.steps_scheduled + 1
             if not fast.active and kk not in lazy.wakes:
                 # NOTE: a step that visits no one: the lazy sums are its totals, and the budget
                 # holds them all (lazy decodes need max_num_seqs <= the step budget)
-                sched._k = kk
+                sched.quiet_step()
                 self.allocs, self.finishing, tokens = 0, [], lazy.n
                 m.count_writes(tokens)
                 context, frag = lazy.context_tokens(kk), lazy.empty_slots(kk)
             else:
                 if not self._visits(kk, watch, evicts, free):
                     break
-                sched._k = kk
+                sched.quiet_step()
                 tokens, context, frag = self._decode(kk)
             if self.allocs:
                 free -= self.allocs
-                if tracker is not None:
-                    span = tracker.fragmentation()
+                span = m.id_space_fragmentation()
             t0 = clock
             dt = step_time(0, tokens, context, n_run, NO_OPS)
             clock = t0 + dt
@@ -258,18 +242,17 @@ class QuietRuns:
                 yield env.timeout(clock - env.now)
                 n_wait = len(waiting)
             finishing = self.finishing
-            if finishing:  # as `Scheduler.complete`: their blocks free once the step is done
+            if finishing:  # as `SyncOutput.update`: their blocks free once the step is done
                 sched.step = k
                 sched.finish(finishing, clock)
-                free = len(pool.policy)
-                if tracker is not None:
-                    span = tracker.fragmentation()
+                free = m.num_free_blocks
+                span = m.id_space_fragmentation()
             sched.internal_fragmentation = frag
             done = drain(clock) if sched.done else 0
             evicted = count("evict", 0)
             record((
                 t0, dt, n_run - len(finishing), n_wait, 0, n_run, 0, tokens, context,
-                free, pool.num_cached_free, usable - free, span, frag,
+                free, m.num_cached_free_blocks, usable - free, span, frag,
                 evicted - prev[0], 0, 0, 0, 0, 0, 0, 0, 0, 0, done,
             ))  # fmt: skip
             prev = (evicted, *prev[1:])

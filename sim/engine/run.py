@@ -114,7 +114,7 @@ def simulate(
         cost_model = CostModel.from_config(cfg)
     manager = make_manager(cfg, cost_model)
     if cfg.record_ops and ops_dir is not None:
-        manager.ops.stream_to(ops_dir, process=True)
+        manager.stream_ops(ops_dir, process=True)
     env = simpy.Environment()
     engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
     with rare_collections():
@@ -126,7 +126,7 @@ def simulate(
         steps = StepFile(steps_file)
     requests = engine.requests.frame()
     counters = {"skipped_lines": getattr(workload, "skipped", 0)}
-    offload = getattr(engine.sched, "offload", None)
+    offload = engine.sched.connector  # KV offloading's, or None
     if offload is not None:
         counters.update(offload.totals())
     summary = summarize(

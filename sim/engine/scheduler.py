@@ -1,104 +1,190 @@
 """One engine step's scheduling decision, as vLLM 0.33's `Scheduler.schedule`; no simulated clock.
 
 `schedule(now)` builds a batch under a token budget (`max_num_scheduled_tokens`, else
-`max_num_batched_tokens`) and `max_num_seqs` (vllm/v1/core/sched/scheduler.py): RUNNING sequences first, each its decode token or next prefill
-chunk (capped by `long_prefill_token_threshold`), preempting the newest running sequence when blocks
-run out (recompute: free and requeue at the front of WAITING; swap, a v0/v2 option: move its blocks
-to CPU). A step that preempted admits nothing. Otherwise swapped sequences come back while they can
-be swapped in, then WAITING requests in FCFS (or priority) order, with a prefix-cache lookup, until
-RUNNING holds `max_num_active_seqs` (vLLM 0.31+; default `max_num_seqs`) or the first one that cannot
-be allocated: its whole known context must fit (`scheduler_reserve_full_isl`, on by default; off, its
-chunk), and while any request runs the watermark stays free. `complete(batch, now)` applies the step: computed
-tokens advance, a sequence whose known tokens are all computed samples one, and finished sequences are
-freed. A request with n > 1 arrived as n requests (vLLM 0.33's fan-out), or, v0-style, forks its samples
-after its prefill (both in `sim.engine.arrivals`).
+`max_num_batched_tokens`) and `max_num_seqs` (vllm/v1/core/sched/scheduler.py): one pass over RUNNING,
+each sequence its decode token or next prefill chunk (capped by `long_prefill_token_threshold`),
+preempting the newest running sequence when blocks run out (recompute: free and requeue at the front of
+WAITING; swap, a v0/v2 option: move its blocks to CPU). A step that preempted admits nothing.
+Otherwise swapped sequences come back while they can be swapped in, then one pass over WAITING in FCFS
+(or priority) order, with a prefix-cache lookup, until RUNNING holds `max_num_active_seqs` (vLLM 0.31+;
+default `max_num_seqs`) or the first one that cannot be allocated: its whole known context must fit
+(`scheduler_reserve_full_isl`, on by default; off, its chunk), and while any request runs the
+watermark stays free. `update(batch, now)` applies the step's output.
 
-For speed, a step visits only the sequences that need the block manager: mid-block decodes are
-counted, not visited, and a blocked head of WAITING is not retried while the retry must fail. Both
-are exact shortcuts, in `sim.engine.shortcuts` behind one switch (`SimConfig.shortcuts`).
+What varies is held, not subclassed (as vLLM's own `Scheduler` holds `self.connector`):
+- the output mode (`SyncOutput` or `AsyncOutput`, below): sync, or async with output placeholders (vLLM's
+  `AsyncScheduler`); its placeholder rules in the RUNNING pass are no-ops in sync, as in vLLM;
+- the KV connector (`sim.engine.offload_connector`, KV offloading; None without): it continues a
+  fresh admission's hit into its tier, holds a request whose KV loads, hears of preemptions and
+  finishes, and is offered what each step computed;
+- the prefill rules (`sim.engine.prefill`: the long-prefill cap and the prefill cadence), built
+  from the release profile the builder hands in;
+- the exact speed shortcuts (`sim.engine.shortcuts`: lazy decodes and the blocked head), on only
+  with sync output and no connector.
+
+A request with n > 1 arrives as n requests (vLLM 0.33's fan-out, `fan_out`), or, v0-style, runs as
+one sequence whose samples fork after its prefill (`SimConfig.parallel_sampling = "fork"`); either
+way its samples share its row in the log, which closes when the last of them is done.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 
 from kvcache.admission import AllocStatus
 from kvcache.manager import KVCacheManager, cdiv
+from kvcache.profiles import Profile, profile
 from kvcache.sequence import Sequence
-from sim.engine.arrivals import Arrivals
 from sim.engine.batch import Batch, Live
-from sim.engine.config import SimConfig
+from sim.engine.config import ConfigError, SimConfig
 from sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
 from sim.engine.prefill import PrefillRules
 from sim.engine.shortcuts import Shortcuts
 from sim.engine.wait_queue import WaitQueue
 from workloads.request import Request
 
-__all__ = ["Batch", "Live", "Scheduler", "WaitQueue"]  # Batch, Live, WaitQueue: re-exported
+__all__ = ["Batch", "Live", "Scheduler", "WaitQueue", "fan_out"]  # Batch, Live, WaitQueue: re-exported
 
 
-class Scheduler(Arrivals, PrefillRules):
-    """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager (arrivals: `Arrivals`)."""
+def fan_out(req: Request) -> list[Request]:
+    """The requests vLLM's front end makes of `req`: itself if n = 1, else n requests "{j}_{id}"
+    with n = 1 (vllm/v1/engine/parallel_sampling.py ParentRequest.get_child_info)."""
+    return [req] if req.n == 1 else [replace(req, id=f"{j}_{req.id}", n=1) for j in range(req.n)]
 
-    has_shortcuts = True  # takes sim.engine.shortcuts where SimConfig.shortcuts allows
-    live_type: type[Live] = Live  # what `add` makes for a request (sim.engine.async_scheduler keeps more)
 
-    def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog):
+class Scheduler:
+    """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager, with its collaborators."""
+
+    def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog, *, connector=None,
+                 rules: Profile | None = None):
         self.m = manager
         self.log = log
+        self.connector = connector  # sim.engine.offload_connector.OffloadConnector, or None
         self.max_seqs = cfg.batch_limits()[1]
         self.max_tokens = cfg.step_tokens()  # a step's token budget
         self.chunked = cfg.enable_chunked_prefill
         self.swap = cfg.preemption == "swap"
         self.priority = cfg.scheduling == "priority"
-        self.fork = cfg.parallel_sampling == "fork"  # else n > 1 fans out (sim.engine.arrivals)
+        self.fork = cfg.parallel_sampling == "fork"  # else n > 1 fans out
         self.lookahead = cfg.num_lookahead_tokens
         self.max_len = cfg.max_model_len
-        self._init_prefill(cfg, manager)
+        self.prefill = PrefillRules(cfg, rules if rules is not None else profile(cfg.vllm_version))
+        self._chunk = self.prefill.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
-        self.fast = Shortcuts(manager, cfg.shortcuts and self.has_shortcuts, self.lookahead, self.priority,
+        self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
+        on = cfg.shortcuts and self.output.shortcuts and connector is None
+        self.fast = Shortcuts(manager, on, self.lookahead, self.priority,
                               whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self._joined = 0  # lives that joined RUNNING so far (their `order`)
-        self._k = 0  # steps scheduled so far
+        self.steps_scheduled = 0  # steps scheduled so far
         self.step = 0  # the engine's number for the step being scheduled (logged per request)
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
         self._open: dict[int, int] = {}  # row -> samples not yet done, of a request with n > 1
         self._uid = 0
-        self.internal_fragmentation = 0  # allocated slots not holding a token, after `complete`
+        self._finished = False  # vLLM's finished_req_ids: some request finished since the last batch
+        self.internal_fragmentation = 0  # allocated slots not holding a token, after `update`
 
+    # ------------------------------------------------------------- state
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.swapped)
+        """Requests running, waiting, swapped or held by the connector, or its transfers in flight."""
+        return bool(self.running or self.waiting or self.swapped) or \
+            (self.connector is not None and self.connector.has_work())
+
+    def has_requests(self) -> bool:
+        """vLLM `Scheduler.has_requests`: requests left, or some finished since the last batch."""
+        return self.has_work() or self._finished
+
+    def eligible(self) -> int:
+        """Requests running or waiting (vLLM `get_request_counts`, summed; requests holding blocks
+        for a load count as waiting)."""
+        n = len(self.running) + len(self.waiting)
+        return n if self.connector is None else n + len(self.connector.holding)
+
+    def idle_until(self, now: float) -> float | None:
+        """A step at `now` scheduled nothing: when to schedule again (the connector's transfers), or
+        None: no progress is possible."""
+        return None if self.connector is None else self.connector.idle_until(now)
+
+    # ------------------------------------------------------------- arrivals
+    def add(self, req: Request, now: float) -> None:
+        """A request arrives: queue it (fanned out if n > 1), or drop it at once if it can never run."""
+        self.output.check(req)
+        row = self.log.add(req.id, now, req.prompt_len, req.output_len, req.n, req.priority)
+        reason = self._never_fits(req)
+        if reason:
+            self.log.status[row] = REJECTED
+            self.log.reason[row] = REASON_CODE[reason]
+            self.log.finish[row] = now
+            self.done.append(req)
+            return
+        if req.n == 1 or self.fork:
+            live = Live(req, row, self.max_len)
+            live.arrival = now
+            self.waiting.push(live)
+            return
+        self._open[row] = req.n
+        for sample in fan_out(req):
+            live = Live(sample, row, self.max_len)
+            live.parent, live.arrival = req, now
+            self.waiting.push(live)
+
+    def _never_fits(self, req: Request) -> str:
+        if self.max_len is not None and req.prompt_len >= self.max_len:
+            return "prompt_exceeds_max_model_len"
+        if self.fork and req.n > self.max_active:  # its samples are admitted together
+            return "n_exceeds_max_num_seqs"
+        if not self.chunked and req.prompt_len > self.max_tokens:
+            return "prompt_exceeds_batch"
+        if self.m.sliding_window is None and cdiv(req.prompt_len, self.m.block_size) > self.m.num_usable_blocks:
+            return "prompt_exceeds_cache"
+        return ""
+
+    def fork_samples(self, live: Live) -> int:
+        """v0 parallel sampling: the n - 1 other samples share the prompt's blocks (copy-on-write).
+        Returns n, the sequences the request now runs."""
+        req = live.req
+        self._open[live.row] = req.n
+        for j in range(1, req.n):
+            child = Live(req, live.row, self.max_len)
+            child.arrival = live.arrival
+            child.admitted = True  # its prompt came with the fork: a later re-admission is not a first one
+            child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
+            self._uid += 1
+            self._join(child)
+        return req.n
 
     # ------------------------------------------------------------- schedule
     def schedule(self, now: float) -> Batch:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
-        self._k += 1
-        b = Batch()
-        self._chunk = self.chunk_cap(self._eligible()) if self.long_prefill else 0
-        cadence = self.cadence is not None
+        self.steps_scheduled += 1
+        conn, prefill = self.connector, self.prefill
+        if conn is not None:
+            conn.begin_step(now)
+        b = Batch(start=now)
+        self._chunk = prefill.chunk_cap(self.eligible()) if prefill.long_prefill else 0
+        cadence = prefill.cadence is not None
         if cadence:
-            self._hold()
+            prefill.hold(self.running)
         budget = self._schedule_running(b, now)
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)
-            if self._has_waiting() and not self.swapped:
+            if (self.waiting or (conn is not None and conn.holding)) and not self.swapped:
                 self._admit_waiting(b, budget, now)
             if cadence:
-                self._released()
+                prefill.released(self.eligible() - len(self.running))
         if cadence:
-            self._end_prefill(b)
+            prefill.end(b)
+        if conn is not None:  # it offers what each scheduled sequence will have computed
+            conn.end_step(b, now)
+        self.output.after_schedule(b)
+        self._finished = False
         return b
-
-    def _has_waiting(self) -> bool:
-        return bool(self.waiting)
-
-    def idle_until(self, now: float) -> float | None:  # noqa: ARG002
-        return None  # a step at `now` scheduled nothing: no progress is possible (see OffloadScheduler)
 
     @staticmethod
     def _add(b: Batch, live: Live, n: int, sign: int = 1) -> None:
@@ -119,11 +205,16 @@ class Scheduler(Arrivals, PrefillRules):
             del b.lives[k], b.tokens[k]
 
     def _schedule_running(self, b: Batch, now: float) -> int:
-        k, fast = self._k, self.fast
+        """vLLM's RUNNING loop: each sequence asks for its known tokens plus placeholders less those
+        computed; one whose in-flight output reaches max_tokens is skipped (placeholders exist only
+        with async output), and none asks past max_model_len."""
+        k, fast, m = self.steps_scheduled, self.fast, self.m
         budget = fast.begin(k, self.max_tokens, self.running)
         active, decode = fast.active, fast.decodes and fast.decode
-        alloc, la = self.m.allocate_slots, self.lookahead
-        chunk, hold = self._chunk, self.prefill_held
+        alloc, la, max_len = m.allocate_slots, self.lookahead, self.max_len
+        cache = m.cache_blocks if self.output.caches_known else None
+        prefill = self.prefill
+        chunk, hold = self._chunk, prefill.held
         i, end = 0, len(active)
         while i < end and budget > 0:
             live = active[i]
@@ -132,20 +223,27 @@ class Scheduler(Arrivals, PrefillRules):
                 continue
             seq = live.seq
             c = seq.num_computed_tokens
-            n = seq.num_tokens - c
+            ph = live.ph
+            if ph and c + 2 - ph >= live.limit:
+                continue  # its in-flight output reaches max_tokens
+            n = seq.num_tokens + ph - c
             if n == 1 and decode and c >= seq.num_prompt_tokens and decode(b, live, c, k):
                 budget -= 1
                 if live.prefilling:  # a resumed sequence's last known token: the end of its prefill
-                    self._prefilled, live.prefilling = True, False
+                    prefill.carried, live.prefilling = True, False
                 continue
             if 0 < chunk < n:
                 n = chunk
             if n > budget:
                 n = budget
+            if max_len is not None and n > max_len - c - 1:
+                n = max_len - c - 1
+            if n <= 0:
+                continue
             if alloc(seq, n, 0, None, la) is None:
                 was = fast.lazy.n
                 if not self._make_room(live, n, b, now):
-                    if self.priority and live.seq.seq_id not in self.m.req_blocks:
+                    if self.priority and not m.holds_blocks(seq.seq_id):
                         # vLLM: it preempted itself; those after it may still fit
                         budget = self.max_tokens - sum(b.tokens)
                         continue
@@ -153,24 +251,34 @@ class Scheduler(Arrivals, PrefillRules):
                 budget += was - fast.lazy.n  # lazy victims give their token back
                 if self.priority:  # victims may have been ahead of it, and scheduled
                     budget = self.max_tokens - sum(b.tokens)
+            if cache is not None:
+                cache(seq, min(c + n, seq.num_tokens))
             self._add(b, live, n)
             budget -= n
             if live.prefilling:
-                self._prefilled = True
+                prefill.carried = True
         fast.end(b, k)
         return budget
 
+    def quiet_step(self) -> int:
+        """A step the quiet runs take without `schedule` (sim.engine.quiet): its number."""
+        self.steps_scheduled += 1
+        return self.steps_scheduled
+
     def materialize(self, k: int | None = None) -> None:
         """End all lazy decoding: every running `seq` is exact at the start of step `k` (default: the next)."""
-        self.fast.materialize(self.running, self._k + 1 if k is None else k)
+        self.fast.materialize(self.running, self.steps_scheduled + 1 if k is None else k)
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
         """Preempt until `live`'s `n` tokens fit: True, or False if `live` itself was
         preempted (or dropped, when it is alone and still does not fit)."""
-        running = self.running
+        running, conn = self.running, self.connector
         while True:
             victim = max(running, key=_priority_key) if self.priority else running[-1]
-            if victim is live and len(running) == 1 and not b.num_seqs:
+            if victim is live and len(running) == 1 and not b.num_seqs \
+                    and not (conn is not None and conn.holding):
+                # NOTE: requests holding blocks for a load may free them: then it preempts
+                # itself as vLLM does, rather than "never fitting"
                 running.pop()  # alone and still out of blocks: it can never fit
                 self._retire_never_fits(live, now)
                 return False
@@ -178,7 +286,7 @@ class Scheduler(Arrivals, PrefillRules):
                 running.pop()
             else:
                 running.remove(victim)
-            self.fast.preempted(victim, self._k)
+            self.fast.preempted(victim, self.steps_scheduled)
             if self.priority and victim in b.lives:  # scheduled earlier this step: undo that
                 self._add(b, victim, b.tokens[b.lives.index(victim)], -1)
             self._preempt(victim, b)
@@ -188,9 +296,13 @@ class Scheduler(Arrivals, PrefillRules):
                 return True
 
     def _preempt(self, live: Live, b: Batch) -> None:
+        """vLLM `_preempt_request`: recompute (free, back to the front of WAITING; computed tokens and
+        placeholders reset, in-flight output stale), or v0's swap to CPU blocks."""
         seq = live.seq
         live.order = -1
         self.log.preemptions[live.row] += 1
+        if self.connector is not None:
+            self.connector.preempted(live)
         if self.swap and self.m.can_swap_out([seq]):
             self.m.swap_out([seq])
             heapq.heappush(self.swapped, (live.row, live.seq.uid, live))
@@ -198,6 +310,7 @@ class Scheduler(Arrivals, PrefillRules):
         else:
             self.m.free(seq)
             seq.num_computed_tokens = 0
+            live.stale, live.ph = live.inflight, 0
             self.waiting.push(live, front=True)
             b.preempted_recompute += 1
 
@@ -210,7 +323,8 @@ class Scheduler(Arrivals, PrefillRules):
             status = m.can_swap_in([seq], self.lookahead)
             if status is AllocStatus.NEVER and alone:
                 heapq.heappop(self.swapped)
-                self._drop_swapped(live, now)
+                self.m.drop_swapped(live.seq)
+                self.retire(live, TRUNCATED, "context_exceeds_cache", now)
                 continue
             if not (status is AllocStatus.OK or (alone and status is AllocStatus.LATER)):
                 break
@@ -223,40 +337,84 @@ class Scheduler(Arrivals, PrefillRules):
                 budget -= n
         return budget
 
-    def _drop_swapped(self, live: Live, now: float) -> None:
-        self.m.drop_swapped(live.seq)
-        self._retire(live, TRUNCATED, "context_exceeds_cache", now)
-
     def _admit_waiting(self, b: Batch, budget: int, now: float) -> None:
-        m, running, waiting = self.m, self.running, self.waiting
-        while waiting and budget > 0:
-            live = waiting.peek()
+        """vLLM's WAITING loop. With a connector, requests holding blocks for a load are served
+        first (vLLM's `WAITING_FOR_REMOTE_KVS`): one whose load has not landed is skipped; a fresh
+        request's GPU hit continues into the connector's tier, and one with tokens to load takes its
+        blocks, starts the load and is held. A request with stale output in flight (async), or that
+        the connector cannot answer yet, is skipped for the step; skipped requests go back to the
+        front in their order (vLLM `prepend_requests`)."""
+        m, running, conn, prefill = self.m, self.running, self.connector, self.prefill
+        holding = conn.holding if conn is not None else None
+        skipped_holding: list[Live] = []
+        skipped_waiting: list[Live] = []
+        while budget > 0:
+            queue = holding if holding else self.waiting
+            if not queue:
+                break
+            live = queue.peek()
             width = live.req.n if live.seq is None else 1
             if len(running) + width > self.max_active:
                 break
+            if live.stale:  # its stale output may still finish it: come back after that
+                skipped_waiting.append(queue.pop())
+                prefill.skipped(live)
+                continue
+            held = bool(running)  # vLLM allocate_slots(has_scheduled_reqs=...): the watermark applies
             seq = live.seq if live.seq is not None else self._materialise(live)
-            # vLLM allocate_slots(has_scheduled_reqs=bool(self.running)): the watermark
-            # applies while anything runs; then blocks may also free up later
-            held = bool(running)
-            if held and self.fast.head_blocked(live, min(budget, self._chunk or budget)):
-                break
-            blocks, hit = m.get_computed_blocks(seq)
-            if self.prefill_held and hit < seq.num_tokens - 1:  # the cadence holds prompts back
+            blocks = None
+            if queue is holding:
+                hit = conn.landed(seq)
+                if hit is None:  # its load has not landed
+                    skipped_holding.append(queue.pop())
+                    prefill.skipped(live)
+                    continue
+            else:
+                if held and self.fast.head_blocked(live, min(budget, self._chunk or budget)):
+                    break
+                blocks, hit = m.get_computed_blocks(seq)
+                if conn is not None:
+                    ext = conn.lookup(seq, hit)
+                    if ext is None:  # the connector cannot answer yet
+                        skipped_waiting.append(queue.pop())
+                        prefill.skipped(live)
+                        continue
+                    if ext:
+                        if not conn.start_load(live, hit, blocks, ext, watermark=held, whole=self.whole_fit):
+                            break
+                        queue.pop()
+                        skipped_holding.append(live)  # it holds blocks now
+                        prefill.skipped(live)
+                        continue
+            if prefill.held and hit < seq.num_tokens - 1:  # the cadence holds prompts back (loads still start)
                 break
             n = self._admission_tokens(seq, hit, budget, held)
             if not n:
                 break
-            if m.allocate_slots(seq, n, hit, blocks, self.lookahead, watermark=held,
-                                full_sequence_must_fit=self.whole_fit) is None:
-                if held:  # FCFS head of line: wait for blocks to free
-                    self.fast.block_head(live, blocks, hit, n)
+            got = m.allocate_slots(seq, n, 0 if blocks is None else hit, blocks, self.lookahead, watermark=held,
+                                   full_sequence_must_fit=self.whole_fit)
+            if got is None:
+                # NOTE: requests holding blocks for a load (popped into skipped_holding meanwhile)
+                # hold them as running ones do: vLLM waits for them, nothing "never fits"
+                if held or skipped_holding or (holding and len(holding) > (queue is holding)):
+                    if held and blocks is not None:  # FCFS head of line: wait for blocks to free
+                        self.fast.block_head(live, blocks, hit, n)
                     break
-                waiting.pop()  # nothing else holds blocks: it can never fit
+                queue.pop()  # nothing else holds blocks: it can never fit
                 self._retire_never_fits(live, now)
                 continue
-            waiting.pop()
+            queue.pop()
+            first = not live.admitted
             self._admit(b, live, hit, n, now)
+            if conn is not None:
+                loaded = conn.admitted(live, hit, n, first)
+                if loaded:  # the log counts the GPU hit; the rest came from the connector's tier
+                    b.admitted_hit_tokens -= loaded
+                    self.log.hit_tokens[live.row] -= loaded
             budget -= n
+        for queue, lives in ((holding, skipped_holding), (self.waiting, skipped_waiting)):
+            for live in reversed(lives):  # back at the front, in their order (vLLM prepend_requests)
+                queue.push(live, front=True)
 
     def _admission_tokens(self, seq: Sequence, hit: int, budget: int, held: bool) -> int:
         """Tokens a waiting `seq` with `hit` computed takes this step (its rest, capped by the chunk and
@@ -269,14 +427,14 @@ class Scheduler(Arrivals, PrefillRules):
     def _retire_never_fits(self, live: Live, now: float) -> None:
         """A request that cannot fit even with nothing else holding blocks: truncated once it has output."""
         dropped = (TRUNCATED, "context_exceeds_cache") if live.seq.num_output_tokens else (REJECTED, "prompt_exceeds_cache")
-        self._retire(live, *dropped, now)
+        self.retire(live, *dropped, now)
 
     def _admit(self, b: Batch, live: Live, hit: int, n: int, now: float) -> None:
         """Run a waiting request whose `n` tokens after `hit` cached ones got slots; log a first admission."""
         seq = live.seq
         seq.num_computed_tokens = hit
-        if self.cadence is not None:
-            self._admitted_prefill(live, hit)
+        if self.prefill.cadence is not None:
+            self.prefill.admitted(live, hit)
         self._join(live)
         self._add(b, live, n)
         log, row = self.log, live.row
@@ -298,58 +456,27 @@ class Scheduler(Arrivals, PrefillRules):
         self._uid += 1
         return live.seq
 
-    # ------------------------------------------------------------- complete
-    def complete(self, b: Batch, now: float) -> None:
-        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished;
-        then set `internal_fragmentation` over the running sequences."""
-        log, la, bs = self.log, self.lookahead, self.m.block_size
-        finished = list(b.finishing)
-        frag, alive = b.frag, len(b.decodes) - len(finished) + b.lazy
-        track = self.cadence is not None
-        for live, n in zip(b.lives, b.tokens, strict=True):
-            seq = live.seq
-            c = seq.num_computed_tokens + n
-            seq.num_computed_tokens = c
-            t = seq.num_tokens
-            if track:
-                live.prefilling = c < t
-            seqs = 1
-            if c == t:  # all known tokens computed: sample one
-                seq.append_tokens(1)
-                t += 1
-                row = live.row
-                if c == seq.num_prompt_tokens and log.first_token[row] != log.first_token[row]:  # NaN: the first
-                    log.first_token[row] = now
-                    log.first_token_step[row] = self.step
-                    if live.req.n > 1 and t < live.target:
-                        seqs = self._fork(live)
-                if t >= live.target:
-                    finished.append(live)
-                    continue
-            # NOTE: a running sequence holds exactly cdiv(computed + lookahead) blocks
-            f = -(-(c + la) // bs) * bs - t
-            if f > 0:
-                frag += seqs * f
-            alive += seqs
-        if finished:
-            if b.finishing and len(finished) > len(b.finishing):  # free in batch (= running) order
-                pos = {id(x): k for k, x in enumerate(self.running)}
-                finished.sort(key=lambda x: pos[id(x)])
-            self.finish(finished, now)
-        if alive != len(self.running):  # some running sequences were not scheduled
-            self.materialize()
-            frag = sum(self._fragmentation(x.seq) for x in self.running)
-        self.internal_fragmentation = frag
+    # ------------------------------------------------------------- output
+    def update(self, b: Batch, now: float) -> None:
+        """The output of batch `b` arrives at `now` (the output mode applies it; vLLM
+        `update_from_output`); the connector hears that the step ended."""
+        self.output.update(b, now)
+        if self.connector is not None:
+            self.connector.step_ended(b.start, now)
 
     def finish(self, lives: list[Live], now: float) -> None:
         """`lives` (in RUNNING order) sampled their last tokens in the step that ended at `now`."""
         for live in lives:
-            self._retire(live, FINISHED, "", now)
+            self.retire(live, FINISHED, "", now)
+        self.drop_retired()
+
+    def drop_retired(self) -> None:
+        """RUNNING (and the shortcuts' visiting list) without the sequences retired meanwhile."""
         self.running = [x for x in self.running if x.order >= 0]
         self.fast.active = [x for x in self.fast.active if x.order >= 0]
 
-    def _fragmentation(self, seq: Sequence) -> int:
-        """Allocated slots of a running sequence not holding a token (see the NOTE in complete)."""
+    def fragmentation(self, seq: Sequence) -> int:
+        """Allocated slots of a running sequence not holding a token (see SyncOutput.update)."""
         return max(0, cdiv(seq.num_computed_tokens + self.lookahead, self.m.block_size) * self.m.block_size
                    - seq.num_tokens)
 
@@ -360,15 +487,18 @@ class Scheduler(Arrivals, PrefillRules):
         self.running.append(live)
         self.fast.active.append(live)
 
-    def _retire(self, live: Live, status: int, reason: str, now: float) -> None:
+    def retire(self, live: Live, status: int, reason: str, now: float) -> None:
         """A sequence is done (finished or dropped): free its blocks; when it is the
         request's last sample, close the request."""
         seq, row, log = live.seq, live.row, self.log
         live.order = -1
-        if self.cadence is not None:
-            self.cadence.deferred.discard(live)
+        live.fin = True
+        self._finished = True
+        self.prefill.forget(live)
         if seq is not None:
-            if seq.seq_id in self.m.req_blocks:
+            if self.connector is not None:
+                self.connector.retiring(live, status in (FINISHED, TRUNCATED))
+            if self.m.holds_blocks(seq.seq_id):
                 self.fast.free(seq)
             log.output_tokens[row] += (1 if row in self._open else live.req.n) * seq.num_output_tokens
         if status > log.status[row]:
@@ -387,5 +517,159 @@ class Scheduler(Arrivals, PrefillRules):
 
 def _priority_key(live: Live) -> tuple[int, float]:
     """The preemption victim is the running request with the largest key, the first such in
-    RUNNING order (vLLM: `max(self.running, key=lambda r: (r.priority, r.arrival_time))`)."""
-    return (live.req.priority, live.req.arrival)
+    RUNNING order (vLLM: `max(self.running, key=lambda r: (r.priority, r.arrival_time))`; the arrival
+    is when the request reached the engine, `Live.arrival`)."""
+    return (live.req.priority, live.arrival)
+
+
+# ------------------------------------------------------------------ output modes
+# How a scheduled batch's output reaches the scheduler: the output mode, sync or async.
+#
+# vLLM 0.33 splits a step's bookkeeping in two: `Scheduler._update_after_schedule`, run as the batch is
+# chosen, and `Scheduler.update_from_output`, run when the model runner's output arrives
+# (vllm/v1/core/sched/scheduler.py); its `AsyncScheduler` (vllm/v1/core/sched/async_scheduler.py)
+# overrides the first to count an output placeholder for each token a batch will sample, so batch
+# k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two objects:
+#
+# - `SyncOutput`: nothing happens at schedule time; when the step ends, computed tokens advance, a
+#   sequence whose known tokens are all computed samples one (forking v0-style samples after the
+#   prefill), finished sequences are freed (`update`).
+# - `AsyncOutput`: computed tokens advance as the batch is chosen, and a batch that ends a request's
+#   known tokens adds a placeholder (`after_schedule`); its output arrives later (`update`): sampled
+#   tokens are appended, placeholders resolved, blocks cached up to computed - in-flight tokens,
+#   finished requests freed; stale output from before a preemption still appends and may finish a
+#   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
+#   engine keeps two batches in flight (`sim.engine.loop.Engine._async_steps`). No speed shortcut
+#   applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
+#   end fans n > 1 out), recompute preemption only, no lookahead slots or sliding window.
+
+
+class SyncOutput:
+    """A step's output is applied when the step ends (vLLM's `Scheduler`)."""
+
+    shortcuts = True  # the speed shortcuts may run (sim.engine.shortcuts)
+    caches_known = False  # allocate_slots' own caching is all a scheduled chunk needs
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+
+    def check(self, req) -> None:
+        """Every request can be taken."""
+
+    def after_schedule(self, b: Batch) -> None:
+        """Nothing advances before the step ends."""
+
+    def update(self, b: Batch, now: float) -> None:
+        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished;
+        then set the scheduler's `internal_fragmentation` over the running sequences."""
+        s = self.s
+        log, la, bs = s.log, s.lookahead, s.m.block_size
+        finished = list(b.finishing)
+        frag, alive = b.frag, len(b.decodes) - len(finished) + b.lazy
+        track = s.prefill.cadence is not None
+        for live, n in zip(b.lives, b.tokens, strict=True):
+            seq = live.seq
+            c = seq.num_computed_tokens + n
+            seq.num_computed_tokens = c
+            t = seq.num_tokens
+            if track:
+                live.prefilling = c < t
+            seqs = 1
+            if c == t:  # all known tokens computed: sample one
+                seq.append_tokens(1)
+                t += 1
+                row = live.row
+                if c == seq.num_prompt_tokens and log.first_token[row] != log.first_token[row]:  # NaN: the first
+                    log.first_token[row] = now
+                    log.first_token_step[row] = s.step
+                    if live.req.n > 1 and t < live.target:
+                        seqs = s.fork_samples(live)
+                if t >= live.target:
+                    finished.append(live)
+                    continue
+            # NOTE: a running sequence holds exactly cdiv(computed + lookahead) blocks
+            f = -(-(c + la) // bs) * bs - t
+            if f > 0:
+                frag += seqs * f
+            alive += seqs
+        if finished:
+            if b.finishing and len(finished) > len(b.finishing):  # free in batch (= running) order
+                pos = {id(x): k for k, x in enumerate(s.running)}
+                finished.sort(key=lambda x: pos[id(x)])
+            s.finish(finished, now)
+        if alive != len(s.running):  # some running sequences were not scheduled
+            s.materialize()
+            frag = sum(s.fragmentation(x.seq) for x in s.running)
+        s.internal_fragmentation = frag
+
+
+class AsyncOutput:
+    """A batch's output is applied after the next batch is chosen (vLLM's `AsyncScheduler`)."""
+
+    shortcuts = False
+    caches_known = True  # blocks are cached only up to the known tokens (`num_tokens_to_cache`)
+
+    def __init__(self, sched: Scheduler):
+        if sched.swap:
+            raise ConfigError("async_scheduling needs preemption='recompute' (vLLM V1 has no swap)")
+        if sched.lookahead:
+            raise ConfigError("async_scheduling does not model lookahead slots (num_lookahead_tokens must be 0)")
+        if sched.m.sliding_window is not None:
+            raise ConfigError(f"async_scheduling does not model a sliding window (got {sched.m.sliding_window})")
+        self.s = sched
+
+    def check(self, req) -> None:
+        """A request the async output cannot take: one that would fork samples."""
+        if req.n != 1 and self.s.fork:
+            raise ConfigError(f"request {req.id!r}: n={req.n}; async scheduling does not fork samples "
+                              "(parallel_sampling='fork')")
+
+    def after_schedule(self, b: Batch) -> None:
+        """vLLM `_update_after_schedule`: computed tokens advance now; a chunk that reaches the known
+        tokens plus placeholders samples one more (a placeholder)."""
+        for live, n in zip(b.lives, b.tokens, strict=True):
+            seq = live.seq
+            c = seq.num_computed_tokens + n
+            seq.num_computed_tokens = c
+            live.inflight += n
+            sampled = c >= seq.num_tokens + live.ph
+            b.sampled.append(sampled)
+            live.prefilling = not sampled  # vLLM is_prefill_chunk
+            if sampled:
+                live.ph += 1
+
+    def update(self, b: Batch, now: float) -> None:
+        """The batch's output arrives at `now` (vLLM `update_from_output`): sampled tokens are
+        appended, placeholders resolved, blocks cached, and finished requests freed."""
+        s = self.s
+        log, m = s.log, s.m
+        stopped = False
+        for live, n, sampled in zip(b.lives, b.tokens, b.sampled, strict=True):
+            if live.fin:
+                continue
+            live.inflight -= n
+            stale = live.stale > 0
+            if stale:
+                live.stale -= n
+            if not sampled:
+                continue
+            seq = live.seq
+            had_ph = live.ph > 0
+            seq.append_tokens(1)
+            if not stale and had_ph:
+                live.ph -= 1
+            row = live.row  # (a fanned-out request's first token is its first sample's)
+            if seq.num_tokens == seq.num_prompt_tokens + 1 and log.first_token[row] != log.first_token[row]:
+                log.first_token[row] = now
+                log.first_token_step[row] = s.step
+            running = live.order >= 0
+            if running and not stale and had_ph:
+                m.cache_blocks(seq, seq.num_computed_tokens - live.inflight)
+            if seq.num_tokens >= live.target:
+                if not running:
+                    s.waiting.remove(live)
+                s.retire(live, FINISHED, "", now)
+                stopped = True
+        if stopped:
+            s.drop_retired()
+        s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running])

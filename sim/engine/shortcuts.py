@@ -184,7 +184,7 @@ class Shortcuts:
     def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True,
                  decodes_fit: bool = True):
         self.m = m
-        self.bs, self.tables, self.decode_slot = m.block_size, m.req_blocks, m.decode_slot
+        self.bs, self.tables, self.decode_slot = m.block_size, m.block_tables, m.decode_slot
         self.lookahead = lookahead
         # NOTE: lazy decodes assume a step's budget holds every running decode (`decodes_fit`:
         # max_num_seqs <= the step budget); a smaller max_num_scheduled_tokens turns them off
@@ -195,8 +195,8 @@ class Shortcuts:
         self.records = self.decodes and m.records_ops
         if self.records:
             self.lazy.record = self._record
-            m.ops.lag = self.bs  # late writes: a lazy run lasts at most bs - 1 steps
-        elif self.decodes and m.defrag is None and not m.pool.policy_sees_caching:
+            m.keep_late_ops(self.bs)  # late writes: a lazy run lasts at most bs - 1 steps
+        elif self.decodes and m.defrag is None and not m.caching_hooks_policy:
             self.lazy.fills = True  # (records, defrag and such policies keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
@@ -207,7 +207,7 @@ class Shortcuts:
         """Start step k's pass over RUNNING: wake the lazy sequences due, and end all laziness
         if the budget binds. Returns the token budget left for `active`."""
         lazies, active = self.lazy, self.active
-        self._stamps[k % len(self._stamps)] = self.m.ops.step
+        self._stamps[k % len(self._stamps)] = self.m.op_step
         woken = lazies.due(k)
         if woken:
             active.extend(woken)

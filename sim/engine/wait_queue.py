@@ -15,7 +15,9 @@ AHEAD = 64  # prompts hashed in one batch
 
 class WaitQueue:
     """WAITING requests: FCFS (a deque) or by (priority, arrival, id) (a heap), the order of
-    vllm/v1/request.py `Request.__lt__`."""
+    vllm/v1/request.py `Request.__lt__`; the arrival is when the request reached the engine
+    (`Live.arrival`: vLLM's front end stamps `arrival_time` on receipt, so a closed-loop session's
+    turn counts from its release)."""
 
     def __init__(self, priority: bool):
         self.priority = priority
@@ -29,7 +31,7 @@ class WaitQueue:
         """Queue at the back (new) or the front (recompute-preempted); priority mode ignores `front`."""
         if self.priority:
             r = live.req
-            heapq.heappush(self._q, (r.priority, r.arrival, r.id, next(self._tie), live))
+            heapq.heappush(self._q, (r.priority, live.arrival, r.id, next(self._tie), live))
         elif front:
             self._q.appendleft(live)
         else:

@@ -90,11 +90,7 @@ def _schedule_past_the_last_placeholder(monkeypatch: pytest.MonkeyPatch) -> None
     """Async: a request whose in-flight placeholder reaches max_tokens is scheduled once more, not
     skipped (vLLM scheduler.py `schedule`, the RUNNING loop's num_output_placeholders check): the
     live request's `limit` (prompt + max_tokens), which that check compares with, is one more."""
-    # `limit` is kept on AsyncLive before the scheduler's reorganisation, on every Live after it
-    try:
-        from sim.engine.async_scheduler import AsyncLive as Holder
-    except ImportError:
-        from sim.engine.batch import Live as Holder
+    from sim.engine.batch import Live as Holder
 
     init = Holder.__init__
 

@@ -17,7 +17,7 @@ needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, 
 def test_a_seed_always_gives_the_same_case():
     a, b = random_case(5), random_case(5)
     assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
-    assert a.describe() == ("seed 5: unique, 40 requests, block 16, 43 blocks, budget 64/4, long-prefill 32, "
+    assert a.describe() == ("seed 5: unique, 40 requests, grid 1.04858e-05 s, block 16, 43 blocks, budget 64/4, long-prefill 32, "
                             "prefill every 3, offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, "
                             "decode chunks too), 23 with n > 1")
 
@@ -42,6 +42,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 9
     assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 11
     assert sum(c.max_num_scheduled_tokens is not None for c in cfgs) == 13
+    assert sum(c.step_time is None and c.closed_loop_sessions for c in cfgs) == 30  # the cost clock
     assert sum(c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens < c.batch_limits()[1]
                for c in cfgs) == 2
 
@@ -60,7 +61,7 @@ def test_random_cases_match_vllm():
     # seeds 20-29 draw every knob: 1 offloading, 1 windowed, 2 priority, 4 async, 5 max_model_len,
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
     # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence,
-    # 3 with max_num_scheduled_tokens (one with an adaptive cap)
+    # 3 with max_num_scheduled_tokens (one with an adaptive cap); 6 on the cost clock (2 of them async)
     r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -81,9 +82,9 @@ def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: 
     r = CliRunner().invoke(app, ["conform", "--random", "1:3", "--mode", "scheduler"])
     assert r.exit_code == 1
     assert r.output.splitlines() == [
-        "seed 1: multi-turn, 80 requests, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200, "
+        "seed 1: multi-turn, 80 requests, grid 0.05 s, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200, "
         "adaptive, prefill every 8: identical",
-        "seed 2: shared-prefix, 20 requests, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
+        "seed 2: shared-prefix, 20 requests, grid 0.05 s, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
         "scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
         "2 cases, 1 differ",
         "  rerun: kvsim conform --random 2:3 --mode scheduler",

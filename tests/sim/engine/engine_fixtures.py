@@ -61,5 +61,5 @@ def step(s: Scheduler, t: float) -> list[tuple[str, int]]:
     lazy = [x for x in s.running if x.since >= 0]  # decoding without being visited
     batch = sorted([*((x, 1) for x in [*b.decodes, *lazy]), *zip(b.lives, b.tokens, strict=True)],
                    key=lambda e: pos[id(e[0])])
-    s.complete(b, t + 1)
+    s.update(b, t + 1)
     return [(live.seq.seq_id, n) for live, n in batch]

@@ -1,0 +1,224 @@
+"""vLLM 0.33.0's own Scheduler on the cost model's clock, for diffing against a default `kvsim run`.
+
+The grid drivers (`sim.conform.vllm_scheduler`) give every step the same length, and kvsim
+turns its speed shortcuts' quiet runs and its closed-loop sessions off on a grid. Here instead
+each step of vLLM's lasts what kvsim's cost model gives for the batch vLLM itself scheduled
+(its prefill, decode and context tokens and its sequences, `CostModel.step_time`), so identical
+schedules give identical clocks, and requests reach vLLM through kvsim's own front end
+(`sim.engine.frontend`: arrival times, and closed-loop session turns released `think_time` after
+the previous turn is done). A default `kvsim run` steps this way; its shortcuts stay on.
+
+The loop is the engine's (`sim.engine.loop.Engine._steps`, sync; `_async_steps`, async), written
+over vLLM's scheduler: with nothing unfinished it sleeps until a request arrives; a step scheduled
+at T ends at T + its cost, every arrival up to then is queued before its output is applied, and
+the requests it finished are done at its end. Steps are numbered by the batches that ran.
+A request's arrival_time is the moment it reached the engine (vLLM's front end stamps it on
+receipt), which orders priority scheduling.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sim.conform.vllm_scheduler import (
+    Request,
+    _build_scheduler,
+    _record_admissions,
+    _SchedRun,
+    prepare,
+)
+from sim.conform.vllm_setup import STALL_STEPS, vllm_request
+from sim.engine.scheduler import fan_out
+
+StepSeconds = Callable[[int, int, int, int], float]  # (prefill, decode, context tokens, seqs) -> seconds
+
+
+def run_timed(
+    requests: Iterable[Request], *, step_seconds: StepSeconds, block_size: int, num_gpu_blocks: int,
+    max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0, watermark: float = 0.0,
+    scheduling: str = "fcfs", async_scheduling: bool = False, sliding_window: int | None = None,
+    max_model_len: int | None = None, scheduler_extra: dict[str, Any] | None = None,
+    load: float = 1.0, closed_loop: bool = True,
+) -> list[dict]:
+    """Run vLLM's Scheduler (AsyncScheduler if `async_scheduling`) on the cost clock; one record
+    per request in workload order (fanned-out samples as their own requests), as
+    `sim.conform.vllm_scheduler.run_scheduler` gives them."""
+    import simpy
+
+    from sim.engine.frontend import Frontend
+
+    parents = list(requests)
+    samples = [s for r in parents for s in fan_out(r)]
+    reqs, tokens, recs, max_model_len = prepare(
+        samples, step_time=None, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        sched, hasher, queue_size = _build_scheduler(
+            tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
+            scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
+            scheduler_extra=scheduler_extra)
+        env = simpy.Environment()
+        run = _TimedRun(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
+        front = Frontend(env, parents, run.admit, load=load, closed_loop=closed_loop)
+        run.front = front
+        if async_scheduling:
+            if queue_size != 2:
+                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
+            env.process(run.run_async(queue_size))
+        else:
+            env.process(run.run_sync())
+        env.run()
+        if sched.get_num_unfinished_requests() or run.open:
+            raise RuntimeError(f"vLLM left {sched.get_num_unfinished_requests()} requests unfinished")
+    return [recs[r.id] for r in reqs]
+
+
+def batch_shape(out, live: dict) -> tuple[int, int, int, int]:
+    """(prefill tokens, decode tokens, context tokens, sequences) of vLLM's scheduled batch `out`,
+    as kvsim's engine counts a batch (`sim.engine.scheduler.Scheduler._add`): a decode is one
+    token past the prompt; the context is each sequence's length after the step. `schedule()`
+    has already advanced each request's computed tokens by its chunk."""
+    prefill = decode = context = 0
+    for rid, n in out.num_scheduled_tokens.items():
+        vreq = live[rid][0]
+        c = vreq.num_computed_tokens - n
+        context += c + n
+        if n == 1 and c >= vreq.num_prompt_tokens:
+            decode += 1
+        else:
+            prefill += n
+    return prefill, decode, context, len(out.num_scheduled_tokens)
+
+
+class _TimedRun(_SchedRun):
+    """The engine's step loops over vLLM's scheduler, on the cost clock (see the module docstring)."""
+
+    def __init__(self, sched, reqs: list[Request], tokens: list[list[int]], hasher, recs: dict, env,
+                 step_seconds: StepSeconds, cache: tuple[int, int]):
+        super().__init__(sched, reqs, tokens, hasher, recs, step_time=1.0)
+        self.env, self.step_seconds, self.cache = env, step_seconds, cache
+        self.index = {r.id: i for i, r in enumerate(reqs)}
+        self.parent: dict[str, Request] = {}  # sample id -> the request it came from
+        self.open: dict[str, int] = {}  # request id -> samples not yet finished
+        self.front = None
+
+    def admit(self, req: Request) -> None:
+        """`req` reaches the engine now: its samples are added to vLLM, stamped with the time."""
+        kids = fan_out(req)
+        self.open[req.id] = len(kids)
+        for s in kids:
+            i = self.index[s.id]
+            vreq = vllm_request(s, self.tokens[i], self.hasher, arrival=self.env.now)
+            self.live[s.id] = (vreq, self.tokens[i])
+            self.parent[s.id] = req
+            self.sched.add_request(vreq)
+
+    def _finished(self, ids: Iterable[str], step: int, now: float) -> None:
+        """Of the samples `ids` (in batch order), those whose last token step `step` sampled are done
+        at `now`; a request is done with its last sample."""
+        for rid in ids:
+            if self.recs[rid]["finish_step"] != step or rid not in self.parent:
+                continue
+            req = self.parent.pop(rid)
+            left = self.open[req.id] - 1
+            if left:
+                self.open[req.id] = left
+                continue
+            del self.open[req.id]
+            self.front.done(req, now)
+
+    def run_sync(self):
+        """`Engine._steps` (step_time None, no shortcuts needed: vLLM visits everything) over vLLM."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        env, sched, front = self.env, self.sched, self.front
+        clock, k = env.now, 0
+        while True:
+            if not sched.get_num_unfinished_requests():
+                if clock > env.now:  # catch up first: an arrival may be due meanwhile
+                    yield env.timeout(clock - env.now)
+                    continue
+                if front.idle():
+                    break
+                yield from front.wait()
+                clock = env.now
+                continue
+            t0 = clock
+            out = sched.schedule()
+            if not out.num_scheduled_tokens and not out.preempted_req_ids:
+                raise self.stalled(1, k, *self.cache)
+            clock = t0 + self.step_seconds(*batch_shape(out, self.live))
+            if env.peek() <= clock:
+                yield env.timeout(clock - env.now)
+            ids = self.sync_step(out, k, ModelRunnerOutput)
+            self._finished(ids, k, clock)
+            k += 1
+
+    def run_async(self, queue_size: int):
+        """`Engine._async_steps` (step_time None) over vLLM's AsyncScheduler: EngineCore's
+        step_with_batch_queue, each batch lasting its cost from when the device is free."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        env, sched, live, recs, front = self.env, self.sched, self.live, self.recs, self.front
+        spin = self.step_seconds(0, 0, 0, 0)  # an empty schedule with nothing running
+        queue: deque[tuple[Any, Any, float | None, float, int]] = deque()  # (out, output, start, end, step)
+        clock = free = env.now
+        k = empties = 0
+        while True:
+            while env.peek() <= clock:  # queue every arrival up to and at the clock
+                yield env.timeout(max(clock - env.now, 0.0))
+            if not sched.has_requests() and not queue:
+                if front.idle():
+                    break
+                yield from front.wait()
+                clock = max(clock, env.now)
+                continue
+            if sched.has_requests():
+                start = max(free, clock)
+                out = sched.schedule()
+                mro = self._fake_async_output(out, ModelRunnerOutput)
+                if out.total_num_scheduled_tokens > 0:
+                    end = start + self.step_seconds(*batch_shape(out, live))
+                    free = end
+                    _record_admissions(out, live, recs, k)
+                    queue.appendleft((out, mro, start, end, k))
+                    k += 1
+                    empties = 0
+                else:
+                    empties += 1
+                    if empties >= STALL_STEPS:
+                        raise self.stalled(STALL_STEPS, k, *self.cache)
+                    if all(q[2] is None for q in queue):
+                        clock += spin  # nothing running: the engine spins
+                    queue.appendleft((out, mro, None, clock, k))
+                if len(queue) < queue_size and (out.total_num_scheduled_tokens > 0 or sched.has_requests()):
+                    continue
+            out, mro, start, end, step = queue.pop()
+            if start is None:
+                sched.update_from_output(out, mro)  # nothing ran; the scheduler only hears of it
+                continue
+            clock = max(clock, end)  # (the arrivals until then are queued at the next iteration)
+            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
+            sched.update_from_output(out, mro)
+            done = []
+            for rid, n in before.items():
+                rec, vreq = recs[rid], live[rid][0]
+                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
+                    rec["first_token_step"] = step
+                if vreq.is_finished():
+                    rec["finish_step"] = step
+                    rec["preemptions"] = vreq.num_preemptions
+                    del live[rid]
+                    done.append(rid)
+            self._finished(done, step, end)
+
+

@@ -1,0 +1,180 @@
+"""KV offloading as the scheduler's KV connector: the hooks vLLM 0.33's `Scheduler` calls on
+`self.connector` when it is the `OffloadingConnector` (vllm/v1/core/sched/scheduler.py `schedule`,
+`_handle_blocked_waiting_request`, `_update_waiting_for_remote_kv`, `_preempt_request`,
+`_free_request`), over `sim.engine.offload.Offloader` (the connector's scheduler side and its tier).
+
+A fresh admission's GPU hit is continued into the host tier (`lookup`); with tokens to load the
+request takes blocks for its hit and the loaded tokens, schedules nothing, and waits in `holding`
+(vLLM's requests in WAITING_FOR_REMOTE_KVS), served before WAITING (`start_load`). Once its load is
+applied it caches the loaded blocks and runs like any waiting request; a full hit recomputes its
+last token (`landed`). A request the tier cannot answer yet (a hit chunk still being stored or
+loaded) is skipped for the step. Every scheduled step offers its newly computed chunks
+(`end_step`); a preemption flushes a request's stores and a finish offers its last chunks.
+
+Adding a connector (P/D disaggregation's decode side waits in `holding` exactly as a load does):
+a class with these methods and `holding`, built in `sim.engine.loop.build_scheduler`.
+"""
+
+from __future__ import annotations
+
+from kvcache.manager import KVCacheManager
+from kvcache.offload.tier import HostTier
+from kvcache.sequence import Sequence
+from sim.engine.batch import Batch, Live
+from sim.engine.config import SimConfig
+from sim.engine.offload import Offloader
+from sim.engine.wait_queue import WaitQueue
+
+
+class OffloadConnector:
+    """The offloading connector as the scheduler sees it (see the module docstring)."""
+
+    def __init__(self, offloader: Offloader, manager: KVCacheManager, priority: bool):
+        self.offload = offloader
+        self.m = manager
+        self.holding = WaitQueue(priority)  # requests holding blocks for a load (vLLM kv_holding_waiting)
+        self._landed: set[str] = set()  # of those, the ones whose load is applied
+        self._loads: dict[str, tuple[int, int]] = {}  # a loading request's GPU hit and loaded tokens, for its log
+        self._inflight: dict[str, Live] = {}  # requests still prefilling (vLLM _inflight_prefills)
+        self._now = 0.0  # when the step being scheduled started
+
+    @classmethod
+    def build(cls, cfg: SimConfig, manager: KVCacheManager, bytes_per_block: int,
+              seconds_per_block: tuple[float, float]) -> OffloadConnector:
+        """The connector with the tier `cfg` asks for (`kv_offloading_size` GiB)."""
+        from kvcache.offload.size import num_host_chunks
+
+        world = cfg.tensor_parallel
+        chunks = num_host_chunks(cfg.kv_offloading_size, bytes_per_block, world, cfg.offload_blocks_per_chunk)
+        if cfg.offload_fs:
+            tier = _tiered(cfg, chunks, bytes_per_block * world * cfg.offload_blocks_per_chunk)
+        else:
+            tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
+        off = Offloader(tier, cfg.block_size, blocks_per_chunk=cfg.offload_blocks_per_chunk,
+                        prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
+                        bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
+                        ops=manager.op_log if manager.records_ops else None)
+        return cls(off, manager, cfg.scheduling == "priority")
+
+    # ------------------------------------------------------------- state
+    def has_work(self) -> bool:
+        """Requests held for a load, or transfers in flight or waiting to start (vLLM's engine keeps
+        stepping: `has_requests`, the connector's pending work)."""
+        return bool(self.holding) or self.offload.pending()
+
+    def idle_until(self, now: float) -> float | None:
+        """An empty step at `now`: poll and start transfers; the time to schedule again (now if a
+        transfer was applied), or None if none is in flight."""
+        before = len(self.offload.jobs)
+        self.offload.step_ended(now, now)
+        if len(self.offload.jobs) < before:
+            return now
+        return self.offload.busy_until(now)
+
+    def totals(self) -> dict[str, int | float]:
+        return self.offload.totals()
+
+    # ------------------------------------------------------------- the step
+    def begin_step(self, now: float) -> None:
+        self._now = now
+        self.offload.begin_step(now)
+
+    def end_step(self, b: Batch, now: float) -> None:
+        """The schedule is chosen: offer what each scheduled sequence will have computed."""
+        tables = self.m.block_tables
+        self.offload.end_step([(x.seq, n, tables.get(x.seq.seq_id)) for x, n in zip(b.lives, b.tokens, strict=True)],
+                              now)
+
+    def step_ended(self, start: float, now: float) -> None:
+        """The step that started at `start` ended at `now`, its output applied: requests whose prefill
+        is done leave the in-flight set; the transfers its poll saw complete, and the planned ones start."""
+        for sid, live in list(self._inflight.items()):
+            seq = live.seq
+            if sid not in self._loads and seq.num_computed_tokens >= seq.num_tokens:
+                del self._inflight[sid]
+        self.offload.step_ended(start, now)
+
+    # ------------------------------------------------------------- admission
+    def lookup(self, seq: Sequence, hit: int) -> int | None:
+        """Tokens past the GPU `hit` the tier can load (0: none), or None: ask again next step."""
+        return self.offload.lookup(seq, hit)
+
+    def start_load(self, live: Live, hit: int, blocks: list, ext: int, *, watermark: bool, whole: bool) -> bool:
+        """Give `live` blocks for its `hit` and `ext` loaded tokens and start the load (vLLM
+        `allocate_slots` with external tokens, `update_state_after_alloc`); False: they do not fit."""
+        m, seq = self.m, live.seq
+        reserved = sum(m.blocks_to_finish(x.seq) for x in self._inflight.values())
+        new = m.allocate_for_load(seq, hit, blocks, ext, reserved=reserved, watermark=watermark, whole=whole)
+        if new is None:
+            return False
+        sid = seq.seq_id
+        self.offload.start_load(seq, hit, ext, new)
+        self.offload.allocated(m.block_tables[sid])
+        seq.num_computed_tokens = hit + ext
+        self._loads[sid] = (hit, ext)
+        self._inflight[sid] = live
+        return True
+
+    def landed(self, seq: Sequence) -> int | None:
+        """A held request's computed tokens once its load is applied (its loaded blocks cached; a full
+        hit recomputes its last token, whose logits are needed), or None: not yet."""
+        sid = seq.seq_id
+        if sid not in self._landed:
+            off = self.offload
+            if sid not in off.loaded:
+                return None
+            off.loaded.discard(sid)
+            self._landed.add(sid)
+            self.m.cache_blocks(seq, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_computed_tokens -= 1
+        return seq.num_computed_tokens
+
+    def admitted(self, live: Live, hit: int, n: int, first: bool) -> int:
+        """`live` was admitted with `hit` computed and `n` scheduled; returns the tokens of the hit that
+        came from the tier at its (sample's) first admission (the log counts only the GPU hit)."""
+        sid = live.seq.seq_id
+        self._landed.discard(sid)
+        loaded = self._loads.pop(sid, None)
+        off = self.offload
+        tier_tokens = 0
+        if loaded is not None and first:
+            tier_tokens = hit - loaded[0]
+            off.hit_tokens += loaded[1]
+            off.fs_hit_tokens += off.fs_loaded.get(sid, 0)
+        off.fs_loaded.pop(sid, None)
+        if hit + n < live.seq.num_tokens:
+            self._inflight[sid] = live
+        else:
+            self._inflight.pop(sid, None)
+        return tier_tokens
+
+    # ------------------------------------------------------------- leaving
+    def preempted(self, live: Live) -> None:
+        """`live` is preempted in the step being scheduled: its stores are flushed."""
+        self._inflight.pop(live.seq.seq_id, None)
+        self.offload.preempted(live.seq, self._now)
+
+    def retiring(self, live: Live, offers: bool) -> None:
+        """`live` is done, its blocks not yet freed; `offers`: it finished (or was truncated) and its
+        last chunks are offered next step."""
+        seq = live.seq
+        self._inflight.pop(seq.seq_id, None)
+        if offers and self.m.holds_blocks(seq.seq_id):
+            self.offload.finished(seq)
+
+
+def _tiered(cfg: SimConfig, chunks: int, chunk_bytes: int):
+    """The host tier over a file tier (vLLM's TieringOffloadingSpec with an `fs` secondary tier): each
+    of `offload_fs_threads` read and write threads moves a chunk's bytes (all ranks') at
+    `offload_fs_gbps`; `offload_fs_size` GiB holds that many whole chunks."""
+    from kvcache.offload.fs import FileTier
+    from kvcache.offload.fs_pool import IOPool
+    from kvcache.offload.tiered import TieredTier
+
+    seconds = chunk_bytes / (cfg.offload_fs_gbps * 1e9)
+    pool = IOPool(cfg.offload_fs_threads, cfg.offload_fs_threads, seconds_per_read=seconds, seconds_per_write=seconds)
+    size = cfg.offload_fs_size
+    files = FileTier(pool=pool, seconds_per_probe=cfg.offload_fs_probe_s,
+                     capacity=None if size is None else int(size * 2**30 // chunk_bytes))
+    return TieredTier(chunks, cfg.offload_eviction_policy, files=files, store_threshold=cfg.offload_store_threshold)
