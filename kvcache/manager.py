@@ -297,6 +297,22 @@ class KVCacheManager(Forking, Swapping, Loads):
         if self.ops.enabled:
             self.ops.keep_sequence(seq)
 
+    def pop_blocks_for_free(self, seq: Sequence) -> list[KVCacheBlock]:
+        """Take a finished or preempted sequence's blocks out of its table without returning them to
+        the pool (vLLM 0.33 `KVCacheManager.pop_blocks_for_free`: an in-flight step may still write
+        them); `free_popped` returns them later."""
+        blocks = self.req_blocks.pop(seq.seq_id, None)
+        if blocks is None:
+            raise KeyError(f"free of unknown sequence {seq.seq_id!r}")
+        self.num_cached_block.pop(seq.seq_id, None)
+        if self.ops.enabled:
+            self.ops.keep_sequence(seq)
+        return blocks
+
+    def free_popped(self, blocks: list[KVCacheBlock]) -> None:
+        """Return blocks taken by `pop_blocks_for_free` to the pool, tail first (as `free`)."""
+        self.pool.free_blocks(blocks[::-1])
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix if no sequence holds blocks (else False, nothing changes)."""
         if self.req_blocks:

@@ -228,7 +228,7 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
-    theirs = vllm_run_offload(fanned_out(requests), offloading=off, **args)
+    theirs = vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling)
     diff = compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:

@@ -7,7 +7,7 @@ sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence, the clock: a fix
 the cost model's step times with closed-loop sessions), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
-speed). The same seed always gives the same case.
+speed; half of them under async scheduling, as `vllm serve` runs it by default). The same seed always gives the same case.
 """
 
 from __future__ import annotations
@@ -160,5 +160,6 @@ def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[st
     return {"kv_offloading_size": r.choice([3, 8, 32, 200]) * cost.kv_bytes_per_block * bpc / (1 << 30),
             "offload_blocks_per_chunk": bpc, "offload_eviction_policy": r.choice(["lru", "arc"]),
             "offload_store_threshold": r.choice([0, 0, 2]), "offload_prompt_only": r.random() < 0.7,
-            "step_time": cost.op_cost_s["store"] / r.choice([0.5, 1, 2, 4]), "async_scheduling": False,
-            "scheduling": "fcfs", "num_gpu_blocks": max(blocks // 2, -(-longest // bs) + 2)}
+            "step_time": cost.op_cost_s["store"] / r.choice([0.5, 1, 2, 4]), "scheduling": "fcfs",
+            "num_gpu_blocks": max(blocks // 2, -(-longest // bs) + 2),
+            "async_scheduling": r.random() < 0.5}  # (drawn last: vLLM 0.33 runs offloading async by default)

@@ -22,13 +22,20 @@ chunks of its one-layer model (`Offloading.vllm_size_gib`), and the built manage
 from __future__ import annotations
 
 import tempfile
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kvcache.offload.size import PAGE_BYTES
-from sim.conform.vllm_scheduler import Request, _build_scheduler, _SchedRun, prepare
-from sim.conform.vllm_setup import kv_cache_config
+from sim.conform.vllm_scheduler import (
+    Request,
+    _build_scheduler,
+    _record_admissions,
+    _SchedRun,
+    prepare,
+)
+from sim.conform.vllm_setup import STALL_STEPS, kv_cache_config
 from sim.engine.host_link import Job, Link
 from sim.engine.loop import grid_index
 
@@ -134,11 +141,12 @@ def run_offload_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs", max_model_len: int | None = None,
-    scheduler_extra: dict[str, Any] | None = None,
+    scheduler_extra: dict[str, Any] | None = None, async_scheduling: bool = False,
 ) -> list[dict]:
-    """vLLM's sync Scheduler with the OffloadingConnector and the fake worker, one step per
-    `step_time`; records in workload order, as `sim.conform.vllm_scheduler.run_scheduler`'s
-    plus `offload_hit_tokens` (vLLM's external hit at first admission; kvsim logs only the total)."""
+    """vLLM's Scheduler (AsyncScheduler with `async_scheduling`, behind EngineCore's batch queue) with
+    the OffloadingConnector and the fake worker, one step per `step_time`; records in workload order,
+    as `sim.conform.vllm_scheduler.run_scheduler`'s plus `offload_hit_tokens` (vLLM's external hit
+    at first admission; kvsim logs only the total)."""
     if offloading.num_chunks < 1:
         raise ValueError(f"the host tier holds {offloading.num_chunks} chunks; vLLM needs at least 1")
     reqs, tokens, recs, max_model_len = prepare(
@@ -149,17 +157,23 @@ def run_offload_scheduler(
         rec["offload_hit_tokens"] = 0
     page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
     with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
-        sched, hasher, _ = _build_scheduler(
+        sched, hasher, queue_size = _build_scheduler(
             tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, offloading=(offloading.vllm_size_gib(page), offloading.extra_config()),
-            scheduler_extra=scheduler_extra)
+            scheduler_extra=scheduler_extra, async_scheduling=async_scheduling)
         _check_connector(sched, offloading)
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
-        run.run(FakeWorker(offloading.seconds_per_block), num_gpu_blocks, block_size)
+        worker = FakeWorker(offloading.seconds_per_block)
+        if async_scheduling:
+            if not sched.defer_block_free:
+                raise RuntimeError("expected vLLM to defer block frees with async scheduling and a KV connector")
+            run.run_async(worker, queue_size, num_gpu_blocks, block_size)
+        else:
+            run.run(worker, num_gpu_blocks, block_size)
     return [recs[r.id] for r in reqs]
 
 
@@ -225,6 +239,66 @@ class _OffloadRun(_SchedRun):
             if self.pending():
                 until = min(until, self.reqs[self.order[self.nxt]].arrival)
             step = max(grid_index(until, S), step + 1)
+
+    def run_async(self, worker: FakeWorker, queue_size: int, num_gpu_blocks: int, block_size: int) -> None:
+        """`_SchedRun.run_async` (EngineCore's batch queue over the AsyncScheduler, on the grid) with
+        the fake worker, as kvsim's `Engine._async_steps` runs its connector: each batch is handed to
+        the worker as it is scheduled, at the slot it starts on the device (max(the slot after the
+        batch in flight, the clock)), polls there, and its loads start when its forward ends (at
+        its start, without a forward); its output, with the worker's, is applied when it ends."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched, live, recs, S = self.sched, self.live, self.recs, self.step_time
+        queue: deque[tuple[Any, Any, int | None]] = deque()  # (scheduler output, runner output, slot)
+        clock = free_slot = empties = 0
+        while self.pending() or sched.has_requests() or queue:
+            if not sched.has_requests() and not queue:  # idle: wait for the next arrival
+                clock = max(clock, self.next_arrival_step())
+            self.add_arrivals(clock)
+            if sched.has_requests():
+                start = max(free_slot, clock)
+                out = sched.schedule()
+                sched.finished_req_ids = _OrderedIds()  # see the module docstring
+                self._record_external(out)
+                executed = out.total_num_scheduled_tokens > 0
+                completed, recving = worker.poll(out.kv_connector_metadata, start * S)
+                mro = self._fake_async_output(out, ModelRunnerOutput)
+                mro.kv_connector_output = KVConnectorOutput(
+                    finished_recving=recving or None,
+                    kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed))
+                slot = None
+                if executed:
+                    slot, free_slot, empties = start, start + 1, 0
+                    _record_admissions(out, live, recs, slot)
+                    worker.step_ended((slot + 1) * S)
+                else:
+                    worker.step_ended(start * S)  # no forward: its loads start at once
+                    empties += 1
+                    if empties >= STALL_STEPS:
+                        raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
+                    if all(q[2] is None for q in queue):
+                        clock += 1  # nothing executing: the engine spins for a step
+                queue.appendleft((out, mro, slot))
+                if len(queue) < queue_size and (executed or sched.has_requests()):
+                    continue
+            elif not queue:
+                continue
+            out, mro, slot = queue.pop()
+            if slot is not None:
+                clock = max(clock, slot + 1)  # block until the batch's slot ends
+            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
+            sched.update_from_output(out, mro)
+            for rid, n in before.items():
+                rec, vreq = recs[rid], live[rid][0]
+                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
+                    rec["first_token_step"] = slot
+                if vreq.is_finished():
+                    rec["finish_step"] = slot
+                    rec["preemptions"] = vreq.num_preemptions
+                    del live[rid]
 
     def _record_external(self, out) -> None:
         """vLLM's tier hit at the first admission of each request scheduled for the first time."""

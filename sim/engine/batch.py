@@ -12,7 +12,7 @@ class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
     __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted", "prefilling",
-                 "arrival", "ph", "inflight", "stale", "fin", "limit")
+                 "arrival", "ph", "inflight", "stale", "fin", "limit", "last_seq")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
@@ -33,6 +33,7 @@ class Live:
         self.stale = 0  # num_stale_output_tokens: in-flight tokens from before a preemption
         self.fin = False  # finished or dropped: later outputs are ignored
         self.limit = req.prompt_len + max(req.output_len, 1)  # prompt + max_tokens
+        self.last_seq = 0  # vLLM last_sched_seq: the fence of the last step that scheduled it (deferred frees)
         # NOTE: kept by sim.engine.shortcuts (lazy decodes), nowhere else
         self.since = -1  # decoding lazily since this step; -1: not
         self.wake = 0  # the step at which lazy decoding ends

@@ -204,12 +204,12 @@ class SimConfig:
             raise ConfigError(f"kv_offloading_size must be a positive number of GiB, got {size}")
         if self.offload_fs:
             self._validate_fs()
-        for bad, why in ((self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+        for bad, why in ((self.preemption != "recompute", "swap preemption"),
                          (self.sliding_window is not None, "a sliding window"), (self.defrag_threshold is not None,
                          "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
-                                  "under vLLM 0.33's synchronous scheduler, full attention and recompute preemption")
+                                  "under vLLM 0.33's scheduler (sync or async), full attention and recompute preemption")
 
     def _validate_fs(self) -> None:
         if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager

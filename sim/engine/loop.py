@@ -291,6 +291,7 @@ class Engine:
                     free = end
                     k += 1
                     empties = 0
+                    sched.launched(b, at(end))
                     queue.appendleft((b, start, end, step, deltas, dropped))
                 else:
                     empties += 1
@@ -298,12 +299,13 @@ class Engine:
                         raise RuntimeError(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
                     if all(q[1] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
+                    sched.launched(b, b.start)  # no forward
                     queue.appendleft((b, None, None, step, deltas, dropped))
                 if len(queue) < 2 and (b.lives or sched.has_requests()):
                     continue
             b, start, end, step, deltas, dropped = queue.pop()
             if start is None:
-                sched.update(b, at(clock))  # nothing ran; the scheduler only hears of it
+                sched.update(b, b.start)  # nothing ran (no forward); the scheduler only hears of it
                 continue
             clock = max(clock, end)
             sched.step = step

@@ -70,6 +70,7 @@ class Offloader:
         self._next_job = 0
         self._loading: set[int] | None = set() if prefix_caching else None  # keys of loads in flight
         self._planned_loads: list[Job] = []  # this step's, started when its forward ends
+        self._reported: set[int] = set()  # jobs a step's poll saw done, until its output lands
         self._planned_stores: list[Job] = []  # this step's, started when the next step starts
         self._finished: list[str] = []  # finished since the last `end_step`
         self._allocated: set[int] = set()  # GPU blocks the step being scheduled gave to requests
@@ -276,15 +277,38 @@ class Offloader:
         self._flush(st.jobs, now)
 
     # ------------------------------------------------------------- time
-    def step_ended(self, start: float, end: float) -> None:
-        """The step that began at `start` ended at `end`: apply the transfers its poll saw, then
-        start this step's loads on the link (its stores wait for the next step's start)."""
-        done = [j for j, job in self.jobs.items() if job.done_at <= start]
+    def take_planned_loads(self) -> list[Job]:
+        """The loads the step just scheduled planned, for the caller to start with that step's end
+        (`step_ended(..., loads)`): with batches in flight, the next step plans more before it ends."""
+        loads, self._planned_loads = self._planned_loads, []
+        return loads
+
+    def start_loads(self, loads: list[Job], at: float) -> None:
+        """Start `loads` (from `take_planned_loads`) on the link at `at`."""
+        for job in loads:
+            self.loads.start(job, at)
+
+    def poll(self, start: float) -> list[int]:
+        """The transfers a step starting at `start` sees done (the worker's `get_finished`), each
+        reported once: with batches in flight a later step may poll before this one's output lands."""
+        reported = self._reported
+        done = [j for j, job in self.jobs.items() if job.done_at <= start and j not in reported]
+        reported.update(done)
+        return done
+
+    def step_ended(self, start: float, end: float, loads: list[Job] | None = None,
+                   done: list[int] | None = None) -> None:
+        """The step that began at `start` ended at `end`: apply the transfers its poll saw (`done`,
+        else those done by `start`), then start this step's loads on the link (`loads`, else those
+        planned since the last call; its stores wait for the next step's start)."""
+        if done is None:
+            done = self.poll(start)
+        self._reported.difference_update(done)
         for j in done:
             self._complete(j, end)
-        for job in self._planned_loads:
-            self.loads.start(job, end)
-        self._planned_loads = []
+        if loads is None:
+            loads, self._planned_loads = self._planned_loads, []
+        self.start_loads(loads, end)
 
     def _complete(self, j: int, now: float) -> None:
         job = self.jobs.pop(j)

@@ -29,8 +29,13 @@ from sim.engine.wait_queue import WaitQueue
 class OffloadConnector:
     """The offloading connector as the scheduler sees it (see the module docstring)."""
 
-    def __init__(self, offloader: Offloader, manager: KVCacheManager, priority: bool):
+    def __init__(self, offloader: Offloader, manager: KVCacheManager, priority: bool, overlapping: bool = False):
         self.offload = offloader
+        # batches in flight (async output): each step's poll is taken as it is scheduled (the worker
+        # polls when the step is handed to it) and kept until its output lands; its loads start as
+        # it is launched, timed to its end (`launched`)
+        self._step_polls: dict[int, list[int]] | None = {} if overlapping else None
+        self._step_loads: dict[int, list] = {}
         self.m = manager
         self.holding = WaitQueue(priority)  # requests holding blocks for a load (vLLM kv_holding_waiting)
         self._landed: set[str] = set()  # of those, the ones whose load is applied
@@ -54,7 +59,7 @@ class OffloadConnector:
                         prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
                         bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
                         ops=manager.op_log if manager.records_ops else None)
-        return cls(off, manager, cfg.scheduling == "priority")
+        return cls(off, manager, cfg.scheduling == "priority", overlapping=cfg.async_scheduling)
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:
@@ -84,15 +89,28 @@ class OffloadConnector:
         tables = self.m.block_tables
         self.offload.end_step([(x.seq, n, tables.get(x.seq.seq_id)) for x, n in zip(b.lives, b.tokens, strict=True)],
                               now)
+        if self._step_polls is not None:
+            self._step_polls[id(b)] = self.offload.poll(b.start)
+            self._step_loads[id(b)] = self.offload.take_planned_loads()
 
-    def step_ended(self, start: float, now: float) -> None:
-        """The step that started at `start` ended at `now`, its output applied: requests whose prefill
-        is done leave the in-flight set; the transfers its poll saw complete, and the planned ones start."""
+    def launched(self, b: Batch, end: float) -> None:
+        """With batches in flight: `b` goes to the device, ending at `end`; its loads start then."""
+        loads = self._step_loads.pop(id(b), None)
+        if loads:
+            self.offload.start_loads(loads, end)
+
+    def step_ended(self, b: Batch, now: float) -> None:
+        """Step `b` ended at `now` (a step without a forward: at its start), its output applied:
+        requests whose prefill is done leave the in-flight set; the transfers its poll saw
+        complete, and its loads start."""
         for sid, live in list(self._inflight.items()):
             seq = live.seq
             if sid not in self._loads and seq.num_computed_tokens >= seq.num_tokens:
                 del self._inflight[sid]
-        self.offload.step_ended(start, now)
+        if self._step_polls is None:
+            self.offload.step_ended(b.start, now)
+        else:
+            self.offload.step_ended(b.start, now, [], self._step_polls.pop(id(b)))
 
     # ------------------------------------------------------------- admission
     def lookup(self, seq: Sequence, hit: int) -> int | None:

@@ -12,7 +12,7 @@ default `max_num_seqs`) or the first one that cannot be allocated: its whole kno
 watermark stays free. `update(batch, now)` applies the step's output.
 
 What varies is held, not subclassed (as vLLM's own `Scheduler` holds `self.connector`):
-- the output mode (`SyncOutput` or `AsyncOutput`, below): sync, or async with output placeholders (vLLM's
+- the output mode (`sim.engine.output`: `SyncOutput` or `AsyncOutput`): sync, or async with output placeholders (vLLM's
   `AsyncScheduler`); its placeholder rules in the RUNNING pass are no-ops in sync, as in vLLM;
 - the KV connector (`sim.engine.offload_connector`, KV offloading; None without): it continues a
   fresh admission's hit into its tier, holds a request whose KV loads, hears of preemptions and
@@ -30,6 +30,7 @@ way its samples share its row in the log, which closes when the last of them is 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import replace
 
 from kvcache.admission import AllocStatus
@@ -37,8 +38,9 @@ from kvcache.manager import KVCacheManager, cdiv
 from kvcache.profiles import Profile, profile
 from kvcache.sequence import Sequence
 from sim.engine.batch import Batch, Live
-from sim.engine.config import ConfigError, SimConfig
+from sim.engine.config import SimConfig
 from sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
+from sim.engine.output import AsyncOutput, SyncOutput
 from sim.engine.prefill import PrefillRules
 from sim.engine.shortcuts import Shortcuts
 from sim.engine.wait_queue import WaitQueue
@@ -88,6 +90,13 @@ class Scheduler:
         self._uid = 0
         self._finished = False  # vLLM's finished_req_ids: some request finished since the last batch
         self.internal_fragmentation = 0  # allocated slots not holding a token, after `update`
+        # vLLM 0.33 Scheduler.__init__ (defer_block_free): with batches in flight (async output) and a
+        # connector that may load into freed blocks (a KV consumer; offloading runs as kv_both), a
+        # request's blocks go back to the pool only once the steps that wrote them are processed
+        self.defer_frees = cfg.async_scheduling and connector is not None
+        self.sched_seq = 0  # steps with tokens scheduled (vLLM sched_step_seq)
+        self.processed_seq = 0  # of those, the ones whose output was applied (processed_step_seq)
+        self._deferred: deque[tuple[int, list]] = deque()  # (fence, blocks) awaiting their step
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:
@@ -182,6 +191,8 @@ class Scheduler:
             prefill.end(b)
         if conn is not None:  # it offers what each scheduled sequence will have computed
             conn.end_step(b, now)
+        if self.defer_frees and b.lives:
+            self.sched_seq += 1
         self.output.after_schedule(b)
         self._finished = False
         return b
@@ -270,15 +281,18 @@ class Scheduler:
         self.fast.materialize(self.running, self.steps_scheduled + 1 if k is None else k)
 
     def _make_room(self, live: Live, n: int, b: Batch, now: float) -> bool:
-        """Preempt until `live`'s `n` tokens fit: True, or False if `live` itself was
-        preempted (or dropped, when it is alone and still does not fit)."""
+        """Preempt until `live`'s `n` tokens fit: True, or False if `live` itself was preempted (or
+        dropped, when it is alone and still does not fit), or the next victim's blocks would come
+        back only once a step in flight is processed (vLLM `schedule`, `_request_blocks_can_be_freed`)."""
         running, conn = self.running, self.connector
         while True:
             victim = max(running, key=_priority_key) if self.priority else running[-1]
+            if self.defer_frees and victim.last_seq > self.processed_seq:
+                return False  # vLLM: "a deferred free will not help with immediate allocation"
             if victim is live and len(running) == 1 and not b.num_seqs \
-                    and not (conn is not None and conn.holding):
-                # NOTE: requests holding blocks for a load may free them: then it preempts
-                # itself as vLLM does, rather than "never fitting"
+                    and not (conn is not None and conn.holding) and not self._deferred:
+                # NOTE: requests holding blocks for a load, or blocks whose free is deferred, may
+                # come back: then it preempts itself as vLLM does, rather than "never fitting"
                 running.pop()  # alone and still out of blocks: it can never fit
                 self._retire_never_fits(live, now)
                 return False
@@ -308,7 +322,7 @@ class Scheduler:
             heapq.heappush(self.swapped, (live.row, live.seq.uid, live))
             b.preempted_swap += 1
         else:
-            self.m.free(seq)
+            self._free(live)
             seq.num_computed_tokens = 0
             live.stale, live.ph = live.inflight, 0
             self.waiting.push(live, front=True)
@@ -396,7 +410,7 @@ class Scheduler:
             if got is None:
                 # NOTE: requests holding blocks for a load (popped into skipped_holding meanwhile)
                 # hold them as running ones do: vLLM waits for them, nothing "never fits"
-                if held or skipped_holding or (holding and len(holding) > (queue is holding)):
+                if held or skipped_holding or (holding and len(holding) > (queue is holding)) or self._deferred:
                     if held and blocks is not None:  # FCFS head of line: wait for blocks to free
                         self.fast.block_head(live, blocks, hit, n)
                     break
@@ -457,12 +471,34 @@ class Scheduler:
         return live.seq
 
     # ------------------------------------------------------------- output
+    def launched(self, b: Batch, end: float) -> None:
+        """Batch `b` is handed to the device and will end at `end` (its start, without a forward): with
+        batches in flight, the connector's worker starts the loads it planned to land then."""
+        if self.connector is not None:
+            self.connector.launched(b, end)
+
     def update(self, b: Batch, now: float) -> None:
         """The output of batch `b` arrives at `now` (the output mode applies it; vLLM
         `update_from_output`); the connector hears that the step ended."""
         self.output.update(b, now)
         if self.connector is not None:
-            self.connector.step_ended(b.start, now)
+            self.connector.step_ended(b, now)
+
+    def _free(self, live: Live) -> None:
+        """Free `live`'s blocks, or, while a step that scheduled it is in flight, hold them until it
+        is processed (vLLM `_free_request_blocks`, `_request_blocks_can_be_freed`)."""
+        if self.defer_frees and live.last_seq > self.processed_seq:
+            self._deferred.append((self.sched_seq, self.m.pop_blocks_for_free(live.seq)))
+        else:
+            self.fast.free(live.seq)
+
+    def processed(self) -> None:
+        """A step with tokens had its output applied: the deferred blocks whose fence it reaches go
+        back to the pool, in order, up to the first still fenced (vLLM `_drain_deferred_frees`)."""
+        self.processed_seq += 1
+        deferred = self._deferred
+        while deferred and deferred[0][0] <= self.processed_seq:
+            self.m.free_popped(deferred.popleft()[1])
 
     def finish(self, lives: list[Live], now: float) -> None:
         """`lives` (in RUNNING order) sampled their last tokens in the step that ended at `now`."""
@@ -499,7 +535,7 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.retiring(live, status in (FINISHED, TRUNCATED))
             if self.m.holds_blocks(seq.seq_id):
-                self.fast.free(seq)
+                self._free(live)
             log.output_tokens[row] += (1 if row in self._open else live.req.n) * seq.num_output_tokens
         if status > log.status[row]:
             log.status[row] = status
@@ -520,156 +556,3 @@ def _priority_key(live: Live) -> tuple[int, float]:
     RUNNING order (vLLM: `max(self.running, key=lambda r: (r.priority, r.arrival_time))`; the arrival
     is when the request reached the engine, `Live.arrival`)."""
     return (live.req.priority, live.arrival)
-
-
-# ------------------------------------------------------------------ output modes
-# How a scheduled batch's output reaches the scheduler: the output mode, sync or async.
-#
-# vLLM 0.33 splits a step's bookkeeping in two: `Scheduler._update_after_schedule`, run as the batch is
-# chosen, and `Scheduler.update_from_output`, run when the model runner's output arrives
-# (vllm/v1/core/sched/scheduler.py); its `AsyncScheduler` (vllm/v1/core/sched/async_scheduler.py)
-# overrides the first to count an output placeholder for each token a batch will sample, so batch
-# k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two objects:
-#
-# - `SyncOutput`: nothing happens at schedule time; when the step ends, computed tokens advance, a
-#   sequence whose known tokens are all computed samples one (forking v0-style samples after the
-#   prefill), finished sequences are freed (`update`).
-# - `AsyncOutput`: computed tokens advance as the batch is chosen, and a batch that ends a request's
-#   known tokens adds a placeholder (`after_schedule`); its output arrives later (`update`): sampled
-#   tokens are appended, placeholders resolved, blocks cached up to computed - in-flight tokens,
-#   finished requests freed; stale output from before a preemption still appends and may finish a
-#   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
-#   engine keeps two batches in flight (`sim.engine.loop.Engine._async_steps`). No speed shortcut
-#   applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
-#   end fans n > 1 out), recompute preemption only, no lookahead slots or sliding window.
-
-
-class SyncOutput:
-    """A step's output is applied when the step ends (vLLM's `Scheduler`)."""
-
-    shortcuts = True  # the speed shortcuts may run (sim.engine.shortcuts)
-    caches_known = False  # allocate_slots' own caching is all a scheduled chunk needs
-
-    def __init__(self, sched: Scheduler):
-        self.s = sched
-
-    def check(self, req) -> None:
-        """Every request can be taken."""
-
-    def after_schedule(self, b: Batch) -> None:
-        """Nothing advances before the step ends."""
-
-    def update(self, b: Batch, now: float) -> None:
-        """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished;
-        then set the scheduler's `internal_fragmentation` over the running sequences."""
-        s = self.s
-        log, la, bs = s.log, s.lookahead, s.m.block_size
-        finished = list(b.finishing)
-        frag, alive = b.frag, len(b.decodes) - len(finished) + b.lazy
-        track = s.prefill.cadence is not None
-        for live, n in zip(b.lives, b.tokens, strict=True):
-            seq = live.seq
-            c = seq.num_computed_tokens + n
-            seq.num_computed_tokens = c
-            t = seq.num_tokens
-            if track:
-                live.prefilling = c < t
-            seqs = 1
-            if c == t:  # all known tokens computed: sample one
-                seq.append_tokens(1)
-                t += 1
-                row = live.row
-                if c == seq.num_prompt_tokens and log.first_token[row] != log.first_token[row]:  # NaN: the first
-                    log.first_token[row] = now
-                    log.first_token_step[row] = s.step
-                    if live.req.n > 1 and t < live.target:
-                        seqs = s.fork_samples(live)
-                if t >= live.target:
-                    finished.append(live)
-                    continue
-            # NOTE: a running sequence holds exactly cdiv(computed + lookahead) blocks
-            f = -(-(c + la) // bs) * bs - t
-            if f > 0:
-                frag += seqs * f
-            alive += seqs
-        if finished:
-            if b.finishing and len(finished) > len(b.finishing):  # free in batch (= running) order
-                pos = {id(x): k for k, x in enumerate(s.running)}
-                finished.sort(key=lambda x: pos[id(x)])
-            s.finish(finished, now)
-        if alive != len(s.running):  # some running sequences were not scheduled
-            s.materialize()
-            frag = sum(s.fragmentation(x.seq) for x in s.running)
-        s.internal_fragmentation = frag
-
-
-class AsyncOutput:
-    """A batch's output is applied after the next batch is chosen (vLLM's `AsyncScheduler`)."""
-
-    shortcuts = False
-    caches_known = True  # blocks are cached only up to the known tokens (`num_tokens_to_cache`)
-
-    def __init__(self, sched: Scheduler):
-        if sched.swap:
-            raise ConfigError("async_scheduling needs preemption='recompute' (vLLM V1 has no swap)")
-        if sched.lookahead:
-            raise ConfigError("async_scheduling does not model lookahead slots (num_lookahead_tokens must be 0)")
-        if sched.m.sliding_window is not None:
-            raise ConfigError(f"async_scheduling does not model a sliding window (got {sched.m.sliding_window})")
-        self.s = sched
-
-    def check(self, req) -> None:
-        """A request the async output cannot take: one that would fork samples."""
-        if req.n != 1 and self.s.fork:
-            raise ConfigError(f"request {req.id!r}: n={req.n}; async scheduling does not fork samples "
-                              "(parallel_sampling='fork')")
-
-    def after_schedule(self, b: Batch) -> None:
-        """vLLM `_update_after_schedule`: computed tokens advance now; a chunk that reaches the known
-        tokens plus placeholders samples one more (a placeholder)."""
-        for live, n in zip(b.lives, b.tokens, strict=True):
-            seq = live.seq
-            c = seq.num_computed_tokens + n
-            seq.num_computed_tokens = c
-            live.inflight += n
-            sampled = c >= seq.num_tokens + live.ph
-            b.sampled.append(sampled)
-            live.prefilling = not sampled  # vLLM is_prefill_chunk
-            if sampled:
-                live.ph += 1
-
-    def update(self, b: Batch, now: float) -> None:
-        """The batch's output arrives at `now` (vLLM `update_from_output`): sampled tokens are
-        appended, placeholders resolved, blocks cached, and finished requests freed."""
-        s = self.s
-        log, m = s.log, s.m
-        stopped = False
-        for live, n, sampled in zip(b.lives, b.tokens, b.sampled, strict=True):
-            if live.fin:
-                continue
-            live.inflight -= n
-            stale = live.stale > 0
-            if stale:
-                live.stale -= n
-            if not sampled:
-                continue
-            seq = live.seq
-            had_ph = live.ph > 0
-            seq.append_tokens(1)
-            if not stale and had_ph:
-                live.ph -= 1
-            row = live.row  # (a fanned-out request's first token is its first sample's)
-            if seq.num_tokens == seq.num_prompt_tokens + 1 and log.first_token[row] != log.first_token[row]:
-                log.first_token[row] = now
-                log.first_token_step[row] = s.step
-            running = live.order >= 0
-            if running and not stale and had_ph:
-                m.cache_blocks(seq, seq.num_computed_tokens - live.inflight)
-            if seq.num_tokens >= live.target:
-                if not running:
-                    s.waiting.remove(live)
-                s.retire(live, FINISHED, "", now)
-                stopped = True
-        if stopped:
-            s.drop_retired()
-        s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running])

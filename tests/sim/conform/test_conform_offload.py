@@ -323,3 +323,63 @@ def test_a_landed_load_resumed_with_one_token_must_fit_its_whole_prompt():
                     offload_blocks_per_chunk=4, offload_prompt_only=False).validate()
     s = _same(reqs, cfg)
     assert (s["offload_hit_tokens"], s["preemptions"]) == (224, 0)
+
+
+# ------------------------------------------------------------------ async scheduling with offloading
+# vLLM 0.33 runs `--kv-offloading-size` under its AsyncScheduler by default: the OffloadingConnector
+# behind EngineCore's two-deep batch queue. With batches in flight and a KV consumer connector
+# (offloading runs as kv_both) it defers block frees: a finished or preempted request's blocks go
+# back to the pool only when the steps that scheduled it are processed (vllm/v1/core/sched/
+# scheduler.py `__init__` defer_block_free, `_free_request_blocks`, `_drain_deferred_frees`).
+
+
+@needs_vllm
+@pytest.mark.parametrize(("policy", "figures"), [("lru", (16, 98, 52, 36)), ("arc", (16, 107, 42, 33))])
+def test_async_preemption_under_pressure(policy: str, figures: tuple):
+    # the sync case above, under async scheduling: preempted requests' blocks come back a step late
+    reqs = _shared_prefix_workload(2, out=(20, 80), gap=5e-5)
+    cfg = _cfg(8, 1.4, offload_eviction_policy=policy, num_gpu_blocks=20, max_num_batched_tokens=128,
+               async_scheduling=True)
+    s = _same(reqs, cfg)
+    keys = ("offload_hit_tokens", "offload_evictions", "offload_store_failures", "preemptions")
+    assert tuple(s[k] for k in keys) == figures
+
+
+@needs_vllm
+@pytest.mark.parametrize("kw", [{}, {"offload_eviction_policy": "arc", "offload_store_threshold": 2},
+                                {"long_prefill_token_threshold": 32, "watermark": 0.1},
+                                {"offload_blocks_per_chunk": 2, "offload_prompt_only": False}], ids=str)
+def test_async_shared_prefixes_in_a_small_gpu_cache(kw: dict):
+    reqs = _shared_prefix_workload(11)
+    s = _same(reqs, _cfg(16, 1.4, **{"num_gpu_blocks": 20, "max_num_batched_tokens": 128,
+                                     "async_scheduling": True, **kw}))
+    assert s["offload_hit_tokens"] > 0
+
+
+@needs_vllm
+def test_async_loads_back_a_prefix_evicted_from_the_gpu():
+    cfg = _cfg(16, 1.0, async_scheduling=True)
+    S = cfg.step_time
+    reqs = [make_request("A", 0, P + _toks(2000, 16), 2), make_request("B", 4 * S, _toks(3000, 96), 2),
+            make_request("C", 8 * S, P + _toks(4000, 16), 2)]
+    s = _same(reqs, cfg)
+    assert (s["offload_hit_tokens"], s["loaded_blocks"], s["hit_tokens"]) == (48, 3, 16)
+
+
+@needs_vllm
+def test_async_frees_wait_for_the_steps_in_flight(monkeypatch: pytest.MonkeyPatch):
+    """Negative control of the deferred frees: freeing at once (as the sync scheduler does) makes the
+    async case above differ from vLLM."""
+    from sim.engine.scheduler import Scheduler
+
+    reqs = _shared_prefix_workload(2, out=(20, 80), gap=5e-5)
+    cfg = _cfg(8, 1.4, num_gpu_blocks=20, max_num_batched_tokens=128, async_scheduling=True)
+    init = Scheduler.__init__
+
+    def at_once(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.defer_frees = False
+
+    monkeypatch.setattr(Scheduler, "__init__", at_once)
+    d = conform(reqs, cfg, "scheduler")[0]
+    assert d.differing > 0, d.format()

@@ -18,8 +18,8 @@ def test_a_seed_always_gives_the_same_case():
     a, b = random_case(5), random_case(5)
     assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
     assert a.describe() == ("seed 5: unique, 40 requests, grid 1.04858e-05 s, block 16, 43 blocks, budget 64/4, long-prefill 32, "
-                            "prefill every 3, offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, "
-                            "decode chunks too), 23 with n > 1")
+                            "async, max-model-len 643, offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, "
+                            "decode chunks too), 22 with n > 1")
 
 
 def test_every_request_fits_and_the_seeds_cover_the_knobs():
@@ -30,19 +30,20 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     cfgs = [c.cfg for c in cases]
     assert {c.kind for c in cases} == set(KINDS)
     assert sum(c.kv_offloading_size is not None for c in cfgs) == 17
-    assert sum(c.async_scheduling for c in cfgs) == 11
+    assert sum(c.async_scheduling for c in cfgs) == 22
     assert sum(not c.enable_chunked_prefill for c in cfgs) == 12
     assert sum(c.scheduling == "priority" for c in cfgs) == 11
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
     assert sum(c.sliding_window is not None for c in cfgs) == 9
-    assert sum(c.max_model_len is not None for c in cfgs) == 13
-    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 12
-    assert sum(c.max_num_active_seqs is not None for c in cfgs) == 8
-    assert sum(c.long_prefill_token_threshold_adaptive for c in cfgs) == 9
-    assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 9
-    assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 11
-    assert sum(c.max_num_scheduled_tokens is not None for c in cfgs) == 13
+    assert sum(c.max_model_len is not None for c in cfgs) == 15
+    assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 11
+    assert sum(c.max_num_active_seqs is not None for c in cfgs) == 10
+    assert sum(c.long_prefill_token_threshold_adaptive for c in cfgs) == 11
+    assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 10
+    assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 8
+    assert sum(c.max_num_scheduled_tokens is not None for c in cfgs) == 12
     assert sum(c.step_time is None and c.closed_loop_sessions for c in cfgs) == 30  # the cost clock
+    assert sum(c.async_scheduling and c.kv_offloading_size is not None for c in cfgs) == 11
     assert sum(c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens < c.batch_limits()[1]
                for c in cfgs) == 2
 
@@ -58,7 +59,7 @@ def test_random_takes_no_workload_and_two_integers():
 
 @needs_vllm
 def test_random_cases_match_vllm():
-    # seeds 20-29 draw every knob: 1 offloading, 1 windowed, 2 priority, 4 async, 5 max_model_len,
+    # seeds 20-29 draw every knob: 1 offloading (async), 1 windowed, 2 priority, 5 async, 4 max_model_len,
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
     # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence,
     # 3 with max_num_scheduled_tokens (one with an adaptive cap); 6 on the cost clock (2 of them async)

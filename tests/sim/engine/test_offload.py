@@ -11,6 +11,7 @@ import pytest
 from kvcache.offload.tier import HostTier
 from kvcache.sequence import Sequence
 from sim.engine.config import ConfigError, SimConfig
+from sim.engine.cost_model import CostModel
 from sim.engine.host_link import Job, Link
 from sim.engine.offload import Offloader
 from sim.engine.run import simulate
@@ -101,13 +102,31 @@ def test_store_threshold_two_stores_a_chunk_the_second_time_it_is_offered() -> N
     assert (s["stored_blocks"], s["offload_hit_tokens"]) == (4, 0)
 
 
-@pytest.mark.parametrize("change", [{"async_scheduling": True}, {"preemption": "swap", "num_cpu_blocks": 4},
+@pytest.mark.parametrize("change", [{"preemption": "swap", "num_cpu_blocks": 4},
                                     {"defrag_threshold": 4}, {"kv_offloading_size": -1.0},
                                     {"offload_eviction_policy": "fifo"}])
 def test_unsupported_combinations_are_config_errors(change) -> None:
     """record_ops is supported: tests/gpu/test_offload_replay.py replays the store and load ops."""
     with pytest.raises(ConfigError, match="kv_offloading_size|offload_eviction_policy"):
         SimConfig(**{"kv_offloading_size": 1.0, **change}).validate()
+
+
+@pytest.mark.parametrize(("async_scheduling", "offloading", "deferred"), [(True, True, True), (True, False, False),
+                                                                         (False, True, False)])
+def test_frees_are_deferred_only_with_batches_in_flight_and_a_connector(async_scheduling, offloading, deferred):
+    """vllm/v1/core/sched/scheduler.py `Scheduler.__init__`: defer_block_free with more than one batch in
+    flight (async scheduling) and a KV consumer connector (offloading runs as kv_both); async scheduling
+    with offloading is what `vllm serve --kv-offloading-size` runs by default (the conform cases with
+    vLLM are in tests/sim/conform/test_conform_offload.py)."""
+    from sim.engine.loop import build_scheduler
+    from sim.engine.metrics import RequestLog
+    from sim.engine.run import make_manager
+
+    cfg = SimConfig(async_scheduling=async_scheduling, kv_offloading_size=1.0 if offloading else None,
+                    num_gpu_blocks=64).validate()
+    cost = CostModel.from_config(cfg)
+    sched = build_scheduler(cfg, make_manager(cfg, cost), RequestLog(), cost)
+    assert (sched.defer_frees, sched.connector is not None) == (deferred, offloading)
 
 
 def test_a_step_s_stores_start_when_the_next_step_starts() -> None:
