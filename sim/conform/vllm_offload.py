@@ -289,16 +289,7 @@ class _OffloadRun(_SchedRun):
             out, mro, slot = queue.pop()
             if slot is not None:
                 clock = max(clock, slot + 1)  # block until the batch's slot ends
-            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
-            sched.update_from_output(out, mro)
-            for rid, n in before.items():
-                rec, vreq = recs[rid], live[rid][0]
-                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
-                    rec["first_token_step"] = slot
-                if vreq.is_finished():
-                    rec["finish_step"] = slot
-                    rec["preemptions"] = vreq.num_preemptions
-                    del live[rid]
+            self.apply_async(out, mro, slot)
 
     def _record_external(self, out) -> None:
         """vLLM's tier hit at the first admission of each request scheduled for the first time."""

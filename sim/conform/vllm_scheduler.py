@@ -302,16 +302,25 @@ class _SchedRun:
             out, mro, slot = queue.pop()
             if slot is not None:
                 clock = max(clock, slot + 1)  # block until the batch's slot ends
-            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
-            sched.update_from_output(out, mro)
-            for rid, n in before.items():
-                rec, vreq = recs[rid], live[rid][0]
-                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
-                    rec["first_token_step"] = slot
-                if vreq.is_finished():
-                    rec["finish_step"] = slot
-                    rec["preemptions"] = vreq.num_preemptions
-                    del live[rid]
+            self.apply_async(out, mro, slot)
+
+    def apply_async(self, out, mro, step: int | None) -> list[str]:
+        """Apply batch `out`'s runner output `mro` (`update_from_output`), recording first tokens and
+        finishes at `step`; the ids of the requests it finished, in batch order."""
+        live, recs = self.live, self.recs
+        before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
+        self.sched.update_from_output(out, mro)
+        done = []
+        for rid, n in before.items():
+            rec, vreq = recs[rid], live[rid][0]
+            if vreq.num_output_tokens > n and rec["first_token_step"] is None:
+                rec["first_token_step"] = step
+            if vreq.is_finished():
+                rec["finish_step"] = step
+                rec["preemptions"] = vreq.num_preemptions
+                del live[rid]
+                done.append(rid)
+        return done
 
     def _fake_async_output(self, out, output_cls):
         """What the runner returns for `out`, fixed when it is scheduled (as a device is)."""

@@ -207,18 +207,7 @@ class _TimedRun(_SchedRun):
                 sched.update_from_output(out, mro)  # nothing ran; the scheduler only hears of it
                 continue
             clock = max(clock, end)  # (the arrivals until then are queued at the next iteration)
-            before = {rid: live[rid][0].num_output_tokens for rid in mro.req_ids if rid in live}
-            sched.update_from_output(out, mro)
-            done = []
-            for rid, n in before.items():
-                rec, vreq = recs[rid], live[rid][0]
-                if vreq.num_output_tokens > n and rec["first_token_step"] is None:
-                    rec["first_token_step"] = step
-                if vreq.is_finished():
-                    rec["finish_step"] = step
-                    rec["preemptions"] = vreq.num_preemptions
-                    del live[rid]
-                    done.append(rid)
+            done = self.apply_async(out, mro, step)
             self._finished(done, step, end)
 
 
