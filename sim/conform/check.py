@@ -223,17 +223,36 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
                              cfg.offload_blocks_per_chunk)
     off = Offloading(chunks, cfg.offload_eviction_policy, cfg.offload_store_threshold, cfg.offload_blocks_per_chunk,
                      cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
-    ours, summary = simulate_scheduler(requests, cfg)
-    if summary["host_chunks"] != chunks:
-        raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
+    ours, summary = _both_or_neither_stall(lambda: simulate_scheduler(requests, cfg), lambda: vllm_run_offload(
+        fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling))
+    if summary["host_chunks"] != chunks:
+        raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
     theirs = vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling)
     diff = compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:
         diff.total = ("offload_hit_tokens", *loaded)
     return diff
+
+
+def _both_or_neither_stall(ours: Callable[[], Any], theirs: Callable[[], Any]) -> Any:
+    """`ours()`, kvsim's run; if kvsim's engine stalls (it made no progress for its stall limit of
+    batches), vLLM's run too: a case on which both stall is refused (ConfigError), as one vLLM stalls
+    on alone is; a stall of kvsim's alone is kvsim's error."""
+    try:
+        return ours()
+    except RuntimeError as e:
+        if "made no progress" not in str(e):
+            raise
+        try:
+            theirs()
+        except RuntimeError as v:
+            if "scheduled nothing" in str(v):
+                raise ConfigError(f"kvsim and vLLM both stall on this case (kvsim: {e}; vLLM: {v})") from None
+            raise
+        raise
 
 
 def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int = 1,

@@ -148,3 +148,20 @@ def test_parallel_sampling_is_compared_as_vllm_fans_it_out():
     with pytest.raises(ConfigError, match="does not cover parallel sampling"):
         conform(reqs, cfg, "manager")
     assert MANAGER_NO_SAMPLES.endswith("use --mode scheduler")
+
+
+def test_a_case_both_sides_stall_on_is_refused_and_a_stall_of_kvsims_alone_is_an_error():
+    from sim.conform.check import _both_or_neither_stall
+
+    def kvsim_stalls():
+        raise RuntimeError("scheduler made no progress for 1000 batches at t=0.057745s")
+
+    def vllm_stalls():
+        raise RuntimeError("vLLM scheduled nothing for 1000 steps (up to step 5507) with requests left (a)")
+
+    with pytest.raises(ConfigError, match=r"^kvsim and vLLM both stall on this case \(kvsim: scheduler made no "
+                                          r"progress for 1000 batches at t=0\.057745s; vLLM: vLLM scheduled nothing"):
+        _both_or_neither_stall(kvsim_stalls, vllm_stalls)
+    with pytest.raises(RuntimeError, match="^scheduler made no progress"):
+        _both_or_neither_stall(kvsim_stalls, lambda: [])
+    assert _both_or_neither_stall(lambda: "ours", vllm_stalls) == "ours"
