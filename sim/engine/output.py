@@ -49,12 +49,6 @@ class SyncOutput:
     def after_schedule(self, b: Batch) -> None:
         """Nothing advances before the step ends."""
 
-    def launched(self, b: Batch, end: float) -> None:
-        """Batch `b` is handed to the device and will end at `end` (its start, without a forward): with
-        batches in flight, the connector's worker starts the loads it planned to land then."""
-        if self.connector is not None:
-            self.connector.launched(b, end)
-
     def update(self, b: Batch, now: float) -> None:
         """Apply a step that ended at `now`: advance tokens, sample, fork, free the finished;
         then set the scheduler's `internal_fragmentation` over the running sequences."""
@@ -135,12 +129,6 @@ class AsyncOutput:
             live.prefilling = not sampled  # vLLM is_prefill_chunk
             if sampled:
                 live.ph += 1
-
-    def launched(self, b: Batch, end: float) -> None:
-        """Batch `b` is handed to the device and will end at `end` (its start, without a forward): with
-        batches in flight, the connector's worker starts the loads it planned to land then."""
-        if self.connector is not None:
-            self.connector.launched(b, end)
 
     def update(self, b: Batch, now: float) -> None:
         """The batch's output arrives at `now` (vLLM `update_from_output`): sampled tokens are
