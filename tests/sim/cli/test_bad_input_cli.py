@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from sim.conform.vllm_setup import vllm_available
 from tests.sim.cli.bad_input import assert_one_error, write_files
 
 NOT_TEXT = "png.jsonl:1: not UTF-8 text (byte 0x89 at column 1); is this a trace file?"
-NO_VLLM = pytest.mark.skipif(vllm_available() is not None, reason="kvsim conform needs vLLM")
+NO_VLLM = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 POW2 = "block_size must be a positive power of two, got 3"
 
 

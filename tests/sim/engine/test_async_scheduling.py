@@ -17,7 +17,6 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli.app import app
-from sim.conform import vllm_setup
 from sim.conform.check import conform
 from sim.engine.config import ConfigError, SimConfig
 from tests.sim.engine.engine_fixtures import req, run
@@ -27,8 +26,7 @@ from workloads.request import make_request
 from workloads.traces import load_workload
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
-needs_vllm = pytest.mark.skipif(vllm_setup.vllm_available() is not None,
-                                reason=str(vllm_setup.vllm_available()))
+needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 STEP_COLUMNS = ["first_scheduled_step", "first_token_step", "finish_step"]
 
 
