@@ -46,7 +46,7 @@ def conform(
     sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: full attention)")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="scheduler mode: tokens per sequence; longer answers stop there (default: no limit)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
-    step_time: Annotated[float | None, typer.Option("--step-time", help="scheduler mode: seconds per step on a fixed grid, sessions open loop (default: each step as long as the cost model says for its batch, closed-loop sessions, as `kvsim run`; with KV offloading, 0.05)")] = None,
+    step_time: Annotated[float | None, typer.Option("--step-time", help="scheduler mode: seconds per step on a fixed grid, sessions open loop (default: each step as long as the cost model says for its batch, closed-loop sessions, as `kvsim run`)")] = None,
     async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
     kv_offloading_size: KvOffloadingSize = None,
@@ -86,8 +86,6 @@ def conform(
         admission = admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
                                       no_scheduler_reserve_full_isl, prefill_schedule_interval,
                                       max_num_scheduled_tokens)
-        if step_time is None and kv_offloading_size is not None:
-            step_time = OFFLOAD_STEP_TIME  # the cost clock does not cover offloading yet
         cfg = SimConfig(
             gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -116,9 +114,6 @@ def conform(
     if not all(d.ok for d in diffs):
         raise typer.Exit(1)
     typer.echo("identical")
-
-
-OFFLOAD_STEP_TIME = 0.05  # seconds a step, where the cost clock is not compared
 
 
 def _seeds(text: str) -> range:

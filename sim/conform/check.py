@@ -225,11 +225,21 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
                      cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
-    ours, summary = _both_or_neither_stall(lambda: simulate_scheduler(requests, cfg), lambda: vllm_run_offload(
-        fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling))
+    if cfg.step_time is None:  # the cost clock
+        from sim.conform.vllm_timed import run_timed
+
+        del args["step_time"]
+
+        def vllm_side() -> list[dict]:
+            return run_timed(requests, **args, offloading=off, step_seconds=step_seconds(cfg),
+                             async_scheduling=cfg.async_scheduling, load=cfg.load, closed_loop=cfg.closed_loop_sessions)
+    else:
+        def vllm_side() -> list[dict]:
+            return vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling)
+    ours, summary = _both_or_neither_stall(lambda: simulate_scheduler(requests, cfg), vllm_side)
     if summary["host_chunks"] != chunks:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
-    theirs = vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling)
+    theirs = vllm_side()
     diff = compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
     loaded = (int(summary["offload_hit_tokens"]), sum(r["offload_hit_tokens"] for r in theirs))
     if loaded[0] != loaded[1]:

@@ -143,10 +143,11 @@ def _step_budget(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
 
 
 def _clock(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
-    """Two cases in three without offloading run on the cost model's clock, as a default `kvsim run`:
-    each step as long as its batch costs, the speed shortcuts on, closed-loop sessions (drawn last,
-    for the same reason); the others, and offloading's, on the fixed grid."""
-    if "kv_offloading_size" in kw or r.random() >= 2 / 3:
+    """Two cases in three run on the cost model's clock, as a default `kvsim run`: each step as long
+    as its batch costs, the speed shortcuts on, closed-loop sessions (drawn last, for the same
+    reason; an offloading case's link is then the GPU's, its transfers taking their real time);
+    the others on the fixed grid."""
+    if r.random() >= 2 / 3:
         return {}
     return {"step_time": None, "closed_loop_sessions": True}
 

@@ -9,7 +9,7 @@ order of its copies from vLLM's worker and times them on kvsim's `Link`. On kvsi
   reports them (`completed_jobs`, and `finished_recving` for the loads' requests);
 - an empty step takes its slot; if it applied no transfer and left no store waiting to be
   submitted, the next step is the first slot whose start is at or after the next transfer's end
-  or the next arrival (sim.engine.loop, `OffloadScheduler.idle_until`).
+  or the next arrival (sim.engine.loop, `Scheduler.idle_until` through its connector).
 
 vLLM keeps the requests finished since the last step in a set; the driver gives the Scheduler
 an insertion-ordered one each step, so their last offers and policy commits follow the order

@@ -23,14 +23,20 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sim.conform.vllm_offload import (
+    FakeWorker,
+    Offloading,
+    _check_connector,
+    _OffloadRun,
+    _OrderedIds,
+)
 from sim.conform.vllm_scheduler import (
     Request,
     _build_scheduler,
     _record_admissions,
-    _SchedRun,
     prepare,
 )
-from sim.conform.vllm_setup import STALL_STEPS, vllm_request
+from sim.conform.vllm_setup import STALL_STEPS, kv_cache_config, vllm_request
 from sim.engine.scheduler import fan_out
 
 StepSeconds = Callable[[int, int, int, int], float]  # (prefill, decode, context tokens, seqs) -> seconds
@@ -42,11 +48,13 @@ def run_timed(
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0, watermark: float = 0.0,
     scheduling: str = "fcfs", async_scheduling: bool = False, sliding_window: int | None = None,
     max_model_len: int | None = None, scheduler_extra: dict[str, Any] | None = None,
-    load: float = 1.0, closed_loop: bool = True,
+    load: float = 1.0, closed_loop: bool = True, offloading: Offloading | None = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler (AsyncScheduler if `async_scheduling`) on the cost clock; one record
     per request in workload order (fanned-out samples as their own requests), as
-    `sim.conform.vllm_scheduler.run_scheduler` gives them."""
+    `sim.conform.vllm_scheduler.run_scheduler` gives them. `offloading`: with its
+    OffloadingConnector and the fake worker of `sim.conform.vllm_offload` (records gain
+    `offload_hit_tokens`)."""
     import simpy
 
     from sim.engine.frontend import Frontend
@@ -57,6 +65,14 @@ def run_timed(
         samples, step_time=None, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
+    offload_kw = {}
+    if offloading is not None:
+        if offloading.num_chunks < 1:
+            raise ValueError(f"the host tier holds {offloading.num_chunks} chunks; vLLM needs at least 1")
+        for rec in recs.values():
+            rec["offload_hit_tokens"] = 0
+        page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        offload_kw["offloading"] = (offloading.vllm_size_gib(page), offloading.extra_config())
     with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
         sched, hasher, queue_size = _build_scheduler(
             tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -65,9 +81,12 @@ def run_timed(
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
-            scheduler_extra=scheduler_extra)
+            scheduler_extra=scheduler_extra, **offload_kw)
         env = simpy.Environment()
         run = _TimedRun(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
+        if offloading is not None:
+            _check_connector(sched, offloading)
+            run.worker = FakeWorker(offloading.seconds_per_block)
         front = Frontend(env, parents, run.admit, load=load, closed_loop=closed_loop)
         run.front = front
         if async_scheduling:
@@ -99,8 +118,9 @@ def batch_shape(out, live: dict) -> tuple[int, int, int, int]:
     return prefill, decode, context, len(out.num_scheduled_tokens)
 
 
-class _TimedRun(_SchedRun):
-    """The engine's step loops over vLLM's scheduler, on the cost clock (see the module docstring)."""
+class _TimedRun(_OffloadRun):
+    """The engine's step loops over vLLM's scheduler, on the cost clock (see the module docstring);
+    with `worker`, the offloading connector's fake worker is handed each step as it is scheduled."""
 
     def __init__(self, sched, reqs: list[Request], tokens: list[list[int]], hasher, recs: dict, env,
                  step_seconds: StepSeconds, cache: tuple[int, int]):
@@ -110,6 +130,24 @@ class _TimedRun(_SchedRun):
         self.parent: dict[str, Request] = {}  # sample id -> the request it came from
         self.open: dict[str, int] = {}  # request id -> samples not yet finished
         self.front = None
+        self.worker: FakeWorker | None = None
+
+    def _handed(self, out, start: float):
+        """With a worker: step `out` is handed to it at `start` (its flushes, jobs and poll); the
+        connector output its runner returns, and whether it reported a finished job."""
+        if self.worker is None:
+            return None, False
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        self.sched.finished_req_ids = _OrderedIds()  # (sim.conform.vllm_offload's module docstring)
+        self._record_external(out)
+        completed, recving = self.worker.poll(out.kv_connector_metadata, start)
+        return KVConnectorOutput(finished_recving=recving or None,
+                                 kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)), \
+            bool(completed)
 
     def admit(self, req: Request) -> None:
         """`req` reaches the engine now: its samples are added to vLLM, stamped with the time."""
@@ -140,10 +178,12 @@ class _TimedRun(_SchedRun):
         """`Engine._steps` (step_time None, no shortcuts needed: vLLM visits everything) over vLLM."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        env, sched, front = self.env, self.sched, self.front
+        env, sched, front, worker = self.env, self.sched, self.front, self.worker
+        # vLLM EngineCore: with a connector, transfers in flight keep it stepping (`has_requests`)
+        busy = sched.has_requests if worker is not None else sched.get_num_unfinished_requests
         clock, k = env.now, 0
         while True:
-            if not sched.get_num_unfinished_requests():
+            if not busy():
                 if clock > env.now:  # catch up first: an arrival may be due meanwhile
                     yield env.timeout(clock - env.now)
                     continue
@@ -154,12 +194,28 @@ class _TimedRun(_SchedRun):
                 continue
             t0 = clock
             out = sched.schedule()
+            kv_out, landed = self._handed(out, t0)
             if not out.num_scheduled_tokens and not out.preempted_req_ids:
-                raise self.stalled(1, k, *self.cache)
+                if worker is None:
+                    raise self.stalled(1, k, *self.cache)
+                # kvsim's empty step (Engine._steps, Scheduler.idle_until): no forward, its loads start
+                # now; again at once if a transfer landed, else at the next transfer's end or arrival
+                self.sync_step(out, k, ModelRunnerOutput, kv_out)
+                worker.step_ended(t0)
+                until = t0 if landed or not busy() else worker.busy_until(t0)
+                if until is None:
+                    raise self.stalled(1, k, *self.cache)
+                if until > t0:
+                    clock = min(until, max(env.peek(), t0))
+                    if env.peek() <= clock:
+                        yield env.timeout(clock - env.now)
+                continue
             clock = t0 + self.step_seconds(*batch_shape(out, self.live))
             if env.peek() <= clock:
                 yield env.timeout(clock - env.now)
-            ids = self.sync_step(out, k, ModelRunnerOutput)
+            ids = self.sync_step(out, k, ModelRunnerOutput, kv_out)
+            if worker is not None:
+                worker.step_ended(clock)
             self._finished(ids, k, clock)
             k += 1
 
@@ -185,15 +241,21 @@ class _TimedRun(_SchedRun):
             if sched.has_requests():
                 start = max(free, clock)
                 out = sched.schedule()
+                kv_out, _ = self._handed(out, start)
                 mro = self._fake_async_output(out, ModelRunnerOutput)
+                mro.kv_connector_output = kv_out
                 if out.total_num_scheduled_tokens > 0:
                     end = start + self.step_seconds(*batch_shape(out, live))
+                    if self.worker is not None:
+                        self.worker.step_ended(end)
                     free = end
                     _record_admissions(out, live, recs, k)
                     queue.appendleft((out, mro, start, end, k))
                     k += 1
                     empties = 0
                 else:
+                    if self.worker is not None:
+                        self.worker.step_ended(start)  # no forward: its loads start at once
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, k, *self.cache)

@@ -98,7 +98,7 @@ def test_curve_replay_and_sim_gain_the_tier_columns(aba: str, tmp_path: Path) ->
         (["--kv-offloading-size", "1", "--tp", "3"], "tensor_parallel 3 must divide llama-3-8b's 32 attention heads"),
         (["--kv-offloading-size", "1", "--vllm-version", "0.28"],
          "kv_offloading_size cannot be combined with vllm_version 0.28: kvsim models offloading under vLLM 0.33's "
-         "synchronous scheduler, full attention and recompute preemption"),
+         "scheduler (sync or async), full attention and recompute preemption"),
     ],
 )
 @pytest.mark.parametrize("command", [["cache-replay", "ok.jsonl"], ["curve", "ok.jsonl", "-c", "10", "-o", "c"],

@@ -27,7 +27,7 @@ needs_vllm = pytest.mark.needs_vllm
 
 
 def _cfg(**kw) -> SimConfig:
-    return SimConfig(block_size=16, step_time=None, closed_loop_sessions=True, vllm_version="0.33.0", **kw).validate()
+    return SimConfig(block_size=16, step_time=None, closed_loop_sessions=True, **kw).validate()
 
 
 def _wl(name: str) -> list:
@@ -155,3 +155,29 @@ def test_the_cli_default_is_the_cost_clock():
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0].endswith("budget 8,192 tokens / 1,024 seqs, the cost model's clock")
     assert r.output.splitlines()[1:] == ["scheduler 300 requests, 0 differ", "identical"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("workload", "kw"), [
+    ("multi-turn.jsonl", {"num_gpu_blocks": 40, "max_num_batched_tokens": 256, "chunks": 40}),
+    ("shared-prefix.jsonl", {"num_gpu_blocks": 32, "max_num_batched_tokens": 256, "chunks": 8}),
+    ("default", {"num_gpu_blocks": 150, "max_num_batched_tokens": 1024, "chunks": 40}),
+], ids=["multi-turn", "shared-prefix", "default"])
+def test_offloading_on_the_cost_clock_matches_vllm(workload: str, kw: dict, async_scheduling: bool):
+    """vLLM's OffloadingConnector with the fake worker on the cost clock (sim/conform/vllm_timed.py): its
+    transfers take the GPU link's real time, an empty step waits for the next transfer or arrival as
+    kvsim's engine does (`Scheduler.idle_until`), and closed-loop sessions are on."""
+    from sim.engine.cost_model import CostModel
+
+    kw = dict(kw)
+    chunks = kw.pop("chunks")
+    per_block = CostModel.from_config(_cfg()).kv_bytes_per_block
+    cfg = _cfg(kv_offloading_size=chunks * per_block / (1 << 30), async_scheduling=async_scheduling, **kw)
+    reqs = _wl(workload)
+    d = run_scheduler(reqs, cfg)
+    assert (d.differing, d.total) == (0, None), d.format()
+    from sim.engine.run import simulate
+
+    s = simulate(reqs, cfg).summary
+    assert s["offload_hit_tokens"] > 0 and s["stored_blocks"] > 0

@@ -17,7 +17,7 @@ needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, 
 def test_a_seed_always_gives_the_same_case():
     a, b = random_case(5), random_case(5)
     assert a.cfg == b.cfg and [r.id for r in a.requests] == [r.id for r in b.requests]
-    assert a.describe() == ("seed 5: unique, 40 requests, grid 1.04858e-05 s, block 16, 43 blocks, budget 64/4, long-prefill 32, "
+    assert a.describe() == ("seed 5: unique, 40 requests, cost clock, block 16, 43 blocks, budget 64/4, long-prefill 32, "
                             "async, max-model-len 643, offloading 0.390625 GiB (1 block a chunk, arc, threshold 0, "
                             "decode chunks too), 22 with n > 1")
 
@@ -42,7 +42,8 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.scheduler_reserve_full_isl for c in cfgs) == 10
     assert sum(c.prefill_schedule_interval > 1 for c in cfgs) == 8
     assert sum(c.max_num_scheduled_tokens is not None for c in cfgs) == 12
-    assert sum(c.step_time is None and c.closed_loop_sessions for c in cfgs) == 30  # the cost clock
+    assert sum(c.step_time is None and c.closed_loop_sessions for c in cfgs) == 43  # the cost clock
+    assert sum(c.step_time is None and c.kv_offloading_size is not None for c in cfgs) == 13
     assert sum(c.async_scheduling and c.kv_offloading_size is not None for c in cfgs) == 11
     assert sum(c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens < c.batch_limits()[1]
                for c in cfgs) == 2

@@ -160,7 +160,7 @@ def test_a_decode_caching_the_blocked_heads_next_key_ends_the_run(monkeypatch: p
 def test_a_finish_is_a_quiet_step_and_the_blocked_head_is_decided_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """a, b and c run from step 0; d arrives at 0.5 s and waits for blocks until c is done.
     a, b and c finish inside quiet runs (steps 10, 20, 30: their blocks free once the step is
-    done, as `Scheduler.complete` frees them); each finish ends its run, and the general step
+    done, as `SyncOutput.update` frees them); each finish ends its run, and the general step
     after it retries d: it fails at steps 11 and 21, and admits d at step 31, where plain
     stepping does. General steps: 0 (prefill), 1 (d's first try), 11, 21 and 31."""
     reqs = [req("a", 0, 8, 11), req("b", 0, 8, 21), req("c", 0, 8, 31), req("d", 0.5, 64, 4)]
