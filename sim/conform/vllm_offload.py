@@ -22,7 +22,6 @@ chunks of its one-layer model (`Offloading.vllm_size_gib`), and the built manage
 from __future__ import annotations
 
 import tempfile
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +30,10 @@ from kvcache.offload.size import PAGE_BYTES
 from sim.conform.vllm_scheduler import (
     Request,
     _build_scheduler,
-    _record_admissions,
     _SchedRun,
     prepare,
 )
-from sim.conform.vllm_setup import STALL_STEPS, kv_cache_config
+from sim.conform.vllm_setup import kv_cache_config
 from sim.engine.host_link import Job, Link
 from sim.engine.loop import grid_index
 
@@ -167,11 +165,11 @@ def run_offload_scheduler(
             scheduler_extra=scheduler_extra, async_scheduling=async_scheduling)
         _check_connector(sched, offloading)
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
-        worker = FakeWorker(offloading.seconds_per_block)
+        worker = run.worker = FakeWorker(offloading.seconds_per_block)
         if async_scheduling:
             if not sched.defer_block_free:
                 raise RuntimeError("expected vLLM to defer block frees with async scheduling and a KV connector")
-            run.run_async(worker, queue_size, num_gpu_blocks, block_size)
+            run.run_async(queue_size, num_gpu_blocks, block_size)  # _SchedRun's, handing each step to the worker
         else:
             run.run(worker, num_gpu_blocks, block_size)
     return [recs[r.id] for r in reqs]
@@ -240,56 +238,28 @@ class _OffloadRun(_SchedRun):
                 until = min(until, self.reqs[self.order[self.nxt]].arrival)
             step = max(grid_index(until, S), step + 1)
 
-    def run_async(self, worker: FakeWorker, queue_size: int, num_gpu_blocks: int, block_size: int) -> None:
-        """`_SchedRun.run_async` (EngineCore's batch queue over the AsyncScheduler, on the grid) with
-        the fake worker, as kvsim's `Engine._async_steps` runs its connector: each batch is handed to
-        the worker as it is scheduled, at the slot it starts on the device (max(the slot after the
-        batch in flight, the clock)), polls there, and its loads start when its forward ends (at
-        its start, without a forward); its output, with the worker's, is applied when it ends."""
+    worker: FakeWorker | None = None
+
+    def _handed(self, out, start: float):
+        """Step `out` is handed to the fake worker at `start` (its flushes, jobs and poll): the
+        connector output its runner returns, and whether a transfer was reported done."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
             OffloadingWorkerMetadata,
         )
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
-        sched, live, recs, S = self.sched, self.live, self.recs, self.step_time
-        queue: deque[tuple[Any, Any, int | None]] = deque()  # (scheduler output, runner output, slot)
-        clock = free_slot = empties = 0
-        while self.pending() or sched.has_requests() or queue:
-            if not sched.has_requests() and not queue:  # idle: wait for the next arrival
-                clock = max(clock, self.next_arrival_step())
-            self.add_arrivals(clock)
-            if sched.has_requests():
-                start = max(free_slot, clock)
-                out = sched.schedule()
-                sched.finished_req_ids = _OrderedIds()  # see the module docstring
-                self._record_external(out)
-                executed = out.total_num_scheduled_tokens > 0
-                completed, recving = worker.poll(out.kv_connector_metadata, start * S)
-                mro = self._fake_async_output(out, ModelRunnerOutput)
-                mro.kv_connector_output = KVConnectorOutput(
-                    finished_recving=recving or None,
-                    kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed))
-                slot = None
-                if executed:
-                    slot, free_slot, empties = start, start + 1, 0
-                    _record_admissions(out, live, recs, slot)
-                    worker.step_ended((slot + 1) * S)
-                else:
-                    worker.step_ended(start * S)  # no forward: its loads start at once
-                    empties += 1
-                    if empties >= STALL_STEPS:
-                        raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
-                    if all(q[2] is None for q in queue):
-                        clock += 1  # nothing executing: the engine spins for a step
-                queue.appendleft((out, mro, slot))
-                if len(queue) < queue_size and (executed or sched.has_requests()):
-                    continue
-            elif not queue:
-                continue
-            out, mro, slot = queue.pop()
-            if slot is not None:
-                clock = max(clock, slot + 1)  # block until the batch's slot ends
-            self.apply_async(out, mro, slot)
+        if self.worker is None:  # (sim.conform.vllm_timed's runs without offloading)
+            return super()._handed(out, start)
+        self.sched.finished_req_ids = _OrderedIds()  # see the module docstring
+        self._record_external(out)
+        completed, recving = self.worker.poll(out.kv_connector_metadata, start)
+        return KVConnectorOutput(finished_recving=recving or None,
+                                 kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)), \
+            bool(completed)
+
+    def _ended(self, end: float) -> None:
+        if self.worker is not None:
+            self.worker.step_ended(end)
 
     def _record_external(self, out) -> None:
         """vLLM's tier hit at the first admission of each request scheduled for the first time."""

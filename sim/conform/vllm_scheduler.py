@@ -202,6 +202,15 @@ class _SchedRun:
         self.nxt = 0
         self.live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
 
+    def _handed(self, out, start: float):
+        """Step `out` is handed to the KV connector's worker at `start`: the connector output its
+        runner returns, and whether a transfer was reported done (none here: no connector;
+        sim.conform.vllm_offload's runs have one)."""
+        return None, False
+
+    def _ended(self, end: float) -> None:
+        """The step last handed runs its forward until `end` (its start, without one)."""
+
     def pending(self) -> bool:
         return self.nxt < len(self.order)
 
@@ -280,21 +289,25 @@ class _SchedRun:
                 clock = max(clock, self.next_arrival_step())
             self.add_arrivals(clock)
             if sched.has_requests():
+                start = max(free_slot, clock)  # the slot it would run in
                 out = sched.schedule()
+                kv_out, _ = self._handed(out, start * self.step_time)
+                mro = self._fake_async_output(out, ModelRunnerOutput)
+                mro.kv_connector_output = kv_out
                 executed = out.total_num_scheduled_tokens > 0
                 slot = None
                 if executed:
-                    slot = max(free_slot, clock)
-                    free_slot = slot + 1
-                    empties = 0
+                    slot, free_slot, empties = start, start + 1, 0
                     _record_admissions(out, live, recs, slot)
+                    self._ended((slot + 1) * self.step_time)
                 else:
+                    self._ended(start * self.step_time)  # no forward
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
                     if all(s is None for _, _, s in queue):
                         clock += 1  # nothing executing: the engine spins for a step
-                queue.appendleft((out, self._fake_async_output(out, ModelRunnerOutput), slot))
+                queue.appendleft((out, mro, slot))
                 if len(queue) < queue_size and (executed or sched.has_requests()):
                     continue
             elif not queue:

@@ -28,7 +28,6 @@ from sim.conform.vllm_offload import (
     Offloading,
     _check_connector,
     _OffloadRun,
-    _OrderedIds,
 )
 from sim.conform.vllm_scheduler import (
     Request,
@@ -130,24 +129,7 @@ class _TimedRun(_OffloadRun):
         self.parent: dict[str, Request] = {}  # sample id -> the request it came from
         self.open: dict[str, int] = {}  # request id -> samples not yet finished
         self.front = None
-        self.worker: FakeWorker | None = None
-
-    def _handed(self, out, start: float):
-        """With a worker: step `out` is handed to it at `start` (its flushes, jobs and poll); the
-        connector output its runner returns, and whether it reported a finished job."""
-        if self.worker is None:
-            return None, False
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-            OffloadingWorkerMetadata,
-        )
-        from vllm.v1.outputs import KVConnectorOutput
-
-        self.sched.finished_req_ids = _OrderedIds()  # (sim.conform.vllm_offload's module docstring)
-        self._record_external(out)
-        completed, recving = self.worker.poll(out.kv_connector_metadata, start)
-        return KVConnectorOutput(finished_recving=recving or None,
-                                 kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=completed)), \
-            bool(completed)
+        self.worker: FakeWorker | None = None  # with offloading (`_handed`, `_ended`: sim.conform.vllm_offload)
 
     def admit(self, req: Request) -> None:
         """`req` reaches the engine now: its samples are added to vLLM, stamped with the time."""
@@ -201,7 +183,7 @@ class _TimedRun(_OffloadRun):
                 # kvsim's empty step (Engine._steps, Scheduler.idle_until): no forward, its loads start
                 # now; again at once if a transfer landed, else at the next transfer's end or arrival
                 self.sync_step(out, k, ModelRunnerOutput, kv_out)
-                worker.step_ended(t0)
+                self._ended(t0)
                 until = t0 if landed or not busy() else worker.busy_until(t0)
                 if until is None:
                     raise self.stalled(1, k, *self.cache)
@@ -214,8 +196,7 @@ class _TimedRun(_OffloadRun):
             if env.peek() <= clock:
                 yield env.timeout(clock - env.now)
             ids = self.sync_step(out, k, ModelRunnerOutput, kv_out)
-            if worker is not None:
-                worker.step_ended(clock)
+            self._ended(clock)
             self._finished(ids, k, clock)
             k += 1
 
@@ -246,16 +227,14 @@ class _TimedRun(_OffloadRun):
                 mro.kv_connector_output = kv_out
                 if out.total_num_scheduled_tokens > 0:
                     end = start + self.step_seconds(*batch_shape(out, live))
-                    if self.worker is not None:
-                        self.worker.step_ended(end)
+                    self._ended(end)
                     free = end
                     _record_admissions(out, live, recs, k)
                     queue.appendleft((out, mro, start, end, k))
                     k += 1
                     empties = 0
                 else:
-                    if self.worker is not None:
-                        self.worker.step_ended(start)  # no forward: its loads start at once
+                    self._ended(start)  # no forward: its loads start at once
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, k, *self.cache)
