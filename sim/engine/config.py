@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache.eviction import check_policy
+from kvcache.profiles import profile
 from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
 __all__ = ["SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
@@ -206,7 +207,7 @@ class SimConfig:
             self._validate_fs()
         for bad, why in ((self.preemption != "recompute", "swap preemption"),
                          (self.sliding_window is not None, "a sliding window"), (self.defrag_threshold is not None,
-                         "defragmentation"), (self.vllm_version != "0.33", f"vllm_version {self.vllm_version}")):
+                         "defragmentation"), (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
                                   "under vLLM 0.33's scheduler (sync or async), full attention and recompute preemption")

@@ -111,6 +111,12 @@ def test_unsupported_combinations_are_config_errors(change) -> None:
         SimConfig(**{"kv_offloading_size": 1.0, **change}).validate()
 
 
+def test_offloading_takes_the_release_in_any_spelling():
+    assert SimConfig(kv_offloading_size=1.0, vllm_version="0.33.0").validate().vllm_version == "0.33.0"
+    with pytest.raises(ConfigError, match="cannot be combined with vllm_version 0.32.1"):
+        SimConfig(kv_offloading_size=1.0, vllm_version="0.32.1").validate()
+
+
 @pytest.mark.parametrize(("async_scheduling", "offloading", "deferred"), [(True, True, True), (True, False, False),
                                                                          (False, True, False)])
 def test_frees_are_deferred_only_with_batches_in_flight_and_a_connector(async_scheduling, offloading, deferred):
