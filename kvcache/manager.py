@@ -289,13 +289,7 @@ class KVCacheManager(Forking, Swapping, Loads):
     def free(self, seq: Sequence) -> None:
         """Release a finished or recompute-preempted sequence's blocks, tail first,
         so the block ending the longest prefix is evicted first."""
-        blocks = self.req_blocks.pop(seq.seq_id, None)
-        if blocks is None:
-            raise KeyError(f"free of unknown sequence {seq.seq_id!r}")
-        self.num_cached_block.pop(seq.seq_id, None)
-        self.pool.free_blocks(blocks[::-1])
-        if self.ops.enabled:
-            self.ops.keep_sequence(seq)
+        self.free_popped(self.pop_blocks_for_free(seq))
 
     def pop_blocks_for_free(self, seq: Sequence) -> list[KVCacheBlock]:
         """Take a finished or preempted sequence's blocks out of its table without returning them to

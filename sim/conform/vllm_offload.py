@@ -55,6 +55,21 @@ class Offloading:
         aligned = -(-bytes_per_block * self.blocks_per_chunk // PAGE_BYTES) * PAGE_BYTES
         return self.num_chunks * aligned / (1 << 30)  # exact: a multiple of 4096 over a power of two
 
+    def prepare(self, recs: dict, block_size: int, num_gpu_blocks: int) -> tuple[float, dict[str, Any]]:
+        """Check the tier, give each record its `offload_hit_tokens`, and return what vLLM is built with
+        (`_build_scheduler`'s `offloading`: GiB and the connector's extra config)."""
+        if self.num_chunks < 1:
+            raise ValueError(f"the host tier holds {self.num_chunks} chunks; vLLM needs at least 1")
+        for rec in recs.values():
+            rec["offload_hit_tokens"] = 0
+        page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        return self.vllm_size_gib(page), self.extra_config()
+
+    def worker(self, sched) -> FakeWorker:
+        """The fake worker for vLLM's scheduler `sched`, once its connector is checked to be this tier."""
+        _check_connector(sched, self)
+        return FakeWorker(self.seconds_per_block)
+
     def extra_config(self) -> dict[str, Any]:
         """The `kv_connector_extra_config` entries for kvsim's offloading options."""
         return {"eviction_policy": self.eviction_policy, "store_threshold": self.store_threshold,
@@ -145,15 +160,11 @@ def run_offload_scheduler(
     the OffloadingConnector and the fake worker, one step per `step_time`; records in workload order,
     as `sim.conform.vllm_scheduler.run_scheduler`'s plus `offload_hit_tokens` (vLLM's external hit
     at first admission; kvsim logs only the total)."""
-    if offloading.num_chunks < 1:
-        raise ValueError(f"the host tier holds {offloading.num_chunks} chunks; vLLM needs at least 1")
     reqs, tokens, recs, max_model_len = prepare(
         requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
-    for rec in recs.values():
-        rec["offload_hit_tokens"] = 0
-    page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    built_with = offloading.prepare(recs, block_size, num_gpu_blocks)
     with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
         sched, hasher, queue_size = _build_scheduler(
             tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -161,11 +172,10 @@ def run_offload_scheduler(
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
-            scheduling=scheduling, offloading=(offloading.vllm_size_gib(page), offloading.extra_config()),
+            scheduling=scheduling, offloading=built_with,
             scheduler_extra=scheduler_extra, async_scheduling=async_scheduling)
-        _check_connector(sched, offloading)
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
-        worker = run.worker = FakeWorker(offloading.seconds_per_block)
+        worker = run.worker = offloading.worker(sched)
         if async_scheduling:
             if not sched.defer_block_free:
                 raise RuntimeError("expected vLLM to defer block frees with async scheduling and a KV connector")

@@ -39,7 +39,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec);
     `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...).
 
-    Returns (scheduler, block hasher, vllm_config.max_concurrent_batches).
+    Returns (scheduler, block hasher, vllm_config.max_concurrent_batches: 2 with async scheduling).
     """
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import (
@@ -93,7 +93,10 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     # EngineCore hashes blocks for prefix caching or for a KV connector (vllm/v1/engine/core.py)
     hasher = block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
         if enable_prefix_caching or offloading is not None else None
-    return scheduler, hasher, vllm_config.max_concurrent_batches
+    queue_size = vllm_config.max_concurrent_batches
+    if async_scheduling and queue_size != 2:  # the drivers' batch queues model two in flight
+        raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
+    return scheduler, hasher, queue_size
 
 
 def run_scheduler(
@@ -150,8 +153,6 @@ def run_scheduler(
             scheduler_extra=scheduler_extra)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if async_scheduling:
-            if queue_size != 2:
-                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
             run.run_async(queue_size, num_gpu_blocks, block_size)
         else:
             run.run_sync(num_gpu_blocks, block_size)

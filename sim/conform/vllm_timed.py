@@ -26,7 +26,6 @@ from typing import Any
 from sim.conform.vllm_offload import (
     FakeWorker,
     Offloading,
-    _check_connector,
     _OffloadRun,
 )
 from sim.conform.vllm_scheduler import (
@@ -35,7 +34,7 @@ from sim.conform.vllm_scheduler import (
     _record_admissions,
     prepare,
 )
-from sim.conform.vllm_setup import STALL_STEPS, kv_cache_config, vllm_request
+from sim.conform.vllm_setup import STALL_STEPS, vllm_request
 from sim.engine.scheduler import fan_out
 
 StepSeconds = Callable[[int, int, int, int], float]  # (prefill, decode, context tokens, seqs) -> seconds
@@ -64,14 +63,7 @@ def run_timed(
         samples, step_time=None, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len)
-    offload_kw = {}
-    if offloading is not None:
-        if offloading.num_chunks < 1:
-            raise ValueError(f"the host tier holds {offloading.num_chunks} chunks; vLLM needs at least 1")
-        for rec in recs.values():
-            rec["offload_hit_tokens"] = 0
-        page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
-        offload_kw["offloading"] = (offloading.vllm_size_gib(page), offloading.extra_config())
+    offload_kw = {} if offloading is None else {"offloading": offloading.prepare(recs, block_size, num_gpu_blocks)}
     with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
         sched, hasher, queue_size = _build_scheduler(
             tmp, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -84,13 +76,10 @@ def run_timed(
         env = simpy.Environment()
         run = _TimedRun(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
         if offloading is not None:
-            _check_connector(sched, offloading)
-            run.worker = FakeWorker(offloading.seconds_per_block)
+            run.worker = offloading.worker(sched)
         front = Frontend(env, parents, run.admit, load=load, closed_loop=closed_loop)
         run.front = front
         if async_scheduling:
-            if queue_size != 2:
-                raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
             env.process(run.run_async(queue_size))
         else:
             env.process(run.run_sync())

@@ -31,7 +31,6 @@ import simpy
 from kvcache.invariants import check as check_invariants
 from kvcache.manager import KVCacheManager
 from kvcache.ops import CHARGED_KINDS
-from kvcache.profiles import profile
 from sim.engine.config import ConfigError, SimConfig
 from sim.engine.frontend import Frontend
 from sim.engine.metrics import RequestLog
@@ -83,9 +82,8 @@ def step_row(t0: float, dt: float, sched: Scheduler, b: Batch, deltas: tuple[int
 
 
 def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, cost: CostModel) -> Scheduler:
-    """The scheduler `cfg` asks for, with its collaborators: the output mode (sync or async, a
-    setting of the scheduler), the KV connector (offloading's, with `kv_offloading_size`) and the
-    release's rules (`kvcache.profiles`)."""
+    """The scheduler `cfg` asks for, with its KV connector (offloading's, with `kv_offloading_size`);
+    the scheduler builds its output mode (sync or async) and prefill rules from `cfg` itself."""
     connector = None
     if cfg.kv_offloading_size is not None:
         from sim.engine.offload_connector import OffloadConnector
@@ -95,7 +93,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
                               "modelled for full attention only")
         per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
         connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
-    return Scheduler(cfg, manager, log, connector=connector, rules=profile(cfg.vllm_version))
+    return Scheduler(cfg, manager, log, connector=connector)
 
 
 class Engine:

@@ -7,7 +7,7 @@ The cadence (`prefill_schedule_interval`, 0.33): see `sim.engine.cadence`. The s
 `hold` as a step starts, `released` after a WAITING scan the step did not hold, and `end` when the
 step is chosen; while `held` it skips running requests mid-prefill and stops the WAITING scan at
 the first request with prompt left to compute. Which rules apply comes from the release profile
-the scheduler's builder hands in (`kvcache.profiles`), not from the block manager.
+of the configured release (`kvcache.profiles`), not from the block manager.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ What varies is held, not subclassed (as vLLM's own `Scheduler` holds `self.conne
   fresh admission's hit into its tier, holds a request whose KV loads, hears of preemptions and
   finishes, and is offered what each step computed;
 - the prefill rules (`sim.engine.prefill`: the long-prefill cap and the prefill cadence), built
-  from the release profile the builder hands in;
+  from the release profile of `cfg.vllm_version`;
 - the exact speed shortcuts (`sim.engine.shortcuts`: lazy decodes and the blocked head), on only
   with sync output and no connector.
 
@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from kvcache.admission import AllocStatus
 from kvcache.manager import KVCacheManager, cdiv
-from kvcache.profiles import Profile, profile
+from kvcache.profiles import profile
 from kvcache.sequence import Sequence
 from sim.engine.batch import Batch, Live
 from sim.engine.config import SimConfig
@@ -58,8 +58,7 @@ def fan_out(req: Request) -> list[Request]:
 class Scheduler:
     """The WAITING / RUNNING / SWAPPED queues over one KV-cache manager, with its collaborators."""
 
-    def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog, *, connector=None,
-                 rules: Profile | None = None):
+    def __init__(self, cfg: SimConfig, manager: KVCacheManager, log: RequestLog, *, connector=None):
         self.m = manager
         self.log = log
         self.connector = connector  # sim.engine.offload_connector.OffloadConnector, or None
@@ -71,7 +70,7 @@ class Scheduler:
         self.fork = cfg.parallel_sampling == "fork"  # else n > 1 fans out
         self.lookahead = cfg.num_lookahead_tokens
         self.max_len = cfg.max_model_len
-        self.prefill = PrefillRules(cfg, rules if rules is not None else profile(cfg.vllm_version))
+        self.prefill = PrefillRules(cfg, profile(cfg.vllm_version))  # the release's rules, from the config
         self._chunk = self.prefill.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
