@@ -94,8 +94,8 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     hasher = block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
         if enable_prefix_caching or offloading is not None else None
     queue_size = vllm_config.max_concurrent_batches
-    if async_scheduling and queue_size != 2:  # the drivers' batch queues model two in flight
-        raise RuntimeError(f"expected vLLM's async batch queue of 2, got {queue_size}")
+    if queue_size != (2 if async_scheduling else 1):  # the drivers' batch queues: one in flight, or two
+        raise RuntimeError(f"expected vLLM's batch queue of {2 if async_scheduling else 1}, got {queue_size}")
     return scheduler, hasher, queue_size
 
 

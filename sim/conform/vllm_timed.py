@@ -8,7 +8,7 @@ schedules give identical clocks, and requests reach vLLM through kvsim's own fro
 (`sim.engine.frontend`: arrival times, and closed-loop session turns released `think_time` after
 the previous turn is done). A default `kvsim run` steps this way; its shortcuts stay on.
 
-The loop is the engine's (`sim.engine.loop.Engine._steps`, sync; `_async_steps`, async), written
+The loop is the engine's (`sim.engine.loop.Engine._steps`, one loop for both output modes), written
 over vLLM's scheduler: with nothing unfinished it sleeps until a request arrives; a step scheduled
 at T ends at T + its cost, every arrival up to then is queued before its output is applied, and
 the requests it finished are done at its end. Steps are numbered by the batches that ran.
@@ -79,10 +79,7 @@ def run_timed(
             run.worker = offloading.worker(sched)
         front = Frontend(env, parents, run.admit, load=load, closed_loop=closed_loop)
         run.front = front
-        if async_scheduling:
-            env.process(run.run_async(queue_size))
-        else:
-            env.process(run.run_sync())
+        env.process(run.run(queue_size))
         env.run()
         if sched.get_num_unfinished_requests() or run.open:
             raise RuntimeError(f"vLLM left {sched.get_num_unfinished_requests()} requests unfinished")
@@ -145,64 +142,34 @@ class _TimedRun(_OffloadRun):
             del self.open[req.id]
             self.front.done(req, now)
 
-    def run_sync(self):
-        """`Engine._steps` (step_time None, no shortcuts needed: vLLM visits everything) over vLLM."""
+    def _upto(self, t: float):
+        """`Engine._upto`: let every event at or before `t` happen."""
+        env = self.env
+        while env.peek() <= t:
+            yield env.timeout(max(t - env.now, 0.0))
+
+    def run(self, queue_size: int):
+        """`Engine._steps` (step_time None) over vLLM's Scheduler (`queue_size` 1) or
+        AsyncScheduler (2): EngineCore's step_with_batch_queue, each batch lasting its cost from
+        when the device is free; the requests that arrive while it runs are queued before its
+        output is applied. No shortcuts are needed: vLLM visits every request."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        env, sched, front, worker = self.env, self.sched, self.front, self.worker
-        # vLLM EngineCore: with a connector, transfers in flight keep it stepping (`has_requests`)
-        busy = sched.has_requests if worker is not None else sched.get_num_unfinished_requests
-        clock, k = env.now, 0
-        while True:
-            if not busy():
-                if clock > env.now:  # catch up first: an arrival may be due meanwhile
-                    yield env.timeout(clock - env.now)
-                    continue
-                if front.idle():
-                    break
-                yield from front.wait()
-                clock = env.now
-                continue
-            t0 = clock
-            out = sched.schedule()
-            kv_out, landed = self._handed(out, t0)
-            if not out.num_scheduled_tokens and not out.preempted_req_ids:
-                if worker is None:
-                    raise self.stalled(1, k, *self.cache)
-                # kvsim's empty step (Engine._steps, Scheduler.idle_until): no forward, its loads start
-                # now; again at once if a transfer landed, else at the next transfer's end or arrival
-                self.sync_step(out, k, ModelRunnerOutput, kv_out)
-                self._ended(t0)
-                until = t0 if landed or not busy() else worker.busy_until(t0)
-                if until is None:
-                    raise self.stalled(1, k, *self.cache)
-                if until > t0:
-                    clock = min(until, max(env.peek(), t0))
-                    if env.peek() <= clock:
-                        yield env.timeout(clock - env.now)
-                continue
-            clock = t0 + self.step_seconds(*batch_shape(out, self.live))
-            if env.peek() <= clock:
-                yield env.timeout(clock - env.now)
-            ids = self.sync_step(out, k, ModelRunnerOutput, kv_out)
-            self._ended(clock)
-            self._finished(ids, k, clock)
-            k += 1
-
-    def run_async(self, queue_size: int):
-        """`Engine._async_steps` (step_time None) over vLLM's AsyncScheduler: EngineCore's
-        step_with_batch_queue, each batch lasting its cost from when the device is free."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        env, sched, live, recs, front = self.env, self.sched, self.live, self.recs, self.front
-        spin = self.step_seconds(0, 0, 0, 0)  # an empty schedule with nothing running
+        env, sched, live, recs, front, worker = self.env, self.sched, self.live, self.recs, self.front, self.worker
+        sync = queue_size == 1
+        if not sync:
+            busy = sched.has_requests
+        else:  # vLLM EngineCore: with a connector, transfers in flight keep it stepping (`has_requests`)
+            busy = sched.has_requests if worker is not None else sched.get_num_unfinished_requests
+        spin = None if sync else self.step_seconds(0, 0, 0, 0)  # an empty schedule with nothing running
         queue: deque[tuple[Any, Any, float | None, float, int]] = deque()  # (out, output, start, end, step)
         clock = free = env.now
         k = empties = 0
         while True:
-            while env.peek() <= clock:  # queue every arrival up to and at the clock
-                yield env.timeout(max(clock - env.now, 0.0))
-            if not sched.has_requests() and not queue:
+            if not queue and not busy():
+                if clock > env.now:  # catch up first: an arrival may be due meanwhile
+                    yield env.timeout(clock - env.now)
+                    continue
                 if front.idle():
                     break
                 yield from front.wait()
@@ -211,33 +178,57 @@ class _TimedRun(_OffloadRun):
             if sched.has_requests():
                 start = max(free, clock)
                 out = sched.schedule()
-                kv_out, _ = self._handed(out, start)
-                mro = self._fake_async_output(out, ModelRunnerOutput)
-                mro.kv_connector_output = kv_out
-                if out.total_num_scheduled_tokens > 0:
+                kv_out, landed = self._handed(out, start)
+                ran = out.total_num_scheduled_tokens > 0
+                if ran or (sync and out.preempted_req_ids):
                     end = start + self.step_seconds(*batch_shape(out, live))
-                    self._ended(end)
                     free = end
-                    _record_admissions(out, live, recs, k)
-                    queue.appendleft((out, mro, start, end, k))
+                    if sync:
+                        output = kv_out  # sampled when it is applied (sync_step)
+                    else:
+                        self._ended(end)
+                        output = self._fake_async_output(out, ModelRunnerOutput)
+                        output.kv_connector_output = kv_out
+                        _record_admissions(out, live, recs, k)
+                    queue.appendleft((out, output, start, end, k))
                     k += 1
                     empties = 0
+                elif sync:
+                    if worker is None:
+                        raise self.stalled(1, k, *self.cache)
+                    # kvsim's empty step (Engine._steps, Scheduler.idle_until): no forward, its loads start
+                    # now; again at once if a transfer landed, else at the next transfer's end or arrival
+                    self.sync_step(out, k, ModelRunnerOutput, kv_out)
+                    self._ended(start)
+                    until = start if landed or not busy() else worker.busy_until(start)
+                    if until is None:
+                        raise self.stalled(1, k, *self.cache)
+                    if until > start:
+                        clock = min(until, max(env.peek(), start))
+                        yield from self._upto(clock)
+                    continue
                 else:
+                    output = self._fake_async_output(out, ModelRunnerOutput)
+                    output.kv_connector_output = kv_out
                     self._ended(start)  # no forward: its loads start at once
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, k, *self.cache)
                     if all(q[2] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
-                    queue.appendleft((out, mro, None, clock, k))
-                if len(queue) < queue_size and (out.total_num_scheduled_tokens > 0 or sched.has_requests()):
+                        yield from self._upto(clock)
+                    queue.appendleft((out, output, None, clock, k))
+                if len(queue) < queue_size and (ran or sched.has_requests()):
                     continue
-            out, mro, start, end, step = queue.pop()
+            out, output, start, end, step = queue.pop()
             if start is None:
-                sched.update_from_output(out, mro)  # nothing ran; the scheduler only hears of it
+                sched.update_from_output(out, output)  # nothing ran; the scheduler only hears of it
                 continue
-            clock = max(clock, end)  # (the arrivals until then are queued at the next iteration)
-            done = self.apply_async(out, mro, step)
+            clock = max(clock, end)
+            yield from self._upto(clock)  # arrivals while it ran are queued before its output
+            if sync:
+                done = self.sync_step(out, step, ModelRunnerOutput, output)
+                self._ended(end)
+            else:
+                done = self.apply_async(out, output, step)
             self._finished(done, step, end)
-
-

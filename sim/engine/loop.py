@@ -13,8 +13,8 @@ k * S is queued before it (in arrival order; sessions are open loop then),
 and an idle engine wakes on the first grid point at or after the next
 arrival; steps are numbered by k.
 
-With `SimConfig.async_scheduling` the steps process is `_async_steps`: vLLM's
-batch queue, two deep, over the scheduler's async output mode (`sim.engine.scheduler.AsyncOutput`: each
+The steps process is one loop for both output modes (`Engine._steps`): vLLM's batch queue,
+one deep for the sync output mode and two deep for the async one (`sim.engine.output`: each
 batch is scheduled while the previous one runs, and its output applied after it ends).
 """
 
@@ -122,7 +122,7 @@ class Engine:
         self.progress = progress
         self.num_done = 0
         self.front = Frontend(env, workload, self._admit, load=cfg.load, closed_loop=closed)
-        self.process = env.process(self._async_steps() if cfg.async_scheduling else self._steps())
+        self.process = env.process(self._steps())
 
     # ------------------------------------------------------------- arrivals
     def _admit(self, req: Request) -> None:
@@ -144,174 +144,137 @@ class Engine:
         return n
 
     # ---------------------------------------------------------------- steps
+    def _upto(self, t: float):
+        """Let every event at or before `t` happen (arrivals, session releases); a SimPy generator."""
+        env = self.env
+        while env.peek() <= t:
+            yield env.timeout(max(t - env.now, 0.0))
+
     def _steps(self):
-        env, m, sched, cost = self.env, self.m, self.sched, self.cost
+        """vLLM's EngineCore busy loop (`step_with_batch_queue`, vllm/v1/engine/core.py) over either
+        output mode: the batch queue is one deep (sync: schedule, run, apply) or two (async: batch
+        k + 1 is scheduled while batch k runs).
+
+        Each pass schedules a batch if the scheduler has requests; unless the queue is then full or
+        nothing is left to schedule it passes again, else it pops the oldest batch, lets the clock
+        reach that batch's end (requests that arrive meanwhile are queued first), and applies its
+        output. A batch that runs starts when the device is free, max(clock, previous end), and
+        lasts its cost-model time or one grid slot (`SimConfig.step_time`: clock values are then
+        slot numbers, and every arrival up to a step's slot is queued before it). Steps are
+        numbered by grid slot, or by batches run so far. Where the two modes differ, vLLM's do:
+        - with nothing to run (a batch that neither ran tokens nor preempted), sync waits for
+          the connector's next transfer or an arrival (`Scheduler.idle_until`), and async spins
+          one empty step while no batch is in flight;
+        - a sync batch that only preempted still takes a step (its swaps are charged); sync stops
+          when no request is left (`has_work`), async also steps for finished ones (`has_requests`);
+        - only sync takes quiet runs of decode-only steps (`sim.engine.quiet`).
+        Mirrored over vLLM's own scheduler by `sim.conform.vllm_timed`.
+        """
+        env, m, sched, cost, cfg = self.env, self.m, self.sched, self.cost, self.cfg
         count = m.op_counts.get  # NOTE: not [...]: a missing key would call Counter.__missing__
         record = self.steps.record
-        defrag = self.cfg.defrag_threshold is not None
-        check = check_invariants if self.cfg.debug_invariants else None
-        prev = (0,) * 5  # evict, then CHARGED_KINDS
-        k = 0
-        step_time = self.cfg.step_time
-        g = 0  # with a fixed step time: the grid index of the next step
-        quiet = QuietRuns.build(self.cfg, sched, env, cost, self.steps, self._drain_done)
-        # NOTE: the engine keeps its own clock and yields to SimPy only when another
-        # event (an arrival, a session timer) falls within the step, or before it
-        # sleeps: back-to-back steps cost no event each, and the order is unchanged.
-        clock = env.now
-        while True:
-            if not sched.has_work():
-                if clock > env.now:  # catch up first: an arrival may be due meanwhile
-                    yield env.timeout(clock - env.now)
-                    continue
-                if self.front.idle():
-                    break
-                yield from self.front.wait()
-                clock = env.now
-                if step_time is not None:
-                    g = max(g, grid_index(clock, step_time))
-                    clock = g * step_time
-                continue
-            if step_time is not None:
-                clock = g * step_time
-                while env.peek() <= clock:  # queue every arrival up to and at the step's start
-                    yield env.timeout(clock - env.now)
-            elif quiet is not None and sched.running:  # steps that only decode, in a loop of their own
-                clock, k, prev = yield from quiet.run(clock, k, prev)
-            t0 = clock
-            m.set_step(k)
-            sched.step = k if step_time is None else g
-            if defrag:  # NOTE: lazy decodes' writes are recorded before blocks move
-                m.defragment(sched.materialize if m.records_ops else None)
-            b = sched.schedule(t0)
-            dropped = self._drain_done(t0) if sched.done else 0
-            seqs = b.num_seqs
-            if not seqs and not (b.preempted_recompute or b.preempted_swap):
-                # NOTE: only transfers to the host tier (sim.engine.offload) let a step do nothing:
-                # the engine steps again once one is applied
-                until = sched.idle_until(t0) if sched.has_work() else t0
-                if until is None:
-                    raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {k})")
-                if step_time is not None:  # an empty step takes its slot; none polls before the transfer ends
-                    g = g + 1 if until <= t0 else max(grid_index(min(until, env.peek()), step_time), g + 1)
-                elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it
-                    clock = min(until, max(env.peek(), t0))
-                    if env.peek() <= clock:
-                        yield env.timeout(clock - env.now)
-                continue
-            now = _counts(count)
-            if now[1:] == prev[1:]:
-                ops = NO_OPS
-            else:
-                ops = {kind: now[j] - prev[j] for j, kind in enumerate(CHARGED_KINDS, 1)}
-            if step_time is None:
-                dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, seqs, ops)
-                clock = t0 + dt
-            else:
-                g += 1
-                clock = g * step_time
-                dt = clock - t0
-            if env.peek() <= clock:
-                yield env.timeout(clock - env.now)
-            sched.update(b, clock)
-            done = dropped + (self._drain_done(clock) if sched.done else 0)
-            record(step_row(t0, dt, sched, b, tuple(a - p for a, p in zip(now, prev, strict=True)), done))
-            prev = now
-            if check is not None:
-                check(m)
-                sched.materialize()  # lazy decodes' sequences lag; the check reads them
-                exact = m.internal_fragmentation([x.seq for x in sched.running])
-                if sched.internal_fragmentation != exact:
-                    raise AssertionError(f"step {k}: internal fragmentation {sched.internal_fragmentation} != {exact}")
-            k += 1
-        if self.progress is not None:
-            self.progress(self.num_done)
-
-    # ---------------------------------------------------------- async steps
-    def _async_steps(self):
-        """vLLM's EngineCore.step_with_batch_queue over the async output mode, two batches deep.
-
-        Each iteration at clock time T queues the arrivals <= T; if the scheduler has
-        requests it schedules a batch, and unless the queue is full (2) or the batch is
-        empty with nothing left to schedule, iterates again; otherwise the oldest batch
-        is popped, the clock waits for its end, and its output is applied. A batch with
-        tokens runs from max(T, the previous batch's end) for one step (on the grid, with
-        a fixed step time) or its cost; an empty one takes no time, but with no batch
-        running the engine spins a step. Step numbers are grid slots (fixed step time)
-        or batches with tokens so far. Mirrors sim.conform.vllm_scheduler `run_async`.
-        """
-        env, m, sched, cost = self.env, self.m, self.sched, self.cost
-        count = m.op_counts.get
-        record = self.steps.record
-        defrag = self.cfg.defrag_threshold is not None
-        check = check_invariants if self.cfg.debug_invariants else None
-        S = self.cfg.step_time
+        defrag = cfg.defrag_threshold is not None
+        check = check_invariants if cfg.debug_invariants else None
+        S = cfg.step_time
         grid = S is not None
+        sync = not cfg.async_scheduling
+        depth = 1 if sync else 2
+        busy = sched.has_work if sync else sched.has_requests
+        quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done)
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x
 
-        spin = 1 if grid else cost.step_time(0, 0, 0, 0, NO_OPS)
-        queue: deque[tuple] = deque()  # (batch, start, end, step, op deltas, drops); start None: no tokens
+        spin = 1 if grid or sync else cost.step_time(0, 0, 0, 0, NO_OPS)  # (only async spins)
+        queue: deque[tuple] = deque()  # (batch, start, end, seconds, step, op deltas, drops); start None: no forward
         clock = 0 if grid else env.now
         free = clock  # when the device is next free
-        k = 0  # batches with tokens so far
+        k = 0  # batches run so far
+        prev = _ZEROS  # the op counts when the last batch that ran was scheduled
         empties = 0
+        # NOTE: on the cost clock the engine yields to SimPy only when an event falls before the
+        # clock, or to sleep: back-to-back steps cost no event each
         while True:
-            t = at(clock)
-            while env.peek() <= t:  # queue every arrival up to and at the clock
-                yield env.timeout(max(t - env.now, 0.0))
-            if not sched.has_requests() and not queue:
+            if grid:
+                yield from self._upto(at(clock))
+            if not queue and not busy():
+                if at(clock) > env.now:  # catch up first: an arrival may be due meanwhile
+                    yield env.timeout(at(clock) - env.now)
+                    continue
                 if self.front.idle():
                     break
                 yield from self.front.wait()
                 clock = max(clock, grid_index(env.now, S) if grid else env.now)
                 continue
             if sched.has_requests():
+                if quiet is not None and sched.running:  # steps that only decode, in a loop of their own
+                    clock, k, prev = yield from quiet.run(clock, k, prev)
                 start = max(free, clock)
                 step = start if grid else k
-                before = _counts(count)
                 sched.step = step
                 m.set_step(step)
-                if defrag:
-                    m.defragment()
+                if defrag:  # NOTE: lazy decodes' writes are recorded before blocks move
+                    m.defragment(sched.materialize if m.records_ops else None)
                 b = sched.schedule(at(start))
                 dropped = self._drain_done(at(start)) if sched.done else 0
-                after = _counts(count)
-                deltas = tuple(a - p for a, p in zip(after, before, strict=True))
-                if b.lives:
+                if b.num_seqs or (sync and (b.preempted_recompute or b.preempted_swap)):
+                    now = _counts(count)
+                    deltas = tuple(a - p for a, p in zip(now, prev, strict=True))
+                    prev = now
                     if grid:
                         end = start + 1
+                        dt = at(end) - at(start)
                     else:
-                        ops = dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
-                        end = start + cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens,
-                                                     b.num_seqs, ops)
+                        ops = NO_OPS if deltas[1:] == _ZEROS[1:] else dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
+                        dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, b.num_seqs, ops)
+                        end = start + dt
                     free = end
                     k += 1
                     empties = 0
                     sched.launched(b, at(end))
-                    queue.appendleft((b, start, end, step, deltas, dropped))
+                    queue.appendleft((b, start, end, dt, step, deltas, dropped))
+                elif sync:
+                    # NOTE: only transfers to the host tier (sim.engine.offload) let a step do nothing:
+                    # the engine steps again once one is applied
+                    t0 = at(start)
+                    until = sched.idle_until(t0) if sched.has_work() else t0
+                    if until is None:
+                        raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {step})")
+                    if grid:  # an empty step takes its slot; none polls before the transfer ends
+                        clock = start + 1 if until <= t0 else max(grid_index(min(until, env.peek()), S), start + 1)
+                    elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it
+                        clock = min(until, max(env.peek(), t0))
+                        yield from self._upto(clock)
+                    continue
                 else:
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise RuntimeError(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
                     if all(q[1] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
+                        if not grid:
+                            yield from self._upto(clock)
                     sched.launched(b, b.start)  # no forward
-                    queue.appendleft((b, None, None, step, deltas, dropped))
-                if len(queue) < 2 and (b.lives or sched.has_requests()):
+                    queue.appendleft((b, None, None, 0.0, step, _ZEROS, dropped))
+                if len(queue) < depth and (b.num_seqs or sched.has_requests()):
                     continue
-            b, start, end, step, deltas, dropped = queue.pop()
+            b, start, end, dt, step, deltas, dropped = queue.pop()
             if start is None:
                 sched.update(b, b.start)  # nothing ran (no forward); the scheduler only hears of it
                 continue
             clock = max(clock, end)
+            yield from self._upto(at(clock))  # arrivals while it ran are queued before its output
             sched.step = step
             m.set_step(step)
             sched.update(b, at(end))
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
-            record(step_row(at(start), at(end) - at(start), sched, b, deltas, done))
+            record(step_row(at(start), dt, sched, b, deltas, done))
             if check is not None:
                 check(m)
+                sched.materialize()  # lazy decodes' sequences lag; the check reads them
+                exact = m.internal_fragmentation([x.seq for x in sched.running])
+                if sched.internal_fragmentation != exact:
+                    raise AssertionError(f"step {step}: internal fragmentation {sched.internal_fragmentation} "
+                                         f"!= {exact}")
         if self.progress is not None:
             self.progress(self.num_done)

@@ -14,7 +14,7 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   tokens are appended, placeholders resolved, blocks cached up to computed - in-flight tokens,
   finished requests freed; stale output from before a preemption still appends and may finish a
   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
-  engine keeps two batches in flight (`sim.engine.loop.Engine._async_steps`). No speed shortcut
+  engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No speed shortcut
   applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
   end fans n > 1 out), recompute preemption only, no lookahead slots or sliding window.
 """
