@@ -29,4 +29,4 @@ fi
 
 # Both reference drivers on a two-request workload; the first run also has vLLM inspect the
 # Llama model class once (~15 s) and cache it under ~/.cache/vllm, so later runs start fast.
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m sim.conform
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m kvsim.sim.conform

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/conversation_trace.jsonl"
-KVSIM = [sys.executable, "-m", "sim.cli.app"]
+KVSIM = [sys.executable, "-m", "kvsim"]
 
 
 def timed(cmd: list[str], runs: int) -> tuple[float, str]:
@@ -44,13 +44,13 @@ def timed(cmd: list[str], runs: int) -> tuple[float, str]:
 
 def vllm_replay_seconds(path: Path, block_size: int, num_blocks: int) -> tuple[float, int] | None:
     """vLLM's replay time of the workload (seconds, import excluded) and its hit tokens; None without vLLM."""
-    from sim.conform.vllm_setup import vllm_available
+    from kvsim.sim.conform.vllm_setup import vllm_available
     if vllm_available() is not None:  # it returns the reason vLLM cannot be used
         return None
     import vllm.v1.core.kv_cache_manager  # noqa: F401  (imported before the clock starts)
 
-    import sim.conform.vllm_cache as vc
-    from workloads.traces import load_workload
+    import kvsim.sim.conform.vllm_cache as vc
+    from kvsim.workloads.traces import load_workload
 
     reqs = list(load_workload(path))
     t0 = time.perf_counter()

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if "triton" not in sys.modules:
             os.environ.setdefault("TRITON_INTERPRET", "1")
-    import gpu.kernels  # noqa: F401  (chooses compiled or interpreted Triton before anything imports triton)
+    import kvsim.gpu.kernels  # noqa: F401  (chooses compiled or interpreted Triton before anything imports triton)
 
     results = run(args, sections)
     if args.json:
@@ -107,9 +107,9 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
     import torch
     import triton
 
-    from gpu.calibrate import detect_gpu
-    from gpu.kernels import interpreting
-    from sim.engine.catalog import get_gpu, get_model
+    from kvsim.gpu.calibrate import detect_gpu
+    from kvsim.gpu.kernels import interpreting
+    from kvsim.sim.engine.catalog import get_gpu, get_model
 
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()

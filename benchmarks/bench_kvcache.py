@@ -14,9 +14,9 @@ import resource
 import time
 from pathlib import Path
 
-from kvcache.manager import KVCacheManager
-from kvcache.replay import replay
-from workloads.traces import load_workload
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.replay import replay
+from kvsim.workloads.traces import load_workload
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake/conversation_trace.jsonl"
 

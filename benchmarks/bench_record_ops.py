@@ -27,7 +27,7 @@ FLAGS = ["--model", "llama-3-70b", "--gpu", "a100", "--tp", "2", "--block-size",
 
 def run_case(trace: Path, out: Path, record: bool) -> dict:
     """One `kvsim run` in a fresh child: its wall time and peak RSS."""
-    cmd = [sys.executable, "-m", "sim.cli.app", "run", str(trace), *FLAGS, "-o", str(out)]
+    cmd = [sys.executable, "-m", "kvsim", "run", str(trace), *FLAGS, "-o", str(out)]
     if record:
         cmd.append("--record-ops")
     _, wall, peak = run_child(cmd)

@@ -27,7 +27,7 @@ def run_case(trace: Path, k: int, checkout: Path | None) -> dict:
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "sim.cli.app", "cache-replay", str(trace), "-k", str(k), "--json"]
+    cmd = [sys.executable, "-m", "kvsim", "cache-replay", str(trace), "-k", str(k), "--json"]
     # NOTE: `python -m` puts the working folder ahead of PYTHONPATH, so run from the checkout
     out, wall, peak = run_child(cmd, env=env, cwd=checkout)
     return {"max_running": k, "peak_rss_mb": round(peak, 1), "wall_s": round(wall, 2),

@@ -59,7 +59,7 @@ def tile_azure(src: Path, dst: Path, copies: int) -> int:
 def measure(argv: list[str]) -> tuple[float, float]:
     """Wall seconds and peak resident MB of one whole `kvsim` process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli.app", *argv],
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)

@@ -37,7 +37,7 @@ def run_case(name: str, out: Path) -> dict:
         with open(AZURE) as src, open(workload[0], "w") as dst:
             for _ in range(lines + 1):  # + the header
                 dst.write(src.readline())
-    kvsim = [sys.executable, "-m", "sim.cli.app"]
+    kvsim = [sys.executable, "-m", "kvsim"]
     _, record_s, _ = run_child([*kvsim, "run", *workload, *options, "--record-ops", "--no-plots", "-o", str(folder)])
     report, verify_s, peak = run_child([*kvsim, "gpu-replay", str(folder), "--device", "cpu", "--json"],
                                        ok=(0, 1))  # 1: mismatches, reported below

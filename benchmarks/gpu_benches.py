@@ -52,7 +52,7 @@ class Bench:
         self.dev, self.seconds = dev, seconds
 
     def __call__(self, fn) -> float:
-        from gpu.timing import time_call
+        from kvsim.gpu.timing import time_call
 
         if not self.seconds:
             return time_call(fn, self.dev, warmup=1, iters=1)
@@ -72,9 +72,9 @@ def bench_block_ops(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, sect
     same bytes; swaps (both methods, each way) against a pinned torch copy, and the PCIe fraction."""
     import torch
 
-    from gpu.kernels import SWAP_METHODS, copy_blocks, exchange_blocks, swap_blocks
-    from gpu.kernels.copy_blocks import planes
-    from gpu.storage import PagedKVStorage
+    from kvsim.gpu.kernels import SWAP_METHODS, copy_blocks, exchange_blocks, swap_blocks
+    from kvsim.gpu.kernels.copy_blocks import planes
+    from kvsim.gpu.storage import PagedKVStorage
 
     dev, n = bench.dev, plan.pairs
     out: dict = {}
@@ -171,7 +171,7 @@ def bench_write_kv(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype) -> di
     """write_kv against torch's index_copy_ (and indexed assignment) of the same tokens, same cache."""
     import torch
 
-    from gpu.kernels import write_kv
+    from kvsim.gpu.kernels import write_kv
 
     dev, hq, hkv, d = bench.dev, plan.heads, plan.kv_heads, plan.head_dim
     most = max(plan.write_tokens)
@@ -241,7 +241,7 @@ def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw
     import torch
     import torch.nn.functional as F
 
-    from gpu.kernels import decode_attention
+    from kvsim.gpu.kernels import decode_attention
 
     dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
     pages = -(-ctx // bs)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu.accuracy import error_stats, step_accuracy
-from gpu.calibrate import gpu_of_name
-from gpu.predict import predictor
-from sim.engine.cost_model import load_calibration
+from kvsim.gpu.accuracy import error_stats, step_accuracy
+from kvsim.gpu.calibrate import gpu_of_name
+from kvsim.gpu.predict import predictor
+from kvsim.sim.engine.cost_model import load_calibration
 
 
 def replay_accuracy(report: dict, config: dict, calibration: Path) -> dict:

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from sim.engine.catalog import get_gpu, get_model
-from sim.engine.cost_model import Calibration, CostModel
+from kvsim.sim.engine.catalog import get_gpu, get_model
+from kvsim.sim.engine.cost_model import Calibration, CostModel
 
 _OFF = 1e12  # an efficiency that makes a term vanish
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from gpu.storage import PagedKVStorage
+from kvsim.gpu.storage import PagedKVStorage
 
 BACKENDS = ("torch", "triton")
 _CHUNK = 1 << 22  # values per pass of the torch check, to bound its temporaries
@@ -74,7 +74,7 @@ class TritonBackend:
     measures = True  # every kernel runs and is timed, checked or not
 
     def __init__(self) -> None:
-        from gpu import kernels
+        from kvsim.gpu import kernels
 
         self.k = kernels
 
@@ -115,7 +115,7 @@ def backend(name: str, device: torch.device) -> TorchBackend | TritonBackend:
     if name != "triton":
         raise ValueError(f"unknown kernels {name!r}; choose from {', '.join(BACKENDS)}")
     if device.type == "cpu":
-        from gpu.kernels.mode import interpreting
+        from kvsim.gpu.kernels.mode import interpreting
 
         if not interpreting():
             raise ValueError("triton kernels on device cpu need Triton's interpreter: set TRITON_INTERPRET=1 "

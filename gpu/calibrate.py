@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.kernels import (
+from kvsim.gpu.kernels import (
     SWAP_METHODS,
     copy_blocks,
     decode_attention,
@@ -32,8 +32,8 @@ from gpu.kernels import (
     swap_blocks,
     write_kv,
 )
-from gpu.storage import PagedKVStorage
-from gpu.timing import time_call
+from kvsim.gpu.storage import PagedKVStorage
+from kvsim.gpu.timing import time_call
 
 
 @dataclass(frozen=True)
@@ -176,8 +176,8 @@ def calibrate(device: str = "cuda", model: str = "llama-3-8b", gpu: str | None =
     On CUDA this also times whole synthetic forward steps of `step_models` (`gpu.forward_step`),
     from which the cost model's efficiencies and overhead are fitted (`gpu.accuracy.fit_steps`).
     """
-    from gpu.forward_step import run_grid
-    from sim.engine.catalog import get_model
+    from kvsim.gpu.forward_step import run_grid
+    from kvsim.sim.engine.catalog import get_model
 
     dev = torch.device(device)
     gpu_name = detect_gpu(dev, gpu)
@@ -216,9 +216,14 @@ def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, 
     serial fraction and overhead: fitted to the forward steps when there are any; else the
     best decode bandwidth and matmul rate as fractions of the datasheet, and the launch floor.
     """
-    from gpu.accuracy import fit_steps
-    from sim.engine.catalog import get_gpu, get_model
-    from sim.engine.cost_model import CALIBRATION_VERSION, DEFAULT_OVERHEAD_S, OP_KINDS, CostModel
+    from kvsim.gpu.accuracy import fit_steps
+    from kvsim.sim.engine.catalog import get_gpu, get_model
+    from kvsim.sim.engine.cost_model import (
+        CALIBRATION_VERSION,
+        DEFAULT_OVERHEAD_S,
+        OP_KINDS,
+        CostModel,
+    )
 
     spec = get_gpu(gpu)
     block_bytes = CostModel(get_model(model), spec, block_size=block_size).kv_bytes_per_block

@@ -16,14 +16,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from gpu.executor import OpExecutor
-from gpu.expected import ExpectedKV
-from gpu.report import ReplayReport
-from gpu.storage import PagedKVStorage
-from gpu.tables import BlockTables
-from gpu.timing import Timer
-from gpu.values import DeviceValues, device_keys
-from gpu.verify import (
+from kvsim.gpu.executor import OpExecutor
+from kvsim.gpu.expected import ExpectedKV
+from kvsim.gpu.report import ReplayReport
+from kvsim.gpu.storage import PagedKVStorage
+from kvsim.gpu.tables import BlockTables
+from kvsim.gpu.timing import Timer
+from kvsim.gpu.values import DeviceValues, device_keys
+from kvsim.gpu.verify import (
     IntegrityError,
     Mismatch,
     attention_errors,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.backends import TorchBackend, TritonBackend
-from gpu.storage import PagedKVStorage
-from gpu.timing import Timer
-from gpu.values import DeviceValues, device_keys
+from kvsim.gpu.backends import TorchBackend, TritonBackend
+from kvsim.gpu.storage import PagedKVStorage
+from kvsim.gpu.timing import Timer
+from kvsim.gpu.values import DeviceValues, device_keys
 
 PAIR_KINDS = ("copy", "swap_out", "swap_in", "move", "store", "load", "file_write", "file_read")
 # Fault markers in a pair op's unused `c`, set only by `gpu.faults`: what the hardware did instead.

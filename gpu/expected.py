@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gpu.values import DeviceValues, device_keys
+from kvsim.gpu.values import DeviceValues, device_keys
 
 
 class ExpectedKV:

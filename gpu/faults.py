@@ -17,11 +17,11 @@ from itertools import groupby
 
 import numpy as np
 
-from gpu.checks import MAX_FOUND
-from gpu.executor import ONE_WAY, SKIPPED
-from gpu.tables import BlockTables
-from gpu.values import prefix_keys
-from kvcache.ops import Op
+from kvsim.gpu.checks import MAX_FOUND
+from kvsim.gpu.executor import ONE_WAY, SKIPPED
+from kvsim.gpu.tables import BlockTables
+from kvsim.gpu.values import prefix_keys
+from kvsim.kvcache.ops import Op
 
 FAULT_KINDS = ("copy_dropped", "move_reversed", "move_dropped", "swap_in_wrong", "write_misplaced",
                "reused_while_referenced")

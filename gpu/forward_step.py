@@ -48,10 +48,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gpu.kernels import decode_attention, write_kv
-from gpu.timing import time_call
-from sim.engine.catalog import ModelSpec, get_gpu, get_model
-from sim.engine.cost_model import CostModel
+from kvsim.gpu.kernels import decode_attention, write_kv
+from kvsim.gpu.timing import time_call
+from kvsim.sim.engine.catalog import ModelSpec, get_gpu, get_model
+from kvsim.sim.engine.cost_model import CostModel
 
 ROPE_THETA = 500_000.0  # Llama-3's
 RMS_EPS = 1e-5

@@ -30,8 +30,8 @@ class Predictor:
 
 def predictor(config: Mapping[str, Any], source: str = "config.json") -> Predictor:
     """The cost model of the run described by `config` (a run's config.json)."""
-    from sim.engine.config import SimConfig
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.cost_model import CostModel
 
     cfg = SimConfig.from_dict(dict(config), source=source)
     cost = CostModel.from_config(cfg)

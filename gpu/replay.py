@@ -20,17 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu.backends import backend
-from gpu.checks import CHECKS, Checks
-from gpu.executor import ONE_WAY, PAIR_KINDS, SKIPPED, OpExecutor
-from gpu.predict import predictor
-from gpu.report import ReplayReport, StepTime
-from gpu.storage import PagedKVStorage
-from gpu.tables import BlockTables
-from gpu.timing import Timer
-from gpu.values import DeviceValues, prefix_keys
-from kvcache.ops import Op, as_rows, read_op_rows, read_ops, read_tokens
-from workloads.files import read_json
+from kvsim.gpu.backends import backend
+from kvsim.gpu.checks import CHECKS, Checks
+from kvsim.gpu.executor import ONE_WAY, PAIR_KINDS, SKIPPED, OpExecutor
+from kvsim.gpu.predict import predictor
+from kvsim.gpu.report import ReplayReport, StepTime
+from kvsim.gpu.storage import PagedKVStorage
+from kvsim.gpu.tables import BlockTables
+from kvsim.gpu.timing import Timer
+from kvsim.gpu.values import DeviceValues, prefix_keys
+from kvsim.kvcache.ops import Op, as_rows, read_op_rows, read_ops, read_tokens
+from kvsim.workloads.files import read_json
 
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
            "and manager.ops.save(folder))")

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvcache import hashing
+from kvsim.kvcache import hashing
 
 _U64 = np.uint64
 _CHUNK = 1 << 22  # elements per vectorised pass, to bound temporaries

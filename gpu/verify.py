@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu.storage import PagedKVStorage
+from kvsim.gpu.storage import PagedKVStorage
 
 # Decode outputs are convex combinations of values in [-1, 0.75]: absolute tolerance per dtype.
 ATTENTION_ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}

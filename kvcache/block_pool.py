@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction import LRU, EvictionPolicy
-from kvcache.eviction.base import overrides
-from kvcache.id_span import IdSpan
-from kvcache.ops import OpLog
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction import LRU, EvictionPolicy
+from kvsim.kvcache.eviction.base import overrides
+from kvsim.kvcache.id_span import IdSpan
+from kvsim.kvcache.ops import OpLog
 
 _ref_cnt = attrgetter("ref_cnt")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvcache.block import KVCacheBlock
+from kvsim.kvcache.block import KVCacheBlock
 
 
 class FreeBlockQueue:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcache.block import KVCacheBlock
+from kvsim.kvcache.block import KVCacheBlock
 
 
 class IdSpan:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction import LRU
-from kvcache.manager import KVCacheManager
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction import LRU
+from kvsim.kvcache.manager import KVCacheManager
 
 
 class InvariantError(AssertionError):

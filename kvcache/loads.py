@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcache.block import KVCacheBlock
-from kvcache.sequence import Sequence
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvcache.block_pool import BlockPool
-    from kvcache.ops import OpLog
+    from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.ops import OpLog
 
 
 class Loads:

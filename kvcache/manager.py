@@ -19,19 +19,19 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvcache import sliding_window as sw
-from kvcache.admission import AllocStatus, watermark_status
-from kvcache.block import KVCacheBlock
-from kvcache.block_pool import BlockPool
-from kvcache.defrag import Defragmenter
-from kvcache.eviction import LRU, EvictionPolicy, make_policy
-from kvcache.fork import Forking
-from kvcache.id_span import IdSpan
-from kvcache.loads import Loads
-from kvcache.ops import OpLog
-from kvcache.profiles import DEFAULT_VERSION, profile
-from kvcache.sequence import Sequence
-from kvcache.swap import CpuPool, Swapping
+from kvsim.kvcache import sliding_window as sw
+from kvsim.kvcache.admission import AllocStatus, watermark_status
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.block_pool import BlockPool
+from kvsim.kvcache.defrag import Defragmenter
+from kvsim.kvcache.eviction import LRU, EvictionPolicy, make_policy
+from kvsim.kvcache.fork import Forking
+from kvsim.kvcache.id_span import IdSpan
+from kvsim.kvcache.loads import Loads
+from kvsim.kvcache.ops import OpLog
+from kvsim.kvcache.profiles import DEFAULT_VERSION, profile
+from kvsim.kvcache.sequence import Sequence
+from kvsim.kvcache.swap import CpuPool, Swapping
 
 
 def cdiv(a: int, b: int) -> int:

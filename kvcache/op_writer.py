@@ -14,7 +14,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvcache.op_files import Runs, ops_table, schema, token_ids, tokens_schema, tokens_table
+from kvsim.kvcache.op_files import Runs, ops_table, schema, token_ids, tokens_schema, tokens_table
 
 
 class Files:
@@ -48,7 +48,7 @@ class Sink:
         self._child: subprocess.Popen | None = None
         self._awaiting = False  # the child's reply to the chunk in flight
         if process:
-            self._child = subprocess.Popen([sys.executable, "-m", "kvcache.op_writer", str(folder)],
+            self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         else:
             self._files = Files(folder)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.op_files import (  # noqa: F401 (Op and the readers are re-exported)
+from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-exported)
     COLUMNS,
     KINDS,
     META,
@@ -58,7 +58,7 @@ from kvcache.op_files import (  # noqa: F401 (Op and the readers are re-exported
     tokens_dict,
     tokens_table,
 )
-from kvcache.op_writer import Sink
+from kvsim.kvcache.op_writer import Sink
 
 CHARGED_KINDS = ("copy", "swap_out", "swap_in", "move")  # the kinds a step's time is charged for (data movement)
 _GPU_A = frozenset(("write", "copy", "swap_out", "free", "evict", "table", "store"))  # kinds whose `a` is a GPU block

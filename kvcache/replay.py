@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.manager import KVCacheManager
-from kvcache.offload.tier import HostTier
-from kvcache.sequence import Sequence
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.sequence import Sequence
 
 Request = Any  # anything with id, prompt, prompt_len, output, output_len (workloads.Request)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache import hashing
+from kvsim.kvcache import hashing
 
 
 class Sequence:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcache.block import KVCacheBlock
+from kvsim.kvcache.block import KVCacheBlock
 
 
 def num_skipped_blocks(num_computed: int, window: int, block_size: int) -> int:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcache.admission import AllocStatus, watermark_status
-from kvcache.block import KVCacheBlock
-from kvcache.block_pool import OutOfBlocksError
-from kvcache.sequence import Sequence
+from kvsim.kvcache.admission import AllocStatus, watermark_status
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.block_pool import OutOfBlocksError
+from kvsim.kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvcache.block_pool import BlockPool
-    from kvcache.ops import OpLog
+    from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.ops import OpLog
 
 
 class CpuPool:

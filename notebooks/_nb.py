@@ -25,7 +25,7 @@ def trace(relpath: str) -> Path | None:
 def spec(relpath: str, n: int | None, fallback: dict):
     """A `sim.studies.sweep.WorkloadSpec` for the first `n` requests of trace `relpath`, or, when the trace
     is absent, for the generated workload `fallback` (`kvsim workload generate` options, with `kind`)."""
-    from sim.studies.sweep import WorkloadSpec
+    from kvsim.sim.studies.sweep import WorkloadSpec
 
     p = trace(relpath)
     if p is None:
@@ -70,3 +70,15 @@ def style() -> None:
             "legend.fontsize": 9,
         }
     )
+
+
+def workload(relpath: str, n: int | None, fallback: dict):
+    """A `kvsim` workload: the first `n` requests of trace `relpath`, or, when the trace is absent,
+    the generated workload `fallback` (`kvsim.generate_workload` options, with `kind`)."""
+    import kvsim
+
+    p = trace(relpath)
+    if p is None:
+        print(f"{relpath} not found under {TRACES}: using a generated {fallback['kind']} workload")
+        return kvsim.generate_workload(**fallback)
+    return kvsim.load_workload(head(p, n))

@@ -22,7 +22,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     (CI installs vLLM, so a broken install must not pass as skipped conformance tests)."""
     if item.get_closest_marker("needs_vllm") is None:
         return
-    from sim.conform import vllm_setup
+    from kvsim.sim.conform import vllm_setup
 
     missing = vllm_setup.vllm_available()
     if missing is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvcache", "workloads", "sim", "gpu")
+PACKAGES = ("kvcache", "workloads", "sim", "gpu", "kvsim")
 MAX_LINES = 700
 
 # What each layer may import of ours, by module prefix (its own package always allowed).
@@ -29,6 +29,9 @@ ALLOWED = {
     "gpu": ("sim.engine.catalog", "sim.engine.cost_model", "sim.engine.config",
             "sim.studies.run_folder", "kvcache", "workloads"),
     "sim.cli": ("sim", "gpu", "kvcache", "workloads"),
+    "sim.api": ("sim", "kvcache", "workloads"),  # the public Python API over the library
+    "kvsim": ("sim.api",),  # `import kvsim`: the API's names, nothing else
+    "kvsim.__main__": ("sim.cli",),  # `python -m kvsim`: the command line
 }
 
 
@@ -40,6 +43,11 @@ def _module(path: Path) -> str:
 MODULES = {
     _module(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
 }
+
+
+def _ours(name: str) -> str:
+    """An imported name as our module name: the source folders install as `kvsim.<folder>`."""
+    return name[len("kvsim."):] if name.startswith("kvsim.") else name
 
 
 def _annotation_only(tree: ast.Module) -> set[int]:
@@ -60,10 +68,10 @@ def _imports(module: str, run_time: bool = False) -> set[str]:
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names = [_ours(a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
-                     for a in node.names]
+            base = _ours(node.module)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
         out |= {n for n in names if n.split(".")[0] in PACKAGES and n != module}
@@ -217,11 +225,11 @@ def request_path(**config) -> dict[str, set[str]]:
     (the engine's set-up excluded), with the names of the functions that ran."""
     import simpy
 
-    from sim.engine.config import SimConfig
-    from sim.engine.cost_model import CostModel
-    from sim.engine.loop import Engine
-    from sim.engine.run import make_manager
-    from workloads.default import default_workload
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.loop import Engine
+    from kvsim.sim.engine.run import make_manager
+    from kvsim.workloads.default import default_workload
 
     cfg = SimConfig(num_gpu_blocks=64, **config)
     cost = CostModel.from_config(cfg)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.conform import vllm_setup
+from kvsim.sim.conform import vllm_setup
 
 pytest_plugins = ["pytester"]
 

@@ -10,17 +10,17 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "Request": "workloads.request",
-    "Workload": "workloads.request",
-    "iter_chunks": "workloads.request",
-    "make_request": "workloads.request",
-    "WorkloadError": "workloads.errors",
-    "default_workload": "workloads.default",
-    "describe": "workloads.stats",
-    "ideal_hit_rate": "workloads.stats",
-    "detect_format": "workloads.traces",
-    "load_workload": "workloads.traces",
-    "write_jsonl": "workloads.jsonl",
+    "Request": "kvsim.workloads.request",
+    "Workload": "kvsim.workloads.request",
+    "iter_chunks": "kvsim.workloads.request",
+    "make_request": "kvsim.workloads.request",
+    "WorkloadError": "kvsim.workloads.errors",
+    "default_workload": "kvsim.workloads.default",
+    "describe": "kvsim.workloads.stats",
+    "ideal_hit_rate": "kvsim.workloads.stats",
+    "detect_format": "kvsim.workloads.traces",
+    "load_workload": "kvsim.workloads.traces",
+    "write_jsonl": "kvsim.workloads.jsonl",
 }
 
 __all__ = sorted(_HOMES)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workloads.names import ARRIVALS
+from kvsim.workloads.names import ARRIVALS
 
 
 def _from_gaps(gaps: np.ndarray) -> np.ndarray:

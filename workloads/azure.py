@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import WorkloadError, guarded, located, show, text_lines
-from workloads.request import Request, Workload, make_request
-from workloads.tokens import INT32_MAX
+from kvsim.workloads.errors import WorkloadError, guarded, located, show, text_lines
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.tokens import INT32_MAX
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from workloads.arrivals import make_arrivals
-from workloads.default import default_workload
-from workloads.lengths import parse_lengths
-from workloads.names import KINDS as KINDS  # re-exported: the kinds build_workload takes
-from workloads.request import Workload
-from workloads.sessions import agent, multi_turn
-from workloads.shapes import few_shot, parallel, shared_prefix
+from kvsim.workloads.arrivals import make_arrivals
+from kvsim.workloads.default import default_workload
+from kvsim.workloads.lengths import parse_lengths
+from kvsim.workloads.names import KINDS as KINDS  # re-exported: the kinds build_workload takes
+from kvsim.workloads.request import Workload
+from kvsim.workloads.sessions import agent, multi_turn
+from kvsim.workloads.shapes import few_shot, parallel, shared_prefix
 
 # CLI option -> keyword of each generator (options a kind does not take are rejected)
 OPTION_KEYWORDS: dict[str, dict[str, str]] = {

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from workloads.arrivals import Poisson
-from workloads.lengths import Fixed, LogNormal, Uniform
-from workloads.request import Workload
-from workloads.sessions import multi_turn
-from workloads.shapes import merge, shared_prefix
+from kvsim.workloads.arrivals import Poisson
+from kvsim.workloads.lengths import Fixed, LogNormal, Uniform
+from kvsim.workloads.request import Workload
+from kvsim.workloads.sessions import multi_turn
+from kvsim.workloads.shapes import merge, shared_prefix
 
 DEFAULT_SEED = 0
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from workloads.request import Request, Workload
+from kvsim.workloads.request import Request, Workload
 
 MAX_KEPT_ERRORS = 10
 

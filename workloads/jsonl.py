@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import Fields, jsonl_workload, show
-from workloads.request import Request, Workload, make_request
-from workloads.tokens import INT32_MAX
+from kvsim.workloads.errors import Fields, jsonl_workload, show
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.tokens import INT32_MAX
 
 
 def _tokens(f: Fields, name: str) -> np.ndarray:

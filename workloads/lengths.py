@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.request import Workload
-from workloads.traces import load_workload
+from kvsim.workloads.request import Workload
+from kvsim.workloads.traces import load_workload
 
 
 @dataclass(frozen=True)

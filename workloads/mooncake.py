@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import Fields, jsonl_workload, show
-from workloads.request import Request, Workload, make_request
-from workloads.tokens import max_chunk_id
+from kvsim.workloads.errors import Fields, jsonl_workload, show
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.tokens import max_chunk_id
 
 MOONCAKE_BLOCK = 512
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import (
+from kvsim.workloads.errors import (
     Fields,
     WorkloadError,
     guarded,
@@ -31,8 +31,8 @@ from workloads.errors import (
     open_bytes,
     show,
 )
-from workloads.request import Request, Workload, make_request
-from workloads.tokens import CHUNK_WIDTH, INT32_MAX, chunk_tokens
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.tokens import CHUNK_WIDTH, INT32_MAX, chunk_tokens
 
 TRACE_FILE = "0_trace.jsonl"
 # (field in hash_ids, length file, id key) in prompt order

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -103,6 +104,7 @@ class Workload:
         self.name = name
         self.skipped = 0
         self.skipped_errors: list[str] = []
+        self.spec: Any = None  # how another process reopens it (set by the Python API: kvsim.sim.api)
 
     def __iter__(self) -> Iterator[Request]:
         return self._source()

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workloads.arrivals import ArrivalProcess, Poisson
-from workloads.lengths import Fixed, Lengths, LogNormal, Uniform
-from workloads.request import Request, Workload, make_request
-from workloads.shapes import ALL_TOKENS, OUTPUT_LEN, streams, zipf_weights
-from workloads.tokens import TokenCounter
+from kvsim.workloads.arrivals import ArrivalProcess, Poisson
+from kvsim.workloads.lengths import Fixed, Lengths, LogNormal, Uniform
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.shapes import ALL_TOKENS, OUTPUT_LEN, streams, zipf_weights
+from kvsim.workloads.tokens import TokenCounter
 
 CHAT_TURNS = Uniform(2, 8)
 CHAT_SYSTEM_LEN = Fixed(256)

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from workloads.arrivals import ArrivalProcess, Poisson
-from workloads.lengths import Fixed, Lengths, LogNormal, Uniform
-from workloads.request import Request, Workload, make_request
-from workloads.tokens import INT32_MAX, TokenCounter
+from kvsim.workloads.arrivals import ArrivalProcess, Poisson
+from kvsim.workloads.lengths import Fixed, Lengths, LogNormal, Uniform
+from kvsim.workloads.request import Request, Workload, make_request
+from kvsim.workloads.tokens import INT32_MAX, TokenCounter
 
 ALL_TOKENS = (0, INT32_MAX + 1)
 ONE_PER_SECOND = Poisson(1.0)

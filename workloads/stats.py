@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from workloads.request import Request, Workload, iter_chunks
+from kvsim.workloads.request import Request, Workload, iter_chunks
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)

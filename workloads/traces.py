@@ -6,13 +6,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from workloads.azure import load_azure
-from workloads.errors import WorkloadError, text_lines
-from workloads.jsonl import load_jsonl
-from workloads.mooncake import load_mooncake
-from workloads.names import FORMATS
-from workloads.ragpulse import TRACE_FILE, load_ragpulse
-from workloads.request import Workload
+from kvsim.workloads.azure import load_azure
+from kvsim.workloads.errors import WorkloadError, text_lines
+from kvsim.workloads.jsonl import load_jsonl
+from kvsim.workloads.mooncake import load_mooncake
+from kvsim.workloads.names import FORMATS
+from kvsim.workloads.ragpulse import TRACE_FILE, load_ragpulse
+from kvsim.workloads.request import Workload
 
 LOADERS: dict[str, Callable[..., Workload]] = {
     "mooncake": load_mooncake,

@@ -5,16 +5,16 @@ when CUDA is unavailable, so the same kernels run on CPU tensors. Set the
 variable yourself before the first import to force either mode.
 """
 
-from gpu.kernels.mode import interpreting, use_interpreter_without_cuda
+from kvsim.gpu.kernels.mode import interpreting, use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
 
-from gpu.kernels.copy_blocks import copy_blocks  # noqa: E402
-from gpu.kernels.count_wrong import count_wrong  # noqa: E402
-from gpu.kernels.decode_attention import decode_attention  # noqa: E402
-from gpu.kernels.exchange_blocks import exchange_blocks  # noqa: E402
-from gpu.kernels.swap_blocks import SWAP_METHODS, swap_blocks  # noqa: E402
-from gpu.kernels.write_kv import write_kv  # noqa: E402
+from kvsim.gpu.kernels.copy_blocks import copy_blocks  # noqa: E402
+from kvsim.gpu.kernels.count_wrong import count_wrong  # noqa: E402
+from kvsim.gpu.kernels.decode_attention import decode_attention  # noqa: E402
+from kvsim.gpu.kernels.exchange_blocks import exchange_blocks  # noqa: E402
+from kvsim.gpu.kernels.swap_blocks import SWAP_METHODS, swap_blocks  # noqa: E402
+from kvsim.gpu.kernels.write_kv import write_kv  # noqa: E402
 
 __all__ = [
     "SWAP_METHODS", "copy_blocks", "count_wrong", "decode_attention", "exchange_blocks", "interpreting", "swap_blocks", "write_kv",

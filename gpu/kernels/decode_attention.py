@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.mode import interpreting
+from kvsim.gpu.kernels.mode import interpreting
 
 LOG2E = 1.4426950408889634
 

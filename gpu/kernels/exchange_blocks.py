@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.copy_blocks import MAX_CHUNK, check_pairs, planes
+from kvsim.gpu.kernels.copy_blocks import MAX_CHUNK, check_pairs, planes
 
 
 @triton.jit

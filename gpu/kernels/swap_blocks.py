@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.kernels.copy_blocks import check_pairs, launch_copy, planes
+from kvsim.gpu.kernels.copy_blocks import check_pairs, launch_copy, planes
 
 SWAP_METHODS = ("kernel", "torch")
 

@@ -14,11 +14,11 @@ To add a policy:
 
 from __future__ import annotations
 
-from kvcache.eviction.arc import ARC
-from kvcache.eviction.base import CachedPolicy, EvictionPolicy
-from kvcache.eviction.heap import FIFO, LFU, CostAware
-from kvcache.eviction.lru import LRU, PinnedLRU
-from kvcache.eviction.s3fifo import S3FIFO
+from kvsim.kvcache.eviction.arc import ARC
+from kvsim.kvcache.eviction.base import CachedPolicy, EvictionPolicy
+from kvsim.kvcache.eviction.heap import FIFO, LFU, CostAware
+from kvsim.kvcache.eviction.lru import LRU, PinnedLRU
+from kvsim.kvcache.eviction.s3fifo import S3FIFO
 
 __all__ = [
     "ARC", "FIFO", "LFU", "LRU", "POLICIES", "S3FIFO", "CachedPolicy", "CostAware",

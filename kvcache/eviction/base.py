@@ -8,8 +8,8 @@ and sized by `bind`; the pool reports what happens to blocks through the
 
 from __future__ import annotations
 
-from kvcache.block import KVCacheBlock
-from kvcache.free_queue import FreeBlockQueue
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.free_queue import FreeBlockQueue
 
 
 class EvictionPolicy:

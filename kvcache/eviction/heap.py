@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction.base import CachedPolicy
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction.base import CachedPolicy
 
 
 class _HeapPolicy(CachedPolicy):

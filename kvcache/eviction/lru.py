@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction.base import EvictionPolicy
-from kvcache.free_queue import FreeBlockQueue
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction.base import EvictionPolicy
+from kvsim.kvcache.free_queue import FreeBlockQueue
 
 
 class LRU(EvictionPolicy):

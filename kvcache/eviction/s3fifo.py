@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction.base import CachedPolicy
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction.base import CachedPolicy
 
 SMALL, MAIN = 1, 2  # `where` a free cached block is queued; 0: in neither
 

@@ -7,8 +7,8 @@ the tier's two eviction policies (vLLM's `eviction_policy`), named here.
 
 from __future__ import annotations
 
-from kvcache.offload.arc import HostARC
-from kvcache.offload.lru import HostLRU
+from kvsim.kvcache.offload.arc import HostARC
+from kvsim.kvcache.offload.lru import HostLRU
 
 __all__ = ["OFFLOAD_POLICIES", "HostARC", "HostLRU", "make_policy"]
 

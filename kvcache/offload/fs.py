@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvcache.offload.fs_pool import INF, FsJob, IOPool
+from kvsim.kvcache.offload.fs_pool import INF, FsJob, IOPool
 
 QUEUED, IN_FLIGHT, RESOLVED = 0, 1, 2  # a probe's phase (vLLM's LookupPhase)
 

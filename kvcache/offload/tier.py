@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcache.offload import make_policy
+from kvsim.kvcache.offload import make_policy
 
 MISS, HIT, PENDING = 0, 1, 2  # lookup results; vLLM's LookupResult.HIT_PENDING is PENDING
 

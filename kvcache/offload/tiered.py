@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvcache.offload.fs import FileTier, FsResult
-from kvcache.offload.fs_pool import FsJob
-from kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
+from kvsim.kvcache.offload.fs import FileTier, FsResult
+from kvsim.kvcache.offload.fs_pool import FsJob
+from kvsim.kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
 
 RETRY = 3  # lookup: a probe is out; ask again next step (vLLM LookupResult.RETRY)
 

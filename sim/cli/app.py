@@ -9,12 +9,12 @@ import threading
 
 import typer
 
-from sim.cli.cache import register as _register_cache
-from sim.cli.conform import register as _register_conform
-from sim.cli.gpu import register as _register_gpu
-from sim.cli.run import register as _register_run
-from sim.cli.study import register as _register_study
-from sim.cli.workload import workload_app
+from kvsim.sim.cli.cache import register as _register_cache
+from kvsim.sim.cli.conform import register as _register_conform
+from kvsim.sim.cli.gpu import register as _register_gpu
+from kvsim.sim.cli.run import register as _register_run
+from kvsim.sim.cli.study import register as _register_study
+from kvsim.sim.cli.workload import workload_app
 
 app = typer.Typer(
     name="kvsim",

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
-from kvcache.eviction import POLICIES, check_policy
-from kvcache.profiles import DEFAULT_VERSION
-from sim.cli.common import fail, open_workload, staged_file
-from sim.cli.options import (
+from kvsim.kvcache.eviction import POLICIES, check_policy
+from kvsim.kvcache.profiles import DEFAULT_VERSION
+from kvsim.sim.cli.common import fail, open_workload, staged_file
+from kvsim.sim.cli.options import (
     KvOffloadingSize,
     Model,
     OffloadAll,
@@ -24,12 +24,12 @@ from sim.cli.options import (
     hardware_changes,
     offload_changes,
 )
-from workloads.names import FORMATS
+from kvsim.workloads.names import FORMATS
 
 if TYPE_CHECKING:
-    from kvcache.manager import KVCacheManager
-    from kvcache.replay import Offload, ReplayRecord, ReplayResult
-    from workloads.request import Workload
+    from kvsim.kvcache.manager import KVCacheManager
+    from kvsim.kvcache.replay import Offload, ReplayRecord, ReplayResult
+    from kvsim.workloads.request import Workload
 
 
 def cache_replay(
@@ -53,7 +53,7 @@ def cache_replay(
 ) -> None:
     """Replay a workload through the block manager and report its prefix-cache hit rate
     (with --kv-offloading-size, over a host tier with instantaneous transfers)."""
-    from sim.engine.config import check_block_size
+    from kvsim.sim.engine.config import check_block_size
 
     offload = None
     try:
@@ -69,9 +69,9 @@ def cache_replay(
         raise fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:
         raise fail(f"--max-running must be >= 1, got {max_running}")
-    from kvcache.manager import KVCacheManager
-    from workloads.default import DEFAULT_SEED
-    from workloads.errors import WorkloadError
+    from kvsim.kvcache.manager import KVCacheManager
+    from kvsim.workloads.default import DEFAULT_SEED
+    from kvsim.workloads.errors import WorkloadError
 
     try:
         wl = open_workload(workload, format, skip_bad, DEFAULT_SEED)
@@ -110,8 +110,8 @@ def cache_replay(
 def _offload(changes: dict, block_size: int, vllm_version: str) -> Offload | None:
     """The host tier the options ask for (None: --kv-offloading-size not given); raises
     ValueError (ConfigError) for a bad knob, as `kvsim run` words it."""
-    from sim.engine.config import SimConfig
-    from sim.studies.curves import replay_offload
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.studies.curves import replay_offload
 
     cfg = SimConfig(block_size=block_size, vllm_version=vllm_version).replace(**changes).validate()
     return replay_offload(cfg)
@@ -120,8 +120,8 @@ def _offload(changes: dict, block_size: int, vllm_version: str) -> Offload | Non
 def _replay(wl: Workload, manager: KVCacheManager, max_running: int, sink: TextIO | None,
             offload: Offload | None = None) -> tuple[ReplayResult, float]:
     """The replay's counts and its wall time; one JSON line a request to `sink` if given."""
-    from kvcache.replay import OffloadRecord, replay
-    from workloads.errors import WorkloadError
+    from kvsim.kvcache.replay import OffloadRecord, replay
+    from kvsim.workloads.errors import WorkloadError
 
     def on_record(rec: ReplayRecord) -> None:
         if sink:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from workloads.request import Workload
+    from kvsim.workloads.request import Workload
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -25,10 +25,10 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def open_workload(path: Path | None, fmt: str, skip_bad: bool, seed: int) -> Workload:
     """The workload file, or the embedded default workload (seeded) when none is given."""
     if path is None:
-        from workloads.default import default_workload
+        from kvsim.workloads.default import default_workload
 
         return default_workload(seed)
-    from workloads.traces import load_workload
+    from kvsim.workloads.traces import load_workload
 
     return load_workload(path, fmt, skip_bad=skip_bad)
 

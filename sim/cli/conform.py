@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import fail, open_workload
-from sim.cli.options import (
+from kvsim.sim.cli.common import fail, open_workload
+from kvsim.sim.cli.options import (
     KvOffloadingSize,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
@@ -57,11 +57,11 @@ def conform(
     random_seeds: Annotated[str | None, typer.Option("--random", help="START:STOP: instead, one random workload and configuration a seed (sim.conform.random_cases)")] = None,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
-    from sim.conform import vllm_setup
-    from sim.conform.check import MANAGER_NO_OFFLOADING, MANAGER_NO_SAMPLES, MODES
-    from sim.conform.check import conform as run_conform
-    from sim.engine.config import ConfigError, SimConfig
-    from workloads.errors import WorkloadError
+    from kvsim.sim.conform import vllm_setup
+    from kvsim.sim.conform.check import MANAGER_NO_OFFLOADING, MANAGER_NO_SAMPLES, MODES
+    from kvsim.sim.conform.check import conform as run_conform
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.workloads.errors import WorkloadError
 
     if mode not in MODES:
         raise fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -76,7 +76,7 @@ def conform(
         _random(seeds, mode)
         return
     try:
-        from kvcache.profiles import profile
+        from kvsim.kvcache.profiles import profile
 
         theirs = profile(installed).version
         if vllm_version is not None and profile(vllm_version).version != theirs:
@@ -132,16 +132,16 @@ def _random(seeds: range, mode: str) -> None:
     """Conform one random case a seed, a line each; the seeds that differ or fail, and how to rerun
     one. Only kvsim's refusal of a case (its ConfigError, raised outside vLLM and the vLLM drivers
     `sim.conform.vllm_*`) is a skip; any other error fails its seed, in vLLM (or a driver) or in kvsim."""
-    from sim.conform.check import conform as run_conform
-    from sim.conform.random_cases import random_case
-    from sim.engine.config import ConfigError
+    from kvsim.sim.conform.check import conform as run_conform
+    from kvsim.sim.conform.random_cases import random_case
+    from kvsim.sim.engine.config import ConfigError
 
     def in_vllm(e: BaseException) -> bool:
         """Whether a frame `e` passed through is vLLM's or a vLLM driver's (by module name)."""
         tb = e.__traceback__
         while tb is not None:
             name = tb.tb_frame.f_globals.get("__name__", "")
-            if name == "vllm" or name.startswith(("vllm.", "sim.conform.vllm_")):
+            if name == "vllm" or name.startswith(("vllm.", "kvsim.sim.conform.vllm_")):
                 return True
             tb = tb.tb_next
         return False

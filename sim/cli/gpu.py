@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import check_output, fail, staged_file
+from kvsim.sim.cli.common import check_output, fail, staged_file
 
 _DEVICE_HELP = "cuda|cpu (default: cuda if available)"
 _KERNELS_HELP = ("triton|torch: Triton kernels (on cpu under Triton's interpreter: slow) or plain torch ops "
@@ -85,14 +85,14 @@ def gpu_replay(
     if inject_faults and (check_every != 1 or check != "full"):
         raise fail("--inject-faults needs every step read whole (--check-every 1, --check full): "
                    "the injector keeps only faults such a replay must catch")
-    from gpu.replay import RunFilesError, load_run, replay_ops
-    from sim.engine.config import ConfigError
+    from kvsim.gpu.replay import RunFilesError, load_run, replay_ops
+    from kvsim.sim.engine.config import ConfigError
 
     faults: list = []
     try:
         ops, tokens, config = load_run(run_dir, rows=True)
         if inject_faults:
-            from gpu.faults import inject_faults as inject
+            from kvsim.gpu.faults import inject_faults as inject
 
             ops, faults = inject(ops, inject_faults, seed, tokens=tokens, block_size=config["block_size"])
         rep = replay_ops(ops, tokens, config, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
@@ -111,7 +111,7 @@ def gpu_replay(
     else:
         typer.echo(rep.format())
         if faults:
-            from gpu.faults import format_faults
+            from kvsim.gpu.faults import format_faults
 
             typer.echo("\ninjected faults\n" + format_faults(faults, [f["caught"] for f in report["faults"]]))
     if faults:
@@ -128,7 +128,7 @@ def _fault_results(faults: list, rep) -> tuple[list[dict], list[str]]:
     """Each injected fault as JSON with whether the replay caught it, and the missed ones' descriptions."""
     from dataclasses import asdict
 
-    from gpu.faults import attribute
+    from kvsim.gpu.faults import attribute
 
     caught = attribute(faults, rep)
     rows = [asdict(f) | {"caught": c} for f, c in zip(faults, caught, strict=True)]
@@ -148,7 +148,7 @@ def calibrate(
 ) -> None:
     """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
     and write a calibration profile for `kvsim run --calibration`."""
-    from sim.engine.config import ConfigError, check_block_size
+    from kvsim.sim.engine.config import ConfigError, check_block_size
 
     try:
         check_block_size(block_size)
@@ -161,14 +161,14 @@ def calibrate(
         measured, profile = _refit(refit, model, gpu, block_size)
     else:
         dev = _device(device)
-        from gpu.calibrate import calibrate as measure
+        from kvsim.gpu.calibrate import calibrate as measure
 
         try:
             profile, measured = measure(dev, model, gpu, block_size,
                                         progress=lambda line: typer.echo(line, err=True))
         except ConfigError as e:
             raise fail(str(e)) from None
-    from gpu.calibrate import format_rows
+    from kvsim.gpu.calibrate import format_rows
 
     text = json.dumps(profile, indent=2) + "\n"
     if rows is not None:
@@ -186,8 +186,8 @@ def calibrate(
 
 def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[list[dict], dict]:
     """Measurements from `path` and the profile built from them; bad files fail naming the file."""
-    from sim.engine.config import ConfigError
-    from workloads.files import read_json
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.workloads.files import read_json
 
     try:
         measured = read_json(path)
@@ -195,7 +195,7 @@ def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[li
         raise fail(str(e)) from None
     if not isinstance(measured, list) or not all(isinstance(r, dict) and "name" in r for r in measured):
         raise fail(f"{path}: expected the list of measurements `kvsim calibrate --rows` writes")
-    from gpu.calibrate import build_profile, gpu_of_name
+    from kvsim.gpu.calibrate import build_profile, gpu_of_name
 
     device = next((r["device"] for r in measured if r.get("name") == "forward_step"), None)
     name = gpu or gpu_of_name(device)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sim.cli.common import check_output, fail
+from kvsim.sim.cli.common import check_output, fail
 
 if TYPE_CHECKING:
-    from sim.engine.run import RunResult
+    from kvsim.sim.engine.run import RunResult
 
 
 def _num(fmt: str) -> Callable[[Any], str]:
@@ -149,7 +149,7 @@ def format_summary(result: RunResult, notes: list[str] | None = None) -> str:
 
 
 def _open(run_dir: Path) -> RunResult:
-    from sim.studies.run_folder import load_run
+    from kvsim.sim.studies.run_folder import load_run
 
     try:
         return load_run(run_dir)
@@ -165,7 +165,7 @@ def report(
     result = _open(run_dir)
     typer.echo(format_summary(result))
     if plots:
-        from sim.studies.plots import write_plots
+        from kvsim.sim.studies.plots import write_plots
 
         for p in write_plots(result, run_dir):
             typer.echo(f"wrote {p}")
@@ -182,7 +182,7 @@ def compare(
     labels = [d.name or str(d) for d in run_dirs]
     typer.echo(format_table([r.summary for r in results], labels))
     if plot is not None:
-        from sim.studies.plots import plot_overlay
+        from kvsim.sim.studies.plots import plot_overlay
 
         plot_overlay(list(zip(labels, results, strict=True)), plot)
         typer.echo(f"wrote {plot}")

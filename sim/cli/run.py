@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from sim.cli.common import cannot_write, check_output, fail, open_workload
-from sim.cli.options import (
+from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload
+from kvsim.sim.cli.options import (
     Gpu,
     KvOffloadingSize,
     LongPrefillAdaptive,
@@ -36,18 +36,14 @@ from sim.cli.options import (
     hardware_changes,
     offload_changes,
 )
-from sim.cli.report import compare, format_summary, report
-from workloads.names import FORMATS
+from kvsim.sim.cli.report import compare, format_summary, report
+from kvsim.workloads.names import FORMATS
 
 if TYPE_CHECKING:
-    from sim.engine.config import SimConfig
-    from workloads.request import Workload
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.workloads.request import Workload
 
 RUNS_DIR = Path("runs")
-# The embedded workload's cache when no size is given: 512 blocks (8,192 tokens at block 16)
-# fill and evict, so policies differ (lru 64.77 %, s3fifo 67.48 % of prompt tokens hit); the
-# H100's memory (27,816 blocks) holds the whole workload, and every policy would tie.
-DEFAULT_WORKLOAD_BLOCKS = 512
 DEFAULT_WORKLOAD_TEXT = "the embedded default, 150 requests on 4 shared 512-token system prompts and 150 multi-turn chat turns"
 POLICY_SPREAD = "lru,s3fifo,arc,lfu,fifo"
 # run options whose flag is not `--` + the config field's name with dashes
@@ -57,7 +53,7 @@ FLAGS = {"tensor_parallel": "--tp", "enable_prefix_caching": "--no-prefix-cachin
 
 def run_name(workload: str, cfg: SimConfig) -> str:
     """A deterministic folder name: workload, model, GPU, TP, block size and a config digest."""
-    from sim.engine.config import SCHEDULER_KNOBS
+    from kvsim.sim.engine.config import SCHEDULER_KNOBS
 
     d = cfg.to_dict()
     default = type(cfg)()
@@ -229,20 +225,21 @@ def run(
         changes["record_ops"] = True
     if debug_invariants:
         changes["debug_invariants"] = True
-    from sim.engine.config import ConfigError, SimConfig
-    from sim.engine.cost_model import CostModel
-    from sim.engine.run import simulate
-    from sim.studies.run_folder import run_scratch, write_run
-    from workloads.errors import WorkloadError
+    from kvsim.sim.api import default_cache
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.run import simulate
+    from kvsim.sim.studies.run_folder import run_scratch, write_run
+    from kvsim.workloads.errors import WorkloadError
 
     try:
         cfg = SimConfig().replace(**changes).validate()
         cost = CostModel.from_config(cfg)
         blocks = derived = cost.num_gpu_blocks(cfg)  # also checks that the model fits
-        default_cache = workload is None and num_gpu_blocks is None and gpu_memory_utilization is None
-        if default_cache:
-            blocks = min(DEFAULT_WORKLOAD_BLOCKS, derived)
-            cfg = cfg.replace(num_gpu_blocks=blocks)
+        sized = default_cache(cfg, derived, workload is not None, changes)  # the embedded workload's cache
+        default_cache_used = sized is not cfg
+        if default_cache_used:
+            cfg, blocks = sized, sized.num_gpu_blocks
         wl = open_workload(workload, format, skip_bad, cfg.seed)
         bar, progress = _progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
@@ -250,7 +247,7 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
-    from sim.studies.plot_workers import NAMES, PlotWorkers
+    from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
     with PlotWorkers() if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
@@ -277,7 +274,7 @@ def run(
         except OSError as e:
             raise cannot_write(out_dir, e) from None
     notes = [f"workload: {DEFAULT_WORKLOAD_TEXT}"] if workload is None else []
-    if default_cache:
+    if default_cache_used:
         notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "
                      f"(the {cfg.gpu}'s memory would hold {derived:,} blocks, which this workload "
                      "never fills); --num-gpu-blocks N or --gpu-memory-utilization F sets it")

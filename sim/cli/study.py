@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import cannot_write, check_output, fail
-from sim.cli.options import (
+from kvsim.sim.cli.common import cannot_write, check_output, fail
+from kvsim.sim.cli.options import (
     Gpu,
     KvOffloadingSize,
     Model,
@@ -42,9 +42,9 @@ def sweep(
     ] = None,
 ) -> None:
     """Run every point of a parameter grid; finished points are kept, so a rerun resumes."""
-    from sim.engine.config import ConfigError, SimConfig
-    from sim.studies.sweep import check_params, load_sweep, run_sweep
-    from workloads.errors import WorkloadError
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.sim.studies.sweep import check_params, load_sweep, run_sweep
+    from kvsim.workloads.errors import WorkloadError
 
     check_workers(workers)
     try:
@@ -89,7 +89,7 @@ def _int_list(text: str, what: str) -> list[int]:
     try:
         return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
     except ValueError:
-        from sim.engine.config import ConfigError
+        from kvsim.sim.engine.config import ConfigError
 
         raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
 
@@ -129,11 +129,11 @@ def curve(
 ) -> None:
     """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy
     (with --kv-offloading-size, over a host tier too: its hits and the total hit rate)."""
-    from sim.engine.config import ConfigError, SimConfig
-    from sim.engine.cost_model import CostModel
-    from sim.studies.curves import capacity_curve, check_points, format_table, write_curve
-    from sim.studies.sweep import WorkloadSpec
-    from workloads.errors import WorkloadError
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.studies.curves import capacity_curve, check_points, format_table, write_curve
+    from kvsim.sim.studies.sweep import WorkloadSpec
+    from kvsim.workloads.errors import WorkloadError
 
     check_workers(workers)
     try:
@@ -178,9 +178,9 @@ def regress(
     workers: Annotated[int, typer.Option("--workers", "-w", help="local processes")] = 1,
 ) -> None:
     """Recompute golden curves and fail (exit 1) when a point moves beyond its tolerance."""
-    from sim.engine.config import ConfigError
-    from sim.studies import regress as rg
-    from workloads.errors import WorkloadError
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.sim.studies import regress as rg
+    from kvsim.workloads.errors import WorkloadError
 
     check_workers(workers)
     failed = 0

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from sim.cli.common import check_output, fail, staged_file
-from workloads.names import ARRIVALS, FORMATS, KINDS
+from kvsim.sim.cli.common import check_output, fail, staged_file
+from kvsim.workloads.names import ARRIVALS, FORMATS, KINDS
 
 workload_app = typer.Typer(
     help="Generate workloads and print their statistics.", no_args_is_help=True, rich_markup_mode=None
@@ -61,9 +61,9 @@ def generate(
         raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", code=1)
     if num_requests < 1:
         raise fail(f"--num-requests must be >= 1, got {num_requests}", code=1)
-    from workloads.build import build_workload
-    from workloads.errors import WorkloadError
-    from workloads.jsonl import write_jsonl
+    from kvsim.workloads.build import build_workload
+    from kvsim.workloads.errors import WorkloadError
+    from kvsim.workloads.jsonl import write_jsonl
 
     options = {
         "prefix_len": prefix_len,
@@ -101,10 +101,10 @@ def stats(
     ] = False,
 ) -> None:
     """Requests, time span, rate, length percentiles and the ideal prefix-cache hit rate."""
-    from workloads.default import default_workload
-    from workloads.errors import WorkloadError
-    from workloads.stats import describe, format_stats
-    from workloads.traces import detect_format, load_workload
+    from kvsim.workloads.default import default_workload
+    from kvsim.workloads.errors import WorkloadError
+    from kvsim.workloads.stats import describe, format_stats
+    from kvsim.workloads.traces import detect_format, load_workload
 
     if block_size < 1:
         raise fail(f"--block-size must be >= 1, got {block_size}", code=1)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from sim.conform.vllm_cache import replay_manager
-from sim.conform.vllm_scheduler import run_scheduler
-from sim.conform.vllm_setup import vllm_available, vllm_version
-from workloads.request import make_request
+from kvsim.sim.conform.vllm_cache import replay_manager
+from kvsim.sim.conform.vllm_scheduler import run_scheduler
+from kvsim.sim.conform.vllm_setup import vllm_available, vllm_version
+from kvsim.workloads.request import make_request
 
 
 def _selfcheck() -> None:

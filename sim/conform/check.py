@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
+from kvsim.sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
 
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
 SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "preemptions", "hit_tokens")
@@ -75,8 +75,8 @@ def compare(mode: str, ours: Sequence[dict], theirs: Sequence[dict], fields: Seq
 def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
                   enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> list[dict]:
     """kvsim's cache replay, one record per request as `kvsim cache-replay --out` writes it."""
-    from kvcache.manager import KVCacheManager
-    from kvcache.replay import replay
+    from kvsim.kvcache.manager import KVCacheManager
+    from kvsim.kvcache.replay import replay
 
     m = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, track_ids=False,
                        vllm_version=vllm_version, sliding_window=sliding_window)
@@ -95,7 +95,7 @@ def kvsim_scheduler(requests: list, cfg: SimConfig) -> list[dict]:
 
 def simulate_scheduler(requests: list, cfg: SimConfig) -> tuple[list[dict], dict[str, Any]]:
     """kvsim's engine in step-time mode: one record per request (SCHEDULER_FIELDS), and the summary."""
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     result = simulate(requests, cfg)
     rq = result.requests
@@ -127,7 +127,7 @@ def check_workload(requests: list) -> None:
 
 def fanned_out(requests: list) -> list:
     """The workload as vLLM's scheduler sees it: each request with n > 1 as its n requests."""
-    from sim.engine.scheduler import fan_out
+    from kvsim.sim.engine.scheduler import fan_out
 
     return [sample for r in requests for sample in fan_out(r)]
 
@@ -135,7 +135,7 @@ def fanned_out(requests: list) -> list:
 def by_request(requests: list, records: list[dict]) -> list[dict]:
     """vLLM's per-sample records folded into one a request, as kvsim's log keeps them: the first
     scheduling and first token of any sample, the finish of the last, preemptions and hits summed."""
-    from sim.engine.scheduler import fan_out
+    from kvsim.sim.engine.scheduler import fan_out
 
     recs = {r["id"]: r for r in records}
     out = []
@@ -149,7 +149,7 @@ def by_request(requests: list, records: list[dict]) -> list[dict]:
 
 def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
                 enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> Diff:
-    from sim.conform import vllm_cache
+    from kvsim.sim.conform import vllm_cache
 
     kw = {"block_size": block_size, "num_blocks": num_blocks, "max_running": max_running,
           "enable_caching": enable_caching, "sliding_window": sliding_window}
@@ -164,14 +164,14 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         return run_offload_scheduler(requests, cfg)
     ours = kvsim_scheduler(requests, cfg)
     if cfg.step_time is None:
-        from sim.conform.vllm_timed import run_timed
+        from kvsim.sim.conform.vllm_timed import run_timed
 
         args = _scheduler_args(cfg)
         del args["step_time"]
         theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
                            load=cfg.load, closed_loop=cfg.closed_loop_sessions)
     else:
-        from sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
+        from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
         theirs = vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg),
                                     async_scheduling=cfg.async_scheduling)
@@ -181,8 +181,8 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
 def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int], float]:
     """kvsim's cost model for `cfg` as the cost-clock driver asks it: a batch's (prefill, decode and
     context tokens, sequences) to seconds, with no charged block ops (vLLM V1 copies and swaps none)."""
-    from kvcache.ops import CHARGED_KINDS
-    from sim.engine.cost_model import CostModel
+    from kvsim.kvcache.ops import CHARGED_KINDS
+    from kvsim.sim.engine.cost_model import CostModel
 
     cost, none = CostModel.from_config(cfg), dict.fromkeys(CHARGED_KINDS, 0)
     return lambda prefill, decode, context, seqs: cost.step_time(prefill, decode, context, seqs, none)
@@ -190,7 +190,7 @@ def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int], float]:
 
 def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
     """The vLLM scheduler drivers' arguments for `cfg`."""
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
     tokens, seqs = cfg.batch_limits()
     cost = CostModel.from_config(cfg)
@@ -213,10 +213,10 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     OffloadingConnector, whose worker is faked with kvsim's transfer timing. Besides the
     per-request fields, the tokens loaded from the tier at first admissions must agree in total
     (kvsim's request log does not keep them per request)."""
-    from kvcache.offload.size import num_host_chunks
-    from sim.conform.vllm_offload import Offloading
-    from sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
-    from sim.engine.cost_model import CostModel
+    from kvsim.kvcache.offload.size import num_host_chunks
+    from kvsim.sim.conform.vllm_offload import Offloading
+    from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
+    from kvsim.sim.engine.cost_model import CostModel
 
     cost = CostModel.from_config(cfg)
     chunks = num_host_chunks(cfg.kv_offloading_size, cost.kv_bytes_per_block, cfg.tensor_parallel,
@@ -226,7 +226,7 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     args = _scheduler_args(cfg)
     del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
     if cfg.step_time is None:  # the cost clock
-        from sim.conform.vllm_timed import run_timed
+        from kvsim.sim.conform.vllm_timed import run_timed
 
         del args["step_time"]
 
@@ -282,7 +282,7 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
     if mode in ("manager", "both") and not offloading and not samples:
-        from sim.engine.cost_model import CostModel
+        from kvsim.sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)
         d = run_manager(requests, block_size=cfg.block_size, num_blocks=cost.num_gpu_blocks(cfg),

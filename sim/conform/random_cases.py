@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from sim.engine.config import SimConfig
-from workloads.build import build_workload
-from workloads.request import Request
+from kvsim.sim.engine.config import SimConfig
+from kvsim.workloads.build import build_workload
+from kvsim.workloads.request import Request
 
 KINDS = ("shared-prefix", "multi-turn", "few-shot", "agent", "unique")
 
@@ -154,7 +154,7 @@ def _clock(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
 
 def _offloading(r: random.Random, bs: int, blocks: int, longest: int) -> dict[str, object]:
     """Offloading knobs; the tier's link takes a block in 2, 1, 1/2 or 1/4 of a step."""
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
     cost = CostModel.from_config(SimConfig(block_size=bs))
     bpc = r.choice([1, 1, 2, 4])

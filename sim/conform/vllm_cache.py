@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from sim.conform.vllm_setup import (
+from kvsim.sim.conform.vllm_setup import (
     FINISHED,
     REJECTED,
     TRUNCATED,

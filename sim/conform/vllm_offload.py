@@ -26,16 +26,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.offload.size import PAGE_BYTES
-from sim.conform.vllm_scheduler import (
+from kvsim.kvcache.offload.size import PAGE_BYTES
+from kvsim.sim.conform.vllm_scheduler import (
     Request,
     _build_scheduler,
     _SchedRun,
     prepare,
 )
-from sim.conform.vllm_setup import kv_cache_config
-from sim.engine.host_link import Job, Link
-from sim.engine.loop import grid_index
+from kvsim.sim.conform.vllm_setup import kv_cache_config
+from kvsim.sim.engine.host_link import Job, Link
+from kvsim.sim.engine.loop import grid_index
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from sim.conform.vllm_setup import (
+from kvsim.sim.conform.vllm_setup import (
     STALL_STEPS,
     Request,
     block_hasher,
@@ -25,7 +25,7 @@ from sim.conform.vllm_setup import (
     token_ids,
     vllm_request,
 )
-from sim.engine.loop import grid_index  # the engine's own grid, so both sides queue alike
+from kvsim.sim.engine.loop import grid_index  # the engine's own grid, so both sides queue alike
 
 
 def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from kvcache.sequence import Sequence
+from kvsim.kvcache.sequence import Sequence
 
 VLLM_VERSION = "0.33.0"
 INSTALL_HINT = "bash .ci/install_vllm_cpu.sh"

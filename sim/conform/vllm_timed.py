@@ -23,19 +23,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sim.conform.vllm_offload import (
+from kvsim.sim.conform.vllm_offload import (
     FakeWorker,
     Offloading,
     _OffloadRun,
 )
-from sim.conform.vllm_scheduler import (
+from kvsim.sim.conform.vllm_scheduler import (
     Request,
     _build_scheduler,
     _record_admissions,
     prepare,
 )
-from sim.conform.vllm_setup import STALL_STEPS, vllm_request
-from sim.engine.scheduler import fan_out
+from kvsim.sim.conform.vllm_setup import STALL_STEPS, vllm_request
+from kvsim.sim.engine.scheduler import fan_out
 
 StepSeconds = Callable[[int, int, int, int], float]  # (prefill, decode, context tokens, seqs) -> seconds
 
@@ -55,7 +55,7 @@ def run_timed(
     `offload_hit_tokens`)."""
     import simpy
 
-    from sim.engine.frontend import Frontend
+    from kvsim.sim.engine.frontend import Frontend
 
     parents = list(requests)
     samples = [s for r in parents for s in fan_out(r)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache.sequence import Sequence
-from workloads.request import Request
+from kvsim.kvcache.sequence import Sequence
+from kvsim.workloads.request import Request
 
 
 class Live:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim.engine.batch import Live
+    from kvsim.sim.engine.batch import Live
 
 
 class PrefillCadence:

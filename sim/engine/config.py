@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.eviction import check_policy
-from kvcache.profiles import profile
-from sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
+from kvsim.kvcache.eviction import check_policy
+from kvsim.kvcache.profiles import profile
+from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
 __all__ = ["SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
 
@@ -143,7 +143,7 @@ class SimConfig:
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         self._validate_offloading()
-        from kvcache.profiles import profile
+        from kvsim.kvcache.profiles import profile
 
         try:
             rules = profile(self.vllm_version)
@@ -189,7 +189,7 @@ class SimConfig:
         return self.batch_limits()[0] if n is None else n
 
     def _validate_offloading(self) -> None:
-        from kvcache.offload import OFFLOAD_POLICIES
+        from kvsim.kvcache.offload import OFFLOAD_POLICIES
 
         if self.offload_eviction_policy not in OFFLOAD_POLICIES:
             raise ConfigError(f"offload_eviction_policy must be one of {', '.join(OFFLOAD_POLICIES)}, "

@@ -47,10 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache.ops import CHARGED_KINDS as OP_KINDS
-from sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
-from sim.engine.config import ConfigError, SimConfig
-from workloads.files import read_json
+from kvsim.kvcache.ops import CHARGED_KINDS as OP_KINDS
+from kvsim.sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.workloads.files import read_json
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_MEMORY_EFFICIENCY = 0.8

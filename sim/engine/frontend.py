@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import simpy
 
-from workloads.request import Request
+from kvsim.workloads.request import Request
 
 
 class Sessions:

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING
 
 import simpy
 
-from kvcache.invariants import check as check_invariants
-from kvcache.manager import KVCacheManager
-from kvcache.ops import CHARGED_KINDS
-from sim.engine.config import ConfigError, SimConfig
-from sim.engine.frontend import Frontend
-from sim.engine.metrics import RequestLog
-from sim.engine.quiet import QuietRuns
-from sim.engine.scheduler import Batch, Scheduler
-from sim.engine.step_log import StepLog
-from workloads.request import Request
+from kvsim.kvcache.invariants import check as check_invariants
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.ops import CHARGED_KINDS
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.frontend import Frontend
+from kvsim.sim.engine.metrics import RequestLog
+from kvsim.sim.engine.quiet import QuietRuns
+from kvsim.sim.engine.scheduler import Batch, Scheduler
+from kvsim.sim.engine.step_log import StepLog
+from kvsim.workloads.request import Request
 
 if TYPE_CHECKING:
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
 STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
@@ -86,7 +86,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
     the scheduler builds its output mode (sync or async) and prefill rules from `cfg` itself."""
     connector = None
     if cfg.kv_offloading_size is not None:
-        from sim.engine.offload_connector import OffloadConnector
+        from kvsim.sim.engine.offload_connector import OffloadConnector
 
         if manager.sliding_window is not None:
             raise ConfigError(f"kv_offloading_size: {cfg.model} uses a sliding window; offloading is "

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache.offload.fs_pool import FsJob
-from kvcache.offload.tier import HostTier
-from kvcache.offload.tiered import TieredTier
-from kvcache.ops import OpLog
-from kvcache.sequence import Sequence
-from sim.engine.host_link import INF, Job, Link
+from kvsim.kvcache.offload.fs_pool import FsJob
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.offload.tiered import TieredTier
+from kvsim.kvcache.ops import OpLog
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.host_link import INF, Job, Link
 
 
 @dataclass(slots=True)

@@ -17,13 +17,13 @@ a class with these methods and `holding`, built in `sim.engine.loop.build_schedu
 
 from __future__ import annotations
 
-from kvcache.manager import KVCacheManager
-from kvcache.offload.tier import HostTier
-from kvcache.sequence import Sequence
-from sim.engine.batch import Batch, Live
-from sim.engine.config import SimConfig
-from sim.engine.offload import Offloader
-from sim.engine.wait_queue import WaitQueue
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.batch import Batch, Live
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.offload import Offloader
+from kvsim.sim.engine.wait_queue import WaitQueue
 
 
 class OffloadConnector:
@@ -47,7 +47,7 @@ class OffloadConnector:
     def build(cls, cfg: SimConfig, manager: KVCacheManager, bytes_per_block: int,
               seconds_per_block: tuple[float, float]) -> OffloadConnector:
         """The connector with the tier `cfg` asks for (`kv_offloading_size` GiB)."""
-        from kvcache.offload.size import num_host_chunks
+        from kvsim.kvcache.offload.size import num_host_chunks
 
         world = cfg.tensor_parallel
         chunks = num_host_chunks(cfg.kv_offloading_size, bytes_per_block, world, cfg.offload_blocks_per_chunk)
@@ -186,9 +186,9 @@ def _tiered(cfg: SimConfig, chunks: int, chunk_bytes: int):
     """The host tier over a file tier (vLLM's TieringOffloadingSpec with an `fs` secondary tier): each
     of `offload_fs_threads` read and write threads moves a chunk's bytes (all ranks') at
     `offload_fs_gbps`; `offload_fs_size` GiB holds that many whole chunks."""
-    from kvcache.offload.fs import FileTier
-    from kvcache.offload.fs_pool import IOPool
-    from kvcache.offload.tiered import TieredTier
+    from kvsim.kvcache.offload.fs import FileTier
+    from kvsim.kvcache.offload.fs_pool import IOPool
+    from kvsim.kvcache.offload.tiered import TieredTier
 
     seconds = chunk_bytes / (cfg.offload_fs_gbps * 1e9)
     pool = IOPool(cfg.offload_fs_threads, cfg.offload_fs_threads, seconds_per_read=seconds, seconds_per_write=seconds)

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sim.engine.config import ConfigError
-from sim.engine.metrics import FINISHED
+from kvsim.sim.engine.config import ConfigError
+from kvsim.sim.engine.metrics import FINISHED
 
 if TYPE_CHECKING:
-    from sim.engine.batch import Batch
-    from sim.engine.scheduler import (
+    from kvsim.sim.engine.batch import Batch
+    from kvsim.sim.engine.scheduler import (
         Scheduler,  # the host (an annotation only: no import at run time)
     )
-    from workloads.request import Request
+    from kvsim.workloads.request import Request
 
 
 class SyncOutput:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sim.engine.cadence import PrefillCadence
+from kvsim.sim.engine.cadence import PrefillCadence
 
 if TYPE_CHECKING:
-    from kvcache.profiles import Profile
-    from sim.engine.batch import Batch, Live
-    from sim.engine.config import SimConfig
+    from kvsim.kvcache.profiles import Profile
+    from kvsim.sim.engine.batch import Batch, Live
+    from kvsim.sim.engine.config import SimConfig
 
 
 class PrefillRules:

@@ -34,17 +34,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvcache.ops import CHARGED_KINDS
-from kvcache.sequence import Sequence
-from sim.engine.batch import Live
-from sim.engine.config import SimConfig
-from sim.engine.scheduler import Scheduler
+from kvsim.kvcache.ops import CHARGED_KINDS
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.batch import Live
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
     import simpy
 
-    from sim.engine.cost_model import CostModel
-    from sim.engine.step_log import StepLog
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.step_log import StepLog
 
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)  # what a cost model is told a step without charged ops did
 

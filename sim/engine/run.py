@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import simpy
 
-from kvcache.manager import KVCacheManager
-from sim.engine.config import SimConfig
-from sim.engine.loop import Engine
-from sim.engine.metrics import summarize
-from sim.engine.step_log import StepFile
-from workloads.request import Request
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.loop import Engine
+from kvsim.sim.engine.metrics import summarize
+from kvsim.sim.engine.step_log import StepFile
+from kvsim.workloads.request import Request
 
 if TYPE_CHECKING:
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
 
 @dataclass
@@ -109,7 +109,7 @@ def simulate(
     memory does not grow with the run's steps; the result reads it back on demand."""
     cfg.validate()
     if cost_model is None:
-        from sim.engine.cost_model import CostModel
+        from kvsim.sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
     manager = make_manager(cfg, cost_model)

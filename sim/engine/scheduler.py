@@ -33,18 +33,18 @@ import heapq
 from collections import deque
 from dataclasses import replace
 
-from kvcache.admission import AllocStatus
-from kvcache.manager import KVCacheManager, cdiv
-from kvcache.profiles import profile
-from kvcache.sequence import Sequence
-from sim.engine.batch import Batch, Live
-from sim.engine.config import SimConfig
-from sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
-from sim.engine.output import AsyncOutput, SyncOutput
-from sim.engine.prefill import PrefillRules
-from sim.engine.shortcuts import Shortcuts
-from sim.engine.wait_queue import WaitQueue
-from workloads.request import Request
+from kvsim.kvcache.admission import AllocStatus
+from kvsim.kvcache.manager import KVCacheManager, cdiv
+from kvsim.kvcache.profiles import profile
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.batch import Batch, Live
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.metrics import FINISHED, REASON_CODE, REJECTED, TRUNCATED, RequestLog
+from kvsim.sim.engine.output import AsyncOutput, SyncOutput
+from kvsim.sim.engine.prefill import PrefillRules
+from kvsim.sim.engine.shortcuts import Shortcuts
+from kvsim.sim.engine.wait_queue import WaitQueue
+from kvsim.workloads.request import Request
 
 __all__ = ["Batch", "Live", "Scheduler", "WaitQueue", "fan_out"]  # Batch, Live, WaitQueue: re-exported
 

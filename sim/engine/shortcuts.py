@@ -33,12 +33,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from kvcache.block import KVCacheBlock
-from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
-    from sim.engine.batch import Batch, Live
+    from kvsim.sim.engine.batch import Batch, Live
 
 
 class Lazy(Protocol):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.engine.metrics import STEP_COLUMNS, STEP_FIELDS
+from kvsim.sim.engine.metrics import STEP_COLUMNS, STEP_FIELDS
 
 
 class StepLog:

@@ -7,8 +7,8 @@ import itertools
 from collections import deque
 from itertools import islice
 
-from kvcache.hashing import prefix_keys
-from sim.engine.batch import Live
+from kvsim.kvcache.hashing import prefix_keys
+from kvsim.sim.engine.batch import Live
 
 AHEAD = 64  # prompts hashed in one batch
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import pandas as pd
 
-from kvcache.manager import KVCacheManager
-from kvcache.offload.tier import HostTier
-from kvcache.profiles import DEFAULT_VERSION
-from kvcache.replay import Offload, ReplayRecord, replay
-from kvcache.sequence import Sequence
-from sim.engine.config import ConfigError, SimConfig, check_block_size
-from sim.studies.run_folder import staged_folder
-from sim.studies.sweep import WorkloadSpec, run_parallel
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.profiles import DEFAULT_VERSION
+from kvsim.kvcache.replay import Offload, ReplayRecord, replay
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.config import ConfigError, SimConfig, check_block_size
+from kvsim.sim.studies.run_folder import staged_folder
+from kvsim.sim.studies.sweep import WorkloadSpec, run_parallel
 
 MODES = ("replay", "sim")
 COLUMNS = (
@@ -64,7 +64,7 @@ class _SamplingManager(KVCacheManager):
 
 def check_points(capacities: list[int], policies: list[str], block_size: int, mode: str) -> None:
     """Raise ConfigError for a point no run could compute."""
-    from kvcache.eviction import check_policy
+    from kvsim.kvcache.eviction import check_policy
 
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -93,8 +93,8 @@ def replay_offload(cfg: SimConfig) -> Offload | None:
     if cfg.offload_fs:
         raise ConfigError("the file tier (offload_fs) needs the clock of the full simulator: its probes and "
                           "I/O take time; use kvsim run, sweep or curve --mode sim")
-    from kvcache.offload.size import num_host_chunks
-    from sim.engine.cost_model import CostModel
+    from kvsim.kvcache.offload.size import num_host_chunks
+    from kvsim.sim.engine.cost_model import CostModel
 
     cost = CostModel.from_config(cfg)
     chunks = num_host_chunks(cfg.kv_offloading_size, cost.kv_bytes_per_block, cfg.tensor_parallel,
@@ -145,7 +145,7 @@ def sim_point(
 ) -> dict[str, Any]:
     """One point by full simulation of `base` (default config) at this capacity and policy;
     `vllm_version`, when given, replaces base's."""
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     cfg = (base or SimConfig()).replace(
         num_gpu_blocks=capacity, eviction=policy, block_size=block_size

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim.engine.run import RunResult
+    from kvsim.sim.engine.run import RunResult
 
 # the plots each helper draws (together `plots.PLOTS`): the block plot alone takes about as long as the other two
 SHARES = (("blocks.png",), ("hit_rate.png", "latency.png"))
@@ -69,7 +69,7 @@ class PlotWorkers:
         if failed:
             raise RuntimeError("drawing the plots failed:\n" + "\n".join(failed))
         if here:
-            from sim.studies.plots import write_plots
+            from kvsim.sim.studies.plots import write_plots
 
             for share in here:
                 write_plots(result, folder, share)
@@ -98,10 +98,10 @@ def serve() -> None:
 
     import pandas as pd
 
-    from sim.engine.config import SimConfig
-    from sim.engine.run import RunResult
-    from sim.studies import plots
-    from workloads.files import read_json
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import RunResult
+    from kvsim.sim.studies import plots
+    from kvsim.workloads.files import read_json
 
     share = tuple(sys.argv[1:])
     plots.warm_up()

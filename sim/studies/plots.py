@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from sim.engine.run import RunResult  # noqa: E402
+from kvsim.sim.engine.run import RunResult  # noqa: E402
 
 MAX_POINTS = 4000
 PLOTS = ("blocks.png", "hit_rate.png", "latency.png")

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.engine.config import ConfigError, SimConfig
-from sim.studies.curves import MODES, capacity_curve, check_points
-from sim.studies.sweep import WorkloadSpec, read_toml, write_json_atomic
-from workloads.files import read_json
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.studies.curves import MODES, capacity_curve, check_points
+from kvsim.sim.studies.sweep import WorkloadSpec, read_toml, write_json_atomic
+from kvsim.workloads.files import read_json
 
 REGRESS_VERSION = 1
 KINDS = ("hit_rate_vs_capacity", "fragmentation_over_time")
@@ -195,7 +195,7 @@ def compute(b: Baseline, workers: int = 1) -> Points:
 def _fragmentation_over_time(b: Baseline) -> Points:
     import numpy as np
 
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     cfg = SimConfig.from_dict(b.params.get("config", {}), source="params.config")
     dt = float(b.params["sample_every_s"])

@@ -22,10 +22,10 @@ from typing import Any
 
 import pandas as pd
 
-from sim.engine.config import SimConfig
-from sim.engine.run import RunResult
-from sim.engine.step_log import release_arrow_memory
-from workloads.files import read_json
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import RunResult
+from kvsim.sim.engine.step_log import release_arrow_memory
+from kvsim.workloads.files import read_json
 
 TABLES = ("steps.parquet", "requests.parquet")
 
@@ -88,7 +88,7 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True,
         if plots and draw is not None:
             draw(result, out)
         elif plots:
-            from sim.studies.plots import write_plots
+            from kvsim.sim.studies.plots import write_plots
 
             write_plots(result, out)
     if streamed:

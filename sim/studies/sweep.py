@@ -35,9 +35,9 @@ from typing import Any
 
 import pandas as pd
 
-from sim.engine.config import ConfigError, SimConfig
-from workloads import files
-from workloads.request import Workload
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.workloads import files
+from kvsim.workloads.request import Request, Workload
 
 SWEEP_VERSION = 1
 WORKLOAD_KEYS = ("workload", "format")
@@ -57,29 +57,35 @@ class WorkloadSpec:
     path: str | None = None
     format: str = "auto"
     generator: tuple[tuple[str, Any], ...] = ()  # `kvsim workload generate` options
+    requests: tuple[Request, ...] = ()  # or the requests themselves (the Python API's lists)
+    label: str = ""  # their name
 
     @property
     def name(self) -> str:
         if self.path:
             return Path(self.path).name
+        if self.requests:
+            return self.label or "requests"
         return dict(self.generator).get("kind", "default") if self.generator else "default"
 
     def open(self) -> Workload:
         """The workload, streamed from its file or generated (seeded, so identical each time)."""
+        if self.requests:
+            return Workload.from_list(list(self.requests), self.name)
         if self.path:
-            from workloads.traces import load_workload
+            from kvsim.workloads.traces import load_workload
 
             return load_workload(self.path, self.format)
         if self.generator:
             return generate(dict(self.generator))
-        from workloads.default import default_workload
+        from kvsim.workloads.default import default_workload
 
         return default_workload()
 
 
 def generate(options: dict[str, Any]) -> Workload:
     """A synthetic workload from `kvsim workload generate` options (kind, num_requests, ...)."""
-    from workloads.build import KINDS, build_workload
+    from kvsim.workloads.build import KINDS, build_workload
 
     opts = dict(options)
     kind = opts.pop("kind", None)
@@ -183,7 +189,7 @@ def _allowed_types(annotation: str) -> tuple[type, ...] | None:
 
 def config_of(params: dict[str, Any], source: str) -> SimConfig:
     """The validated SimConfig of a point (workload keys dropped); checks that the model fits."""
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
     cfg = SimConfig.from_dict(
         {k: v for k, v in params.items() if k not in WORKLOAD_KEYS}, source=source
@@ -312,7 +318,7 @@ def connect_ray() -> Any:
 
 def simulate_point(params: dict[str, Any], workload: WorkloadSpec) -> dict[str, Any]:
     """Run one point's full simulation; returns its summary (runs in a worker process)."""
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     cfg = config_of(params, "point")
     return simulate(workload.open(), cfg).summary

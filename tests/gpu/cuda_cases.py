@@ -24,7 +24,7 @@ import pytest
 import torch
 from gpu_env import DEVICE
 
-from sim.engine.catalog import get_model
+from kvsim.sim.engine.catalog import get_model
 
 TINY = os.environ.get("KVSIM_CUDA_TESTS_TINY", "") == "1"
 CUDA_MARKS = [] if TINY else [pytest.mark.cuda]

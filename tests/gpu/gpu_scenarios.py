@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.manager import KVCacheManager
-from kvcache.replay import replay
-from kvcache.sequence import Sequence
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.replay import replay
+from kvsim.kvcache.sequence import Sequence
 
 
 def save_run(m: KVCacheManager, folder: Path, **config) -> Path:
@@ -113,9 +113,9 @@ def concurrent(folder: Path, sliding_window: int | None = None) -> Path:
 def simulated(folder: Path, requests: int = 6, gpu_blocks: int = 10, forks: bool = False) -> Path:
     """The simulator's own engine on a tight cache: swap preemption, defrag moves, prefix hits, evictions
     (with `forks`, every third request samples twice: copy-on-write copies too)."""
-    from sim.engine.config import SimConfig
-    from sim.engine.run import simulate
-    from workloads.request import make_request
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
+    from kvsim.workloads.request import make_request
 
     rng = np.random.default_rng(3)
     system = rng.integers(0, 1000, 10)
@@ -132,7 +132,7 @@ def simulated(folder: Path, requests: int = 6, gpu_blocks: int = 10, forks: bool
 
 def write_ops(folder: Path, ops) -> None:
     """Overwrite a run's ops.parquet with `ops` (a fault-injected stream)."""
-    from kvcache.ops import OpLog
+    from kvsim.kvcache.ops import OpLog
 
     log = OpLog(enabled=True)
     for op in ops:

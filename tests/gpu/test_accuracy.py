@@ -5,10 +5,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from gpu.accuracy import error_stats, fit_steps, predict_steps, step_accuracy
-from sim.cli.app import app
-from sim.engine.catalog import get_gpu, get_model
-from sim.engine.cost_model import Calibration, CostModel
+from kvsim.gpu.accuracy import error_stats, fit_steps, predict_steps, step_accuracy
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.catalog import get_gpu, get_model
+from kvsim.sim.engine.cost_model import Calibration, CostModel
 
 TRUE = Calibration(compute=0.62, attention=0.4, memory=0.75, serial_fraction=0.3, overhead_s=9e-4)
 

@@ -8,7 +8,7 @@ import json
 
 from typer.testing import CliRunner
 
-from sim.cli.app import app
+from kvsim.sim.cli.app import app
 
 runner = CliRunner()
 

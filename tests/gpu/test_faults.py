@@ -7,9 +7,9 @@ import gpu_scenarios as scenarios
 import pytest
 from gpu_env import DEVICE
 
-from gpu.checks import CHECKS
-from gpu.replay import load_run, replay_ops
-from gpu.verify import IntegrityError
+from kvsim.gpu.checks import CHECKS
+from kvsim.gpu.replay import load_run, replay_ops
+from kvsim.gpu.verify import IntegrityError
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gpu_env import DEVICE
 
-from gpu.forward_step import (
+from kvsim.gpu.forward_step import (
     TINY,
     Batch,
     ForwardStep,
@@ -19,8 +19,8 @@ from gpu.forward_step import (
     quick_grid,
     run_grid,
 )
-from sim.engine.catalog import get_gpu, get_model
-from sim.engine.cost_model import CostModel
+from kvsim.sim.engine.catalog import get_gpu, get_model
+from kvsim.sim.engine.cost_model import CostModel
 
 MIXED = Batch((5, 17), ((7, 5), (0, 8)))  # two decodes, a chunk after 7 cached tokens, a fresh chunk
 

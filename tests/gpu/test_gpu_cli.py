@@ -7,9 +7,9 @@ import pytest
 from gpu_env import HAS_CUDA
 from typer.testing import CliRunner
 
-from kvcache.ops import read_ops
-from sim.cli.app import app
-from sim.engine.cost_model import load_calibration
+from kvsim.kvcache.ops import read_ops
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.cost_model import load_calibration
 
 runner = CliRunner()
 
@@ -135,9 +135,9 @@ def test_injected_faults_are_all_reported(every_kind):
 
 
 def test_a_missed_fault_exits_1_and_names_it(every_kind, monkeypatch):
-    import gpu.faults
+    from kvsim.gpu import faults
 
-    monkeypatch.setattr(gpu.faults, "attribute", lambda faults, rep: [False] + [True] * (len(faults) - 1))
+    monkeypatch.setattr(faults, "attribute", lambda faults, rep: [False] + [True] * (len(faults) - 1))
     r = runner.invoke(app, ["gpu-replay", str(every_kind), "--device", "cpu", "--layers", "1",
                             "--inject-faults", "2", "--seed", "3"])
     assert r.exit_code == 1
@@ -157,9 +157,9 @@ def test_fault_injection_rejects_what_it_cannot_judge(every_kind, run):
 
 
 def test_touched_check_and_progress_lines(run, monkeypatch):
-    import gpu.replay
+    from kvsim.gpu import replay
 
-    monkeypatch.setattr(gpu.replay, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(replay, "PROGRESS_S", 0.0)
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--check", "touched",
                             "--json"])
     assert r.exit_code == 0, r.output

@@ -7,9 +7,9 @@ import gpu_scenarios as scenarios
 import pytest
 from gpu_env import DEVICE
 
-from gpu.backends import BACKENDS
-from gpu.replay import RunFilesError, load_run, replay_run
-from kvcache.ops import read_ops
+from kvsim.gpu.backends import BACKENDS
+from kvsim.gpu.replay import RunFilesError, load_run, replay_run
+from kvsim.kvcache.ops import read_ops
 
 
 @pytest.fixture(params=BACKENDS)

@@ -8,10 +8,10 @@ import gpu_scenarios as scenarios
 import pytest
 from gpu_env import DEVICE
 
-from gpu.executor import ONE_WAY, SKIPPED
-from gpu.faults import FAULT_KINDS, Fault, attribute, format_faults, inject_faults
-from gpu.replay import load_run, replay_ops
-from gpu.verify import Mismatch
+from kvsim.gpu.executor import ONE_WAY, SKIPPED
+from kvsim.gpu.faults import FAULT_KINDS, Fault, attribute, format_faults, inject_faults
+from kvsim.gpu.replay import load_run, replay_ops
+from kvsim.gpu.verify import Mismatch
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ import pytest
 import torch
 from gpu_env import DEVICE, HAS_CUDA
 
-from gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv
-from gpu.reference import (
+from kvsim.gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv
+from kvsim.gpu.reference import (
     copy_blocks_ref,
     decode_attention_ref,
     dense_attention,
@@ -13,7 +13,7 @@ from gpu.reference import (
     gather_context,
     write_kv_ref,
 )
-from gpu.storage import PagedKVStorage
+from kvsim.gpu.storage import PagedKVStorage
 
 L, NB, BS, H, D = 2, 6, 4, 2, 8
 
@@ -144,8 +144,8 @@ def test_decode_attention_long_context_on_cuda():
 def test_count_wrong_counts_exactly_the_values_that_differ_from_their_keys():
     import numpy as np
 
-    from gpu.kernels import count_wrong
-    from gpu.values import DeviceValues, device_keys, prefix_keys
+    from kvsim.gpu.kernels import count_wrong
+    from kvsim.gpu.values import DeviceValues, device_keys, prefix_keys
 
     dv = DeviceValues(2, H, 2 * H, D, torch.device(DEVICE), torch.float16)
     keys = device_keys(prefix_keys(np.arange(40) % 13), torch.device(DEVICE))

@@ -22,9 +22,9 @@ from cuda_cases import (
 )
 from gpu_env import DEVICE, HAS_CUDA
 
-from gpu.kernels import copy_blocks, exchange_blocks, swap_blocks, write_kv
-from gpu.reference import copy_blocks_ref, exchange_blocks_ref, write_kv_ref
-from gpu.storage import PagedKVStorage
+from kvsim.gpu.kernels import copy_blocks, exchange_blocks, swap_blocks, write_kv
+from kvsim.gpu.reference import copy_blocks_ref, exchange_blocks_ref, write_kv_ref
+from kvsim.gpu.storage import PagedKVStorage
 
 pytestmark = CUDA_MARKS
 

@@ -26,9 +26,9 @@ from cuda_cases import (
 )
 from gpu_env import DEVICE
 
-from gpu.kernels import decode_attention, write_kv
-from gpu.reference import decode_attention_ref, dense_attention, gather_context
-from gpu.storage import PagedKVStorage
+from kvsim.gpu.kernels import decode_attention, write_kv
+from kvsim.gpu.reference import decode_attention_ref, dense_attention, gather_context
+from kvsim.gpu.storage import PagedKVStorage
 
 pytestmark = CUDA_MARKS
 

@@ -10,15 +10,15 @@ from gpu_scenarios import save_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu.backends import BACKENDS
-from gpu.replay import load_run, replay_ops, replay_run
-from kvcache.ops import Op
-from sim.engine.config import SimConfig
-from sim.engine.run import simulate
+from kvsim.gpu.backends import BACKENDS
+from kvsim.gpu.replay import load_run, replay_ops, replay_run
+from kvsim.kvcache.ops import Op
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.build import build_workload
+from kvsim.workloads.request import Workload
 from tests.sim.engine.engine_fixtures import req
 from tests.sim.engine.test_offload import MIB, HostLinkCost, _evicted_prefix
-from workloads.build import build_workload
-from workloads.request import Workload
 
 
 def _record(tmp_path, requests, link_s: float = 0.0, chunks: int = 16, **cfg):

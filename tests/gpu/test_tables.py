@@ -5,12 +5,12 @@ import pytest
 import torch
 from gpu_env import DEVICE
 
-from gpu.backends import BACKENDS, backend
-from gpu.executor import OpExecutor
-from gpu.storage import PagedKVStorage
-from gpu.tables import BlockTables
-from gpu.timing import Timer
-from gpu.values import DeviceValues, kv_values, prefix_keys
+from kvsim.gpu.backends import BACKENDS, backend
+from kvsim.gpu.executor import OpExecutor
+from kvsim.gpu.storage import PagedKVStorage
+from kvsim.gpu.tables import BlockTables
+from kvsim.gpu.timing import Timer
+from kvsim.gpu.values import DeviceValues, kv_values, prefix_keys
 
 
 def test_table_ops_moves_and_frees():

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from gpu.values import kv_values, prefix_keys, query_values
+from kvsim.gpu.values import kv_values, prefix_keys, query_values
 
 
 def test_keys_are_equal_exactly_on_shared_prefixes():
@@ -40,7 +40,7 @@ def test_values_differ_for_a_different_prefix_and_between_k_v_and_q():
 
 
 def test_device_values_equal_the_numpy_ones_bit_for_bit():
-    from gpu.values import DeviceValues, device_keys
+    from kvsim.gpu.values import DeviceValues, device_keys
 
     keys = prefix_keys(np.arange(300) * 7919 % 5003)
     dv = DeviceValues(3, 2, 4, 16, torch.device("cpu"), torch.float32)

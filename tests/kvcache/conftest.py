@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.sequence import Sequence
 
 
 def seq(sid: str, tokens, uid: int = 0, output=None) -> Sequence:

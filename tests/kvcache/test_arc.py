@@ -5,9 +5,9 @@ Asked for in vLLM issue #40268; vLLM 0.33 offers ARC for CPU offloading as
 paper where they differ: a ghost hit is cached straight into T2.
 """
 
-from kvcache.eviction import ARC, POLICIES, check_policy, make_policy
-from kvcache.invariants import check
-from kvcache.manager import KVCacheManager
+from kvsim.kvcache.eviction import ARC, POLICIES, check_policy, make_policy
+from kvsim.kvcache.invariants import check
+from kvsim.kvcache.manager import KVCacheManager
 from tests.kvcache.conftest import prefill, seq
 
 A, B, C, D, E = (list(range(100 * i, 100 * i + 4)) for i in range(5))

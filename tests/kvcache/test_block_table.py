@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvcache.block_table import BlockTable
+from kvsim.kvcache.block_table import BlockTable
 
 
 def _arr(*values: int) -> np.ndarray:

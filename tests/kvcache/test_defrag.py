@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.block_table import BlockTable
-from kvcache.defrag import PAD_BUCKETS, Defragmenter, exchange_permutation
+from kvsim.kvcache.block_table import BlockTable
+from kvsim.kvcache.defrag import PAD_BUCKETS, Defragmenter, exchange_permutation
 
 
 def test_moves_highest_used_into_lowest_holes():

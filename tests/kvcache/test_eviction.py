@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction import POLICIES, make_policy
-from kvcache.invariants import check
-from kvcache.manager import KVCacheManager
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction import POLICIES, make_policy
+from kvsim.kvcache.invariants import check
+from kvsim.kvcache.manager import KVCacheManager
 from tests.kvcache.conftest import prefill, seq
 
 

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.hashing import block_keys, prefix_keys, root_state, unique_keys
-from kvcache.sequence import Sequence
+from kvsim.kvcache.hashing import block_keys, prefix_keys, root_state, unique_keys
+from kvsim.kvcache.sequence import Sequence
 
 prompts = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=80), max_size=6)
 

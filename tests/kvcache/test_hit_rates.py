@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kvcache.manager import KVCacheManager
-from kvcache.replay import replay
-from sim.cli.app import app
-from workloads.request import make_request
-from workloads.traces import load_workload
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.replay import replay
+from kvsim.sim.cli.app import app
+from kvsim.workloads.request import make_request
+from kvsim.workloads.traces import load_workload
 
 TRACES = Path(os.environ.get("KVSIM_TRACES", Path(__file__).resolve().parents[3] / "shared/traces"))
 MOONCAKE = TRACES / "mooncake/conversation_trace.jsonl"

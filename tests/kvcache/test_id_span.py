@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache.block import KVCacheBlock
-from kvcache.id_span import IdSpan
-from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.id_span import IdSpan
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.sequence import Sequence
 
 
 def test_span_follows_uses_and_releases() -> None:

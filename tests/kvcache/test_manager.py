@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvcache.admission import AllocStatus
-from kvcache.block_pool import OutOfBlocksError
-from kvcache.invariants import check
-from kvcache.manager import KVCacheManager
+from kvsim.kvcache.admission import AllocStatus
+from kvsim.kvcache.block_pool import OutOfBlocksError
+from kvsim.kvcache.invariants import check
+from kvsim.kvcache.manager import KVCacheManager
 from tests.kvcache.conftest import decode, prefill, seq
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.ops import Op, OpLog, read_op_rows, read_ops, read_tokens
+from kvsim.kvcache.ops import Op, OpLog, read_op_rows, read_ops, read_tokens
 
 
 def _late_example(log: OpLog) -> None:

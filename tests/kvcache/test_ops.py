@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvcache.manager import KVCacheManager
-from kvcache.ops import OPS_VERSION, Op, read_ops, read_tokens
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.ops import OPS_VERSION, Op, read_ops, read_tokens
 from tests.kvcache.conftest import prefill, seq
 
 

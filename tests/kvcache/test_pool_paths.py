@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 
-from kvcache.block import KVCacheBlock
-from kvcache.eviction import LRU
-from kvcache.invariants import check
-from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.eviction import LRU
+from kvsim.kvcache.invariants import check
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.sequence import Sequence
 
 BS = 4
 PROMPTS = [np.arange(k * 100, k * 100 + 30, dtype=np.int32) for k in range(3)]

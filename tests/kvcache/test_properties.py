@@ -15,9 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache.invariants import check
-from kvcache.manager import KVCacheManager
-from kvcache.sequence import Sequence
+from kvsim.kvcache.invariants import check
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.sequence import Sequence
 
 BS = 4
 N = 12

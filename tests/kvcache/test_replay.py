@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.manager import KVCacheManager
-from kvcache.replay import replay
-from kvcache.sequence import Sequence
-from workloads.request import make_request
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.replay import replay
+from kvsim.kvcache.sequence import Sequence
+from kvsim.workloads.request import make_request
 
 
 def req(i, prompt, out):

@@ -9,10 +9,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.manager import KVCacheManager
-from kvcache.offload.tier import HostTier
-from kvcache.replay import Offload, replay
-from workloads.request import make_request
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.replay import Offload, replay
+from kvsim.workloads.request import make_request
 
 A, B = list(range(12)), list(range(100, 112))
 

@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.manager import KVCacheManager
-from kvcache.replay import replay
-from workloads.request import make_request
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.replay import replay
+from kvsim.workloads.request import make_request
 
 # (prefix group, prompt length, output length): groups 0 and 1 share prompt blocks
 SHAPES = [(0, 10, 7), (0, 12, 5), (1, 9, 8), (0, 10, 3), (2, 30, 2), (1, 13, 6), (3, 6, 9), (0, 11, 4)]

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from workloads.errors import WorkloadError
-from workloads.traces import load_workload
+from kvsim.workloads.errors import WorkloadError
+from kvsim.workloads.traces import load_workload
 
 
 def moon(**kw):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.files import read_json, read_toml
+from kvsim.workloads.files import read_json, read_toml
 
 
 def test_good_files(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from workloads.arrivals import Constant, Gamma, Given, Poisson, make_arrivals
-from workloads.lengths import Empirical, Fixed, LogNormal, Uniform, parse_lengths
-from workloads.request import Workload, make_request
+from kvsim.workloads.arrivals import Constant, Gamma, Given, Poisson, make_arrivals
+from kvsim.workloads.lengths import Empirical, Fixed, LogNormal, Uniform, parse_lengths
+from kvsim.workloads.request import Workload, make_request
 
 
 def rng(seed=0):

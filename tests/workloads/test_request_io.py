@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from workloads.jsonl import write_jsonl
-from workloads.request import Workload, iter_chunks, make_request
-from workloads.traces import load_workload
+from kvsim.workloads.jsonl import write_jsonl
+from kvsim.workloads.request import Workload, iter_chunks, make_request
+from kvsim.workloads.traces import load_workload
 
 
 def test_iter_chunks_groups_in_order():

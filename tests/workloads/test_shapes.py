@@ -6,12 +6,12 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from workloads.arrivals import Constant, Poisson
-from workloads.default import default_workload
-from workloads.lengths import Fixed, Uniform
-from workloads.sessions import agent, multi_turn
-from workloads.shapes import few_shot, merge, parallel, shared_prefix, zipf_weights
-from workloads.stats import describe
+from kvsim.workloads.arrivals import Constant, Poisson
+from kvsim.workloads.default import default_workload
+from kvsim.workloads.lengths import Fixed, Uniform
+from kvsim.workloads.sessions import agent, multi_turn
+from kvsim.workloads.shapes import few_shot, merge, parallel, shared_prefix, zipf_weights
+from kvsim.workloads.stats import describe
 
 
 def same(a, b):

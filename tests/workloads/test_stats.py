@@ -5,8 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workloads.request import Workload, make_request
-from workloads.stats import IdealPrefixCache, block_keys, describe, format_stats, ideal_hit_rate
+from kvsim.workloads.request import Workload, make_request
+from kvsim.workloads.stats import (
+    IdealPrefixCache,
+    block_keys,
+    describe,
+    format_stats,
+    ideal_hit_rate,
+)
 
 
 def reqs(*prompts, outputs=None):

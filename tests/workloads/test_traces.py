@@ -7,9 +7,9 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from workloads.mooncake import mooncake_tokens
-from workloads.ragpulse import PAD_BASE
-from workloads.traces import detect_format, load_workload
+from kvsim.workloads.mooncake import mooncake_tokens
+from kvsim.workloads.ragpulse import PAD_BASE
+from kvsim.workloads.traces import detect_format, load_workload
 
 
 def first(wl, n=1):
@@ -61,7 +61,7 @@ def test_mooncake_tokens_never_collide_across_ids_at_any_block_size():
 
 def test_mooncake_ideal_hits_match_hash_id_prefixes(traces):
     """At block size 512 the synthesized tokens must reproduce the trace's own sharing."""
-    from workloads.stats import describe
+    from kvsim.workloads.stats import describe
 
     path = traces / "mooncake/conversation_trace.jsonl"
     seen, hit, full = set(), 0, 0

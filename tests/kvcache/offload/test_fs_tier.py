@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.offload.arc import HostARC
-from kvcache.offload.fs import IN_FLIGHT, RESOLVED, FileTier, FsResult
-from kvcache.offload.fs_pool import FsJob, IOPool
-from kvcache.offload.tier import StoreOutput
-from kvcache.offload.tiered import HIT, MISS, PENDING, RETRY, TieredTier
+from kvsim.kvcache.offload.arc import HostARC
+from kvsim.kvcache.offload.fs import IN_FLIGHT, RESOLVED, FileTier, FsResult
+from kvsim.kvcache.offload.fs_pool import FsJob, IOPool
+from kvsim.kvcache.offload.tier import StoreOutput
+from kvsim.kvcache.offload.tiered import HIT, MISS, PENDING, RETRY, TieredTier
 
 
 def pos(key: int) -> int:

@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.offload.fs import FileTier
-from kvcache.offload.tiered import HIT, MISS, PENDING, RETRY, TieredTier
+from kvsim.kvcache.offload.fs import FileTier
+from kvsim.kvcache.offload.tiered import HIT, MISS, PENDING, RETRY, TieredTier
 
 _reason = "vLLM 0.33 is not installed (bash .ci/install_vllm_cpu.sh)"
 vbase = pytest.importorskip("vllm.v1.kv_offload.base", reason=_reason)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.offload import OFFLOAD_POLICIES, HostARC, HostLRU, make_policy
-from kvcache.offload.size import num_host_chunks
-from kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
+from kvsim.kvcache.offload import OFFLOAD_POLICIES, HostARC, HostLRU, make_policy
+from kvsim.kvcache.offload.size import num_host_chunks
+from kvsim.kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
 
 
 def pos(keys: list[int], first: int = 0) -> list[int]:

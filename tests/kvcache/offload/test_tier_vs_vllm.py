@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.offload.tier import HIT, MISS, PENDING, HostTier
+from kvsim.kvcache.offload.tier import HIT, MISS, PENDING, HostTier
 
 _reason = "vLLM 0.33 is not installed (bash .ci/install_vllm_cpu.sh)"
 vbase = pytest.importorskip("vllm.v1.kv_offload.base", reason=_reason)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from sim.cli.app import app
+from kvsim.sim.cli.app import app
+from kvsim.workloads.jsonl import write_jsonl
+from kvsim.workloads.ragpulse import KINDS
 from tests.sim.engine.engine_fixtures import req
-from workloads.jsonl import write_jsonl
-from workloads.ragpulse import KINDS
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(64)  # an image given as a trace: not UTF-8 from byte one
 AZ_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.studies.run_folder import staged_folder
+from kvsim.sim.cli.app import app
+from kvsim.sim.studies.run_folder import staged_folder
 from tests.sim.cli.bad_input import PNG, assert_one_error, write_files
 
 OK_RUN = ["run", "ok.jsonl", "--num-gpu-blocks", "64", "--record-ops", "--no-plots"]

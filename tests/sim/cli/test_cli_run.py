@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.cli.run import run_name
-from sim.engine.config import SimConfig
+from kvsim.sim.cli.app import app
+from kvsim.sim.cli.run import run_name
+from kvsim.sim.engine.config import SimConfig
+from kvsim.workloads.jsonl import write_jsonl
 from tests.sim.engine.engine_fixtures import req
-from workloads.jsonl import write_jsonl
 
 runner = CliRunner()
 

@@ -8,10 +8,10 @@ import types
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform import check, random_cases, vllm_setup
-from sim.engine.config import ConfigError, SimConfig
-from workloads.request import make_request
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform import check, random_cases, vllm_setup
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.workloads.request import make_request
 
 FIT = "3 requests do not fit (first: 'r0', prompt_exceeds_cache); vLLM would stall on them"
 
@@ -41,7 +41,7 @@ OUTCOMES = {
         ValueError("1 validation error for SchedulerConfig\n  Value error, bad budget")),
     14: lambda reqs: _raise(ConfigError(FIT)),  # kvsim refuses it before vLLM runs
     15: lambda reqs: _raise(RuntimeError("kvsim's tier has 3 chunks, conform computed 4")),
-    16: lambda reqs: _raised_in("sim.conform.vllm_scheduler")(ConfigError("raised in a driver")),
+    16: lambda reqs: _raised_in("kvsim.sim.conform.vllm_scheduler")(ConfigError("raised in a driver")),
 }
 
 

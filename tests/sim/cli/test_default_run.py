@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.cli.run import DEFAULT_WORKLOAD_BLOCKS
-from sim.engine.config import SimConfig
-from sim.engine.run import simulate
-from workloads.default import default_workload
+from kvsim.sim.api import DEFAULT_WORKLOAD_BLOCKS
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.default import default_workload
 
 runner = CliRunner()
 NAME = "runs/default-llama-3-8b-h100-sxm-tp1-bs16-d3e90ede"

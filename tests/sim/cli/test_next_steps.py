@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim.cli.run import next_steps
-from sim.engine.config import SimConfig
+from kvsim.sim.cli.run import next_steps
+from kvsim.sim.engine.config import SimConfig
 
 W = Path("shared.jsonl")
 OUT = Path("runs/shared-x")

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
+from kvsim.sim.cli.app import app
+from kvsim.workloads import make_request, write_jsonl
 from tests.sim.cli.bad_input import assert_one_error, write_files
-from workloads import make_request, write_jsonl
 
 runner = CliRunner()
 EIGHT_CHUNKS = "0.00390625"  # GiB: 8 chunks of one 4-token Llama-3-8B block

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcache.profiles import RULES, describe, parse_version, profile
-from sim.cli.app import app
+from kvsim.kvcache.profiles import RULES, describe, parse_version, profile
+from kvsim.sim.cli.app import app
 
 runner = CliRunner()
 SHARED = str(Path(__file__).resolve().parents[2] / "golden" / "workloads" / "shared-prefix.jsonl")

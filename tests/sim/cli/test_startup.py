@@ -11,7 +11,7 @@ HEAVY = ("numpy", "pandas", "matplotlib", "simpy", "torch", "triton", "rich", "p
 
 PROBE = """
 import sys
-from sim.cli.app import app
+from kvsim.sim.cli.app import app
 sys.argv = ["kvsim", *{argv!r}]
 try:
     app()
@@ -32,10 +32,10 @@ def test_help_imports_nothing_heavy(argv: list[str]) -> None:
 
 
 def test_names_match_what_the_loaders_and_generators_take() -> None:
-    from workloads import names
-    from workloads.arrivals import make_arrivals
-    from workloads.build import GENERATORS
-    from workloads.traces import LOADERS
+    from kvsim.workloads import names
+    from kvsim.workloads.arrivals import make_arrivals
+    from kvsim.workloads.build import GENERATORS
+    from kvsim.workloads.traces import LOADERS
 
     assert names.FORMATS == ("auto", *LOADERS)
     assert set(names.KINDS) == {*GENERATORS, "default"}

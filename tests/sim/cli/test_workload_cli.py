@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from workloads.traces import load_workload
+from kvsim.sim.cli.app import app
+from kvsim.workloads.traces import load_workload
 
 runner = CliRunner()
 

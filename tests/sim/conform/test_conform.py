@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform import vllm_setup
-from sim.conform.check import SCHEDULER_FIELDS, compare, conform, run_manager
-from sim.engine.config import ConfigError, SimConfig
-from workloads.default import default_workload
-from workloads.request import make_request
-from workloads.traces import load_workload
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform import vllm_setup
+from kvsim.sim.conform.check import SCHEDULER_FIELDS, compare, conform, run_manager
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.workloads.default import default_workload
+from kvsim.workloads.request import make_request
+from kvsim.workloads.traces import load_workload
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
@@ -138,8 +138,8 @@ def test_without_vllm_the_cli_says_how_to_install_it(monkeypatch: pytest.MonkeyP
 def test_parallel_sampling_is_compared_as_vllm_fans_it_out():
     # vllm/v1/engine/parallel_sampling.py: vLLM's scheduler sees n requests "{j}_{id}"; their
     # records fold into one a request (first scheduling and token of any, finish of the last)
-    from sim.conform.check import MANAGER_NO_SAMPLES
-    from workloads.build import build_workload
+    from kvsim.sim.conform.check import MANAGER_NO_SAMPLES
+    from kvsim.workloads.build import build_workload
 
     reqs = list(build_workload("parallel", 30, 10.0, "poisson", 1.0, 4, {"samples": 3}))
     cfg = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=300,
@@ -151,7 +151,7 @@ def test_parallel_sampling_is_compared_as_vllm_fans_it_out():
 
 
 def test_a_case_both_sides_stall_on_is_refused_and_a_stall_of_kvsims_alone_is_an_error():
-    from sim.conform.check import _both_or_neither_stall
+    from kvsim.sim.conform.check import _both_or_neither_stall
 
     def kvsim_stalls():
         raise RuntimeError("scheduler made no progress for 1000 batches at t=0.057745s")

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform.check import run_scheduler, step_seconds
-from sim.conform.vllm_timed import batch_shape
-from sim.engine import quiet, shortcuts
-from sim.engine.config import SimConfig
-from workloads.default import default_workload
-from workloads.request import make_request
-from workloads.traces import load_workload
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform.check import run_scheduler, step_seconds
+from kvsim.sim.conform.vllm_timed import batch_shape
+from kvsim.sim.engine import quiet, shortcuts
+from kvsim.sim.engine.config import SimConfig
+from kvsim.workloads.default import default_workload
+from kvsim.workloads.request import make_request
+from kvsim.workloads.traces import load_workload
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 needs_vllm = pytest.mark.needs_vllm
@@ -110,7 +110,7 @@ def test_a_session_turn_counts_from_its_release_under_priority():
     Two slots: a and d run (b-0 took d's slot for one step); b-1 (open-loop arrival 0.001 s) is
     released 2 s after b-0 finishes, at 2.007 s, and c arrives at 1.0 s; both wait for d's slot,
     and c, received first, takes it (by the workload's arrivals b-1 would)."""
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     reqs = [make_request("a", 0.0, list(range(64)), 1000),
             make_request("b-0", 0.0, list(range(100, 132)), 1, session="b"),
@@ -141,7 +141,7 @@ def test_batch_shape_counts_a_batch_as_kvsim_does():
 
 
 def test_step_seconds_is_the_cost_model_without_charged_ops():
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
     cfg = _cfg()
     cost = CostModel.from_config(cfg)
@@ -168,7 +168,7 @@ def test_offloading_on_the_cost_clock_matches_vllm(workload: str, kw: dict, asyn
     """vLLM's OffloadingConnector with the fake worker on the cost clock (sim/conform/vllm_timed.py): its
     transfers take the GPU link's real time, an empty step waits for the next transfer or arrival as
     kvsim's engine does (`Scheduler.idle_until`), and closed-loop sessions are on."""
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.cost_model import CostModel
 
     kw = dict(kw)
     chunks = kw.pop("chunks")
@@ -177,7 +177,7 @@ def test_offloading_on_the_cost_clock_matches_vllm(workload: str, kw: dict, asyn
     reqs = _wl(workload)
     d = run_scheduler(reqs, cfg)
     assert (d.differing, d.total) == (0, None), d.format()
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.run import simulate
 
     s = simulate(reqs, cfg).summary
     assert s["offload_hit_tokens"] > 0 and s["stored_blocks"] > 0

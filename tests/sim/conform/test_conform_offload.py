@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform.check import MANAGER_NO_OFFLOADING, conform
-from sim.conform.vllm_offload import FakeWorker, Offloading
-from sim.engine.config import ConfigError, SimConfig
-from sim.engine.cost_model import CostModel
-from sim.engine.run import simulate
-from workloads.request import make_request
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform.check import MANAGER_NO_OFFLOADING, conform
+from kvsim.sim.conform.vllm_offload import FakeWorker, Offloading
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import make_request
 
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 
@@ -310,7 +310,7 @@ def test_a_landed_load_resumed_with_one_token_must_fit_its_whole_prompt():
     # (allocate_slots, full_sequence_must_fit) will not take sp-15's one-token chunk while its
     # other 94 blocks are not free. kvsim once took it through the decode fast path, then
     # preempted it: first scheduled at step 8429 against vLLM's 8434.
-    from workloads.build import build_workload
+    from kvsim.workloads.build import build_workload
 
     opts = {"prefix_len": "uniform:16,400", "user_len": "uniform:1,1200", "output_len": "uniform:1,20",
             "num_prefixes": 8}
@@ -370,7 +370,7 @@ def test_async_loads_back_a_prefix_evicted_from_the_gpu():
 def test_async_frees_wait_for_the_steps_in_flight(monkeypatch: pytest.MonkeyPatch):
     """Negative control of the deferred frees: freeing at once (as the sync scheduler does) makes the
     async case above differ from vLLM."""
-    from sim.engine.scheduler import Scheduler
+    from kvsim.sim.engine.scheduler import Scheduler
 
     reqs = _shared_prefix_workload(2, out=(20, 80), gap=5e-5)
     cfg = _cfg(8, 1.4, num_gpu_blocks=20, max_num_batched_tokens=128, async_scheduling=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sim.conform.check import Diff, conform, run_manager
-from sim.engine.config import SimConfig
-from workloads.request import make_request
-from workloads.traces import load_workload
+from kvsim.sim.conform.check import Diff, conform, run_manager
+from kvsim.sim.engine.config import SimConfig
+from kvsim.workloads.request import make_request
+from kvsim.workloads.traces import load_workload
 
 pytestmark = pytest.mark.needs_vllm
 
@@ -39,7 +39,7 @@ def _scheduler(requests: list, **kw) -> Diff:
 def _hit_a_whole_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefix lookup also hits a prompt's last full block, so nothing is recomputed; vLLM
     caps a hit at num_tokens - 1 (kv_cache_manager.py `get_computed_blocks`)."""
-    from kvcache.manager import KVCacheManager
+    from kvsim.kvcache.manager import KVCacheManager
 
     lookup = KVCacheManager.get_computed_blocks
 
@@ -58,7 +58,7 @@ def _hit_a_whole_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
 def _append_every_freed_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Freed blocks without a hash go to the back of the free queue, not the front
     (kvcache/profiles.py `free_unhashed_first`; vLLM block_pool.py `BlockPool.free_blocks`)."""
-    from kvcache.profiles import Profile
+    from kvsim.kvcache.profiles import Profile
 
     monkeypatch.setattr(Profile, "free_first", lambda self, enable_caching: False)
 
@@ -66,7 +66,7 @@ def _append_every_freed_block(monkeypatch: pytest.MonkeyPatch) -> None:
 def _requeue_preempted_at_the_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A recompute-preempted request rejoins WAITING at the back, not the front
     (vLLM scheduler.py `_preempt_request`: `self.waiting.prepend_request`)."""
-    from sim.engine.wait_queue import WaitQueue
+    from kvsim.sim.engine.wait_queue import WaitQueue
 
     push = WaitQueue.push
     monkeypatch.setattr(WaitQueue, "push", lambda self, live, front=False: push(self, live))
@@ -75,7 +75,7 @@ def _requeue_preempted_at_the_back(monkeypatch: pytest.MonkeyPatch) -> None:
 def _preempt_the_oldest_of_the_lowest_priority(monkeypatch: pytest.MonkeyPatch) -> None:
     """Priority scheduling preempts the earliest arrival among the lowest priority, not the
     latest (vLLM scheduler.py: `max(self.running, key=lambda r: (r.priority, r.arrival_time))`)."""
-    from sim.engine import scheduler
+    from kvsim.sim.engine import scheduler
 
     key = scheduler._priority_key  # (priority, arrival)
 
@@ -90,7 +90,7 @@ def _schedule_past_the_last_placeholder(monkeypatch: pytest.MonkeyPatch) -> None
     """Async: a request whose in-flight placeholder reaches max_tokens is scheduled once more, not
     skipped (vLLM scheduler.py `schedule`, the RUNNING loop's num_output_placeholders check): the
     live request's `limit` (prompt + max_tokens), which that check compares with, is one more."""
-    from sim.engine.batch import Live as Holder
+    from kvsim.sim.engine.batch import Live as Holder
 
     init = Holder.__init__
 
@@ -104,7 +104,7 @@ def _schedule_past_the_last_placeholder(monkeypatch: pytest.MonkeyPatch) -> None
 def _a_pending_chunk_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     """Offloading: the tier lookup stops at a chunk whose store is in flight instead of deferring
     the request (vLLM offloading connector `_lookup_complete_chunks`)."""
-    from kvcache.offload.tier import HIT, HostTier
+    from kvsim.kvcache.offload.tier import HIT, HostTier
 
     def ready_only(self: HostTier, req: str, keys, first: int, tokens_per_chunk: int) -> tuple[int, bool]:  # noqa: ARG001
         hits = 0
@@ -178,8 +178,8 @@ def test_offloading_sees_a_different_tier_lookup(monkeypatch: pytest.MonkeyPatch
     # GPU hits 48 tokens, and vLLM defers C until the tier holds the last block, then loads it;
     # changed, kvsim runs C at once. (C's step in vLLM is kvsim's unchanged one, as they agree:
     # it follows the store timing, not this control.)
-    from sim.conform.check import kvsim_scheduler
-    from sim.engine.cost_model import CostModel
+    from kvsim.sim.conform.check import kvsim_scheduler
+    from kvsim.sim.engine.cost_model import CostModel
 
     cost = CostModel.from_config(SimConfig(block_size=16))
     step = cost.op_cost_s["store"] / 5  # a block takes 5 steps on the host link

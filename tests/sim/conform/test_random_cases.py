@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform import vllm_setup
-from sim.conform.random_cases import KINDS, random_case
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform import vllm_setup
+from kvsim.sim.conform.random_cases import KINDS, random_case
 
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 
@@ -72,7 +72,7 @@ def test_random_cases_match_vllm():
 
 
 def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: pytest.MonkeyPatch):
-    from sim.conform import check
+    from kvsim.sim.conform import check
 
     def fake(requests, cfg, mode, max_running):
         n = len(requests)

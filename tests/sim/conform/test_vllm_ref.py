@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from sim.conform.vllm_cache import replay_manager
-from sim.conform.vllm_scheduler import run_scheduler
-from workloads.request import make_request
+from kvsim.sim.conform.vllm_cache import replay_manager
+from kvsim.sim.conform.vllm_scheduler import run_scheduler
+from kvsim.workloads.request import make_request
 
 pytestmark = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 

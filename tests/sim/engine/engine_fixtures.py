@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache.manager import KVCacheManager
-from sim.engine.batch import Batch
-from sim.engine.config import SimConfig
-from sim.engine.metrics import RequestLog
-from sim.engine.run import RunResult, simulate
-from sim.engine.scheduler import Scheduler
-from workloads.request import Request, Workload, make_request
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.sim.engine.batch import Batch
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.metrics import RequestLog
+from kvsim.sim.engine.run import RunResult, simulate
+from kvsim.sim.engine.scheduler import Scheduler
+from kvsim.workloads.request import Request, Workload, make_request
 
 
 class FlatCost:

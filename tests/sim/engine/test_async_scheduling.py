@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.conform.check import conform
-from sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform.check import conform
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.workloads.default import default_workload
+from kvsim.workloads.jsonl import write_jsonl
+from kvsim.workloads.request import make_request
+from kvsim.workloads.traces import load_workload
 from tests.sim.engine.engine_fixtures import req, run
-from workloads.default import default_workload
-from workloads.jsonl import write_jsonl
-from workloads.request import make_request
-from workloads.traces import load_workload
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
@@ -161,8 +161,8 @@ def test_sync_kvsim_against_the_async_vllm_differs():
     # the comparison is not blind: one step of lag shows up
     reqs = list(default_workload(0))[:60]
     sync = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=300)
-    from sim.conform.check import SCHEDULER_FIELDS, compare, kvsim_scheduler
-    from sim.conform.vllm_scheduler import run_scheduler
+    from kvsim.sim.conform.check import SCHEDULER_FIELDS, compare, kvsim_scheduler
+    from kvsim.sim.conform.vllm_scheduler import run_scheduler
 
     theirs = run_scheduler(reqs, block_size=16, num_gpu_blocks=300, max_num_batched_tokens=sync.batch_limits()[0],
                            max_num_seqs=sync.batch_limits()[1], step_time=0.05, async_scheduling=True)

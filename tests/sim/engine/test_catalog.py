@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine.catalog import GPUS, MODELS, get_gpu, get_model
-from sim.engine.config import ConfigError
+from kvsim.sim.engine.catalog import GPUS, MODELS, get_gpu, get_model
+from kvsim.sim.engine.config import ConfigError
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -65,7 +65,7 @@ def test_unknown_names_list_the_choices() -> None:
 def test_batch_defaults_are_vllm_serve_0_33s() -> None:
     # vllm/engine/arg_utils.py EngineArgs.get_batch_defaults (0.33), OPENAI_API_SERVER column:
     # H100/H200 (>= 70 GiB, not A100) 8192 tokens and 1024 sequences; A100 and smaller 2048, 256
-    from sim.engine.config import SimConfig
+    from kvsim.sim.engine.config import SimConfig
 
     assert SimConfig(gpu="h100-sxm").batch_limits() == (8192, 1024)
     assert SimConfig(gpu="h200").batch_limits() == (8192, 1024)

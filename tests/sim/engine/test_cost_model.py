@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.engine.config import ConfigError, SimConfig
-from sim.engine.cost_model import CostModel
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.cost_model import CostModel
 
 REL = 1e-9
 H100_COMPUTE = 989e12 * 0.5  # default compute efficiency

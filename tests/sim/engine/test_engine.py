@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.engine import shortcuts
-from sim.engine.config import SimConfig
-from sim.engine.run import simulate
-from sim.engine.shortcuts import BlockedHead, LazyDecodes, Shortcuts
+from kvsim.sim.engine import shortcuts
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.sim.engine.shortcuts import BlockedHead, LazyDecodes, Shortcuts
+from kvsim.workloads.request import Workload
+from kvsim.workloads.shapes import parallel, shared_prefix
 from tests.sim.engine.engine_fixtures import FlatCost, req, run
-from workloads.request import Workload
-from workloads.shapes import parallel, shared_prefix
 
 
 def test_latencies_follow_the_steps() -> None:
@@ -92,9 +92,9 @@ def _stress(**cfg) -> SimConfig:
 
 def _mixed() -> Workload:
     """Shared prefixes and parallel sampling, arriving fast enough to preempt."""
-    from workloads.arrivals import Poisson
-    from workloads.lengths import Fixed, LogNormal
-    from workloads.shapes import merge
+    from kvsim.workloads.arrivals import Poisson
+    from kvsim.workloads.lengths import Fixed, LogNormal
+    from kvsim.workloads.shapes import merge
 
     a = shared_prefix(60, num_prefixes=3, prefix_len=Fixed(96), user_len=LogNormal(40, 1.0, hi=200),
                       output_len=LogNormal(60, 1.0, hi=300), arrivals=Poisson(8.0), seed=3,
@@ -225,9 +225,9 @@ def test_runs_are_deterministic() -> None:
 
 
 def test_load_scales_open_loop_arrivals():
-    from sim.engine.config import SimConfig
-    from sim.engine.run import simulate
-    from workloads.request import make_request
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
+    from kvsim.workloads.request import make_request
 
     reqs = [make_request(f"r{i}", 10.0 * i, np.arange(40, dtype=np.int32) + 100 * i, 4) for i in range(3)]
     base = simulate(reqs, SimConfig(num_gpu_blocks=200)).requests["arrival"].tolist()
@@ -246,9 +246,9 @@ def test_load_scales_open_loop_arrivals():
 )
 def test_shortcuts_change_nothing_on_random_configs(seed: int, block_size: int, num_gpu_blocks: int,
                                                     budget: int, swap: bool, chunked: bool) -> None:
-    from workloads.arrivals import Poisson
-    from workloads.lengths import LogNormal
-    from workloads.shapes import merge
+    from kvsim.workloads.arrivals import Poisson
+    from kvsim.workloads.lengths import LogNormal
+    from kvsim.workloads.shapes import merge
 
     def workload() -> Workload:
         a = shared_prefix(25, num_prefixes=2, prefix_len=LogNormal(40, 0.5, hi=120), user_len=LogNormal(20, 1.0, hi=90),

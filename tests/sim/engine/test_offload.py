@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvcache.offload.tier import HostTier
-from kvcache.sequence import Sequence
-from sim.engine.config import ConfigError, SimConfig
-from sim.engine.cost_model import CostModel
-from sim.engine.host_link import Job, Link
-from sim.engine.offload import Offloader
-from sim.engine.run import simulate
+from kvsim.kvcache.offload.tier import HostTier
+from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.host_link import Job, Link
+from kvsim.sim.engine.offload import Offloader
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Workload
 from tests.sim.engine.engine_fixtures import FlatCost, req
-from workloads.request import Workload
 
 MIB = 1 << 20
 
@@ -124,9 +124,9 @@ def test_frees_are_deferred_only_with_batches_in_flight_and_a_connector(async_sc
     flight (async scheduling) and a KV consumer connector (offloading runs as kv_both); async scheduling
     with offloading is what `vllm serve --kv-offloading-size` runs by default (the conform cases with
     vLLM are in tests/sim/conform/test_conform_offload.py)."""
-    from sim.engine.loop import build_scheduler
-    from sim.engine.metrics import RequestLog
-    from sim.engine.run import make_manager
+    from kvsim.sim.engine.loop import build_scheduler
+    from kvsim.sim.engine.metrics import RequestLog
+    from kvsim.sim.engine.run import make_manager
 
     cfg = SimConfig(async_scheduling=async_scheduling, kv_offloading_size=1.0 if offloading else None,
                     num_gpu_blocks=64).validate()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine.config import ConfigError, SimConfig
-from sim.engine.run import simulate
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Workload
 from tests.sim.engine.test_offload import MIB, HostLinkCost, _evicted_prefix
-from workloads.request import Workload
 
 FS = {"offload_fs": True, "offload_fs_gbps": MIB / 1e9, "offload_fs_probe_s": 0.25}
 

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sim.engine.quiet as quiet
-from sim.engine.config import SimConfig
-from sim.engine.cost_model import CostModel
-from sim.engine.run import RunResult, simulate
+import kvsim.sim.engine.quiet as quiet
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.run import RunResult, simulate
+from kvsim.workloads.build import build_workload
+from kvsim.workloads.request import Workload
 from tests.sim.engine.engine_fixtures import FlatCost, req
-from workloads.build import build_workload
-from workloads.request import Workload
 
 SHAPES: dict[str, dict[str, Any]] = {  # small requests, so a few dozen fill a small cache
     "shared-prefix": {"prefix_len": "fixed:48", "user_len": "lognormal:24,1.0", "output_len": "lognormal:40,1.0",
@@ -185,7 +185,7 @@ def test_without_the_full_isl_reserve_a_blocked_head_is_retried_every_step() -> 
     admitted later than plain stepping admits them)."""
     from pathlib import Path
 
-    from workloads.traces import load_workload
+    from kvsim.workloads.traces import load_workload
 
     golden = Path(__file__).resolve().parents[2] / "golden" / "workloads" / "multi-turn.jsonl"
     cfg = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=60,
@@ -202,7 +202,7 @@ def test_the_prefill_cadence_sees_a_resumed_sequence_end_its_prefill_in_a_decode
     the decode shortcut takes: that step still carries prefill (vLLM is_prefill_chunk), so the
     cadence restarts there. A random conformance case (seed 32513) found 8 of its 20 requests
     scheduled later than vLLM schedules them when the shortcut missed it."""
-    from sim.conform.random_cases import random_case
+    from kvsim.sim.conform.random_cases import random_case
 
     case = random_case(32513)
 

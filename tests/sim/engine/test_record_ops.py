@@ -7,13 +7,13 @@ from collections import Counter, defaultdict
 import pandas as pd
 import pytest
 
-from kvcache import ops as oplog
-from kvcache.manager import KVCacheManager
-from kvcache.ops import Op, read_ops, read_tokens
-from sim.engine.config import SimConfig
-from sim.engine.run import simulate
-from workloads.request import Workload
-from workloads.shapes import parallel, shared_prefix
+from kvsim.kvcache import ops as oplog
+from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.ops import Op, read_ops, read_tokens
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Workload
+from kvsim.workloads.shapes import parallel, shared_prefix
 
 _GPU_A = ("write", "copy", "swap_out", "free", "evict", "table", "move")
 _GPU_B = ("copy", "swap_in", "move")
@@ -21,9 +21,9 @@ _GPU_B = ("copy", "swap_in", "move")
 
 def _workload() -> Workload:
     """Shared prefixes and parallel sampling, arriving fast enough to preempt."""
-    from workloads.arrivals import Poisson
-    from workloads.lengths import Fixed, LogNormal
-    from workloads.shapes import merge
+    from kvsim.workloads.arrivals import Poisson
+    from kvsim.workloads.lengths import Fixed, LogNormal
+    from kvsim.workloads.shapes import merge
 
     a = shared_prefix(40, num_prefixes=3, prefix_len=Fixed(64), user_len=LogNormal(30, 1.0, hi=150),
                       output_len=LogNormal(50, 1.0, hi=200), arrivals=Poisson(8.0), seed=5,

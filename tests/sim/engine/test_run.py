@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvcache.ops import read_ops
-from sim.engine.metrics import STEP_FIELDS
-from sim.engine.run import rare_collections
-from sim.studies.plots import PLOTS
-from sim.studies.run_folder import load_run, write_run
+from kvsim.kvcache.ops import read_ops
+from kvsim.sim.engine.metrics import STEP_FIELDS
+from kvsim.sim.engine.run import rare_collections
+from kvsim.sim.studies.plots import PLOTS
+from kvsim.sim.studies.run_folder import load_run, write_run
 from tests.sim.engine.engine_fixtures import req, run
 
 PNG = b"\x89PNG\r\n\x1a\n"

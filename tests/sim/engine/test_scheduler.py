@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.engine.metrics import FINISHED, REASONS, REJECTED
+from kvsim.sim.engine.metrics import FINISHED, REASONS, REJECTED
 from tests.sim.engine.engine_fixtures import make_scheduler, req, step
 
 

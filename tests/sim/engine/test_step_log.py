@@ -9,12 +9,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from sim.engine.config import SimConfig
-from sim.engine.metrics import STEP_COLUMNS, STEP_FIELDS
-from sim.engine.run import simulate
-from sim.engine.step_log import StepFile, StepLog
-from sim.studies.run_folder import load_run, write_run
-from workloads.build import build_workload
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.metrics import STEP_COLUMNS, STEP_FIELDS
+from kvsim.sim.engine.run import simulate
+from kvsim.sim.engine.step_log import StepFile, StepLog
+from kvsim.sim.studies.run_folder import load_run, write_run
+from kvsim.workloads.build import build_workload
 
 
 class SmallLog(StepLog):

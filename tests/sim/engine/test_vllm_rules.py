@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from sim.engine.config import SimConfig
-from sim.engine.loop import grid_index
-from sim.engine.run import simulate
-from workloads.request import make_request
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.loop import grid_index
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import make_request
 
 _next = [0]
 
@@ -180,7 +180,7 @@ def test_the_adaptive_long_prefill_floor_divides_max_num_batched_tokens():
 
 
 def test_max_num_scheduled_tokens_outside_what_kvsim_models_is_refused():
-    from sim.engine.config import ConfigError
+    from kvsim.sim.engine.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"max_num_scheduled_tokens \(65\) must be <= max_num_batched_tokens \(64\)"):
         SimConfig(max_num_seqs=4, max_num_batched_tokens=64, max_num_scheduled_tokens=65).validate()
@@ -205,7 +205,7 @@ def test_a_step_budget_below_max_num_seqs_cuts_decodes_in_running_order():
 
 
 def test_the_admission_knobs_need_a_release_that_has_them():
-    from sim.engine.config import ConfigError
+    from kvsim.sim.engine.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"vLLM 0.30 has no max_num_active_seqs \(it came in 0.31\)"):
         SimConfig(max_num_active_seqs=2, vllm_version="0.30").validate()

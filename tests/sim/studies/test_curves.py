@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.engine.config import ConfigError
-from sim.studies.curves import (
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.config import ConfigError
+from kvsim.sim.studies.curves import (
     capacity_curve,
     check_points,
     format_table,
@@ -18,8 +18,8 @@ from sim.studies.curves import (
     sim_point,
     write_curve,
 )
-from sim.studies.sweep import WorkloadSpec
-from workloads import make_request, write_jsonl
+from kvsim.sim.studies.sweep import WorkloadSpec
+from kvsim.workloads import make_request, write_jsonl
 
 runner = CliRunner()
 
@@ -75,8 +75,8 @@ def test_capacity_curve_rows_sorted_and_parallel_matches_serial(acb: WorkloadSpe
 
 
 def test_sim_mode_point_matches_the_simulator(acb: WorkloadSpec) -> None:
-    from sim.engine.config import SimConfig
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
 
     row = sim_point(acb, "lru", 8, 16)
     s = simulate(acb.open(), SimConfig(num_gpu_blocks=8, eviction="lru")).summary

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.studies.plot_workers import NAMES, PlotWorkers
-from sim.studies.plots import PLOTS, write_plots
-from sim.studies.run_folder import write_run
+from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
+from kvsim.sim.studies.plots import PLOTS, write_plots
+from kvsim.sim.studies.run_folder import write_run
 from tests.sim.engine.engine_fixtures import req, run
 
 

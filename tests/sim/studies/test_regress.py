@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.engine.config import ConfigError
-from sim.studies.regress import Row, baseline_folders, compare, format_diff, load_baseline
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.config import ConfigError
+from kvsim.sim.studies.regress import Row, baseline_folders, compare, format_diff, load_baseline
 
 runner = CliRunner()
 GOLDEN = Path(__file__).parents[2] / "golden"

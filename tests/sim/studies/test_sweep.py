@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.engine.config import ConfigError
-from sim.studies.sweep import WorkloadSpec, load_sweep, point_id, run_sweep, write_json_atomic
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.config import ConfigError
+from kvsim.sim.studies.sweep import WorkloadSpec, load_sweep, point_id, run_sweep, write_json_atomic
 
 runner = CliRunner()
 CALLS: list[dict] = []
@@ -100,8 +100,8 @@ def test_resume_after_kill_skips_finished_points(tmp_path: Path) -> None:
 
 
 def test_parallel_sweep_runs_the_simulator(tmp_path: Path) -> None:
-    from sim.engine.config import SimConfig
-    from sim.engine.run import simulate
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
 
     golden = Path(__file__).parents[2] / "golden" / "workloads" / "shared-prefix.jsonl"
     path = write(tmp_path, f'[base]\nworkload = "{golden}"\n[grid]\nnum_gpu_blocks = [32, 64]\n')

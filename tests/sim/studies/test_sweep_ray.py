@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli.app import app
-from sim.engine.config import ConfigError
-from sim.studies.sweep import WorkloadSpec, load_sweep, run_sweep
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.config import ConfigError
+from kvsim.sim.studies.sweep import WorkloadSpec, load_sweep, run_sweep
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'kvsim[ray]'")
 # Ray's workers cannot import a test module by name: ship this module's functions by value.

@@ -1,0 +1,277 @@
+"""kvsim's public Python API, re-exported by `import kvsim`: the calls a notebook needs.
+
+These names, their keywords and what they return are the stable surface; the modules behind
+them (`kvsim.sim.engine`, `kvsim.kvcache`, ...) may change between releases.
+
+A workload is given the same way to every call: None (the embedded default workload, as the
+commands use it), a path (any `kvsim workload` format), or a `Workload` from `load_workload`,
+`generate_workload` or `default_workload`. A run's settings are keywords named as the fields of
+`SimConfig` (vLLM's names: `num_gpu_blocks`, `max_num_batched_tokens`, `kv_offloading_size`, ...;
+`tensor_parallel_size` is accepted for `tensor_parallel`), checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.run import RunResult
+from kvsim.sim.studies.sweep import WorkloadSpec
+from kvsim.workloads.errors import WorkloadError
+from kvsim.workloads.request import Request, Workload
+
+__all__ = [
+    "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "config", "conform",
+    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "sweep", "workload_stats",
+]  # fmt: skip
+
+# The embedded workload's cache when no size is given: 512 blocks (8,192 tokens at block 16)
+# fill and evict, so policies differ (lru 64.77 %, s3fifo 67.48 % of prompt tokens hit); the
+# H100's memory (27,816 blocks) holds the whole workload, and every policy would tie.
+DEFAULT_WORKLOAD_BLOCKS = 512
+ALIASES = {"tensor_parallel_size": "tensor_parallel"}  # vLLM's name -> SimConfig's
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SimConfig))
+WorkloadLike = Workload | str | Path | None
+
+
+# ------------------------------------------------------------------ workloads
+def load_workload(path: str | Path, format: str = "auto", *, skip_bad: bool = False) -> Workload:
+    """A workload file (Mooncake, Azure, RAGPulse or kvsim JSONL; `format` auto-detects), streamed:
+    it is read again on each pass. Bad records raise `WorkloadError` naming file, line and field
+    (with `skip_bad`, they are skipped and counted on `.skipped`)."""
+    from kvsim.workloads.traces import load_workload as load
+
+    wl = load(path, format, skip_bad=skip_bad)
+    wl.spec = WorkloadSpec(path=str(path), format=format)
+    return wl
+
+
+def generate_workload(kind: str, **shape: Any) -> Workload:
+    """A synthetic workload, as `kvsim workload generate KIND` makes it: `shape` takes that
+    command's options under their names (`num_requests`, `rate`, `arrival`, `cv`, `seed`,
+    `prefix_len`, `turns`, `think_time`, ...). Seeded: the same shape gives the same requests."""
+    from kvsim.sim.studies.sweep import generate
+
+    options = {"kind": kind, **shape}
+    wl = generate(options)
+    wl.spec = WorkloadSpec(generator=tuple(sorted(options.items())))
+    return wl
+
+
+def default_workload(seed: int | None = None) -> Workload:
+    """The embedded default workload (150 requests on 4 shared system prompts and 150 chat turns)."""
+    from kvsim.workloads.default import DEFAULT_SEED
+    from kvsim.workloads.default import default_workload as make
+
+    seed = DEFAULT_SEED if seed is None else seed
+    wl = make(seed)
+    wl.spec = WorkloadSpec(generator=(("kind", "default"), ("seed", seed))) if seed != DEFAULT_SEED else WorkloadSpec()
+    return wl
+
+
+def workload_stats(workload: WorkloadLike = None, block_size: int = 16) -> Any:
+    """As `kvsim workload stats`: request count, rate, prompt and output length percentiles,
+    sessions, and the ideal hit rate (an infinite cache) at `block_size`, in one streamed pass."""
+    from kvsim.workloads.stats import describe
+
+    return describe(_open(workload), block_size)
+
+
+def _open(workload: WorkloadLike, seed: int | None = None) -> Workload:
+    if workload is None:
+        return default_workload(seed)
+    if isinstance(workload, str | Path):
+        return load_workload(workload)
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, Iterable):  # a list of requests
+        return Workload.from_list(_requests(workload), "requests")
+    raise TypeError(f"workload must be None, a path or a Workload, got {type(workload).__name__}")
+
+
+def _requests(items: Iterable[Any]) -> list[Request]:
+    reqs = list(items)
+    for r in reqs:
+        if not isinstance(r, Request):
+            raise TypeError(f"a workload list holds Requests, got {type(r).__name__}")
+    return reqs
+
+
+def _spec(workload: WorkloadLike) -> WorkloadSpec:
+    """How worker processes reopen `workload` (its file or generator; else its requests, copied)."""
+    if workload is None:
+        return WorkloadSpec()
+    if isinstance(workload, str | Path):
+        load_workload(workload)  # fail here, naming the file, not in a worker
+        return WorkloadSpec(path=str(workload))
+    spec = getattr(workload, "spec", None)
+    if isinstance(spec, WorkloadSpec):
+        return spec
+    wl = _open(workload)
+    return WorkloadSpec(requests=tuple(wl), label=wl.name)
+
+
+# --------------------------------------------------------------------- config
+def config(**knobs: Any) -> SimConfig:
+    """The validated `SimConfig` with these knobs changed from vLLM 0.33's defaults; an unknown
+    knob or a value no run could use raises `ConfigError` naming it."""
+    changes = {}
+    for key, value in knobs.items():
+        name = ALIASES.get(key, key)
+        if name not in _FIELDS:
+            close = difflib.get_close_matches(name, sorted(_FIELDS | set(ALIASES)), 1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown setting {key!r}{hint} (the names are SimConfig's fields)")
+        changes[name] = value
+    return SimConfig().replace(**changes).validate()
+
+
+# ----------------------------------------------------------------------- runs
+class Run:
+    """One simulation: `summary` (the dict of `summary.json`), `requests` and `steps` (pandas
+    DataFrames, one row per request and per engine step), `config`; `write(folder)` saves it as
+    a run folder that `kvsim report` and `kvsim compare` read."""
+
+    def __init__(self, result: RunResult):
+        self.result = result
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.result.summary
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        return self.result.requests
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        return self.result.steps
+
+    @property
+    def config(self) -> SimConfig:
+        return self.result.config
+
+    def write(self, folder: str | Path, *, plots: bool = True) -> Path:
+        """Write the run folder (tables, summary, config, and PNG plots unless `plots` is False);
+        written beside it and renamed into place, so a failure leaves no half-written folder."""
+        from kvsim.sim.studies.run_folder import write_run
+
+        write_run(self.result, folder, plots=plots)
+        return Path(folder)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"<kvsim.Run {s.get('workload')}: {s.get('requests', 0):,} requests, "
+                f"hit rate {s.get('hit_rate', 0.0):.2%}>")
+
+
+def default_cache(cfg: SimConfig, derived: int, workload_given: bool, knobs: Mapping[str, Any]) -> SimConfig:
+    """The embedded workload with no cache size given runs in `DEFAULT_WORKLOAD_BLOCKS` blocks (as
+    `kvsim run` does), never more than the GPU holds (`derived`); any other run keeps `cfg`."""
+    if workload_given or knobs.get("num_gpu_blocks") is not None or knobs.get("gpu_memory_utilization") is not None:
+        return cfg
+    return cfg.replace(num_gpu_blocks=min(DEFAULT_WORKLOAD_BLOCKS, derived))
+
+
+def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,
+             **knobs: Any) -> Run:
+    """Simulate `workload` (None: the embedded default, in the cache `kvsim run` gives it) through
+    the engine the knobs describe; deterministic for the same workload, knobs and seed.
+    `progress(n)` is called as requests finish."""
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.run import simulate as run
+
+    cfg = config(**knobs)
+    cost = CostModel.from_config(cfg)
+    cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
+    return Run(run(_open(workload, cfg.seed), cfg, progress, cost_model=cost))
+
+
+def cache_replay(workload: WorkloadLike = None, *, num_blocks: int = 10_000, block_size: int = 16,
+                 eviction: str = "lru", max_running: int = 1, **knobs: Any) -> dict[str, Any]:
+    """Replay `workload` through the block manager alone (no scheduler, no clock), as
+    `kvsim cache-replay`: its totals and hit rates. `knobs`: `vllm_version`, and KV offloading's
+    (`kv_offloading_size`, `offload_*`, with `model`) for a host tier with instant transfers."""
+    from kvsim.kvcache.manager import KVCacheManager
+    from kvsim.kvcache.replay import replay
+    from kvsim.sim.studies.curves import replay_offload
+
+    cfg = config(block_size=block_size, eviction=eviction, num_gpu_blocks=num_blocks, **knobs)
+    if max_running < 1:
+        raise ConfigError(f"max_running must be >= 1, got {max_running}")
+    manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
+                             vllm_version=cfg.vllm_version)
+    result = replay(_open(workload), manager, max_running, None, replay_offload(cfg))
+    return result.as_dict()
+
+
+def curve(workload: WorkloadLike = None, *, capacities: Iterable[int], policies: Iterable[str] = ("lru",),
+          mode: str = "replay", workers: int = 1, on_point: Callable[[dict[str, Any]], None] | None = None,
+          **knobs: Any) -> pd.DataFrame:
+    """Hit rate (and evictions, fragmentation) against cache capacity in blocks, one row per
+    (policy, capacity), as `kvsim curve`: by cache-only replay (`mode="replay"`, fast) or full
+    simulation (`mode="sim"`) of the config the knobs describe, on `workers` processes."""
+    from kvsim.sim.studies.curves import capacity_curve
+
+    base = config(**knobs)
+    return capacity_curve(_spec(workload), list(capacities), list(policies), block_size=base.block_size,
+                          mode=mode, workers=workers, base=base, on_point=on_point)
+
+
+def sweep(workload: WorkloadLike = None, *, grid: Mapping[str, Iterable[Any]] | None = None,
+          points: Iterable[Mapping[str, Any]] | None = None, workers: int = 1,
+          on_point: Callable[[dict[str, Any]], None] | None = None, **knobs: Any) -> pd.DataFrame:
+    """Simulate every point over the fixed `knobs`, on `workers` processes: the combinations of
+    `grid` (knob -> values), or the knob dicts of `points` (for points that are not a product).
+    One row per point, in order: its own values, then its summary."""
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.studies.sweep import run_parallel, simulate_point
+
+    if (grid is None) == (points is None):
+        raise ConfigError("sweep takes a grid or a list of points (one of the two)")
+    if grid is not None:
+        points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*map(list, grid.values()))]
+    chosen = [{ALIASES.get(k, k): v for k, v in p.items()} for p in points]
+    if not chosen:
+        raise ConfigError("sweep: no points")
+    fixed = {ALIASES.get(k, k): v for k, v in knobs.items()}
+    spec = _spec(workload)
+    items = []
+    for p in chosen:  # every point checked here, naming its values, before any runs
+        params = {**fixed, **p}
+        try:
+            cfg = config(**params)
+            sized = default_cache(cfg, CostModel.from_config(cfg).num_gpu_blocks(cfg), workload is not None, params)
+        except ConfigError as e:
+            raise ConfigError(f"sweep point {p}: {e}") from None
+        if sized.num_gpu_blocks != cfg.num_gpu_blocks:
+            params["num_gpu_blocks"] = sized.num_gpu_blocks
+        items.append((params, spec))
+    done = (lambda item, s: on_point({**item[0], **s})) if on_point else None
+    rows = run_parallel(simulate_point, items, workers, done)
+    return pd.DataFrame([{**p, **{k: v for k, v in s.items() if k not in p}} for p, s in zip(chosen, rows, strict=True)])
+
+
+def conform(workload: WorkloadLike = None, *, mode: str = "both", max_running: int = 1,
+            num_gpu_blocks: int = 2000, **knobs: Any) -> list[Any]:
+    """Run `workload` through kvsim and the installed vLLM (`bash .ci/install_vllm_cpu.sh`), as
+    `kvsim conform`: one `Diff` per mode ("manager", "scheduler" or "both"); `.ok` when every
+    request matches. Steps follow the cost model's clock unless `step_time` is given."""
+    from kvsim.kvcache.profiles import profile
+    from kvsim.sim.conform import vllm_setup
+    from kvsim.sim.conform.check import conform as run_conform
+
+    missing = vllm_setup.vllm_available()
+    if missing:
+        raise ConfigError(missing)
+    knobs.setdefault("vllm_version", profile(vllm_setup.vllm_version()).version)
+    knobs.setdefault("closed_loop_sessions", knobs.get("step_time") is None)
+    cfg = config(num_gpu_blocks=num_gpu_blocks, **knobs)
+    return run_conform(list(_open(workload, cfg.seed)), cfg, mode, max_running)

@@ -1,0 +1,114 @@
+"""`import kvsim`: the public Python API (kvsim/__init__.py, sim/api.py).
+
+Each call is checked against the path it wraps (the engine's `simulate`, the commands' defaults),
+so the API cannot drift from `kvsim run`; one test imports kvsim from a folder that holds a user's
+own `workloads.py`, `sim.py` and `gpu.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+import kvsim
+from kvsim.sim.studies.run_folder import load_run
+
+SHAPE = {"num_requests": 40, "rate": 4.0, "seed": 1}  # a small multi-turn workload
+
+
+@pytest.fixture(scope="module")
+def chat() -> kvsim.Workload:
+    return kvsim.generate_workload("multi-turn", **SHAPE)
+
+
+def test_the_default_run_is_kvsim_runs_quick_start():
+    # README quick start: `kvsim run` on the embedded workload, 512 blocks: 64.77 %, 5,476 evictions
+    run = kvsim.simulate()
+    assert run.config.num_gpu_blocks == 512
+    assert (run.summary["requests"], run.summary["evictions"]) == (300, 5476)
+    assert run.summary["hit_rate"] == pytest.approx(0.6477097494479466, abs=0)
+    assert len(run.requests) == 300 and len(run.steps) == run.summary["steps"]
+
+
+def test_a_user_folder_with_its_own_workloads_sim_and_gpu_modules_does_not_shadow_kvsim(tmp_path):
+    for name in ("workloads", "sim", "gpu", "kvcache"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user module was imported')\n")
+    code = ("import kvsim, json; r = kvsim.simulate(num_gpu_blocks=300); "
+            "print(json.dumps([r.summary['requests'], r.summary['evictions']]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [300, kvsim.simulate(num_gpu_blocks=300).summary["evictions"]]
+
+
+def test_an_unknown_setting_names_the_closest_field():
+    with pytest.raises(kvsim.ConfigError, match=r"^unknown setting 'num_gpu_block'; did you mean 'num_gpu_blocks'\?"):
+        kvsim.simulate(num_gpu_block=3)
+    with pytest.raises(kvsim.ConfigError, match="block_size must be a positive power of two, got 12"):
+        kvsim.config(block_size=12)
+    assert kvsim.config(tensor_parallel_size=2).tensor_parallel == 2  # vLLM's name
+
+
+def test_one_workload_object_serves_every_call(chat):
+    run = kvsim.simulate(chat, num_gpu_blocks=128)
+    assert run.config.num_gpu_blocks == 128 and run.summary["requests"] == 40
+    sweep = kvsim.sweep(chat, grid={"num_gpu_blocks": [128, 256]}, workers=2)
+    assert sweep["num_gpu_blocks"].tolist() == [128, 256]
+    assert sweep["hit_rate"].iloc[0] == run.summary["hit_rate"]
+    sim = kvsim.curve(chat, capacities=[128], mode="sim")
+    assert sim["hit_rate"].tolist() == [run.summary["hit_rate"]]
+    replay = kvsim.curve(chat, capacities=[128, 256], policies=["lru", "arc"], workers=2)
+    assert replay[["policy", "capacity"]].values.tolist() == [["lru", 128], ["lru", 256], ["arc", 128], ["arc", 256]]
+    alone = kvsim.cache_replay(chat, num_blocks=256)
+    assert alone["hit_rate"] == replay["hit_rate"].iloc[1]
+
+
+def test_a_list_of_requests_and_a_path_are_workloads_too(chat, tmp_path):
+    from kvsim.workloads.jsonl import write_jsonl
+
+    reqs = list(chat)
+    path = tmp_path / "chat.jsonl"
+    write_jsonl(reqs, path)
+    want = kvsim.simulate(chat, num_gpu_blocks=128).summary["hit_rate"]
+    assert kvsim.simulate(reqs, num_gpu_blocks=128).summary["hit_rate"] == want
+    assert kvsim.simulate(path, num_gpu_blocks=128).summary["hit_rate"] == want
+    assert kvsim.simulate(kvsim.load_workload(path), num_gpu_blocks=128).summary["hit_rate"] == want
+    # in another process the list travels with the point
+    assert kvsim.sweep(reqs, grid={"num_gpu_blocks": [128, 64]}, workers=2)["hit_rate"].iloc[0] == want
+
+
+def test_a_run_writes_a_run_folder_that_the_commands_read(chat, tmp_path):
+    run = kvsim.simulate(chat, num_gpu_blocks=128)
+    folder = run.write(tmp_path / "run", plots=False)
+    back = load_run(folder)
+    assert back.summary["hit_rate"] == run.summary["hit_rate"]
+    assert back.requests.equals(run.requests)
+
+
+def test_the_sweep_of_the_default_workload_uses_kvsim_runs_cache():
+    df = kvsim.sweep(grid={"eviction": ["lru"]})
+    assert df[["eviction", "num_gpu_blocks", "evictions"]].values.tolist() == [["lru", 512, 5476]]
+
+
+def test_the_version_is_the_installed_distributions():
+    assert kvsim.__version__ == version("kvsim")
+
+
+def test_a_sweep_takes_points_that_are_not_a_product(chat):
+    pts = [{"block_size": 16, "num_gpu_blocks": 129}, {"block_size": 32, "num_gpu_blocks": 65}]
+    df = kvsim.sweep(chat, points=pts)
+    assert df[["block_size", "num_gpu_blocks"]].values.tolist() == [[16, 129], [32, 65]]
+    assert df["hit_rate"].tolist() == [kvsim.simulate(chat, **p).summary["hit_rate"] for p in pts]
+    with pytest.raises(kvsim.ConfigError, match="^sweep takes a grid or a list of points"):
+        kvsim.sweep(chat)
+    with pytest.raises(kvsim.ConfigError, match=r"^sweep point \{'block_size': 12\}: block_size must be a positive"):
+        kvsim.sweep(chat, grid={"block_size": [16, 12]})
+
+
+def test_workload_stats_give_the_ideal_hit_rate(chat):
+    from kvsim.workloads.stats import describe
+
+    st = kvsim.workload_stats(chat, 16)
+    assert st.requests == 40 and st.ideal_token_hit_rate == describe(chat, 16).ideal_token_hit_rate
