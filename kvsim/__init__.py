@@ -20,7 +20,7 @@ from typing import Any
 # NOTE: the names load on first use (`kvsim.sim.api`), so `kvsim --help`, which imports this
 # package on its way to `kvsim.sim.cli`, pulls in no numpy, pandas or simpy.
 __all__ = [
-    "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "config", "conform",
+    "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "capacity", "config", "conform",
     "curve", "default_workload", "generate_workload", "load_workload", "simulate", "sweep", "workload_stats",
 ]  # fmt: skip
 try:

@@ -28,7 +28,7 @@ from kvsim.workloads.errors import WorkloadError
 from kvsim.workloads.request import Request, Workload
 
 __all__ = [
-    "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "config", "conform",
+    "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "capacity", "config", "conform",
     "curve", "default_workload", "generate_workload", "load_workload", "simulate", "sweep", "workload_stats",
 ]  # fmt: skip
 
@@ -257,6 +257,23 @@ def sweep(workload: WorkloadLike = None, *, grid: Mapping[str, Iterable[Any]] | 
     done = (lambda item, s: on_point({**item[0], **s})) if on_point else None
     rows = run_parallel(simulate_point, items, workers, done)
     return pd.DataFrame([{**p, **{k: v for k, v in s.items() if k not in p}} for p, s in zip(chosen, rows, strict=True)])
+
+
+def capacity(workload: WorkloadLike = None, *, slo_ttft: float, slo_tpot: float, attainment: float = 0.9,
+             workers: int = 1, gpu_hourly_cost: float | None = None, tolerance: float = 0.02,
+             on_probe: Callable[..., None] | None = None, **knobs: Any) -> Any:
+    """As `kvsim capacity`: the highest arrival rate (the workload's arrivals rescaled) at which
+    the config the knobs describe meets both targets for `attainment` of the requests, found by
+    bisection over simulated runs (`workers` at a time). Returns a `Capacity`: `.rate_rps`,
+    `.rate_per_gpu`, `.best` and `.above` (the probes either side), `.probes`, `.as_dict()`, and
+    with `gpu_hourly_cost` (dollars), `.cost_per_million_output_tokens`."""
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.studies.capacity import capacity as search
+
+    cfg = config(**knobs)
+    cfg = default_cache(cfg, CostModel.from_config(cfg).num_gpu_blocks(cfg), workload is not None, knobs)
+    return search(_spec(workload), cfg, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
+                  workers=workers, tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=on_probe)
 
 
 def conform(workload: WorkloadLike = None, *, mode: str = "both", max_running: int = 1,

@@ -10,6 +10,7 @@ import threading
 import typer
 
 from kvsim.sim.cli.cache import register as _register_cache
+from kvsim.sim.cli.capacity import register as _register_capacity
 from kvsim.sim.cli.conform import register as _register_conform
 from kvsim.sim.cli.gpu import register as _register_gpu
 from kvsim.sim.cli.run import register as _register_run
@@ -29,6 +30,7 @@ _register_cache(app)
 _register_gpu(app)
 _register_study(app)
 _register_run(app)
+_register_capacity(app)
 _register_conform(app)
 
 

@@ -145,6 +145,33 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
                     make + shlex.join(curve)]
 
 
+# `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
+PLAIN_KNOBS = ("block_size", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
+               "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
+               "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
+               "step_time", "calibration", "slo_ttft", "slo_tpot", "seed")
+# switches: option -> (SimConfig field, value when given)
+SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
+            "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
+            "debug_invariants": ("debug_invariants", True)}
+
+
+def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
+    """The `SimConfig` fields that `kvsim run`'s knob options set (`o`: option name -> value, the
+    options not given None or False); `kvsim capacity` takes the same options."""
+    g = o.get
+    changes: dict[str, Any] = hardware_changes(g("model"), g("gpu"), g("tp"))
+    changes.update((k, str(g(k)) if k == "calibration" else g(k)) for k in PLAIN_KNOBS if g(k) is not None)
+    changes.update(offload_changes(g("kv_offloading_size"), g("offload_eviction_policy"), g("offload_store_threshold"),
+                                   g("offload_blocks_per_chunk"), bool(g("offload_all"))))
+    changes.update(fs_changes(bool(g("offload_fs")), g("offload_fs_size"), g("offload_fs_gbps"), g("offload_fs_threads")))
+    changes.update(admission_changes(g("max_num_active_seqs"), bool(g("long_prefill_token_threshold_adaptive")),
+                                     bool(g("no_scheduler_reserve_full_isl")), g("prefill_schedule_interval"),
+                                     g("max_num_scheduled_tokens")))
+    changes.update(SWITCHES[k] for k in SWITCHES if g(k))
+    return changes
+
+
 def run(
     workload: Annotated[Path | None, typer.Argument(help="workload file or RAGPulse folder; default: the embedded workload")] = None,
     format: Annotated[str, typer.Option("--format", "-f", help="|".join(FORMATS))] = "auto",
@@ -196,35 +223,7 @@ def run(
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
 ) -> None:
     """Simulate WORKLOAD through the engine and write a run folder (tables, summary, plots)."""
-    given = {
-        **hardware_changes(model, gpu, tp), "block_size": block_size,
-        "num_gpu_blocks": num_gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
-        "num_cpu_blocks": num_cpu_blocks, "eviction": eviction, "watermark": watermark,
-        "preemption": preemption, "scheduling": scheduling, "parallel_sampling": parallel_sampling,
-        "defrag_threshold": defrag_threshold,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "load": load,
-        "max_model_len": max_model_len, "long_prefill_token_threshold": long_prefill_token_threshold,
-        "vllm_version": vllm_version, "step_time": step_time,
-        "calibration": str(calibration) if calibration else None, "slo_ttft": slo_ttft,
-        "slo_tpot": slo_tpot, "seed": seed,
-    }  # fmt: skip
-    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
-    changes.update(offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
-                                   offload_blocks_per_chunk, offload_all))
-    changes.update(fs_changes(offload_fs, offload_fs_size, offload_fs_gbps, offload_fs_threads))
-    changes.update(admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
-                                     no_scheduler_reserve_full_isl, prefill_schedule_interval,
-                                     max_num_scheduled_tokens))
-    if no_prefix_caching:
-        changes["enable_prefix_caching"] = False
-    if no_chunked_prefill:
-        changes["enable_chunked_prefill"] = False
-    if async_scheduling:
-        changes["async_scheduling"] = True
-    if record_ops:
-        changes["record_ops"] = True
-    if debug_invariants:
-        changes["debug_invariants"] = True
+    changes = knob_changes(locals())
     from kvsim.sim.api import default_cache
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.engine.cost_model import CostModel

@@ -1,0 +1,118 @@
+"""`kvsim capacity`: the highest rate a configuration serves within TTFT and TPOT targets.
+
+It takes `kvsim run`'s knob options (the same names, defaults and checks: its parameters are
+run's, read from `kvsim.sim.cli.run.run`), so policies, cache and offloading sizes can be compared
+by the rate they sustain. The search is `kvsim.sim.studies.capacity`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvsim.sim.cli.common import fail
+from kvsim.sim.cli.run import run as _run_command
+
+# run's options that capacity does not take: its own output, and the targets it asks for itself
+NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "slo_ttft", "slo_tpot", "skip_bad"}
+
+
+def _capacity(
+    workload: Annotated[Path | None, typer.Argument(help="workload file; default: the embedded workload")] = None,
+    slo_ttft: Annotated[float, typer.Option("--slo-ttft", help="time-to-first-token target, seconds")] = ...,
+    slo_tpot: Annotated[float, typer.Option("--slo-tpot", help="time-per-output-token target, seconds")] = ...,
+    attainment: Annotated[float, typer.Option(help="share of requests that must meet both targets")] = 0.9,
+    gpu_hourly_cost: Annotated[float | None, typer.Option("--gpu-hourly-cost", help="dollars per GPU-hour: adds the cost per million output tokens")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", help="loads simulated at once, each round")] = 2,
+    tolerance: Annotated[float, typer.Option(help="stop when the bracket is this narrow (relative)")] = 0.02,
+    as_json: Annotated[bool, typer.Option("--json", help="print the answer as one JSON object")] = False,
+    **knobs: Any,
+) -> None:
+    """The highest arrival rate (the workload's arrivals rescaled) at which the configuration
+    meets both targets for ATTAINMENT of the requests (DistServe's goodput), by bisection over
+    simulated runs; per GPU, and with --gpu-hourly-cost what a million output tokens cost."""
+    from kvsim.sim.api import default_cache
+    from kvsim.sim.cli.run import knob_changes
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.studies.capacity import capacity
+    from kvsim.sim.studies.sweep import WorkloadSpec
+    from kvsim.workloads.errors import WorkloadError
+    from kvsim.workloads.traces import load_workload
+
+    changes = knob_changes(knobs)
+    try:
+        cfg = SimConfig().replace(**changes).validate()
+        cfg = default_cache(cfg, CostModel.from_config(cfg).num_gpu_blocks(cfg), workload is not None, changes)
+        if workload is not None:
+            load_workload(workload, knobs.get("format") or "auto")  # a bad path fails here, not in a worker
+        spec = WorkloadSpec(path=str(workload), format=knobs.get("format") or "auto") if workload else WorkloadSpec()
+    except (ConfigError, WorkloadError, ValueError) as e:
+        raise fail(str(e)) from None
+    name = str(workload) if workload is not None else "the default workload"
+    if not as_json:
+        typer.echo(f"capacity of {name}: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
+                   f"{cfg.num_gpu_blocks or 'derived'} blocks, eviction {cfg.eviction}; targets TTFT <= "
+                   f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
+
+    def shown(p: Any, lo: float | None, hi: float | None) -> None:
+        bracket = f"[{'?' if lo is None else f'{lo:.4g}'}, {'?' if hi is None else f'{hi:.4g}'}]"
+        typer.echo(f"  load x{p.load:<8.4g} {p.rate_rps:9.3f} req/s  {p.attainment:7.2%} met  "
+                   f"{'meets' if p.meets else 'misses'}   bracket {bracket}", err=as_json)
+
+    try:
+        c = capacity(spec, cfg, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment, workers=workers,
+                     tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=shown)
+    except (ConfigError, WorkloadError) as e:
+        raise fail(str(e)) from None
+    out = c.as_dict()
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    if c.best is None:
+        typer.echo(f"no rate tried meets the targets: even x{c.probes[-1].load:.4g} of the workload's rate "
+                   f"({c.probes[-1].rate_rps:.4g} req/s) gives {c.probes[-1].attainment:.1%}")
+        raise typer.Exit(1)
+    lines = [f"sustains {c.rate_rps:.3f} req/s ({c.rate_per_gpu:.3f} per GPU, {c.gpus} GPU"
+             f"{'s' if c.gpus > 1 else ''}) with {c.best.attainment:.1%} of requests within both targets"]
+    if c.above is not None:
+        lines.append(f"  at {c.above.rate_rps:.3f} req/s only {c.above.attainment:.1%} do")
+    else:
+        lines.append(f"  (the highest rate tried: the search stopped at x{c.best.load:.4g} of the workload's rate)")
+    if c.cost_per_million_output_tokens is not None:
+        lines.append(f"cost ${c.cost_per_million_output_tokens:.3f} per million output tokens at "
+                     f"${gpu_hourly_cost:g} per GPU-hour ({out['output_tokens_per_s']:,.0f} output tokens/s)")
+    typer.echo("\n".join(lines))
+
+
+def _knob_parameters() -> list[inspect.Parameter]:
+    """`kvsim run`'s options, as capacity's keyword-only parameters (annotations resolved)."""
+    params = inspect.signature(_run_command, eval_str=True).parameters
+    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in params.items()
+            if name not in NOT_KNOBS and name != "workload"]
+
+
+def command() -> Any:
+    """The `capacity` command: `_capacity` with run's knob options added to its signature."""
+    own = [p for p in inspect.signature(_capacity, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    sig = inspect.Signature([*own, *_knob_parameters()])
+
+    def capacity(**options: Any) -> None:
+        own_names = {p.name for p in own}
+        _capacity(**{k: v for k, v in options.items() if k in own_names},
+                  **{k: v for k, v in options.items() if k not in own_names})
+
+    capacity.__doc__ = _capacity.__doc__
+    capacity.__signature__ = sig  # type: ignore[attr-defined]
+    capacity.__annotations__ = {p.name: p.annotation for p in sig.parameters.values()}
+    return capacity
+
+
+def register(app: typer.Typer) -> None:
+    """Mount `capacity` on the root `kvsim` app."""
+    app.command("capacity")(command())
