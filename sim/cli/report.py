@@ -23,12 +23,35 @@ def _pct(v: Any) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
 
 
+def seconds(v: float | None) -> str:
+    """A duration in the unit a person reads: 12.3 ms, 4.56 s, 12.3 min, 2.2 h."""
+    if v is None:
+        return "-"
+    if v < 1:
+        return f"{1000 * v:.1f} ms"
+    if v < 60:
+        return f"{v:.2f} s"
+    if v < 3600:
+        return f"{v / 60:.1f} min"
+    return f"{v / 3600:,.1f} h"
+
+
 def _p3(key: str) -> Callable[[dict], str]:
-    """p50 / p90 / p99 of a latency, in ms."""
+    """p50 / p90 / p99 of a latency, each in its own unit."""
     def cell(s: dict) -> str:
-        vals = [s.get(f"{key}_p{p}") for p in (50, 90, 99)]
-        return " / ".join("-" if v is None else f"{1000 * v:,.1f}" for v in vals)
+        return " / ".join(seconds(s.get(f"{key}_p{p}")) for p in (50, 90, 99))
     return cell
+
+
+def _goodput(s: dict) -> str:
+    v = s.get("goodput_rps")
+    return "n/a (no SLO)" if v is None else f"{v:,.3f} ({_pct(s.get('slo_attainment'))} met)"
+
+
+def _offered(s: dict) -> str:
+    offered, served = s.get("offered_rps"), s.get("served_rps", s.get("throughput_rps"))
+    text = f"{'-' if offered is None else f'{offered:,.3f}'} / {'-' if served is None else f'{served:,.3f}'}"
+    return text + ("  OVERLOADED" if s.get("overloaded") else "")
 
 
 # (label, key or function of the summary, formatter)
@@ -40,13 +63,13 @@ ROWS: list[tuple[str, str | Callable[[dict], str], Callable[[Any], str] | None]]
     ("engine steps", "steps", _num("{:,}")),
     ("hit rate, tokens", "hit_rate", _pct),
     ("hit rate, blocks", "block_hit_rate", _pct),
-    ("throughput (req/s)", "throughput_rps", _num("{:,.3f}")),
+    ("offered / served (req/s)", _offered, None),
     ("output tokens/s", "output_tokens_per_s", _num("{:,.1f}")),
-    ("goodput (req/s)", "goodput_rps", _num("{:,.3f}")),
-    ("TTFT p50/p90/p99 (ms)", _p3("ttft"), None),
-    ("TPOT p50/p90/p99 (ms)", _p3("tpot"), None),
-    ("e2e p50/p90/p99 (ms)", _p3("e2e"), None),
-    ("queueing p50/p90/p99 (ms)", _p3("queueing"), None),
+    ("goodput (req/s)", _goodput, None),
+    ("TTFT p50/p90/p99", _p3("ttft"), None),
+    ("TPOT p50/p90/p99", _p3("tpot"), None),
+    ("e2e p50/p90/p99", _p3("e2e"), None),
+    ("queueing p50/p90/p99", _p3("queueing"), None),
     ("GPU blocks", "num_gpu_blocks", _num("{:,}")),
     ("peak / mean block usage", lambda s: f"{_pct(s.get('peak_block_usage'))} / {_pct(s.get('mean_block_usage'))}", None),
     ("evictions", "evictions", _num("{:,}")),
@@ -118,9 +141,12 @@ def reading(s: dict[str, Any], caching: bool = True) -> str:
     if s.get("peak_block_usage") is None:
         return ""
     peak, blocks, ev = s["peak_block_usage"], int(s.get("num_gpu_blocks", 0)), s.get("evictions", 0)
-    lines = [f"{_pct(s.get('hit_rate'))} of prompt tokens were prefix-cache hits."]
+    lines = _load_words(s) + [f"{_pct(s.get('hit_rate'))} of prompt tokens were prefix-cache hits."]
     if not caching:
-        lines = [f"Prefix caching is off; block usage peaked at {_pct(peak)} of {blocks:,} blocks."]
+        lines = _load_words(s) + [f"Prefix caching is off; block usage peaked at {_pct(peak)} of {blocks:,} blocks."]
+    elif not s.get("hit_tokens"):
+        lines.append(f"No prompt found a cached prefix (no two share one), so no eviction policy can raise "
+                     f"the hit rate on this workload; block usage peaked at {_pct(peak)} of {blocks:,} blocks.")
     elif ev:
         usage = "The cache filled" if peak >= 0.9 else "Block usage peaked"
         lines.append(f"{usage} ({_pct(peak)} of {blocks:,} blocks at peak) and {ev:,} cached blocks "
@@ -131,10 +157,28 @@ def reading(s: dict[str, Any], caching: bool = True) -> str:
     if "host_chunks" in s:
         lines.append(f"The host tier ({s['host_chunks']:,} chunks) served {s.get('offload_hit_tokens', 0):,} more "
                      f"prompt tokens: {_pct(s.get('total_hit_rate'))} were hits in all.")
+    dropped = [f"{n:,} {'was' if n == 1 else 'were'} {what}"
+               for n, what in ((s.get("rejected", 0), "rejected"), (s.get("truncated", 0), "truncated")) if n]
+    if dropped:
+        why = ", ".join(f"{k[len('dropped_'):].replace('_', ' ')}: {v:,}" for k, v in s.items()
+                        if k.startswith("dropped_") and v)
+        lines.append(f"Of {s.get('requests', 0):,} requests, {' and '.join(dropped)} ({why}); they count "
+                     "in no latency.")
     pre = s.get("preemptions_recompute", 0) + s.get("preemptions_swap", 0)
     lines.append(f"{pre:,} running requests were preempted to free blocks." if pre
                  else "No request was preempted.")
     return " ".join(lines)
+
+
+def _load_words(s: dict[str, Any]) -> list[str]:
+    """Overload, said first: the served against the offered rate, and since when."""
+    if not s.get("overloaded"):
+        return []
+    since = s.get("overloaded_since_s")
+    when = f" after the first {seconds(since)}" if since else ""
+    return [f"OVERLOADED: the engine served {s['served_rps']:,.3f} of {s['offered_rps']:,.3f} offered requests/s; "
+            f"its waiting queue never emptied{when}, so the latencies grow with the trace's length "
+            "and measure the backlog, not the configuration (`kvsim capacity` finds the rate it sustains)."]
 
 
 def format_summary(result: RunResult, notes: list[str] | None = None) -> str:

@@ -151,8 +151,15 @@ def curve(
         out_dir = out or Path("curves") / workload.stem
         check_output(out_dir, folder=True)
         t0 = time.perf_counter()
+        total, seen = len(set(caps)) * len(pols), []
+
+        def progress(row: dict) -> None:  # on stderr, as each point finishes (largest capacities first)
+            seen.append(row)
+            typer.echo(f"  point {len(seen)}/{total}: {row['policy']} at {row['capacity']:,} blocks, hit rate "
+                       f"{row['hit_rate']:.2%} ({time.perf_counter() - t0:.1f} s)", err=True)
+
         df = capacity_curve(spec, caps, pols, block_size, mode, workers, base if changes else None,
-                            vllm_version=vllm_version)
+                            on_point=progress, vllm_version=vllm_version)
         wall = time.perf_counter() - t0
         write_curve(df, out_dir, workload.name, block_size, mode)
     except (ConfigError, WorkloadError) as e:

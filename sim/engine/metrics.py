@@ -13,7 +13,8 @@ Summary metrics (DESIGN.md, "sim: the engine"):
   both time-weighted means over steps;
 - evictions, preemptions (by kind), swapped blocks, CoW copies, defrag moves;
 - per request: TTFT, TPOT, end-to-end latency, queueing delay; throughput and
-  goodput (requests meeting the SLOs per second);
+  goodput (requests meeting the SLOs per second; None without an SLO);
+- offered against served rate, and whether (and since when) the run was overloaded;
 - per step: running / waiting / swapped, free / cached / used blocks.
 """
 
@@ -36,8 +37,12 @@ REASONS = (
     "n_exceeds_max_num_seqs",  # more parallel samples than max_num_seqs
     "context_exceeds_cache",  # prompt + output grew past what the cache can hold
     "prompt_exceeds_max_model_len",  # no room for an output token within max_model_len
+    # vLLM 0.33 refuses it before it is queued: "The decoder prompt cannot be empty"
+    # (vllm/v1/engine/input_processor.py, InputProcessor._validate_prompt_len)
+    "empty_prompt",
 )
 REASON_CODE = {r: i for i, r in enumerate(REASONS)}
+OVERLOAD_SHARE = 0.9  # a run that serves under this share of the offered rate is overloaded
 PERCENTILES = (50, 90, 99)
 
 
@@ -229,6 +234,31 @@ def meets_slo(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | 
     return ok
 
 
+def load_figures(steps: StepTable, requests: pd.DataFrame, served_rps: float) -> dict[str, Any]:
+    """Offered against served. `offered_rps`: arrivals over their window, (n - 1) / (last - first)
+    as `kvsim workload stats` counts it (None when all arrive at once); `served_rps`: finished
+    requests over the run's span. `overloaded` when it served under `OVERLOAD_SHARE` of the offered
+    rate; `overloaded_since_s` (seconds after the first arrival): from when the waiting queue never
+    emptied again before the last arrival (None when not overloaded)."""
+    out: dict[str, Any] = {"offered_rps": None, "served_rps": served_rps, "overloaded": False, "overloaded_since_s": None}
+    if len(requests) < 2:
+        return out
+    arrivals = requests["arrival"].to_numpy()
+    first, last = float(arrivals.min()), float(arrivals.max())
+    if last <= first:
+        return out
+    out["offered_rps"] = (len(arrivals) - 1) / (last - first)
+    if served_rps >= OVERLOAD_SHARE * out["offered_rps"] or not len(steps):
+        return out
+    out["overloaded"] = True
+    times = np.asarray(steps["time"])
+    within = times <= last
+    empty = np.flatnonzero((np.asarray(steps["waiting"]) == 0) & within)
+    after = int(empty[-1]) + 1 if len(empty) else 0  # the first step of the run that never emptied
+    out["overloaded_since_s"] = float(times[min(after, len(times) - 1)]) - first
+    return out
+
+
 def duration(steps: StepTable, requests: pd.DataFrame) -> float:
     """Simulated span, s: first arrival to the end of the last step."""
     if steps.empty or requests.empty:
@@ -280,9 +310,13 @@ def summarize(
     )
     for col in ("ttft", "tpot", "e2e", "queueing"):
         s.update(percentiles(requests.loc[done, col], col))  # a column at a time: no copy of the table
-    good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
-    s["goodput_rps"] = good / span if span else 0.0
-    s["slo_attainment"] = good / len(requests) if len(requests) else 0.0
+    s.update(load_figures(steps, requests, s["throughput_rps"]))
+    if slo_ttft is None and slo_tpot is None:  # no targets: no goodput (not the throughput)
+        s["goodput_rps"] = s["slo_attainment"] = None
+    else:
+        good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
+        s["goodput_rps"] = good / span if span else 0.0
+        s["slo_attainment"] = good / len(requests) if len(requests) else 0.0
     s["evictions"] = int(steps["evictions"].sum())
     s["preemptions_recompute"] = int(steps["preempt_recompute"].sum())
     s["preemptions_swap"] = int(steps["preempt_swap"].sum())

@@ -48,6 +48,7 @@ def test_the_default_run_fills_the_cache_and_evicts(default_out: tuple[Path, str
     assert (s["num_gpu_blocks"], s["requests"], s["finished"]) == (512, 300, 300)
     assert (s["peak_block_usage"], s["evictions"], s["preemptions_recompute"]) == (1.0, 5476, 3)
     assert round(s["hit_rate"], 4) == 0.6477
+    assert (s["goodput_rps"], s["slo_attainment"], s["overloaded"]) == (None, None, False)  # no SLO: no goodput
 
 
 def test_the_summary_says_what_was_simulated_and_what_to_try_next(default_out: tuple[Path, str]) -> None:
@@ -60,7 +61,7 @@ def test_the_summary_says_what_was_simulated_and_what_to_try_next(default_out: t
     assert ("64.77% of prompt tokens were prefix-cache hits. The cache filled (100.00% of 512 blocks"
             in out)
     for label in ("hit rate, tokens", "evictions", "preemptions (recompute / swap)",
-                  "mean id-space fragmentation (blocks)", "TTFT p50/p90/p99 (ms)"):
+                  "mean id-space fragmentation (blocks)", "TTFT p50/p90/p99", "offered / served (req/s)"):
         assert any(line.startswith(label) for line in lines), label
     assert lines[lines.index(f"run folder: {NAME}") + 1:][:3] == [
         f"plots:      {NAME}/blocks.png", f"            {NAME}/hit_rate.png",
