@@ -23,6 +23,30 @@ class OutOfBlocksError(RuntimeError):
     """Raised when more blocks are asked for than are free."""
 
 
+BYTES_PER_BLOCK = 128  # this process's memory for one block (its object, the free queue's links, the id span)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(num_blocks: int, field: str = "num_gpu_blocks") -> None:
+    """Refuse, before any is made, a pool whose blocks would not fit in this machine's memory
+    (ValueError naming `field`, the bytes it needs and those available)."""
+    need, have = num_blocks * BYTES_PER_BLOCK, available_memory()
+    if have is not None and need > have:
+        raise ValueError(f"{field} {num_blocks:,}: the simulated pool needs about {need / 1e9:,.1f} GB of this "
+                         f"machine's memory ({BYTES_PER_BLOCK} bytes a block) and {have / 1e9:,.1f} GB is available")
+
+
 class BlockPool:
     """GPU blocks with ref counts, the prefix-cache map and the eviction policy."""
 

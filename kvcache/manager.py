@@ -22,7 +22,7 @@ import numpy as np
 from kvsim.kvcache import sliding_window as sw
 from kvsim.kvcache.admission import AllocStatus, watermark_status
 from kvsim.kvcache.block import KVCacheBlock
-from kvsim.kvcache.block_pool import BlockPool
+from kvsim.kvcache.block_pool import BlockPool, check_memory
 from kvsim.kvcache.defrag import Defragmenter
 from kvsim.kvcache.eviction import LRU, EvictionPolicy, make_policy
 from kvsim.kvcache.fork import Forking
@@ -67,6 +67,7 @@ class KVCacheManager(Forking, Swapping, Loads):
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        check_memory(num_gpu_blocks + num_cpu_blocks)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if sliding_window is not None and sliding_window <= 0:

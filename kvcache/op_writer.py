@@ -134,5 +134,13 @@ def serve(folder: Path, inbox, outbox) -> None:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # A Ctrl-C reaches the whole process group: the simulation stops this child (by closing its
+    # pipe), so the child itself neither stops nor prints a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies, sys.stdout = sys.stdout.buffer, sys.stderr  # nothing else may write to the replies
-    serve(Path(sys.argv[1]), sys.stdin.buffer, replies)
+    try:
+        serve(Path(sys.argv[1]), sys.stdin.buffer, replies)
+    except OSError:  # the simulation is gone (interrupted) and its folder with it: nothing to tell
+        sys.exit(1)

@@ -263,7 +263,7 @@ def _sequential(requests: Iterable[Request], m: KVCacheManager, done: Callable, 
     for uid, req in enumerate(requests):
         live = _Live(req, uid, record)
         seq, rec = live.seq, live.rec
-        hits = _allocate(m, live, conn)
+        hits = _allocate(m, live, conn) if req.prompt_len else None  # an empty prompt: rejected, as vLLM does
         if hits is None:
             rec.status = REJECTED
             done(rec)
@@ -333,9 +333,9 @@ def _concurrent(requests: Iterable[Request], m: KVCacheManager, k: int, done: Ca
         admitted: list[_Live] = []
         while not stalled and len(running) + len(admitted) < k and head():
             live = waiting[0]
-            hits = _allocate(m, live, conn)
+            hits = _allocate(m, live, conn) if live.rec.prompt_tokens else None  # an empty prompt: rejected
             if hits is None:
-                if running or admitted:
+                if (running or admitted) and live.rec.prompt_tokens:
                     break
                 waiting.popleft()
                 live.rec.status = REJECTED

@@ -82,3 +82,14 @@ def workload(relpath: str, n: int | None, fallback: dict):
         print(f"{relpath} not found under {TRACES}: using a generated {fallback['kind']} workload")
         return kvsim.generate_workload(**fallback)
     return kvsim.load_workload(head(p, n))
+
+
+def scratch(prefix: str) -> Path:
+    """A temporary folder for a notebook's files, removed when its kernel exits (so a run leaves
+    nothing in the temp folder)."""
+    import atexit
+    import shutil
+
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

@@ -98,9 +98,12 @@ def _open(workload: WorkloadLike, seed: int | None = None) -> Workload:
 
 def _requests(items: Iterable[Any]) -> list[Request]:
     reqs = list(items)
-    for r in reqs:
+    seen: dict[str, int] = {}
+    for i, r in enumerate(reqs):
         if not isinstance(r, Request):
             raise TypeError(f"a workload list holds Requests, got {type(r).__name__}")
+        if seen.setdefault(r.id, i) != i:  # one rule with the file loaders (kvsim.workloads.errors.guarded)
+            raise WorkloadError(f"requests[{i}]: field 'id': duplicate request id {r.id!r} (first at {seen[r.id]})")
     return reqs
 
 

@@ -7,6 +7,7 @@ generated workload when a public trace is absent, so this never depends on ../sh
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,13 @@ def test_notebook_executes(path: Path) -> None:
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
     )
+    before = set(Path(tempfile.gettempdir()).glob("kvsim_nb0*"))
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name}: a cell failed\n{e}", pytrace=False)
+    left = set(Path(tempfile.gettempdir()).glob("kvsim_nb0*")) - before
+    assert not left, f"{path.name} left {sorted(map(str, left))} behind"
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.name for p in PATHS])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -95,25 +96,49 @@ def not_text(path: str, line: int, raw: bytes, e: UnicodeDecodeError) -> Workloa
                    "is this a trace file?")
 
 
+GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
+
+
 def open_bytes(path: str) -> BinaryIO:
-    """`path` opened for reading bytes; a folder or an unreadable file is a WorkloadError."""
+    """`path` opened for reading bytes, decompressed as it streams when it is gzip (or zstd, with
+    the `zstandard` package); a folder or an unreadable file is a WorkloadError."""
     try:
-        return open(path, "rb")
+        f = open(path, "rb")
     except IsADirectoryError:
         raise WorkloadError(f"{path}: is a folder, expected a file") from None
     except OSError as e:
         raise WorkloadError(f"{path}: cannot read ({e.strerror or e})") from None
+    head = f.peek(4)[:4]
+    if head[:2] == GZIP_MAGIC:
+        import gzip
+
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+    if head == ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError:
+            f.close()
+            raise WorkloadError(f"{path}: zstd-compressed; decompress it (zstd -d) or pip install zstandard") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f, closefd=True))  # type: ignore[arg-type]
+    return f
 
 
 def text_lines(path: str) -> Iterator[tuple[int, str | WorkloadError]]:
     """(line number, text) of every line, decoded as UTF-8 line by line (so a bad byte is
-    reported with its line); a line that is not UTF-8 yields its WorkloadError instead."""
+    reported with its line; a byte-order mark at the start is dropped); a line that is not
+    UTF-8 yields its WorkloadError instead. A compressed file that breaks off is a WorkloadError."""
     with open_bytes(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, not_text(path, lineno, raw, e)
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield lineno, not_text(path, lineno, raw, e)
+                    continue
+                yield lineno, text[1:] if lineno == 1 and text.startswith("\ufeff") else text
+        except (OSError, EOFError) as e:  # a truncated or corrupt gzip stream
+            raise located(path, lineno + 1, f"cannot decompress ({e})") from None
 
 
 def json_lines(path: str) -> Iterator[tuple[int, Any]]:
@@ -142,22 +167,30 @@ def guarded(
     *,
     skip_bad: bool,
     time_field: str | None,
+    unique_ids: bool = False,
 ) -> Iterator[Request]:
     """Convert (line, record) items to requests, applying the bad-line policy.
 
     A bad item raises its WorkloadError, or with `skip_bad` is counted on
     `workload.skipped`. With `time_field` set, arrivals must not decrease: an
-    out-of-order line is an error naming that field.
+    out-of-order line is an error naming that field. With `unique_ids` (a format whose ids the
+    file gives), a second request with an id already seen is a bad line too.
     """
     workload.skipped = 0
     workload.skipped_errors = []
     last = -math.inf
     last_line = 0
+    seen: dict[str, int] = {}
+    n = 0
     for lineno, item in items:
         try:
             if isinstance(item, WorkloadError):
                 raise item
             req = convert(lineno, item)
+            if unique_ids:
+                first = seen.setdefault(req.id, lineno)
+                if first != lineno:
+                    raise located(path, lineno, f"field 'id': duplicate request id {req.id!r} (first on line {first})")
             if time_field is not None and req.arrival < last:
                 raise located(
                     path,
@@ -172,13 +205,18 @@ def guarded(
             continue
         last, last_line = req.arrival, lineno
         yield req
+        n += 1
+    if not n:  # a header alone, or nothing: no run of it can mean anything
+        skipped = f" ({workload.skipped:,} bad lines skipped)" if workload.skipped else ""
+        raise WorkloadError(f"{path}: no requests{skipped}")
 
 
 def jsonl_workload(path: str, parse: Callable[[int, Any], Request], *, skip_bad: bool,
-                   time_field: str) -> Workload:
+                   time_field: str, unique_ids: bool = False) -> Workload:
     """A streamed workload over a sorted JSON Lines file; `parse(line, record)` makes each request."""
     wl = Workload(
-        lambda: guarded(wl, path, json_lines(path), parse, skip_bad=skip_bad, time_field=time_field),
+        lambda: guarded(wl, path, json_lines(path), parse, skip_bad=skip_bad, time_field=time_field,
+                        unique_ids=unique_ids),
         Path(path).name,
     )
     return wl

@@ -69,7 +69,7 @@ def load_jsonl(path: str | Path, *, skip_bad: bool = False) -> Workload:
     """Stream a kvsim JSONL workload (must be sorted by `arrival`)."""
     path = str(path)
     return jsonl_workload(path, lambda line, rec: parse_record(path, line, rec), skip_bad=skip_bad,
-                          time_field="arrival")
+                          time_field="arrival", unique_ids=True)
 
 
 def request_record(r: Request) -> dict[str, Any]:

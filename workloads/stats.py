@@ -212,6 +212,7 @@ class WorkloadStats:
     ideal_block_hit_rate: float
     ideal_token_hit_rate: float
     skipped: int
+    empty_prompts: int = 0  # requests with no prompt token: vLLM 0.33 rejects them, and so does `kvsim run`
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -258,6 +259,7 @@ def describe(workload: Workload, block_size: int = 16) -> WorkloadStats:
         ideal_block_hit_rate=cache.block_rate(),
         ideal_token_hit_rate=cache.token_rate(),
         skipped=workload.skipped,
+        empty_prompts=int((pl == 0).sum()),
     )
 
 
@@ -284,4 +286,7 @@ def format_stats(s: WorkloadStats) -> str:
         f"  blocks       {s.ideal_block_hit_rate:.2%} ({s.hit_blocks:,} / {s.full_blocks:,} full blocks)",
         f"  tokens       {s.ideal_token_hit_rate:.2%} ({s.hit_tokens:,} / {s.prompt_tokens:,} prompt tokens)",
     ]
+    if s.empty_prompts:
+        lines.append(f"empty prompts  {s.empty_prompts:,}: vLLM rejects a request with no prompt token, and so "
+                     "do kvsim run and cache-replay")
     return "\n".join(lines)

@@ -31,7 +31,8 @@ def detect_format(path: str | Path) -> str:
         raise WorkloadError(f"{p}: no such file or directory")
     if p.is_dir() or p.name == TRACE_FILE:
         return "ragpulse"
-    if p.suffix.lower() == ".csv":
+    compressed = p.suffix.lower() in (".gz", ".zst") and len(p.suffixes) > 1
+    if (p.suffixes[-2] if compressed else p.suffix).lower() == ".csv":  # trace.csv, trace.csv.gz
         return "azure"
     for lineno, text in text_lines(str(p)):
         if isinstance(text, WorkloadError):

@@ -14,6 +14,8 @@ import typer
 
 from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload
 from kvsim.sim.cli.options import (
+    BlockSize,
+    Eviction,
     Gpu,
     KvOffloadingSize,
     LongPrefillAdaptive,
@@ -179,11 +181,11 @@ def run(
     model: Model = None,
     gpu: Gpu = None,
     tp: Tp = None,
-    block_size: Annotated[int | None, typer.Option(help="tokens per KV block (power of two)")] = None,
+    block_size: BlockSize = None,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: derived from GPU memory)")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of GPU memory vLLM may use")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(help="CPU swap blocks")] = None,
-    eviction: Annotated[str | None, typer.Option(help="eviction policy of the prefix cache")] = None,
+    eviction: Eviction = None,
     watermark: Annotated[float | None, typer.Option(help="fraction of blocks kept free at admission")] = None,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     preemption: Annotated[str | None, typer.Option(help="recompute|swap")] = None,

@@ -58,9 +58,9 @@ def generate(
     Length specs: fixed:N, uniform:LO,HI, lognormal:MEAN,CV, empirical:FILE[:prompt|output].
     """
     if kind not in KINDS:
-        raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}", code=1)
+        raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     if num_requests < 1:
-        raise fail(f"--num-requests must be >= 1, got {num_requests}", code=1)
+        raise fail(f"--num-requests must be >= 1, got {num_requests}")
     from kvsim.workloads.build import build_workload
     from kvsim.workloads.errors import WorkloadError
     from kvsim.workloads.jsonl import write_jsonl
@@ -77,13 +77,13 @@ def generate(
         "shots": shots,
         "example_len": example_len,
     }
-    check_output(out, code=1)
+    check_output(out)
     try:
         wl = build_workload(kind, num_requests, rate, arrival, cv, seed, options)
-        with staged_file(out, code=1) as tmp:  # a failed generation leaves no partial file
+        with staged_file(out) as tmp:  # a failed generation leaves no partial file
             count = write_jsonl(wl, tmp)
     except (WorkloadError, ValueError) as e:
-        raise fail(str(e), code=1) from None
+        raise fail(str(e)) from None
     typer.echo(f"wrote {count} requests to {out}")
 
 
@@ -107,7 +107,7 @@ def stats(
     from kvsim.workloads.traces import detect_format, load_workload
 
     if block_size < 1:
-        raise fail(f"--block-size must be >= 1, got {block_size}", code=1)
+        raise fail(f"--block-size must be >= 1, got {block_size}")
     try:
         if file is None:
             wl, fmt = default_workload(), "default"
@@ -116,7 +116,7 @@ def stats(
             wl = load_workload(file, fmt, skip_bad=skip_bad)
         s = describe(wl, block_size)
     except WorkloadError as e:
-        raise fail(str(e), code=1) from None
+        raise fail(str(e)) from None
     if s.skipped:
         typer.echo(f"skipped {s.skipped} bad lines (first: {wl.skipped_errors[0]})", err=True)
     if as_json:

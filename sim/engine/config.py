@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvsim.kvcache.block_pool import check_memory
 from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
@@ -107,6 +108,12 @@ class SimConfig:
         check_block_size(self.block_size)
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ConfigError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks}")
+        for name in ("num_gpu_blocks", "num_cpu_blocks"):
+            if isinstance(getattr(self, name), int):
+                try:
+                    check_memory(getattr(self, name), name)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:

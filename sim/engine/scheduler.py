@@ -142,6 +142,8 @@ class Scheduler:
             self.waiting.push(live)
 
     def _never_fits(self, req: Request) -> str:
+        if req.prompt_len == 0:
+            return "empty_prompt"
         if self.max_len is not None and req.prompt_len >= self.max_len:
             return "prompt_exceeds_max_model_len"
         if self.fork and req.n > self.max_active:  # its samples are admitted together

@@ -111,6 +111,9 @@ def _table(path: Path) -> pd.DataFrame:
         raise ValueError(f"{path}: not a parquet table (corrupt, or another format)") from None
 
 
+SUMMARY_KEYS = ("requests", "finished", "hit_rate", "num_gpu_blocks", "steps")  # every kvsim summary has these
+
+
 def load_run(run_dir: str | Path) -> RunResult:
     """Read a run folder back (without the manager); a missing or bad file raises an error
     (FileNotFoundError, ValueError) that names it."""
@@ -122,5 +125,8 @@ def load_run(run_dir: str | Path) -> RunResult:
         raise FileNotFoundError(f"{d}: not a complete run folder (no {missing[0]})")
     cfg = SimConfig.from_dict(_json_object(d / "config.json"), source=str(d / "config.json"))
     summary = _json_object(d / "summary.json")
+    lacks = [k for k in SUMMARY_KEYS if k not in summary]
+    if lacks:
+        raise ValueError(f"{d / 'summary.json'}: not a kvsim summary (no {lacks[0]!r})")
     return RunResult(cfg, summary.get("workload", d.name), _table(d / TABLES[0]), _table(d / TABLES[1]),
                      summary)

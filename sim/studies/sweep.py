@@ -246,17 +246,28 @@ def run_parallel(
         for i, item in enumerate(items):
             done(i, fn(*item))
     else:
-        with ProcessPoolExecutor(min(workers, len(items))) as ex:
+        with ProcessPoolExecutor(min(workers, len(items)), initializer=_worker_signals) as ex:
             pending = {ex.submit(fn, *item): i for i, item in enumerate(items)}
             try:
                 while pending:
                     finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
                         done(pending.pop(fut), fut.result())
-            except BaseException:
+            except BaseException:  # (an interrupt): stop the points running now, not after them
+                for proc in list((getattr(ex, "_processes", None) or {}).values()):
+                    proc.terminate()
                 ex.shutdown(wait=False, cancel_futures=True)
                 raise
     return [results[i] for i in range(len(items))]
+
+
+def _worker_signals() -> None:
+    """A worker leaves interrupts to the process that started it, which stops it (a Ctrl-C reaches
+    the whole process group: without this, every worker would print its own traceback)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_ray(
@@ -337,14 +348,55 @@ def run_sweep(
     `on_point(point, record, skipped)` reports each point as it finishes or is skipped.
     """
     out = Path(out_dir)
+    points = sweep.points()
+    keys: dict[WorkloadSpec, str] = {}  # each workload's content, read (and checked) before anything is written
+    for pt in points:
+        spec = sweep.workload(pt.params)
+        if spec not in keys:
+            keys[spec] = workload_key(spec)
+    made = not out.exists()
     (out / "points").mkdir(parents=True, exist_ok=True)
     if Path(sweep.source).resolve() != (out / "sweep.toml").resolve():
         shutil.copyfile(sweep.source, out / "sweep.toml")
-    points = sweep.points()
+    try:
+        return _run_points(sweep, out, points, keys, workers, use_ray, on_point, point_fn)
+    except BaseException:
+        if made and not any((out / "points").iterdir()):  # nothing finished: leave nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def workload_key(spec: WorkloadSpec) -> str:
+    """What a finished point's result depends on besides its parameters: kvsim's version and the
+    workload's content (a file's bytes, hashed as they stream; a generator's options), so a
+    changed file or a new kvsim reruns the point. Opens the workload: a missing file fails here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("kvsim")
+    except PackageNotFoundError:
+        ours = "unknown"
+    h = hashlib.sha256(ours.encode())
+    if spec.path:
+        spec.open()  # a missing file or a bad format: its WorkloadError, before any output
+        files = sorted(Path(spec.path).rglob("*")) if Path(spec.path).is_dir() else [Path(spec.path)]
+        for f in (x for x in files if x.is_file()):
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    else:
+        h.update(json.dumps([spec.generator, [r.id for r in spec.requests]], default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _run_points(sweep: Sweep, out: Path, points: list[Point], keys: dict[WorkloadSpec, str], workers: int,
+                use_ray: bool, on_point: Callable[[Point, dict[str, Any], bool], None] | None,
+                point_fn: Callable[[dict[str, Any], WorkloadSpec], dict[str, Any]]) -> pd.DataFrame:
     records: dict[str, dict[str, Any]] = {}
     todo: list[Point] = []
     for pt in points:
-        rec = _finished(out / "points" / f"{pt.id}.json", pt)
+        rec = _finished(out / "points" / f"{pt.id}.json", pt, keys[sweep.workload(pt.params)])
         if rec is None:
             todo.append(pt)
         else:
@@ -356,7 +408,8 @@ def run_sweep(
     def save(item: tuple, summary: dict[str, Any]) -> None:
         params = item[0]
         pt = by_id[point_id(params, sweep.grid)]
-        rec = {"kvsim_sweep": SWEEP_VERSION, "id": pt.id, "params": pt.params, "summary": summary}
+        rec = {"kvsim_sweep": SWEEP_VERSION, "id": pt.id, "params": pt.params,
+               "workload_key": keys[sweep.workload(pt.params)], "summary": summary}
         write_json_atomic(out / "points" / f"{pt.id}.json", rec)
         records[pt.id] = rec
         if on_point is not None:
@@ -372,13 +425,15 @@ def run_sweep(
     return table
 
 
-def _finished(path: Path, pt: Point) -> dict[str, Any] | None:
-    """The saved record of a finished point, if it exists and has the same parameters."""
+def _finished(path: Path, pt: Point, key: str) -> dict[str, Any] | None:
+    """The saved record of a finished point, if it exists with the same parameters, workload
+    content and kvsim version (`key`, `workload_key`)."""
     try:
         rec = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    same = rec.get("kvsim_sweep") == SWEEP_VERSION and rec.get("params") == pt.params
+    same = rec.get("kvsim_sweep") == SWEEP_VERSION and rec.get("params") == pt.params \
+        and rec.get("workload_key") == key
     return rec if same and isinstance(rec.get("summary"), dict) else None
 
 

@@ -123,7 +123,7 @@ def test_bad_calibration_profile(args: list[str], message: str) -> None:
         (["cache-replay", "ok.jsonl", "-o", "adir"], "adir: is a folder, expected a file name", 2),
         (["cache-replay", "ok.jsonl", "-o", "nodir/x.jsonl"],
          "nodir/x.jsonl: cannot write there (nodir does not exist)", 2),
-        (["workload", "generate", "default", "-o", "adir"], "adir: is a folder, expected a file name", 1),
+        (["workload", "generate", "default", "-o", "adir"], "adir: is a folder, expected a file name", 2),
         (["calibrate", "--out", "adir", "--device", "cpu"], "adir: is a folder, expected a file name", 2),
         (["calibrate", "--rows", "nodir/rows.json"], "nodir/rows.json: cannot write there (nodir does not exist)", 2),
         (["calibrate", "--block-size", "3", "--device", "cpu"],

@@ -37,12 +37,12 @@ def test_stats_json_keys():
         assert key in d
 
 
-def test_stats_bad_file_is_a_clear_error_exit_1(write):
+def test_stats_bad_file_is_a_clear_error_exit_2(write):
     path = write(
         "bad.jsonl", '{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n'
     )
     r = invoke("stats", path)
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert r.exception is None or isinstance(r.exception, SystemExit)
     assert (
         r.stderr
@@ -66,7 +66,7 @@ def test_stats_format_option(write):
     )
     r = invoke("stats", path, "--format", "mooncake", "--json")
     assert json.loads(r.stdout)["prompt_tokens"] == 3
-    assert invoke("stats", path, "--format", "kvsim").exit_code == 1
+    assert invoke("stats", path, "--format", "kvsim").exit_code == 2
 
 
 @pytest.mark.parametrize(
@@ -121,11 +121,11 @@ def test_generate_multi_turn_writes_outputs_and_think_times(tmp_path):
 def test_generate_rejects_bad_options(tmp_path):
     out = tmp_path / "x.jsonl"
     r = invoke("generate", "parallel", "--out", out, "--turns", "fixed:3")
-    assert (r.exit_code, r.stderr) == (1, "error: kind 'parallel' does not take --turns\n")
+    assert (r.exit_code, r.stderr) == (2, "error: kind 'parallel' does not take --turns\n")
     r = invoke("generate", "chat", "--out", out)
-    assert r.exit_code == 1 and "unknown kind 'chat'" in r.stderr
+    assert r.exit_code == 2 and "unknown kind 'chat'" in r.stderr
     r = invoke("generate", "unique", "--out", out, "--user-len", "gauss:1")
-    assert r.exit_code == 1 and "bad length spec 'gauss:1'" in r.stderr
+    assert r.exit_code == 2 and "bad length spec 'gauss:1'" in r.stderr
 
 
 def test_stats_on_real_mooncake_trace(traces):

@@ -13,7 +13,14 @@ from typer.testing import CliRunner
 
 from kvsim.sim.cli.app import app
 from kvsim.sim.engine.config import ConfigError
-from kvsim.sim.studies.sweep import WorkloadSpec, load_sweep, point_id, run_sweep, write_json_atomic
+from kvsim.sim.studies.sweep import (
+    WorkloadSpec,
+    load_sweep,
+    point_id,
+    run_sweep,
+    workload_key,
+    write_json_atomic,
+)
 
 runner = CliRunner()
 CALLS: list[dict] = []
@@ -65,7 +72,11 @@ def test_points_in_file_order_with_stable_ids(tmp_path: Path) -> None:
     assert sw.workload(pts[0].params) == WorkloadSpec(str(tmp_path / "w.jsonl"), "auto")
 
 
+W_JSONL = '{"id": "a", "arrival": 0, "prompt": [1, 2, 3], "output_len": 2}\n'
+
+
 def test_resume_after_kill_skips_finished_points(tmp_path: Path) -> None:
+    write(tmp_path, W_JSONL, "w.jsonl")
     sw = load_sweep(write(tmp_path, SWEEP))
     out = tmp_path / "out"
     CALLS.clear()
@@ -95,8 +106,32 @@ def test_resume_after_kill_skips_finished_points(tmp_path: Path) -> None:
         "kvsim_sweep": 1,
         "id": sw.points()[0].id,
         "params": sw.points()[0].params,
+        "workload_key": workload_key(sw.workload(sw.points()[0].params)),
         "summary": {"hit_rate": 0.1, "workload": "w.jsonl"},
     }
+
+
+def test_a_changed_workload_file_reruns_its_points(tmp_path: Path) -> None:
+    """Resume is keyed on the workload's content and kvsim's version, not its path."""
+    write(tmp_path, W_JSONL, "w.jsonl")
+    sw = load_sweep(write(tmp_path, SWEEP.replace("100, 200, 666", "100")))
+    out = tmp_path / "out"
+    run_sweep(sw, out, point_fn=fake_point)
+    seen: list[bool] = []
+    run_sweep(sw, out, point_fn=fake_point, on_point=lambda pt, rec, skipped: seen.append(skipped))
+    assert seen == [True, True]  # unchanged: already done
+    write(tmp_path, W_JSONL.replace('"output_len": 2', '"output_len": 3'), "w.jsonl")  # regenerated
+    seen.clear()
+    run_sweep(sw, out, point_fn=fake_point, on_point=lambda pt, rec, skipped: seen.append(skipped))
+    assert seen == [False, False]
+
+
+def test_a_sweep_over_a_missing_workload_leaves_nothing_behind(tmp_path: Path) -> None:
+    cfg = write(tmp_path, SWEEP)
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["sweep", str(cfg), "-o", str(out)])
+    assert (r.exit_code, r.stderr) == (2, f"error: {tmp_path / 'w.jsonl'}: no such file or directory\n")
+    assert not out.exists()
 
 
 def test_parallel_sweep_runs_the_simulator(tmp_path: Path) -> None:

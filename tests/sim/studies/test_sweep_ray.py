@@ -53,6 +53,8 @@ def logged_point(params: dict, workload: WorkloadSpec) -> dict:
 
 
 def write(tmp_path: Path, text: str) -> Path:
+    """The sweep file, and the small workload its points name (read for its content key)."""
+    (tmp_path / "w.jsonl").write_text('{"id": "a", "arrival": 0, "prompt": [1, 2, 3], "output_len": 2}\n')
     path = tmp_path / "sweep.toml"
     path.write_text(text)
     return path
