@@ -228,5 +228,18 @@ def compare(
     if plot is not None:
         from kvsim.sim.studies.plots import plot_overlay
 
-        plot_overlay(list(zip(labels, results, strict=True)), plot)
+        plot_overlay(list(zip(setting_labels(results, labels), results, strict=True)), plot)
         typer.echo(f"wrote {plot}")
+
+
+def setting_labels(results: list[RunResult], names: list[str]) -> list[str]:
+    """Each run named by the settings in which the runs differ (`eviction=s3fifo, block_size=32`),
+    and by its workload when those differ; the folder name where nothing differs."""
+    configs = [r.config.to_dict() for r in results]
+    keys = [k for k in configs[0] if len({repr(c.get(k)) for c in configs}) > 1]
+    if len({r.workload for r in results}) > 1:
+        keys = ["workload", *keys]
+    if not keys:
+        return names
+    return [", ".join(f"{k}={r.workload if k == 'workload' else c.get(k)}" for k in keys)
+            for r, c in zip(results, configs, strict=True)]

@@ -251,7 +251,9 @@ def run(
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
-    with PlotWorkers() if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
+    shown = {"path": None if workload is None else str(workload), "format": format, "seed": cfg.seed,
+             "block_size": cfg.block_size}  # for the hit-rate plot's ideal line
+    with PlotWorkers(workload=shown) if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
         # the steps and op records stream into the scratch folder until write_run
         streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
         try:

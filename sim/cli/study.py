@@ -161,7 +161,10 @@ def curve(
         df = capacity_curve(spec, caps, pols, block_size, mode, workers, base if changes else None,
                             on_point=progress, vllm_version=vllm_version)
         wall = time.perf_counter() - t0
-        write_curve(df, out_dir, workload.name, block_size, mode)
+        from kvsim.workloads.stats import describe
+
+        ideal = describe(spec.open(), block_size).ideal_token_hit_rate  # the curves' ceiling
+        write_curve(df, out_dir, workload.name, block_size, mode, ideal)
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
     except OSError as e:

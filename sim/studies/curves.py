@@ -217,10 +217,12 @@ def format_table(df: pd.DataFrame, column: str = "hit_rate", percent: bool = Tru
 
 
 def plot_curve(
-    df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str
+    df: pd.DataFrame, path: str | Path, workload: str, block_size: int, mode: str,
+    ideal: float | None = None,
 ) -> None:
     """Hit rate (left) and mean id-space fragmentation as a share of the cache (right)
-    against capacity, one line per policy."""
+    against capacity (a log2 axis), one line per policy; `ideal`: the workload's hit rate with
+    an infinite cache, drawn as the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,16 +236,21 @@ def plot_curve(
                         color=line.get_color(), label=f"{policy} + host tier")
         frag = g["mean_id_fragmentation"] / (g["capacity"] - 1) * 100  # usable blocks
         ax_frag.plot(g["capacity"], frag, marker="o", label=policy)
-    unit = f"GPU blocks of {block_size} tokens"
+    unit = f"GPU blocks of {block_size} tokens, log2"
     ax_hit.set(xlabel=f"cache capacity ({unit})", ylabel="prefix hit rate (% of prompt tokens)")
     ax_frag.set(
         xlabel=f"cache capacity ({unit})", ylabel="mean id-space holes (% of usable blocks)"
     )
+    if ideal is not None:
+        ax_hit.axhline(100 * ideal, color="0.3", ls="--", lw=1.2, label=f"ideal, an infinite cache ({ideal:.1%})")
+    caps = sorted(df["capacity"].unique())
     for ax in (ax_hit, ax_frag):
         ax.grid(alpha=0.3)
-        if df["capacity"].max() > 10 * df["capacity"].min():
-            ax.set_xscale("log")
-    ax_hit.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(caps, [f"{c:,}" for c in caps])
+        ax.minorticks_off()
+    top = max(float(df["hit_rate"].max()), float(df.get("total_hit_rate", df["hit_rate"]).max()), ideal or 0.0)
+    ax_hit.set_ylim(0, min(100.0, 100 * top * 1.15 + 2))  # room above the ceiling, but no empty page
     ax_hit.legend(title="eviction")
     fig.suptitle(f"Prefix hit rate vs cache capacity: {workload} ({mode})")
     fig.tight_layout()
@@ -252,10 +259,11 @@ def plot_curve(
 
 
 def write_curve(
-    df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str
+    df: pd.DataFrame, out_dir: str | Path, workload: str, block_size: int, mode: str,
+    ideal: float | None = None,
 ) -> Path:
     """`curve.parquet` and `curve.png` in `out_dir`; returns the folder."""
     with staged_folder(out_dir) as out:  # whole or not at all
         df.to_parquet(out / "curve.parquet", index=False)
-        plot_curve(df, out / "curve.png", workload, block_size, mode)
+        plot_curve(df, out / "curve.png", workload, block_size, mode, ideal)
     return Path(out_dir)

@@ -9,9 +9,11 @@ plot in turn. Each helper is a fresh interpreter (`python -c`), told the folder 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,20 +23,22 @@ if TYPE_CHECKING:
 # the plots each helper draws (together `plots.PLOTS`): the block plot alone takes about as long as the other two
 SHARES = (("blocks.png",), ("hit_rate.png", "latency.png"))
 NAMES = tuple(name for share in SHARES for name in share)
-_SERVE = "from sim.studies.plot_workers import serve; serve()"
+_SERVE = "from kvsim.sim.studies.plot_workers import serve; serve()"
+IDEAL = "--ideal"  # then the workload as JSON: the helper drawing hit_rate.png computes its ideal hit rate
 
 
 class PlotWorkers:
     """Helper processes, one per share of the plots; `draw` hands each the run folder and
     waits. Use as a context manager: helpers never asked to draw are stopped at the end."""
 
-    def __init__(self, shares: tuple[tuple[str, ...], ...] = SHARES):
-        root = str(Path(__file__).resolve().parents[2])  # where `sim` is imported from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    def __init__(self, shares: tuple[tuple[str, ...], ...] = SHARES, workload: dict | None = None):
+        """`workload` (`path`, `format`, `seed`, `block_size`; path None: the embedded one): the
+        helper that draws hit_rate.png reads it while the run simulates, for the ideal hit rate."""
         self._helpers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
         for share in shares:
-            proc = subprocess.Popen([sys.executable, "-c", _SERVE, *share], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            extra = [IDEAL, json.dumps(workload)] if workload is not None and "hit_rate.png" in share else []
+            proc = subprocess.Popen([sys.executable, "-c", _SERVE, *share, *extra], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     preexec_fn=_lowest_priority if os.name == "posix" else None)
             self._helpers.append((proc, share))
 
@@ -87,6 +91,16 @@ class PlotWorkers:
         self._helpers = []
 
 
+def _ideal(spec: dict) -> float:
+    """The workload's token hit rate with an infinite cache (`kvsim workload stats`)."""
+    from kvsim.workloads.default import default_workload
+    from kvsim.workloads.stats import describe
+    from kvsim.workloads.traces import load_workload
+
+    wl = default_workload(spec["seed"]) if spec["path"] is None else load_workload(spec["path"], spec["format"])
+    return describe(wl, spec["block_size"]).ideal_token_hit_rate
+
+
 def _lowest_priority() -> None:
     os.nice(19)
 
@@ -103,7 +117,13 @@ def serve() -> None:
     from kvsim.sim.studies import plots
     from kvsim.workloads.files import read_json
 
-    share = tuple(sys.argv[1:])
+    args = sys.argv[1:]
+    share = tuple(args[: args.index(IDEAL)] if IDEAL in args else args)
+    ideal: list[float] = []
+    if IDEAL in args:  # computed while the run simulates (a pass over the workload takes seconds)
+        spec = json.loads(args[args.index(IDEAL) + 1])
+        worker = threading.Thread(target=lambda: ideal.append(_ideal(spec)), daemon=True)
+        worker.start()
     plots.warm_up()
     line = sys.stdin.readline().rstrip("\n")
     if not line:  # the command ended without plots
@@ -113,6 +133,10 @@ def serve() -> None:
         summary = read_json(folder / "summary.json")
         cfg = SimConfig.from_dict(read_json(folder / "config.json"))
         requests = pd.read_parquet(folder / "requests.parquet") if "latency.png" in share else pd.DataFrame()
+        if IDEAL in args:
+            worker.join()
+            if ideal:  # (a workload it could not read gives no line, not a failure)
+                summary = {**summary, "ideal_hit_rate": ideal[0]}
         result = RunResult(cfg, summary["workload"], folder / "steps.parquet", requests, summary)
         plots.write_plots(result, folder, share)
         print("drawn", flush=True)
