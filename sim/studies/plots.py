@@ -99,7 +99,7 @@ def plot_blocks(result: RunResult, path: Path) -> None:
     bottom.plot(t, r["internal"], drawstyle="steps-post", label="internal (empty slots / block size)")
     bottom.set_ylabel("fragmentation, blocks")
     bottom.set_xlabel("simulated time (s)")
-    bottom.legend(loc="upper right", fontsize="small")
+    bottom.legend(loc="best", fontsize="small")
     fig.suptitle(title(result), fontsize="medium")
     _save(fig, path)
 
