@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import sys
 from contextlib import nullcontext
@@ -68,9 +69,13 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         d = {k: v for k, v in d.items() if not k.startswith(("kv_offloading_", "offload_"))}
     elif not d["offload_fs"]:  # no file tier: the names of offloading runs from before it existed
         d = {k: v for k, v in d.items() if not k.startswith("offload_fs")}
+    if d["kv_cache_dtype"] == "auto":  # the names runs had before the option came
+        del d["kv_cache_dtype"]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
-    return f"{stem}-{cfg.model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
+    model = cfg.model if not cfg.model.endswith(".json") else (Path(cfg.model).parent.name or Path(cfg.model).stem)
+    model = re.sub(r"[^A-Za-z0-9._-]+", "-", model)  # a config's path: its folder's name
+    return f"{stem}-{model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
 
 
 def _progress_bar(workload: Workload):
@@ -148,7 +153,7 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
 
 
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
-PLAIN_KNOBS = ("block_size", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
+PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed")
@@ -156,6 +161,21 @@ PLAIN_KNOBS = ("block_size", "num_gpu_blocks", "gpu_memory_utilization", "num_cp
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
             "debug_invariants": ("debug_invariants", True)}
+
+
+def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
+    """What was read from a model's config.json, and the KV cache's element size when it is not the
+    model's own: the figures a reader checks against vLLM's log."""
+    m, notes = cost.model, []
+    if cfg.model.endswith(".json") or Path(cfg.model).is_dir():
+        window = f"a {m.sliding_window:,}-token sliding window" if m.sliding_window else "full attention"
+        notes.append(f"model: read from {cfg.model}: {m.num_layers} layers, all {window}; {m.num_heads} query and "
+                     f"{m.num_kv_heads} KV heads of {m.head_dim}; {m.num_params / 1e9:.2f}B parameters")
+    if cfg.model.endswith(".json") or cfg.kv_cache_dtype != "auto":
+        dtype = "the model's 16-bit" if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+        notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cfg.block_size} "
+                     f"tokens on each of {cfg.tensor_parallel} GPU{'s' if cfg.tensor_parallel > 1 else ''}")
+    return notes
 
 
 def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +202,7 @@ def run(
     gpu: Gpu = None,
     tp: Tp = None,
     block_size: BlockSize = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="auto|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2, as vLLM's: fp8 halves a block's bytes [default: auto]")] = None,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: derived from GPU memory)")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of GPU memory vLLM may use")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(help="CPU swap blocks")] = None,
@@ -281,6 +302,7 @@ def run(
         notes.append(f"cache: {blocks:,} blocks, the embedded workload's default, small enough to fill "
                      f"(the {cfg.gpu}'s memory would hold {derived:,} blocks, which this workload "
                      "never fills); --num-gpu-blocks N or --gpu-memory-utilization F sets it")
+    notes += model_notes(cfg, cost)
     lines = [format_summary(result, notes), "", f"run folder: {out_dir}"]
     switches = (["--skip-bad"] if skip_bad else []) + ([] if plots else ["--no-plots"])
     if plots:

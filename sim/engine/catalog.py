@@ -38,12 +38,15 @@ class ModelSpec:
     sliding_window: int | None = None
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention output too (Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
 
     def count_params(self) -> int:
         """Parameters from the shape (Llama-style: gated MLP, RMSNorm, no other biases)."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        attn += (h if self.o_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * layer + embed + h
@@ -145,7 +148,8 @@ def vllm_batch_defaults(gpu: GpuSpec) -> tuple[int, int]:
 
 
 def get_model(name: str) -> ModelSpec:
-    """The model called `name` (case-insensitive; a few Hugging Face ids accepted)."""
+    """The catalog model called `name` (case-insensitive; a few Hugging Face ids accepted);
+    `sim.engine.hf_config.model_spec` also reads a config.json."""
     return _lookup(name, MODELS, _MODEL_ALIASES, "model")
 
 

@@ -12,12 +12,16 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
+__all__ = ["KV_CACHE_DTYPES", "SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
 SCHEDULER_KNOBS = ("long_prefill_token_threshold_adaptive", "max_num_active_seqs", "scheduler_reserve_full_isl",
                    "prefill_schedule_interval", "max_num_scheduled_tokens")
+
+
+# vLLM 0.33's --kv-cache-dtype values kvsim models, and the bytes of one element of each
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 def check_block_size(block_size: int) -> None:
@@ -46,6 +50,9 @@ class SimConfig:
     watermark: float = 0.0
     defrag_threshold: int | None = None
     sliding_window: int | None = None  # None: the model's own (if any)
+    # vLLM's --kv-cache-dtype: "auto" (the model's 16 bits) or an 8-bit float (fp8, fp8_e4m3,
+    # fp8_e5m2): the bytes of a block, so the blocks that fit and the KV read time, follow it
+    kv_cache_dtype: str = "auto"
     # the vLLM release whose manager and scheduler rules to follow (kvcache.profiles)
     vllm_version: str = "0.33"
     # scheduler; None: what vLLM 0.33 picks on the GPU (see `batch_limits`)
@@ -106,6 +113,8 @@ class SimConfig:
     def validate(self) -> SimConfig:
         """Raise ConfigError for values no run could use."""
         check_block_size(self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ConfigError(f"num_gpu_blocks must be at least 2 (block 0 is reserved), got {self.num_gpu_blocks}")
         for name in ("num_gpu_blocks", "num_cpu_blocks"):

@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.kvcache.ops import CHARGED_KINDS as OP_KINDS
-from kvsim.sim.engine.catalog import GpuSpec, ModelSpec, get_gpu, get_model
-from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.catalog import GpuSpec, ModelSpec, get_gpu
+from kvsim.sim.engine.config import KV_CACHE_DTYPES, ConfigError, SimConfig
+from kvsim.sim.engine.hf_config import model_spec
 from kvsim.workloads.files import read_json
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
@@ -147,6 +148,7 @@ class CostModel:
         block_size: int = 16,
         calibration: Calibration | None = None,
         sliding_window: int | None = None,
+        kv_dtype_bytes: int | None = None,
     ):
         tp = tensor_parallel
         if tp < 1 or model.num_heads % tp:
@@ -159,7 +161,8 @@ class CostModel:
         self.sliding_window = sliding_window if sliding_window is not None else model.sliding_window
         kv_heads = max(1, model.num_kv_heads // tp)  # fewer KV heads than shards: replicated
         dt = model.dtype_bytes
-        self.kv_bytes_per_token = 2 * model.num_layers * kv_heads * model.head_dim * dt
+        self.kv_dtype_bytes = kv_dtype_bytes or dt  # --kv-cache-dtype; None: the model's ("auto")
+        self.kv_bytes_per_token = 2 * model.num_layers * kv_heads * model.head_dim * self.kv_dtype_bytes
         self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
         self.weight_bytes = model.num_params * dt / tp
         # per-step constants, in seconds per unit
@@ -196,12 +199,13 @@ class CostModel:
         """The cost model `cfg` names: model, GPU, TP, block size, calibration, window."""
         cal = load_calibration(cfg.calibration) if cfg.calibration else None
         return cls(
-            get_model(cfg.model),
+            model_spec(cfg.model),
             get_gpu(cfg.gpu),
             cfg.tensor_parallel,
             cfg.block_size,
             cal,
             cfg.sliding_window,
+            KV_CACHE_DTYPES[cfg.kv_cache_dtype],
         )
 
     def activation_reserve_bytes(self, cfg: SimConfig) -> int:

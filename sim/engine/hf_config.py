@@ -1,0 +1,109 @@
+"""A model from its Hugging Face `config.json`, read the way vLLM 0.33's model files read it.
+
+`--model path/to/config.json` (offline: the file only, no hub, no weights). This first step
+takes the dense decoder families vLLM runs through its Llama-style implementations, each with
+one attention type on every layer:
+
+- `LlamaForCausalLM` and `MistralForCausalLM` (vllm/model_executor/models/llama.py, mistral.py):
+  `head_dim` if the config has it, else hidden_size / num_attention_heads; `attention_bias` (or
+  `bias`) puts biases on q, k, v and o; Mistral's `sliding_window` is the window of every layer;
+- `Qwen2ForCausalLM` (qwen2.py): q, k, v biases always, o none; a window only with
+  `use_sliding_window` (then on layers from `max_window_layers` up: a mix, refused below);
+- `Qwen3ForCausalLM` (qwen3.py): `attention_bias` on q, k, v; RMSNorm of q and k per head.
+
+`num_key_value_heads` defaults to the attention heads, `tie_word_embeddings` to false,
+`max_position_embeddings` gives the context length. Weights count 2 bytes each: vLLM's dtype
+"auto" serves fp32 checkpoints in 16 bits. What this step cannot model yet is refused with a
+one-line error naming the field: mixtures of experts, MLA, and models that mix layer types
+(sliding-window or chunked-local with full attention, linear attention, Mamba), which need the
+per-layer KV groups of vLLM's hybrid cache manager.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvsim.sim.engine.catalog import ConfigError, ModelSpec, get_model
+
+DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# fields whose presence means a model this step does not model, and what it is
+NOT_YET = (
+    ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"),
+    ("n_routed_experts", "a mixture of experts"), ("kv_lora_rank", "multi-head latent attention (MLA)"),
+    ("layer_types", "per-layer attention types"), ("sliding_window_pattern", "interleaved sliding-window layers"),
+    ("attention_chunk_size", "chunked local attention"), ("hybrid_override_pattern", "Mamba layers"),
+    ("full_attention_interval", "linear-attention layers"),
+)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """`--model`: a catalog name, or the path of a config.json (or of the folder holding it)."""
+    return load_config(name) if is_config_path(name) else get_model(name)
+
+
+def is_config_path(name: str) -> bool:
+    """Whether a `--model` value names a config file rather than a catalog model."""
+    return name.endswith(".json") or Path(name).is_dir() and (Path(name) / "config.json").is_file()
+
+
+def load_config(name: str) -> ModelSpec:
+    """The ModelSpec of the config file `name` (or of `name`/config.json); ConfigError naming the
+    file and field for anything it cannot read or model."""
+    path = Path(name) / "config.json" if Path(name).is_dir() else Path(name)
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"model {name}: cannot read it ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return spec_from_config(cfg, str(path))
+
+
+def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
+    """See the module docstring; `source` names the file in errors."""
+    arch = cfg.get("architectures")
+    if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
+        raise ConfigError(f"{source}: field 'architectures': missing (a list naming the model class)")
+    kind = arch[0]
+    for field, what in NOT_YET:
+        if cfg.get(field) not in (None, 0, [], False):
+            raise ConfigError(f"{source}: field {field!r}: {kind} is {what}, which kvsim does not model yet "
+                              "(dense models with one attention type: " + ", ".join(DENSE) + ")")
+    if kind not in DENSE:
+        raise ConfigError(f"{source}: field 'architectures': kvsim does not model {kind} yet "
+                          f"(it reads {', '.join(DENSE)})")
+
+    def need(field: str) -> int:
+        v = cfg.get(field)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{source}: field {field!r}: expected a positive integer, got {v!r}")
+        return v
+
+    layers, hidden, heads = need("num_hidden_layers"), need("hidden_size"), need("num_attention_heads")
+    kv_heads = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
+    head_dim = need("head_dim") if cfg.get("head_dim") is not None else hidden // heads
+    window = None
+    if kind in ("MistralForCausalLM", "LlamaForCausalLM") and cfg.get("sliding_window") is not None:
+        window = need("sliding_window")
+    if kind == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        window = need("sliding_window")
+        if cfg.get("max_window_layers", layers) < layers:
+            raise ConfigError(f"{source}: field 'max_window_layers': sliding-window and full-attention layers "
+                              "mixed, which needs vLLM's hybrid KV groups (not modelled yet)")
+    bias = bool(cfg.get("attention_bias") or cfg.get("bias"))
+    spec = ModelSpec(
+        name=str(cfg.get("_name_or_path") or Path(source).parent.name or Path(source).stem),
+        num_params=0,
+        num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
+        max_model_len=need("max_position_embeddings"), sliding_window=window,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if kind == "Qwen2ForCausalLM" else bias,
+        o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM"),
+        qk_norm=kind == "Qwen3ForCausalLM",
+    )
+    return ModelSpec(**{**spec.__dict__, "num_params": spec.count_params()})

@@ -1,0 +1,94 @@
+"""`--model path/to/config.json` (sim/engine/hf_config.py) and `--kv-cache-dtype`.
+
+The configs are the published ones' fields (Hugging Face config.json of each model); the
+parameter counts are the checkpoints' own (safetensors totals), so the reading is checked end
+to end. Fields follow vLLM 0.33's model files: llama.py (head_dim, attention_bias), qwen2.py
+(q/k/v biases, use_sliding_window), qwen3.py (q/k norms)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvsim.sim.cli.app import app
+from kvsim.sim.engine.catalog import MODELS, ConfigError
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.hf_config import load_config, spec_from_config
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+             "max_position_embeddings": 8192, "num_attention_heads": 32, "num_hidden_layers": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+             "attention_bias": False, "torch_dtype": "bfloat16"}
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+             "max_position_embeddings": 131072, "max_window_layers": 28, "num_attention_heads": 28,
+             "num_hidden_layers": 28, "num_key_value_heads": 4, "sliding_window": 131072,
+             "use_sliding_window": False, "vocab_size": 152064, "tie_word_embeddings": False}
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+              "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "sliding_window": 4096, "vocab_size": 32000, "tie_word_embeddings": False}
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+            "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+            "attention_bias": False}
+
+
+@pytest.mark.parametrize(("cfg", "name"), [(LLAMA3_8B, "llama-3-8b"), (QWEN25_7B, "qwen2.5-7b"),
+                                           (MISTRAL_7B, "mistral-7b")])
+def test_a_config_reads_as_the_catalog_model(cfg, name):
+    spec, want = spec_from_config(cfg, "config.json"), MODELS[name]
+    for field in ("num_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "max_model_len", "sliding_window", "qkv_bias"):
+        assert getattr(spec, field) == getattr(want, field), field
+
+
+def test_qwen3_counts_its_q_and_k_norms():
+    assert spec_from_config(QWEN3_8B, "config.json").num_params == 8_190_735_360  # Qwen/Qwen3-8B's total
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"architectures": None}, "field 'architectures': missing (a list naming the model class)"),
+    ({"hidden_size": None}, "field 'hidden_size': expected a positive integer, got None"),
+    ({"architectures": ["Gemma3ForCausalLM"]}, "field 'architectures': kvsim does not model Gemma3ForCausalLM yet"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
+     "field 'num_local_experts': MixtralForCausalLM is a mixture of experts, which kvsim does not model yet"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
+     "field 'kv_lora_rank': DeepseekV3ForCausalLM is multi-head latent attention (MLA), which kvsim"),
+])
+def test_what_cannot_be_modelled_yet_is_refused_naming_the_field(change, message):
+    cfg = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None}
+    with pytest.raises(ConfigError) as e:
+        spec_from_config(cfg, "m/config.json")
+    assert str(e.value).startswith(f"m/config.json: {message}")
+
+
+def test_qwen2_with_windows_on_some_layers_is_refused_not_run_as_dense():
+    cfg = {**QWEN25_7B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 20}
+    with pytest.raises(ConfigError, match="sliding-window and full-attention layers mixed"):
+        spec_from_config(cfg, "config.json")
+
+
+def test_kvsim_run_takes_a_config_path_and_names_its_folder_by_it(tmp_path, monkeypatch):
+    folder = tmp_path / "Meta-Llama-3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    assert load_config(str(folder)) == load_config(str(folder / "config.json"))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["run", "--model", str(folder / "config.json"), "--no-plots"])
+    assert r.exit_code == 0, r.output
+    assert [p.name.startswith("default-Meta-Llama-3-8B-h100-sxm-tp1-bs16-") for p in (tmp_path / "runs").iterdir()] == [True]
+    catalog = json.loads(next((tmp_path / "runs").iterdir()).joinpath("summary.json").read_text())
+    assert catalog["hit_rate"] == pytest.approx(0.6477097494479466, abs=0)  # the catalog's llama-3-8b run
+
+
+def test_an_fp8_cache_halves_a_block_and_fits_twice_the_blocks_less_rounding():
+    auto = CostModel.from_config(SimConfig().validate())
+    fp8 = CostModel.from_config(SimConfig(kv_cache_dtype="fp8").validate())
+    # K and V x 32 layers x 8 KV heads x 128 x 16 tokens: 2 bytes each (bf16), or 1 (fp8)
+    assert (auto.kv_bytes_per_block, fp8.kv_bytes_per_block) == (2_097_152, 1_048_576)
+    blocks = [c.num_gpu_blocks(SimConfig().validate()) for c in (auto, fp8)]
+    assert blocks[1] in (2 * blocks[0], 2 * blocks[0] + 1)
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):
+        SimConfig(kv_cache_dtype="int4").validate()
