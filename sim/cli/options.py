@@ -14,7 +14,7 @@ from kvsim.sim.engine.catalog import GPUS, MODELS
 DEFAULT_MODEL, DEFAULT_GPU = "llama-3-8b", "h100-sxm"  # SimConfig's (tests/sim/cli: checked against it)
 
 Model = Annotated[str | None, typer.Option(help=f"model: {'|'.join(MODELS)} [default: {DEFAULT_MODEL}]")]
-Gpu = Annotated[str | None, typer.Option(help=f"GPU: {'|'.join(GPUS)} [default: {DEFAULT_GPU}]")]
+Gpu = Annotated[str | None, typer.Option(help=f"GPU: {'|'.join(GPUS)}, or a GPU file (.toml) [default: {DEFAULT_GPU}]")]
 Tp = Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree (GPUs one replica spans) [default: 1]")]
 Eviction = Annotated[str | None, typer.Option(help=f"eviction policy of the prefix cache: {'|'.join(POLICIES)} [default: lru]")]
 BlockSize = Annotated[int | None, typer.Option(help="tokens per KV block, a power of two [default: 16]")]

@@ -75,7 +75,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     stem = Path(workload).stem if workload != "default" else "default"
     model = cfg.model if not cfg.model.endswith(".json") else (Path(cfg.model).parent.name or Path(cfg.model).stem)
     model = re.sub(r"[^A-Za-z0-9._-]+", "-", model)  # a config's path: its folder's name
-    return f"{stem}-{model}-{cfg.gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
+    gpu = Path(cfg.gpu).stem if cfg.gpu.endswith(".toml") else cfg.gpu  # a GPU file: its name
+    return f"{stem}-{model}-{gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
 
 
 def _progress_bar(workload: Workload):

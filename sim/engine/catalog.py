@@ -9,7 +9,9 @@ vLLM's memory profiler starts from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 MiB = 1 << 20
 
@@ -104,6 +106,14 @@ GPUS: dict[str, GpuSpec] = {
     # NVIDIA L40S datasheet: 362.05 TFLOP/s bf16 dense, 864 GB/s GDDR6, 48 GB,
     # no NVLink (GPU <-> GPU over PCIe); PCIe gen4 x16, ~25 GB/s effective; 46068 MiB
     "l40s": GpuSpec("l40s", 362.05e12, 0.864e12, 46068 * MiB, 25e9, None),
+    # NVIDIA HGX B200 datasheet (1,000 W): 2,250 TFLOP/s bf16 dense (4,500 with sparsity), 8 TB/s
+    # HBM3e, 180 GB; NVLink 5 1.8 TB/s (900 GB/s per direction); PCIe gen5 to the host, ~50 GB/s
+    # effective; 183359 MiB as nvidia-smi reports it
+    "b200": GpuSpec("b200", 2250e12, 8.0e12, 183359 * MiB, 50e9, 900e9),
+    # AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16 dense, 5.3 TB/s HBM3, 192 GB; Infinity
+    # Fabric 7 links x 64 GB/s per direction to the other GPUs (448 GB/s); PCIe gen5 x16, ~50 GB/s
+    # effective; 192 GB as the datasheet gives it (the driver's figure may be a little lower)
+    "mi300x": GpuSpec("mi300x", 1307.4e12, 5.3e12, 192 * 10**9, 50e9, 448e9),
 }
 
 _MODEL_ALIASES = {
@@ -154,8 +164,51 @@ def get_model(name: str) -> ModelSpec:
 
 
 def get_gpu(name: str) -> GpuSpec:
-    """The GPU called `name` (case-insensitive; a few common spellings accepted)."""
+    """The GPU called `name` (case-insensitive; a few common spellings accepted), or the one a
+    TOML file at `name` describes (`load_gpu`)."""
+    if name.endswith(".toml"):
+        return load_gpu(name)
     return _lookup(name, GPUS, _GPU_ALIASES, "gpu")
+
+
+GPU_FIELDS = {  # a GPU file's keys: what each is, in the units the file gives
+    "peak_tflops": "dense bf16 tensor-core TFLOP/s", "memory_tb_per_s": "device memory bandwidth, TB/s",
+    "memory_gib": "device memory, GiB", "host_gb_per_s": "host <-> device bandwidth one way, GB/s",
+}
+GPU_OPTIONAL = {"gpu_gb_per_s": "GPU <-> GPU bandwidth one way, GB/s (absent: over PCIe)", "name": "its name"}
+
+
+def load_gpu(path: str) -> GpuSpec:
+    """A GPU from a small TOML file (`GPU_FIELDS`, and optionally `GPU_OPTIONAL`), datasheet figures:
+
+        name = "my-gpu"
+        peak_tflops = 989        # dense bf16
+        memory_tb_per_s = 3.35
+        memory_gib = 79.6
+        host_gb_per_s = 50
+        gpu_gb_per_s = 450       # omit for PCIe only
+    """
+    from kvsim.workloads.files import read_toml
+
+    try:
+        d = read_toml(Path(path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    unknown = sorted(set(d) - set(GPU_FIELDS) - set(GPU_OPTIONAL))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; a GPU file has {', '.join([*GPU_FIELDS, *GPU_OPTIONAL])}")
+
+    def number(key: str) -> float:
+        v = d.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{path}: field {key!r} ({(GPU_FIELDS | GPU_OPTIONAL)[key]}): expected a positive "
+                              f"number, got {v!r}")
+        return float(v)
+
+    link = number("gpu_gb_per_s") * 1e9 if "gpu_gb_per_s" in d else None
+    return GpuSpec(str(d.get("name", Path(path).stem)), number("peak_tflops") * 1e12,
+                   number("memory_tb_per_s") * 1e12, int(number("memory_gib") * 2**30),
+                   number("host_gb_per_s") * 1e9, link)
 
 
 def _lookup(name: str, table: dict, aliases: dict[str, str], what: str):

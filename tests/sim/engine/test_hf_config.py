@@ -92,3 +92,29 @@ def test_an_fp8_cache_halves_a_block_and_fits_twice_the_blocks_less_rounding():
     assert blocks[1] in (2 * blocks[0], 2 * blocks[0] + 1)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):
         SimConfig(kv_cache_dtype="int4").validate()
+
+
+def test_a_gpu_from_a_toml_file_and_the_new_catalog_gpus(tmp_path):
+    from kvsim.sim.engine.catalog import GPUS, get_gpu
+
+    path = tmp_path / "mygpu.toml"
+    path.write_text('peak_tflops = 989\nmemory_tb_per_s = 3.35\nmemory_gib = 79.6474609375\nhost_gb_per_s = 50\n'
+                    'gpu_gb_per_s = 450\n')
+    g = get_gpu(str(path))
+    h100 = GPUS["h100-sxm"]
+    assert (g.name, g.peak_flops, g.hbm_bw, g.memory_bytes, g.pcie_bw, g.nvlink_bw) == \
+        ("mygpu", h100.peak_flops, h100.hbm_bw, h100.memory_bytes, h100.pcie_bw, h100.nvlink_bw)
+    same = [CostModel.from_config(SimConfig(gpu=x).validate()).num_gpu_blocks(SimConfig(gpu=x).validate())
+            for x in (str(path), "h100-sxm")]
+    assert same[0] == same[1] == 27_816
+    path.write_text("peak_tflops = 989\nmemory_tb_per_s = -1\nmemory_gib = 80\nhost_gb_per_s = 50\n")
+    with pytest.raises(ConfigError, match=r"field 'memory_tb_per_s' \(device memory bandwidth, TB/s\): expected a "
+                                          r"positive number, got -1"):
+        get_gpu(str(path))
+    path.write_text("peak_tflops = 989\nhbm = 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'hbm'"):
+        get_gpu(str(path))
+    # B200 and MI300X hold more of Llama-3-8B's blocks than an H100 (more memory)
+    blocks = {x: CostModel.from_config(SimConfig(gpu=x).validate()).num_gpu_blocks(SimConfig(gpu=x).validate())
+              for x in ("h100-sxm", "b200", "mi300x")}
+    assert blocks["b200"] > blocks["h100-sxm"] and blocks["mi300x"] > blocks["h100-sxm"]
