@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -108,7 +109,13 @@ def conform(
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")
         elif any(r.n > 1 for r in requests) and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_SAMPLES.split(';')[0]}")
-        diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()))
+        started = time.perf_counter()
+
+        def starting(which: str) -> None:  # on stderr: where a long comparison is
+            typer.echo(f"  {which} mode: running kvsim, then vLLM ({time.perf_counter() - started:.1f} s so far)",
+                       err=True)
+
+        diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()), starting)
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     if not all(d.ok for d in diffs):

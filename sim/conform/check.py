@@ -266,7 +266,8 @@ def _both_or_neither_stall(ours: Callable[[], Any], theirs: Callable[[], Any]) -
 
 
 def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int = 1,
-            on_diff: Callable[[Diff], None] | None = None) -> list[Diff]:
+            on_diff: Callable[[Diff], None] | None = None,
+            on_start: Callable[[str], None] | None = None) -> list[Diff]:
     """Run the chosen modes; `cfg` must have a step time and give the block count. With KV
     offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode)."""
     if mode not in MODES:
@@ -285,6 +286,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         from kvsim.sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)
+        if on_start:
+            on_start("manager")
         d = run_manager(requests, block_size=cfg.block_size, num_blocks=cost.num_gpu_blocks(cfg),
                         max_running=max_running, enable_caching=cfg.enable_prefix_caching,
                         vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window)
@@ -292,6 +295,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         if on_diff:
             on_diff(d)
     if mode in ("scheduler", "both"):
+        if on_start:
+            on_start("scheduler")
         d = run_scheduler(requests, cfg)
         diffs.append(d)
         if on_diff:

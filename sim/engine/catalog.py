@@ -42,16 +42,38 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False  # a bias on the attention output too (Llama's attention_bias)
     qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
+    # a mixture of experts: `moe_layers` of the layers hold `num_experts` gated MLPs of
+    # `moe_intermediate_size` (and a router), of which each token uses `experts_per_token`; the
+    # other layers keep the dense MLP of `intermediate_size`
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: int = 0
 
-    def count_params(self) -> int:
-        """Parameters from the shape (Llama-style: gated MLP, RMSNorm, no other biases)."""
+    def _attention(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        attn += (h if self.o_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        return attn + (h if self.o_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+
+    def expert_params(self) -> int:
+        """One expert's parameters (a gated MLP)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def count_params(self) -> int:
+        """Parameters from the shape (Llama-style: gated MLP, RMSNorm, no other biases; a MoE
+        layer holds every expert and a router)."""
+        h = self.hidden_size
+        dense = self.num_layers - self.moe_layers
+        moe = self.num_experts * self.expert_params() + h * self.num_experts
+        layers = self.num_layers * (self._attention() + 2 * h) + dense * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return layers + self.moe_layers * moe + embed + h
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: every expert a token does not pick is left out."""
+        unused = self.moe_layers * (self.num_experts - self.experts_per_token) * self.expert_params()
+        return self.num_params - unused
 
 
 @dataclass(frozen=True)

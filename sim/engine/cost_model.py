@@ -168,13 +168,22 @@ class CostModel:
         # per-step constants, in seconds per unit
         compute_rate = gpu.peak_flops * cal.compute
         mem_rate = gpu.hbm_bw * cal.memory
-        self._s_per_token_flops = 2 * model.num_params / tp / compute_rate
+        self._s_per_token_flops = 2 * model.active_params() / tp / compute_rate  # (a MoE: active only)
         attention_rate = gpu.peak_flops * (cal.attention or cal.compute)
         self._s_per_pair = (
             4 * model.num_layers * (model.num_heads // tp) * model.head_dim / attention_rate
         )
         self._serial = cal.serial_fraction
         self._s_weights = self.weight_bytes / mem_rate
+        # A mixture of experts reads only the experts its batch's tokens pick. Assumed: each token
+        # picks k of the E experts uniformly and independently per layer (no expert parallelism:
+        # every rank holds 1/tp of each expert), so T tokens touch E (1 - (1 - k/E)^T) of them
+        self._moe = model.num_experts > 0
+        if self._moe:
+            every = model.moe_layers * model.num_experts * model.expert_params() * dt / tp
+            self._s_weights = (self.weight_bytes - every) / mem_rate  # attention, dense MLPs, embeddings
+            self._s_per_expert = model.moe_layers * model.expert_params() * dt / tp / mem_rate
+            self._expert_miss = 1.0 - model.experts_per_token / model.num_experts
         self._s_per_kv_token = self.kv_bytes_per_token / mem_rate
         link = gpu.nvlink_bw or gpu.pcie_bw
         self.allreduce_s_per_token = (
@@ -207,6 +216,11 @@ class CostModel:
             cfg.sliding_window,
             KV_CACHE_DTYPES[cfg.kv_cache_dtype],
         )
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts per MoE layer that `tokens` tokens pick (see __init__)."""
+        m = self.model
+        return m.num_experts * (1.0 - self._expert_miss**tokens)
 
     def activation_reserve_bytes(self, cfg: SimConfig) -> int:
         """Peak non-KV memory vLLM's profiling run would find, per GPU (our estimate).
@@ -275,6 +289,8 @@ class CostModel:
                 pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
             compute = tokens * self._s_per_token_flops + pairs * self._s_per_pair
             memory = self._s_weights + (ctx + tokens) * self._s_per_kv_token
+            if self._moe:
+                memory += self.experts_touched(tokens) * self._s_per_expert
             if compute > memory:
                 t += compute + self._serial * memory
             else:

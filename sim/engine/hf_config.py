@@ -9,12 +9,15 @@ one attention type on every layer:
   `bias`) puts biases on q, k, v and o; Mistral's `sliding_window` is the window of every layer;
 - `Qwen2ForCausalLM` (qwen2.py): q, k, v biases always, o none; a window only with
   `use_sliding_window` (then on layers from `max_window_layers` up: a mix, refused below);
-- `Qwen3ForCausalLM` (qwen3.py): `attention_bias` on q, k, v; RMSNorm of q and k per head.
+- `Qwen3ForCausalLM` (qwen3.py): `attention_bias` on q, k, v; RMSNorm of q and k per head;
+- mixtures of experts with that attention: `MixtralForCausalLM` (mixtral.py) and
+  `Qwen3MoeForCausalLM` (qwen3_moe.py), their experts read as `_experts` says. No expert
+  parallelism: each of the tensor-parallel ranks holds its share of every expert.
 
 `num_key_value_heads` defaults to the attention heads, `tie_word_embeddings` to false,
 `max_position_embeddings` gives the context length. Weights count 2 bytes each: vLLM's dtype
 "auto" serves fp32 checkpoints in 16 bits. What this step cannot model yet is refused with a
-one-line error naming the field: mixtures of experts, MLA, and models that mix layer types
+one-line error naming the field: other mixtures of experts, MLA, and models that mix layer types
 (sliding-window or chunked-local with full attention, linear attention, Mamba), which need the
 per-layer KV groups of vLLM's hybrid cache manager.
 """
@@ -28,6 +31,7 @@ from typing import Any
 from kvsim.sim.engine.catalog import ConfigError, ModelSpec, get_model
 
 DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # their experts' fields are read (see below)
 # fields whose presence means a model this step does not model, and what it is
 NOT_YET = (
     ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"),
@@ -70,12 +74,14 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         raise ConfigError(f"{source}: field 'architectures': missing (a list naming the model class)")
     kind = arch[0]
     for field, what in NOT_YET:
+        if kind in MOE and what == "a mixture of experts":
+            continue
         if cfg.get(field) not in (None, 0, [], False):
             raise ConfigError(f"{source}: field {field!r}: {kind} is {what}, which kvsim does not model yet "
-                              "(dense models with one attention type: " + ", ".join(DENSE) + ")")
-    if kind not in DENSE:
+                              "(one attention type on every layer: " + ", ".join(DENSE + MOE) + ")")
+    if kind not in DENSE + MOE:
         raise ConfigError(f"{source}: field 'architectures': kvsim does not model {kind} yet "
-                          f"(it reads {', '.join(DENSE)})")
+                          f"(it reads {', '.join(DENSE + MOE)})")
 
     def need(field: str) -> int:
         v = cfg.get(field)
@@ -95,6 +101,7 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             raise ConfigError(f"{source}: field 'max_window_layers': sliding-window and full-attention layers "
                               "mixed, which needs vLLM's hybrid KV groups (not modelled yet)")
     bias = bool(cfg.get("attention_bias") or cfg.get("bias"))
+    experts = _experts(cfg, kind, layers, need)
     spec = ModelSpec(
         name=str(cfg.get("_name_or_path") or Path(source).parent.name or Path(source).stem),
         num_params=0,
@@ -104,6 +111,25 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=True if kind == "Qwen2ForCausalLM" else bias,
         o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM"),
-        qk_norm=kind == "Qwen3ForCausalLM",
+        qk_norm=kind in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        **experts,
     )
     return ModelSpec(**{**spec.__dict__, "num_params": spec.count_params()})
+
+
+def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str, int]:
+    """A mixture of experts' fields, as vLLM 0.33 reads them: Mixtral (mixtral.py) puts
+    `num_local_experts` experts of `intermediate_size` on every layer; Qwen3-MoE (qwen3_moe.py)
+    puts `num_experts` of `moe_intermediate_size` on layer i unless i is in `mlp_only_layers` or
+    (i + 1) is not a multiple of `decoder_sparse_step` (those keep a dense MLP of
+    `intermediate_size`); `num_experts_per_tok` of them serve each token."""
+    if kind == "MixtralForCausalLM":
+        return {"num_experts": need("num_local_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("intermediate_size"), "moe_layers": layers}
+    if kind == "Qwen3MoeForCausalLM":
+        only = cfg.get("mlp_only_layers") or []
+        step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1
+        moe = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+        return {"num_experts": need("num_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("moe_intermediate_size"), "moe_layers": moe}
+    return {}

@@ -52,8 +52,8 @@ def test_qwen3_counts_its_q_and_k_norms():
     ({"architectures": None}, "field 'architectures': missing (a list naming the model class)"),
     ({"hidden_size": None}, "field 'hidden_size': expected a positive integer, got None"),
     ({"architectures": ["Gemma3ForCausalLM"]}, "field 'architectures': kvsim does not model Gemma3ForCausalLM yet"),
-    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
-     "field 'num_local_experts': MixtralForCausalLM is a mixture of experts, which kvsim does not model yet"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 60},
+     "field 'num_experts': Qwen2MoeForCausalLM is a mixture of experts, which kvsim does not model yet"),
     ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
      "field 'kv_lora_rank': DeepseekV3ForCausalLM is multi-head latent attention (MLA), which kvsim"),
 ])
@@ -118,3 +118,39 @@ def test_a_gpu_from_a_toml_file_and_the_new_catalog_gpus(tmp_path):
     blocks = {x: CostModel.from_config(SimConfig(gpu=x).validate()).num_gpu_blocks(SimConfig(gpu=x).validate())
               for x in ("h100-sxm", "b200", "mi300x")}
     assert blocks["b200"] > blocks["h100-sxm"] and blocks["mi300x"] > blocks["h100-sxm"]
+
+
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+                "tie_word_embeddings": False, "sliding_window": None}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "max_position_embeddings": 40960, "num_attention_heads": 32,
+                 "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                 "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("cfg", "total", "active"), [
+    (MIXTRAL_8X7B, 46_702_792_704, 12_879_925_248),  # the checkpoint's 46.7B, "12.9B active"
+    (QWEN3_30B_A3B, 30_532_122_624, 3_353_032_704),  # Qwen's "30.5B total, 3.3B activated"
+])
+def test_a_mixture_of_experts_counts_all_its_experts_and_uses_k(cfg, total, active):
+    m = spec_from_config(cfg, "config.json")
+    assert (m.num_params, m.active_params(), m.moe_layers) == (total, active, cfg["num_hidden_layers"])
+
+
+def test_qwen3_moe_keeps_dense_mlps_where_vllm_does():
+    # qwen3_moe.py: layer i is MoE unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step
+    m = spec_from_config({**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [1, 2]}, "config.json")
+    assert m.moe_layers == 23  # odd i (24 of 48), less layer 1
+
+
+def test_a_batch_reads_the_experts_its_tokens_pick_uniformly():
+    cost = CostModel(spec_from_config(MIXTRAL_8X7B, "config.json"), __import__(
+        "kvsim.sim.engine.catalog", fromlist=["GPUS"]).GPUS["h100-sxm"], tensor_parallel=2)
+    # E (1 - (1 - k/E)^T) with E 8, k 2: one token 2 experts, two tokens 3.5, many all 8
+    assert [cost.experts_touched(t) for t in (1, 2)] == [2.0, 3.5]
+    assert cost.experts_touched(200) == pytest.approx(8.0)
+    one, many = cost.step_time(0, 1, 1000, 1), cost.step_time(0, 64, 64_000, 64)
+    assert many > one  # more tokens wake more experts (and read more KV)
