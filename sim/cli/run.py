@@ -170,8 +170,10 @@ def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
     m, notes = cost.model, []
     if cfg.model.endswith(".json") or Path(cfg.model).is_dir():
         window = f"a {m.sliding_window:,}-token sliding window" if m.sliding_window else "full attention"
-        notes.append(f"model: read from {cfg.model}: {m.num_layers} layers, all {window}; {m.num_heads} query and "
-                     f"{m.num_kv_heads} KV heads of {m.head_dim}; {m.num_params / 1e9:.2f}B parameters"
+        heads = (f"MLA, {m.num_heads} query heads over a cached latent of {m.kv_lora_rank} + {m.qk_rope_head_dim}"
+                 if m.mla else f"{m.num_heads} query and {m.num_kv_heads} KV heads of {m.head_dim}")
+        notes.append(f"model: read from {cfg.model}: {m.num_layers} layers, all {window}; {heads}; "
+                     f"{m.num_params / 1e9:.2f}B parameters"
                      + (f" ({m.active_params() / 1e9:.2f}B active: {m.experts_per_token} of {m.num_experts} experts "
                         f"a token on {m.moe_layers} layers)" if m.num_experts else ""))
     if cfg.model.endswith(".json") or cfg.kv_cache_dtype != "auto":

@@ -49,9 +49,38 @@ class ModelSpec:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     moe_layers: int = 0
+    shared_experts: int = 0  # experts every token uses too (DeepSeek's n_shared_experts)
+    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (topk_method "noaux_tc")
+    # multi-head latent attention (DeepSeek): K and V come from one cached latent of kv_lora_rank
+    # plus a shared rotary key of qk_rope_head_dim, per token and layer
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_elements_per_token_layer(self, tp: int = 1) -> int:
+        """Elements one token keeps in one layer's cache on one rank: K and V of its KV heads
+        (split across ranks, replicated when fewer than ranks), or MLA's latent and rotary key
+        (vLLM's MLAAttentionSpec: one "head" of kv_lora_rank + qk_rope_head_dim, on every rank)."""
+        if self.mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
 
     def _attention(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        if self.mla:  # vLLM deepseek_v2.py's projections (q through a LoRA when q_lora_rank is set)
+            heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            q_lora = self.q_lora_rank
+            q = h * q_lora + q_lora + q_lora * heads * qk if q_lora else h * heads * qk
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank + \
+                self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * h
+        kv = self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         return attn + (h if self.o_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
@@ -65,7 +94,8 @@ class ModelSpec:
         layer holds every expert and a router)."""
         h = self.hidden_size
         dense = self.num_layers - self.moe_layers
-        moe = self.num_experts * self.expert_params() + h * self.num_experts
+        moe = (self.num_experts + self.shared_experts) * self.expert_params() + h * self.num_experts
+        moe += self.num_experts if self.router_bias else 0
         layers = self.num_layers * (self._attention() + 2 * h) + dense * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return layers + self.moe_layers * moe + embed + h

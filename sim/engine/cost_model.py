@@ -159,10 +159,9 @@ class CostModel:
         self.model, self.gpu, self.tensor_parallel, self.block_size = model, gpu, tp, block_size
         self.calibration = cal
         self.sliding_window = sliding_window if sliding_window is not None else model.sliding_window
-        kv_heads = max(1, model.num_kv_heads // tp)  # fewer KV heads than shards: replicated
         dt = model.dtype_bytes
         self.kv_dtype_bytes = kv_dtype_bytes or dt  # --kv-cache-dtype; None: the model's ("auto")
-        self.kv_bytes_per_token = 2 * model.num_layers * kv_heads * model.head_dim * self.kv_dtype_bytes
+        self.kv_bytes_per_token = model.num_layers * model.kv_elements_per_token_layer(tp) * self.kv_dtype_bytes
         self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
         self.weight_bytes = model.num_params * dt / tp
         # per-step constants, in seconds per unit
@@ -170,9 +169,11 @@ class CostModel:
         mem_rate = gpu.hbm_bw * cal.memory
         self._s_per_token_flops = 2 * model.active_params() / tp / compute_rate  # (a MoE: active only)
         attention_rate = gpu.peak_flops * (cal.attention or cal.compute)
-        self._s_per_pair = (
-            4 * model.num_layers * (model.num_heads // tp) * model.head_dim / attention_rate
-        )
+        # a (query token, cached token) pair per head: q.k and the weighted v, 2 FLOPs a dimension
+        # each; MLA with its projections absorbed scores and sums over the latent (and rotary key)
+        per_head = (2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank if model.mla
+                    else 4 * model.head_dim)
+        self._s_per_pair = model.num_layers * (model.num_heads // tp) * per_head / attention_rate
         self._serial = cal.serial_fraction
         self._s_weights = self.weight_bytes / mem_rate
         # A mixture of experts reads only the experts its batch's tokens pick. Assumed: each token

@@ -12,12 +12,17 @@ one attention type on every layer:
 - `Qwen3ForCausalLM` (qwen3.py): `attention_bias` on q, k, v; RMSNorm of q and k per head;
 - mixtures of experts with that attention: `MixtralForCausalLM` (mixtral.py) and
   `Qwen3MoeForCausalLM` (qwen3_moe.py), their experts read as `_experts` says. No expert
-  parallelism: each of the tensor-parallel ranks holds its share of every expert.
+  parallelism: each of the tensor-parallel ranks holds its share of every expert;
+- multi-head latent attention with experts: `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`
+  (deepseek_v2.py): every layer caches one latent of `kv_lora_rank` plus a rotary key of
+  `qk_rope_head_dim` per token (vLLM's MLAAttentionSpec, the same on every tensor-parallel rank);
+  the multi-token-prediction layers (`num_nextn_predict_layers`) are left out, as vLLM loads them
+  only for speculative decoding.
 
 `num_key_value_heads` defaults to the attention heads, `tie_word_embeddings` to false,
 `max_position_embeddings` gives the context length. Weights count 2 bytes each: vLLM's dtype
 "auto" serves fp32 checkpoints in 16 bits. What this step cannot model yet is refused with a
-one-line error naming the field: other mixtures of experts, MLA, and models that mix layer types
+one-line error naming the field: other mixtures of experts and MLA models, and models that mix layer types
 (sliding-window or chunked-local with full attention, linear attention, Mamba), which need the
 per-layer KV groups of vLLM's hybrid cache manager.
 """
@@ -32,6 +37,7 @@ from kvsim.sim.engine.catalog import ConfigError, ModelSpec, get_model
 
 DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # their experts' fields are read (see below)
+MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # MLA, and experts from a dense start
 # fields whose presence means a model this step does not model, and what it is
 NOT_YET = (
     ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"),
@@ -74,14 +80,14 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         raise ConfigError(f"{source}: field 'architectures': missing (a list naming the model class)")
     kind = arch[0]
     for field, what in NOT_YET:
-        if kind in MOE and what == "a mixture of experts":
+        if kind in MOE + MLA and what == "a mixture of experts" or kind in MLA and field == "kv_lora_rank":
             continue
         if cfg.get(field) not in (None, 0, [], False):
             raise ConfigError(f"{source}: field {field!r}: {kind} is {what}, which kvsim does not model yet "
-                              "(one attention type on every layer: " + ", ".join(DENSE + MOE) + ")")
-    if kind not in DENSE + MOE:
+                              "(one attention type on every layer: " + ", ".join(DENSE + MOE + MLA) + ")")
+    if kind not in DENSE + MOE + MLA:
         raise ConfigError(f"{source}: field 'architectures': kvsim does not model {kind} yet "
-                          f"(it reads {', '.join(DENSE + MOE)})")
+                          f"(it reads {', '.join(DENSE + MOE + MLA)})")
 
     def need(field: str) -> int:
         v = cfg.get(field)
@@ -126,6 +132,18 @@ def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str
     if kind == "MixtralForCausalLM":
         return {"num_experts": need("num_local_experts"), "experts_per_token": need("num_experts_per_tok"),
                 "moe_intermediate_size": need("intermediate_size"), "moe_layers": layers}
+    if kind in MLA:  # deepseek_v2.py: layer i is MoE from first_k_dense_replace on, every moe_layer_freq-th
+        first = cfg.get("first_k_dense_replace") or 0
+        freq = cfg.get("moe_layer_freq") or 1
+        q_lora = cfg.get("q_lora_rank")
+        return {"num_experts": need("n_routed_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("moe_intermediate_size"),
+                "moe_layers": sum(1 for i in range(layers) if i >= first and i % freq == 0),
+                "shared_experts": cfg.get("n_shared_experts") or 0,
+                "router_bias": cfg.get("topk_method") == "noaux_tc",
+                "kv_lora_rank": need("kv_lora_rank"), "q_lora_rank": need("q_lora_rank") if q_lora else 0,
+                "qk_nope_head_dim": need("qk_nope_head_dim"), "qk_rope_head_dim": need("qk_rope_head_dim"),
+                "v_head_dim": need("v_head_dim")}
     if kind == "Qwen3MoeForCausalLM":
         only = cfg.get("mlp_only_layers") or []
         step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1

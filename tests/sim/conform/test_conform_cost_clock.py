@@ -153,8 +153,8 @@ def test_step_seconds_is_the_cost_model_without_charged_ops():
 def test_the_cli_default_is_the_cost_clock():
     r = CliRunner().invoke(app, ["conform", "--mode", "scheduler", "--num-gpu-blocks", "300"])
     assert r.exit_code == 0, r.output
-    assert r.output.splitlines()[0].endswith("budget 8,192 tokens / 1,024 seqs, the cost model's clock")
-    assert r.output.splitlines()[1:] == ["scheduler 300 requests, 0 differ", "identical"]
+    assert r.stdout.splitlines()[0].endswith("budget 8,192 tokens / 1,024 seqs, the cost model's clock")
+    assert r.stdout.splitlines()[1:] == ["scheduler 300 requests, 0 differ", "identical"]
 
 
 @needs_vllm

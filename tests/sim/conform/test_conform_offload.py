@@ -298,7 +298,7 @@ def test_cli_runs_the_scheduler_mode_with_offloading(tmp_path):
     r = CliRunner().invoke(app, ["conform", str(path), "--num-gpu-blocks", "9", "--kv-offloading-size", "0.03125",
                                  "--offload-eviction-policy", "arc", "--offload-blocks-per-chunk", "2"])
     assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
+    lines = r.stdout.splitlines()  # (progress goes to stderr)
     assert lines[1].startswith("manager   skipped: manager mode replays the cache without a scheduler")
     assert lines[2] == "scheduler 6 requests, 0 differ" and lines[-1] == "identical"
 

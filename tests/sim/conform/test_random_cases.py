@@ -98,7 +98,7 @@ def test_max_model_len_cuts_answers_on_both_sides_and_too_long_prompts_are_named
     wl = str(Path(__file__).resolve().parents[2] / "golden" / "workloads" / "multi-turn.jsonl")
     args = ["conform", wl, "--mode", "scheduler", "--num-gpu-blocks", "60", "--max-num-batched-tokens", "256"]
     r = CliRunner().invoke(app, [*args, "--max-model-len", "480"])  # 451-token prompts, 509-token requests
-    assert r.exit_code == 0 and r.output.splitlines()[1:] == ["scheduler 120 requests, 0 differ", "identical"]
+    assert r.exit_code == 0 and r.stdout.splitlines()[1:] == ["scheduler 120 requests, 0 differ", "identical"]
     r = CliRunner().invoke(app, [*args, "--max-model-len", "300"])
     assert r.exit_code == 2 and r.output.endswith(
         "error: 12 requests leave no token under max_model_len 300 (first: 'mt-1-3', a 341-token prompt); "

@@ -54,8 +54,8 @@ def test_qwen3_counts_its_q_and_k_norms():
     ({"architectures": ["Gemma3ForCausalLM"]}, "field 'architectures': kvsim does not model Gemma3ForCausalLM yet"),
     ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 60},
      "field 'num_experts': Qwen2MoeForCausalLM is a mixture of experts, which kvsim does not model yet"),
-    ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512},
-     "field 'kv_lora_rank': DeepseekV3ForCausalLM is multi-head latent attention (MLA), which kvsim"),
+    ({"architectures": ["KimiLinearForCausalLM"], "kv_lora_rank": 512},
+     "field 'kv_lora_rank': KimiLinearForCausalLM is multi-head latent attention (MLA), which kvsim"),
 ])
 def test_what_cannot_be_modelled_yet_is_refused_naming_the_field(change, message):
     cfg = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None}
@@ -154,3 +154,26 @@ def test_a_batch_reads_the_experts_its_tokens_pick_uniformly():
     assert cost.experts_touched(200) == pytest.approx(8.0)
     one, many = cost.step_time(0, 1, 1000, 1), cost.step_time(0, 64, 64_000, 64)
     assert many > one  # more tokens wake more experts (and read more KV)
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+               "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+               "max_position_embeddings": 163840, "tie_word_embeddings": False, "topk_method": "noaux_tc",
+               "num_nextn_predict_layers": 1}
+
+
+def test_deepseek_v3_reads_as_mla_with_its_experts():
+    m = spec_from_config(DEEPSEEK_V3, "config.json")
+    # DeepSeek's 671B total (the MTP layer left out, as vLLM leaves it without speculative decoding), 37B active
+    assert (m.num_params, m.active_params(), m.moe_layers) == (671_026_419_200, 37_552_297_472, 58)
+    # vLLM's MLAAttentionSpec: one latent of 512 + a 64-dim rotary key per token and layer, on every rank
+    assert m.kv_elements_per_token_layer(tp=8) == 576
+    from kvsim.sim.engine.catalog import GPUS
+
+    cost = CostModel(m, GPUS["h200"], tensor_parallel=8, block_size=16)
+    assert cost.kv_bytes_per_block == 61 * 576 * 2 * 16  # 1,124,352 bytes
+    fp8 = CostModel(m, GPUS["h200"], tensor_parallel=8, block_size=16, kv_dtype_bytes=1)
+    assert fp8.kv_bytes_per_block == cost.kv_bytes_per_block // 2
