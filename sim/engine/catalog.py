@@ -38,6 +38,7 @@ class ModelSpec:
     max_model_len: int
     dtype_bytes: int = 2
     sliding_window: int | None = None
+    weight_dtype_bytes: int | None = None  # a quantized checkpoint's bytes a weight (fp8: 1); None: dtype_bytes
     tied_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # a bias on the attention output too (Llama's attention_bias)

@@ -163,7 +163,8 @@ class CostModel:
         self.kv_dtype_bytes = kv_dtype_bytes or dt  # --kv-cache-dtype; None: the model's ("auto")
         self.kv_bytes_per_token = model.num_layers * model.kv_elements_per_token_layer(tp) * self.kv_dtype_bytes
         self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
-        self.weight_bytes = model.num_params * dt / tp
+        wb = model.weight_dtype_bytes or dt  # a quantized checkpoint's weights (fp8: 1 byte)
+        self.weight_bytes = model.num_params * wb / tp
         # per-step constants, in seconds per unit
         compute_rate = gpu.peak_flops * cal.compute
         mem_rate = gpu.hbm_bw * cal.memory
@@ -181,9 +182,9 @@ class CostModel:
         # every rank holds 1/tp of each expert), so T tokens touch E (1 - (1 - k/E)^T) of them
         self._moe = model.num_experts > 0
         if self._moe:
-            every = model.moe_layers * model.num_experts * model.expert_params() * dt / tp
+            every = model.moe_layers * model.num_experts * model.expert_params() * wb / tp
             self._s_weights = (self.weight_bytes - every) / mem_rate  # attention, dense MLPs, embeddings
-            self._s_per_expert = model.moe_layers * model.expert_params() * dt / tp / mem_rate
+            self._s_per_expert = model.moe_layers * model.expert_params() * wb / tp / mem_rate
             self._expert_miss = 1.0 - model.experts_per_token / model.num_experts
         self._s_per_kv_token = self.kv_bytes_per_token / mem_rate
         link = gpu.nvlink_bw or gpu.pcie_bw

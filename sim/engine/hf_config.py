@@ -20,8 +20,9 @@ one attention type on every layer:
   only for speculative decoding.
 
 `num_key_value_heads` defaults to the attention heads, `tie_word_embeddings` to false,
-`max_position_embeddings` gives the context length. Weights count 2 bytes each: vLLM's dtype
-"auto" serves fp32 checkpoints in 16 bits. What this step cannot model yet is refused with a
+`max_position_embeddings` gives the context length. Weights count 2 bytes each (vLLM's dtype
+"auto" serves fp32 checkpoints in 16 bits), 1 in a checkpoint quantized to fp8
+(`quantization_config`, as DeepSeek-V3 ships). What this step cannot model yet is refused with a
 one-line error naming the field: other mixtures of experts and MLA models, and models that mix layer types
 (sliding-window or chunked-local with full attention, linear attention, Mamba), which need the
 per-layer KV groups of vLLM's hybrid cache manager.
@@ -48,9 +49,46 @@ NOT_YET = (
 )
 
 
+# Catalog models kept as their config.json fields (the Hugging Face repos named), read like a file
+CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-8B
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+                 "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "attention_bias": False},
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                     "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+                     "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+                     "tie_word_embeddings": False},
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "max_position_embeddings": 40960, "num_attention_heads": 32,
+                      "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "vocab_size": 151936, "tie_word_embeddings": False},
+    # deepseek-ai/DeepSeek-V3
+    "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
+                    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+                    "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
+                    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+}
+
+
 def model_spec(name: str) -> ModelSpec:
-    """`--model`: a catalog name, or the path of a config.json (or of the folder holding it)."""
-    return load_config(name) if is_config_path(name) else get_model(name)
+    """`--model`: a catalog name (`catalog.MODELS`, or one of `CONFIGS`), or the path of a
+    config.json (or of the folder holding it)."""
+    if is_config_path(name):
+        return load_config(name)
+    key = name.strip().lower()
+    if key in CONFIGS:
+        spec = spec_from_config(CONFIGS[key], f"the catalog's {key}")
+        return ModelSpec(**{**spec.__dict__, "name": key})
+    return get_model(name)
 
 
 def is_config_path(name: str) -> bool:
@@ -118,9 +156,23 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         qkv_bias=True if kind == "Qwen2ForCausalLM" else bias,
         o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM"),
         qk_norm=kind in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        weight_dtype_bytes=_weight_bytes(cfg, source),
         **experts,
     )
     return ModelSpec(**{**spec.__dict__, "num_params": spec.count_params()})
+
+
+def _weight_bytes(cfg: dict[str, Any], source: str) -> int | None:
+    """A quantized checkpoint's bytes a weight: `quantization_config.quant_method` fp8 (as
+    DeepSeek-V3 ships) is 1; none is the model dtype's (None); another method is refused."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "fp8":
+        return 1
+    raise ConfigError(f"{source}: field 'quantization_config': quant_method {method!r} is not modelled "
+                      "(fp8, or none)")
 
 
 def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str, int]:

@@ -162,7 +162,8 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, 
                "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536,
                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
                "max_position_embeddings": 163840, "tie_word_embeddings": False, "topk_method": "noaux_tc",
-               "num_nextn_predict_layers": 1}
+               "num_nextn_predict_layers": 1,
+               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
 
 
 def test_deepseek_v3_reads_as_mla_with_its_experts():
@@ -177,3 +178,16 @@ def test_deepseek_v3_reads_as_mla_with_its_experts():
     assert cost.kv_bytes_per_block == 61 * 576 * 2 * 16  # 1,124,352 bytes
     fp8 = CostModel(m, GPUS["h200"], tensor_parallel=8, block_size=16, kv_dtype_bytes=1)
     assert fp8.kv_bytes_per_block == cost.kv_bytes_per_block // 2
+
+
+def test_the_catalog_keeps_the_new_models_as_configs_and_deepseek_runs_with_an_fp8_cache(tmp_path, monkeypatch):
+    from kvsim.sim.engine.hf_config import CONFIGS, model_spec
+
+    assert CONFIGS["deepseek-v3"] == DEEPSEEK_V3 and CONFIGS["mixtral-8x7b"] == {
+        k: v for k, v in MIXTRAL_8X7B.items() if k != "sliding_window"}
+    assert model_spec("DeepSeek-V3").num_params == 671_026_419_200 and model_spec("deepseek-v3").name == "deepseek-v3"
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["run", "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--kv-cache-dtype",
+                                 "fp8", "--gpu-memory-utilization", "0.9", "--no-plots", "-o", "run"])
+    assert r.exit_code == 0, r.output
+    assert "KV cache: fp8 elements, 562,176 bytes a block of 16 tokens on each of 8 GPUs" in " ".join(r.output.split())
