@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvsim.sim.cli.common import check_output, fail
+from kvsim.sim.studies.units import seconds
 
 if TYPE_CHECKING:
     from kvsim.sim.engine.run import RunResult
@@ -21,19 +22,6 @@ def _num(fmt: str) -> Callable[[Any], str]:
 
 def _pct(v: Any) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
-
-
-def seconds(v: float | None) -> str:
-    """A duration in the unit a person reads: 12.3 ms, 4.56 s, 12.3 min, 2.2 h."""
-    if v is None:
-        return "-"
-    if v < 1:
-        return f"{1000 * v:.1f} ms"
-    if v < 60:
-        return f"{v:.2f} s"
-    if v < 3600:
-        return f"{v / 60:.1f} min"
-    return f"{v / 3600:,.1f} h"
 
 
 def _p3(key: str) -> Callable[[dict], str]:

@@ -142,12 +142,6 @@ class _TimedRun(_OffloadRun):
             del self.open[req.id]
             self.front.done(req, now)
 
-    def _upto(self, t: float):
-        """`Engine._upto`: let every event at or before `t` happen."""
-        env = self.env
-        while env.peek() <= t:
-            yield env.timeout(max(t - env.now, 0.0))
-
     def run(self, queue_size: int):
         """`Engine._steps` (step_time None) over vLLM's Scheduler (`queue_size` 1) or
         AsyncScheduler (2): EngineCore's step_with_batch_queue, each batch lasting its cost from
@@ -205,7 +199,7 @@ class _TimedRun(_OffloadRun):
                         raise self.stalled(1, k, *self.cache)
                     if until > start:
                         clock = min(until, max(env.peek(), start))
-                        yield from self._upto(clock)
+                        yield from front.upto(clock)
                     continue
                 else:
                     output = self._fake_async_output(out, ModelRunnerOutput)
@@ -216,7 +210,7 @@ class _TimedRun(_OffloadRun):
                         raise self.stalled(STALL_STEPS, k, *self.cache)
                     if all(q[2] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
-                        yield from self._upto(clock)
+                        yield from front.upto(clock)
                     queue.appendleft((out, output, None, clock, k))
                 if len(queue) < queue_size and (ran or sched.has_requests()):
                     continue
@@ -225,7 +219,7 @@ class _TimedRun(_OffloadRun):
                 sched.update_from_output(out, output)  # nothing ran; the scheduler only hears of it
                 continue
             clock = max(clock, end)
-            yield from self._upto(clock)  # arrivals while it ran are queued before its output
+            yield from front.upto(clock)  # arrivals while it ran are queued before its output
             if sync:
                 done = self.sync_step(out, step, ModelRunnerOutput, output)
                 self._ended(end)

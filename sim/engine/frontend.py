@@ -112,6 +112,13 @@ class Frontend:
         """No request will ever arrive again: the stream is over and no session turn is pending."""
         return self.source_done and (self.sessions is None or self.sessions.outstanding == 0)
 
+    def upto(self, t: float):
+        """Let every event at or before `t` happen (arrivals, session releases) before the caller
+        goes on at `t` (a SimPy generator: `yield from`)."""
+        env = self.env
+        while env.peek() <= t:
+            yield env.timeout(max(t - env.now, 0.0))
+
     def wait(self):
         """Sleep until the next request reaches the engine (a SimPy generator: `yield from`)."""
         self._wake = self.env.event()

@@ -144,12 +144,6 @@ class Engine:
         return n
 
     # ---------------------------------------------------------------- steps
-    def _upto(self, t: float):
-        """Let every event at or before `t` happen (arrivals, session releases); a SimPy generator."""
-        env = self.env
-        while env.peek() <= t:
-            yield env.timeout(max(t - env.now, 0.0))
-
     def _steps(self):
         """vLLM's EngineCore busy loop (`step_with_batch_queue`, vllm/v1/engine/core.py) over either
         output mode: the batch queue is one deep (sync: schedule, run, apply) or two (async: batch
@@ -196,7 +190,7 @@ class Engine:
         # clock, or to sleep: back-to-back steps cost no event each
         while True:
             if grid:
-                yield from self._upto(at(clock))
+                yield from self.front.upto(at(clock))
             if not queue and not busy():
                 if at(clock) > env.now:  # catch up first: an arrival may be due meanwhile
                     yield env.timeout(at(clock) - env.now)
@@ -244,7 +238,7 @@ class Engine:
                         clock = start + 1 if until <= t0 else max(grid_index(min(until, env.peek()), S), start + 1)
                     elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it
                         clock = min(until, max(env.peek(), t0))
-                        yield from self._upto(clock)
+                        yield from self.front.upto(clock)
                     continue
                 else:
                     empties += 1
@@ -253,7 +247,7 @@ class Engine:
                     if all(q[1] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
                         if not grid:
-                            yield from self._upto(clock)
+                            yield from self.front.upto(clock)
                     sched.launched(b, b.start)  # no forward
                     queue.appendleft((b, None, None, 0.0, step, _ZEROS, dropped))
                 if len(queue) < depth and (b.num_seqs or sched.has_requests()):
@@ -263,7 +257,7 @@ class Engine:
                 sched.update(b, b.start)  # nothing ran (no forward); the scheduler only hears of it
                 continue
             clock = max(clock, end)
-            yield from self._upto(at(clock))  # arrivals while it ran are queued before its output
+            yield from self.front.upto(at(clock))  # arrivals while it ran are queued before its output
             sched.step = step
             m.set_step(step)
             sched.update(b, at(end))

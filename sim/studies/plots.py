@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvsim.sim.engine.run import RunResult  # noqa: E402
+from kvsim.sim.studies.units import seconds  # noqa: E402
 
 MAX_POINTS = 4000
 BINS = 800  # time slices the per-step series are averaged into (about one a pixel)
@@ -153,9 +154,9 @@ def plot_latency(result: RunResult, path: Path) -> None:
         for q, style in ((50, ":"), (99, "--")):
             if len(v):
                 x = float(np.percentile(v, q))
-                ax.axvline(x, color="0.35", ls=style, lw=1, label=f"p{q} {_seconds(x)}")
+                ax.axvline(x, color="0.35", ls=style, lw=1, label=f"p{q} {seconds(x)}")
         if slo.get(col) is not None:
-            ax.axvline(slo[col], color="tab:red", lw=1.5, label=f"SLO {_seconds(slo[col])}")
+            ax.axvline(slo[col], color="tab:red", lw=1.5, label=f"SLO {seconds(slo[col])}")
         if len(v):
             ax.set_xscale("log")
         ax.set_xlabel(f"{name} (s, log)")
@@ -178,17 +179,6 @@ def plot_latency(result: RunResult, path: Path) -> None:
         ax.legend(loc="upper left", fontsize="small")
     fig.suptitle(title(result), fontsize="medium")
     _save(fig, path)
-
-
-def _seconds(v: float) -> str:
-    """A duration as a plot label reads it: ms below a second, s, min, h."""
-    if v < 1:
-        return f"{1000 * v:.3g} ms"
-    if v < 60:
-        return f"{v:.3g} s"
-    if v < 3600:
-        return f"{v / 60:.3g} min"
-    return f"{v / 3600:.3g} h"
 
 
 def warm_up() -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvsim.sim.cli.report import format_table, reading, seconds
+from kvsim.sim.cli.report import format_table, reading
+from kvsim.sim.studies.units import seconds
 from tests.sim.engine.engine_fixtures import req, run
 
 
