@@ -165,24 +165,29 @@ SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_p
 
 
 def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
-    """What was read from a model's config.json, and the KV cache's element size when it is not the
-    model's own: the figures a reader checks against vLLM's log."""
-    from kvsim.sim.engine.hf_config import CONFIGS
+    """What was read from a model's config.json (layer types and counts, parameters), the bytes of a
+    block, and how a model that mixes layer types is placed in kvsim's one group of blocks: the
+    figures a reader checks against vLLM's log."""
+    from kvsim.sim.engine.hf_config import read_from_config
+    from kvsim.sim.engine.layers import describe_layers
 
     m, notes = cost.model, []
-    read = cfg.model.endswith(".json") or Path(cfg.model).is_dir() or cfg.model.strip().lower() in CONFIGS
+    read = read_from_config(cfg.model)
     if read:
-        window = f"a {m.sliding_window:,}-token sliding window" if m.sliding_window else "full attention"
         heads = (f"MLA, {m.num_heads} query heads over a cached latent of {m.kv_lora_rank} + {m.qk_rope_head_dim}"
                  if m.mla else f"{m.num_heads} query and {m.num_kv_heads} KV heads of {m.head_dim}")
-        notes.append(f"model: read from {cfg.model}'s config: {m.num_layers} layers, all {window}; {heads}; "
+        notes.append(f"model: read from {cfg.model}'s config: {describe_layers(cost.layers)}; {heads}; "
                      f"{m.num_params / 1e9:.2f}B parameters"
                      + (f" ({m.active_params() / 1e9:.2f}B active: {m.experts_per_token} of {m.num_experts} experts "
-                        f"a token on {m.moe_layers} layers)" if m.num_experts else ""))
+                        f"a token on {m.moe_layers} layers)" if m.num_experts else "")
+                     + (f", {m.encoder_params / 1e9:.2f}B of them a vision tower" if m.encoder_params else ""))
     if read or cfg.kv_cache_dtype != "auto":
         dtype = "the model's 16-bit" if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cfg.block_size} "
-                     f"tokens on each of {cfg.tensor_parallel} GPU{'s' if cfg.tensor_parallel > 1 else ''}")
+                     f"tokens (every layer) "
+                     + (f"on each of {cfg.tensor_parallel} GPUs" if cfg.tensor_parallel > 1 else "on the GPU"))
+    if cost.placement is not None and cost.placement.approximation:
+        notes.append(f"approximation: {cost.placement.approximation}")
     return notes
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MiB = 1 << 20
+# a layer's attention, as vLLM's model files and transformers' configs name them
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 
 
 class ConfigError(ValueError):
@@ -59,10 +61,42 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # per-layer attention (vLLM's names, `LAYER_TYPES`); empty: every layer alike (full attention,
+    # or `sliding_window` on every layer as Mistral has it)
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None  # the chunk of "chunked_attention" layers (Llama 4)
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the output (Qwen3-Next)
+    norms_per_layer: int = 2  # RMSNorms of hidden_size a layer (Gemma 3: 4)
+    expert_bias: bool = False  # biases on the experts' projections (gpt-oss)
+    shared_expert_intermediate_size: int = 0  # one shared expert of this size (Qwen3-Next, Llama 4)
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen3-Next)
+    expert_weight_bytes: float | None = None  # the experts' bytes a weight when only they are quantized
+    # gated-delta-net linear attention (Qwen3-Next's "linear_attention" layers): its recurrent state
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    encoder_params: int = 0  # a vision tower and its projector: held in memory, not run on text
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention, one of `LAYER_TYPES`."""
+        if self.layer_types:
+            return self.layer_types[i]
+        return "sliding_attention" if self.sliding_window else "full_attention"
+
+    def count_layer_types(self) -> dict[str, int]:
+        """Layers of each type, in order of first appearance."""
+        counts: dict[str, int] = {}
+        for i in range(self.num_layers):
+            t = self.layer_type(i)
+            counts[t] = counts.get(t, 0) + 1
+        return counts
 
     def kv_elements_per_token_layer(self, tp: int = 1) -> int:
         """Elements one token keeps in one layer's cache on one rank: K and V of its KV heads
@@ -73,6 +107,7 @@ class ModelSpec:
         return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
 
     def _attention(self) -> int:
+        """One full-attention layer's parameters (a sliding-window or chunked one has the same)."""
         h = self.hidden_size
         if self.mla:  # vLLM deepseek_v2.py's projections (q through a LoRA when q_lora_rank is set)
             heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -83,28 +118,56 @@ class ModelSpec:
             return q + kv + heads * self.v_head_dim * h
         kv = self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        gate = q if self.attn_output_gate else 0
+        attn = h * (q + gate) + 2 * h * kv + q * h + ((q + gate + 2 * kv) if self.qkv_bias else 0)
+        attn += self.num_heads if self.attention_sinks else 0
         return attn + (h if self.o_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
+    def _linear_attention(self) -> int:
+        """One gated-delta-net layer's parameters (vLLM qwen_gdn_linear_attn.py): q, k, v and the
+        output gate z from one projection, the decay and beta gates, a causal conv over q, k and v,
+        the decay's A and dt bias per value head, a gated RMSNorm of the value head, out_proj."""
+        h = self.hidden_size
+        key, value = self.linear_key_heads * self.linear_key_head_dim, self.linear_value_heads * self.linear_value_head_dim
+        conv = 2 * key + value
+        return (h * (2 * key + 2 * value) + h * 2 * self.linear_value_heads + conv * self.linear_conv_kernel
+                + 2 * self.linear_value_heads + self.linear_value_head_dim + value * h)
+
+    def linear_state_shapes(self, tp: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A gated-delta-net layer's state per sequence on one rank (vLLM mamba_utils.py
+        MambaStateShapeCalculator.gated_delta_net_state_shape): the conv state (conv_dim / tp,
+        kernel - 1) and the recurrent state (value heads / tp, value head dim, key head dim)."""
+        conv = 2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
+        return ((conv // tp, self.linear_conv_kernel - 1),
+                (self.linear_value_heads // tp, self.linear_value_head_dim, self.linear_key_head_dim))
+
     def expert_params(self) -> int:
-        """One expert's parameters (a gated MLP)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """One expert's parameters (a gated MLP, with gpt-oss's biases)."""
+        bias = 2 * self.moe_intermediate_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.moe_intermediate_size + bias
 
     def count_params(self) -> int:
         """Parameters from the shape (Llama-style: gated MLP, RMSNorm, no other biases; a MoE
-        layer holds every expert and a router)."""
+        layer holds every expert, its shared experts and a router), and `encoder_params`."""
         h = self.hidden_size
         dense = self.num_layers - self.moe_layers
         moe = (self.num_experts + self.shared_experts) * self.expert_params() + h * self.num_experts
         moe += self.num_experts if self.router_bias else 0
-        layers = self.num_layers * (self._attention() + 2 * h) + dense * 3 * h * self.intermediate_size
+        moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
+        linear = sum(1 for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
+        attention = (self.num_layers - linear) * self._attention() + linear * self._linear_attention()
+        layers = attention + self.num_layers * self.norms_per_layer * h + dense * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
-        return layers + self.moe_layers * moe + embed + h
+        return layers + self.moe_layers * moe + embed + h + self.encoder_params
+
+    def unused_expert_params(self) -> int:
+        """The parameters of the experts one token does not pick, over every MoE layer."""
+        return self.moe_layers * (self.num_experts - self.experts_per_token) * self.expert_params()
 
     def active_params(self) -> int:
-        """Parameters one token's forward uses: every expert a token does not pick is left out."""
-        unused = self.moe_layers * (self.num_experts - self.experts_per_token) * self.expert_params()
-        return self.num_params - unused
+        """Parameters one text token's forward uses: every expert a token does not pick, and any
+        vision tower, are left out."""
+        return self.num_params - self.unused_expert_params() - self.encoder_params
 
 
 @dataclass(frozen=True)

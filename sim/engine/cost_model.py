@@ -51,6 +51,7 @@ from kvsim.kvcache.ops import CHARGED_KINDS as OP_KINDS
 from kvsim.sim.engine.catalog import GpuSpec, ModelSpec, get_gpu
 from kvsim.sim.engine.config import KV_CACHE_DTYPES, ConfigError, SimConfig
 from kvsim.sim.engine.hf_config import model_spec
+from kvsim.sim.engine.layers import LayerKV, Placement, kv_layers, layer_counts, place
 from kvsim.workloads.files import read_json
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
@@ -158,13 +159,25 @@ class CostModel:
         cal = calibration or Calibration()
         self.model, self.gpu, self.tensor_parallel, self.block_size = model, gpu, tp, block_size
         self.calibration = cal
-        self.sliding_window = sliding_window if sliding_window is not None else model.sliding_window
         dt = model.dtype_bytes
         self.kv_dtype_bytes = kv_dtype_bytes or dt  # --kv-cache-dtype; None: the model's ("auto")
-        self.kv_bytes_per_token = model.num_layers * model.kv_elements_per_token_layer(tp) * self.kv_dtype_bytes
-        self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
+        self.layers = kv_layers(model, tp, block_size, self.kv_dtype_bytes)
+        try:
+            self.placement: Placement | None = place(model, self.layers)
+            self.placement_error: ConfigError | None = None
+        except ConfigError as e:  # a model with Mamba-state layers among attention ones: priced, not sized
+            self.placement, self.placement_error = None, e
+        if sliding_window is not None and len(layer_counts(self.layers)) > 1:
+            raise ConfigError(f"sliding_window {sliding_window}: {model.name} has layers of more than one kind "
+                              "(their windows come from its config)")
+        self.sliding_window = sliding_window if sliding_window is not None else self.placement and self.placement.window
+        attention = [layer for layer in self.layers if layer.kind != "mamba"]
+        self.kv_bytes_per_block = sum(layer.page_bytes for layer in attention)  # one block, every layer
+        self.kv_bytes_per_token = self.kv_bytes_per_block // block_size
         wb = model.weight_dtype_bytes or dt  # a quantized checkpoint's weights (fp8: 1 byte)
-        self.weight_bytes = model.num_params * wb / tp
+        ewb = model.expert_weight_bytes or wb  # experts quantized alone (gpt-oss's MXFP4)
+        experts = model.moe_layers * model.num_experts * model.expert_params()  # routed, every layer
+        self.weight_bytes = ((model.num_params - experts) * wb + experts * ewb) / tp
         # per-step constants, in seconds per unit
         compute_rate = gpu.peak_flops * cal.compute
         mem_rate = gpu.hbm_bw * cal.memory
@@ -174,7 +187,22 @@ class CostModel:
         # each; MLA with its projections absorbed scores and sums over the latent (and rotary key)
         per_head = (2 * (model.kv_lora_rank + model.qk_rope_head_dim) + 2 * model.kv_lora_rank if model.mla
                     else 4 * model.head_dim)
-        self._s_per_pair = model.num_layers * (model.num_heads // tp) * per_head / attention_rate
+        s_per_pair_layer = (model.num_heads // tp) * per_head / attention_rate
+        # attention by window: (tokens read at most, or None for all; s per pair; s per cached token)
+        windows: dict[int | None, list[LayerKV]] = {}
+        for layer in attention:
+            w = sliding_window if sliding_window is not None else layer.window
+            windows.setdefault(w, []).append(layer)
+        self._attention = tuple(
+            (w, len(group) * s_per_pair_layer, sum(x.page_bytes for x in group) / block_size / mem_rate)
+            for w, group in windows.items())
+        # gated-delta-net layers read and write each sequence's state once a step; their recurrence
+        # costs 4 FLOPs an element of the state a token (decay, delta update, read-out)
+        linear = [layer for layer in self.layers if layer.kind == "mamba"]
+        self._s_state_per_seq = 2 * sum(x.page_bytes for x in linear) / mem_rate
+        if linear:
+            state = model.linear_value_heads * model.linear_value_head_dim * model.linear_key_head_dim / tp
+            self._s_per_token_flops += 4 * len(linear) * state / compute_rate
         self._serial = cal.serial_fraction
         self._s_weights = self.weight_bytes / mem_rate
         # A mixture of experts reads only the experts its batch's tokens pick. Assumed: each token
@@ -182,11 +210,9 @@ class CostModel:
         # every rank holds 1/tp of each expert), so T tokens touch E (1 - (1 - k/E)^T) of them
         self._moe = model.num_experts > 0
         if self._moe:
-            every = model.moe_layers * model.num_experts * model.expert_params() * wb / tp
-            self._s_weights = (self.weight_bytes - every) / mem_rate  # attention, dense MLPs, embeddings
-            self._s_per_expert = model.moe_layers * model.expert_params() * wb / tp / mem_rate
+            self._s_weights = (self.weight_bytes - experts * ewb / tp) / mem_rate  # attention, dense MLPs, embeddings
+            self._s_per_expert = model.moe_layers * model.expert_params() * ewb / tp / mem_rate
             self._expert_miss = 1.0 - model.experts_per_token / model.num_experts
-        self._s_per_kv_token = self.kv_bytes_per_token / mem_rate
         link = gpu.nvlink_bw or gpu.pcie_bw
         self.allreduce_s_per_token = (
             2 * model.num_layers * model.hidden_size * dt / link if tp > 1 else 0.0
@@ -241,6 +267,8 @@ class CostModel:
     def num_gpu_blocks(self, cfg: SimConfig) -> int:
         """cfg.num_gpu_blocks, or what vLLM would allocate: (memory * utilization
         - weights - activation reserve) // bytes per block, all per GPU."""
+        if self.placement_error is not None:
+            raise self.placement_error
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
         budget = self.gpu.memory_bytes * cfg.gpu_memory_utilization
@@ -278,19 +306,21 @@ class CostModel:
             prior = (context_tokens - tokens) / seqs
             if prior < 0.0:
                 prior = 0.0
-            ctx = context_tokens
-            w = self.sliding_window
-            if w is not None:
-                if prior > w:
-                    prior = w
-                if ctx > seqs * w:
-                    ctx = seqs * w
-            pairs = tokens * prior + decode_tokens
+            new_pairs = decode_tokens
             if prefill_tokens:
                 chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
-                pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
-            compute = tokens * self._s_per_token_flops + pairs * self._s_per_pair
-            memory = self._s_weights + (ctx + tokens) * self._s_per_kv_token
+                new_pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
+            compute = tokens * self._s_per_token_flops
+            memory = self._s_weights + seqs * self._s_state_per_seq
+            for w, s_pair, s_kv in self._attention:  # each window reads at most its window
+                p, ctx = prior, context_tokens
+                if w is not None:
+                    if p > w:
+                        p = w
+                    if ctx > seqs * w:
+                        ctx = seqs * w
+                compute += (tokens * p + new_pairs) * s_pair
+                memory += (ctx + tokens) * s_kv
             if self._moe:
                 memory += self.experts_touched(tokens) * self._s_per_expert
             if compute > memory:

@@ -1,8 +1,7 @@
 """A model from its Hugging Face `config.json`, read the way vLLM 0.33's model files read it.
 
-`--model path/to/config.json` (offline: the file only, no hub, no weights). This first step
-takes the dense decoder families vLLM runs through its Llama-style implementations, each with
-one attention type on every layer:
+`--model path/to/config.json` (offline: the file only, no hub, no weights). It takes the dense
+decoder families vLLM runs through its Llama-style implementations:
 
 - `LlamaForCausalLM` and `MistralForCausalLM` (vllm/model_executor/models/llama.py, mistral.py):
   `head_dim` if the config has it, else hidden_size / num_attention_heads; `attention_bias` (or
@@ -17,15 +16,25 @@ one attention type on every layer:
   (deepseek_v2.py): every layer caches one latent of `kv_lora_rank` plus a rotary key of
   `qk_rope_head_dim` per token (vLLM's MLAAttentionSpec, the same on every tensor-parallel rank);
   the multi-token-prediction layers (`num_nextn_predict_layers`) are left out, as vLLM loads them
-  only for speculative decoding.
+  only for speculative decoding;
+- models whose layers differ (`_attention_layout` says how each file decides a layer's type):
+  `GptOssForCausalLM` (gpt_oss.py: sliding window on even layers, attention sinks, biased
+  experts in MXFP4), `Gemma3ForCausalLM` / `Gemma3ForConditionalGeneration` (gemma3.py,
+  gemma3_mm.py: `layer_types`, q/k norms, four norms a layer, tied embeddings, a SigLIP tower),
+  `Llama4ForConditionalGeneration` (llama4.py, mllama4.py: chunked-local layers with a NoPE
+  full-attention layer every fourth, a shared expert, a vision tower), `Qwen3NextForCausalLM`
+  (qwen3_next.py: gated-delta-net layers with full attention every `full_attention_interval`-th,
+  a gated attention output, a gated shared expert). A vision-language model's text fields are
+  read from `text_config`, its tower from `vision_config`; fields a published config leaves out
+  take transformers' defaults (`DEFAULTS`), as vLLM reads configs through transformers.
 
 `num_key_value_heads` defaults to the attention heads, `tie_word_embeddings` to false,
 `max_position_embeddings` gives the context length. Weights count 2 bytes each (vLLM's dtype
 "auto" serves fp32 checkpoints in 16 bits), 1 in a checkpoint quantized to fp8
-(`quantization_config`, as DeepSeek-V3 ships). What this step cannot model yet is refused with a
-one-line error naming the field: other mixtures of experts and MLA models, and models that mix layer types
-(sliding-window or chunked-local with full attention, linear attention, Mamba), which need the
-per-layer KV groups of vLLM's hybrid cache manager.
+(`quantization_config`, as DeepSeek-V3 ships); gpt-oss's MXFP4 experts 0.53125. What kvsim cannot
+model is refused with a one-line error naming the field: an architecture not listed here, a
+missing or malformed field, another quantization method. How a model whose layers differ is
+placed in kvsim's one group of blocks is `sim.engine.layers.place`'s business.
 """
 
 from __future__ import annotations
@@ -39,56 +48,58 @@ from kvsim.sim.engine.catalog import ConfigError, ModelSpec, get_model
 DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # their experts' fields are read (see below)
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # MLA, and experts from a dense start
-# fields whose presence means a model this step does not model, and what it is
+# models whose layers differ: windows, chunks, linear attention (and experts), read below
+MIXED = ("GptOssForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+         "Llama4ForConditionalGeneration", "Qwen3NextForCausalLM")
+KNOWN = DENSE + MOE + MLA + MIXED
+# fields whose presence means a model kvsim does not model, and what it is (checked on the
+# families that never carry them: a Llama config with experts is another model)
 NOT_YET = (
     ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"),
     ("n_routed_experts", "a mixture of experts"), ("kv_lora_rank", "multi-head latent attention (MLA)"),
-    ("layer_types", "per-layer attention types"), ("sliding_window_pattern", "interleaved sliding-window layers"),
+    ("sliding_window_pattern", "interleaved sliding-window layers"),
     ("attention_chunk_size", "chunked local attention"), ("hybrid_override_pattern", "Mamba layers"),
     ("full_attention_interval", "linear-attention layers"),
 )
-
-
-# Catalog models kept as their config.json fields (the Hugging Face repos named), read like a file
-CONFIGS: dict[str, dict[str, Any]] = {
-    # Qwen/Qwen3-8B
-    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
-                 "max_position_embeddings": 40960, "num_attention_heads": 32, "num_hidden_layers": 36,
-                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False,
-                 "attention_bias": False},
-    # mistralai/Mixtral-8x7B-v0.1
-    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-                     "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
-                     "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
-                     "tie_word_embeddings": False},
-    # Qwen/Qwen3-30B-A3B
-    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
-                      "moe_intermediate_size": 768, "max_position_embeddings": 40960, "num_attention_heads": 32,
-                      "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                      "vocab_size": 151936, "tie_word_embeddings": False},
-    # deepseek-ai/DeepSeek-V3
-    "deepseek-v3": {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-                    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "kv_lora_rank": 512,
-                    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                    "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False,
-                    "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
-                    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+# transformers' defaults for the fields a published config may leave out (its config classes,
+# as vLLM reads the config through them); tests/sim/engine/test_hf_config.py checks each against
+# the installed transformers
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma3": {"vocab_size": 262208, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+               "sliding_window": 4096, "sliding_window_pattern": 6, "head_dim": 256, "attention_bias": False},
+    "Llama4": {"no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "tie_word_embeddings": False},
+    "Qwen3Next": {"attn_output_gate": True, "full_attention_interval": 4, "decoder_sparse_step": 1},
+    "GptOss": {"tie_word_embeddings": False},
 }
 
 
+# Catalog models kept as their published config.json files (configs/SOURCES.md says where each
+# was taken from), read like any other file
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def catalog_configs() -> dict[str, dict[str, Any]]:
+    """Every catalog model kept as a config: name -> its config.json fields."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
 def model_spec(name: str) -> ModelSpec:
-    """`--model`: a catalog name (`catalog.MODELS`, or one of `CONFIGS`), or the path of a
-    config.json (or of the folder holding it)."""
+    """`--model`: a catalog name (`catalog.MODELS`, or a file of `CONFIG_DIR`),
+    or the path of a config.json (or of the folder holding it)."""
     if is_config_path(name):
         return load_config(name)
     key = name.strip().lower()
-    if key in CONFIGS:
-        spec = spec_from_config(CONFIGS[key], f"the catalog's {key}")
+    kept = CONFIG_DIR / f"{key}.json"
+    if kept.is_file():
+        spec = spec_from_config(json.loads(kept.read_text()), f"the catalog's {key}")
         return ModelSpec(**{**spec.__dict__, "name": key})
     return get_model(name)
+
+
+def read_from_config(name: str) -> bool:
+    """Whether `model_spec(name)` reads a config (a file, or one the catalog keeps)."""
+    key = name.strip().lower()
+    return is_config_path(name) or (CONFIG_DIR / f"{key}.json").is_file()
 
 
 def is_config_path(name: str) -> bool:
@@ -117,49 +128,169 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     if not (isinstance(arch, list) and arch and isinstance(arch[0], str)):
         raise ConfigError(f"{source}: field 'architectures': missing (a list naming the model class)")
     kind = arch[0]
-    for field, what in NOT_YET:
-        if kind in MOE + MLA and what == "a mixture of experts" or kind in MLA and field == "kv_lora_rank":
-            continue
-        if cfg.get(field) not in (None, 0, [], False):
-            raise ConfigError(f"{source}: field {field!r}: {kind} is {what}, which kvsim does not model yet "
-                              "(one attention type on every layer: " + ", ".join(DENSE + MOE + MLA) + ")")
-    if kind not in DENSE + MOE + MLA:
-        raise ConfigError(f"{source}: field 'architectures': kvsim does not model {kind} yet "
-                          f"(it reads {', '.join(DENSE + MOE + MLA)})")
+    if kind not in MIXED:
+        for field, what in NOT_YET:
+            if kind in MOE + MLA and what == "a mixture of experts" or kind in MLA and field == "kv_lora_rank":
+                continue
+            if cfg.get(field) not in (None, 0, [], False):
+                raise ConfigError(f"{source}: field {field!r}: {kind} is {what}, which kvsim does not model yet "
+                                  "(one attention type on every layer: " + ", ".join(DENSE + MOE + MLA) + ")")
 
+    if kind not in KNOWN:
+        raise ConfigError(f"{source}: field 'architectures': kvsim does not model {kind} yet "
+                          f"(it reads {', '.join(KNOWN)})")
+    family = next((f for f in DEFAULTS if kind.startswith(f)), "")
+    encoder = 0
+    if kind.endswith("ForConditionalGeneration"):  # a vision-language model: its text model, and a tower
+        text, vision = cfg.get("text_config"), cfg.get("vision_config")
+        for field, v in (("text_config", text), ("vision_config", vision)):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{source}: field {field!r}: missing (an object of the {field[:-7]} model's fields)")
+        text = {**DEFAULTS[family], **text}
+        encoder = _vision_params(kind, vision, text, source)
+        where = f"{source}: text_config"
+    else:
+        text, where = {**DEFAULTS.get(family, {}), **cfg}, source
     def need(field: str) -> int:
-        v = cfg.get(field)
+        v = text.get(field)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"{source}: field {field!r}: expected a positive integer, got {v!r}")
+            raise ConfigError(f"{where}: field {field!r}: expected a positive integer, got {v!r}")
         return v
 
     layers, hidden, heads = need("num_hidden_layers"), need("hidden_size"), need("num_attention_heads")
-    kv_heads = need("num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
-    head_dim = need("head_dim") if cfg.get("head_dim") is not None else hidden // heads
-    window = None
-    if kind in ("MistralForCausalLM", "LlamaForCausalLM") and cfg.get("sliding_window") is not None:
-        window = need("sliding_window")
-    if kind == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-        window = need("sliding_window")
-        if cfg.get("max_window_layers", layers) < layers:
-            raise ConfigError(f"{source}: field 'max_window_layers': sliding-window and full-attention layers "
-                              "mixed, which needs vLLM's hybrid KV groups (not modelled yet)")
-    bias = bool(cfg.get("attention_bias") or cfg.get("bias"))
-    experts = _experts(cfg, kind, layers, need)
+    kv_heads = need("num_key_value_heads") if text.get("num_key_value_heads") is not None else heads
+    head_dim = need("head_dim") if text.get("head_dim") is not None else hidden // heads
+    window, layer_types = _attention_layout(text, kind, layers, need, where)
+    bias = bool(text.get("attention_bias") or text.get("bias"))
+    experts = _experts(text, kind, layers, need)
+    dense_mlp = "intermediate_size_mlp" if kind.startswith("Llama4") else "intermediate_size"
     spec = ModelSpec(
         name=str(cfg.get("_name_or_path") or Path(source).parent.name or Path(source).stem),
         num_params=0,
         num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-        max_model_len=need("max_position_embeddings"), sliding_window=window,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        intermediate_size=need(dense_mlp), vocab_size=need("vocab_size"),
+        max_model_len=need("max_position_embeddings"), sliding_window=window, layer_types=layer_types,
+        attention_chunk_size=need("attention_chunk_size") if "chunked_attention" in layer_types else None,
+        tied_embeddings=bool(text.get("tie_word_embeddings", False)),
         qkv_bias=True if kind == "Qwen2ForCausalLM" else bias,
-        o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM"),
-        qk_norm=kind in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        weight_dtype_bytes=_weight_bytes(cfg, source),
+        o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM", "GptOssForCausalLM"),
+        qk_norm=kind in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or family == "Gemma3",
+        norms_per_layer=4 if family == "Gemma3" else 2,
+        attention_sinks=kind == "GptOssForCausalLM",
+        attn_output_gate=kind == "Qwen3NextForCausalLM" and bool(text.get("attn_output_gate")),
+        weight_dtype_bytes=_weight_bytes(cfg, source) if kind != "GptOssForCausalLM" else None,
+        expert_weight_bytes=_mxfp4(cfg, source) if kind == "GptOssForCausalLM" else None,
+        encoder_params=encoder,
         **experts,
     )
     return ModelSpec(**{**spec.__dict__, "num_params": spec.count_params()})
+
+
+def _attention_layout(text: dict[str, Any], kind: str, layers: int, need: Any, where: str) -> tuple[int | None, tuple[str, ...]]:
+    """(the window of the sliding layers, each layer's type; () when all are alike), as each
+    model file of vLLM 0.33 decides a layer's attention:
+
+    - llama.py, mistral.py: `sliding_window` on every layer (kvsim's uniform case); a
+      `layer_types` list with "sliding_attention" entries puts it on those only;
+    - qwen2.py: a window only with `use_sliding_window`, and only on every layer;
+    - gpt_oss.py: `sliding_window` on the even layers (layer_idx % 2 == 0), whatever else;
+    - gemma3.py: `layer_types` (transformers fills it in from `sliding_window_pattern`: layer i
+      is full attention iff (i + 1) % pattern == 0);
+    - llama4.py: layer i is chunked-local (`attention_chunk_size`) unless `no_rope_layers[i]` is
+      0, which marks a NoPE layer of full attention (transformers fills the list in: a NoPE layer
+      every `no_rope_layer_interval`-th layer);
+    - qwen3_next.py: `layer_types` (transformers fills it in from `full_attention_interval`:
+      layer i is full attention iff (i + 1) % interval == 0, the others gated-delta-net).
+    """
+    if kind in ("MistralForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"):
+        listed = text.get("layer_types")
+        if listed:
+            types = _layer_types(listed, layers, where, ("full_attention", "sliding_attention"))
+            if "sliding_attention" in types and kind in ("LlamaForCausalLM", "MistralForCausalLM"):
+                return need("sliding_window"), types if len(set(types)) > 1 else ()
+            if "sliding_attention" in types and len(set(types)) > 1:
+                raise ConfigError(f"{where}: field 'layer_types': sliding-window and full-attention layers mixed, "
+                                  f"which vLLM's {kind} does not run")
+        if kind == "Qwen2ForCausalLM":
+            if not text.get("use_sliding_window"):
+                return None, ()
+            if text.get("max_window_layers", layers) < layers:
+                raise ConfigError(f"{where}: field 'max_window_layers': sliding-window and full-attention layers "
+                                  "mixed, which vLLM's Qwen2ForCausalLM does not run")
+            return need("sliding_window"), ()
+        if kind == "Qwen3ForCausalLM" and not text.get("use_sliding_window"):
+            return None, ()
+        return (need("sliding_window") if text.get("sliding_window") is not None else None), ()
+    if kind in MOE + MLA:
+        return None, ()
+    if kind == "GptOssForCausalLM":
+        types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        return need("sliding_window"), types
+    if kind.startswith("Gemma3"):
+        listed = text.get("layer_types")
+        if listed:
+            types = _layer_types(listed, layers, where, ("full_attention", "sliding_attention"))
+        else:
+            pattern = need("sliding_window_pattern")
+            types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
+        return need("sliding_window"), types
+    if kind.startswith("Llama4"):
+        nope = text.get("no_rope_layers") or [int((i + 1) % need("no_rope_layer_interval") != 0) for i in range(layers)]
+        if not isinstance(nope, list) or len(nope) != layers:
+            raise ConfigError(f"{where}: field 'no_rope_layers': expected a list of {layers} flags, got {nope!r}")
+        chunked = "chunked_attention" if text.get("attention_chunk_size") else "full_attention"
+        return None, tuple("full_attention" if flag == 0 else chunked for flag in nope)
+    # Qwen3-Next
+    listed = text.get("layer_types")
+    if listed:
+        return None, _layer_types(listed, layers, where, ("full_attention", "linear_attention"))
+    interval = need("full_attention_interval")
+    return None, tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+
+
+def _layer_types(listed: Any, layers: int, where: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A config's `layer_types`, checked: one known name a layer."""
+    if not isinstance(listed, list) or len(listed) != layers:
+        raise ConfigError(f"{where}: field 'layer_types': expected a list of {layers} layer types, got "
+                          f"{len(listed) if isinstance(listed, list) else repr(listed)}")
+    for i, t in enumerate(listed):
+        if t not in allowed:
+            raise ConfigError(f"{where}: field 'layer_types': layer {i} is {t!r}; this model's layers are "
+                              + " or ".join(allowed))
+    return tuple(listed)
+
+
+def _vision_params(kind: str, vision: dict[str, Any], text: dict[str, Any], source: str) -> int:
+    """The vision tower's and projector's parameters, which vLLM loads with the model:
+
+    - Gemma 3 (gemma3_mm.py, siglip.py): a SigLIP encoder (conv patch embedding with bias, a
+      position embedding per patch, per layer two LayerNorms, q/k/v/o and a two-layer MLP with
+      biases, a final LayerNorm) and the projector's (vision x text) matrix and RMSNorm;
+    - Llama 4 (mllama4.py): the unfold patch embedding (no bias), a class and a position
+      embedding per patch + 1, two LayerNorms, per layer the same encoder block, the
+      pixel-shuffle MLP and the projector to the text width (no biases where the config says).
+    """
+    def need(field: str) -> int:
+        v = vision.get(field)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{source}: vision_config: field {field!r}: expected a positive integer, got {v!r}")
+        return v
+
+    d, inner, n = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
+    patch, image = need("patch_size"), need("image_size")
+    channels = vision.get("num_channels", 3)
+    block = 4 * d * d + 4 * d + 2 * d * inner + inner + d + 2 * 2 * d  # attention, MLP, two LayerNorms
+    patches = (image // patch) ** 2
+    if kind.startswith("Gemma3"):
+        if vision.get("vision_use_head"):
+            raise ConfigError(f"{source}: vision_config: field 'vision_use_head': a pooling head is not modelled")
+        tower = channels * patch * patch * d + d + patches * d + n * block + 2 * d
+        return tower + d * text["hidden_size"] + d
+    out, proj_in, proj_out = need("vision_output_dim"), need("projector_input_dim"), need("projector_output_dim")
+    bias = bool(vision.get("multi_modal_projector_bias"))
+    tower = channels * patch * patch * d + d + (patches + 1) * d + 2 * 2 * d + n * block
+    shuffle = inner * proj_in + proj_in * proj_out + ((proj_in + proj_out) if bias else 0)
+    return tower + shuffle + out * text["hidden_size"]
 
 
 def _weight_bytes(cfg: dict[str, Any], source: str) -> int | None:
@@ -173,6 +304,19 @@ def _weight_bytes(cfg: dict[str, Any], source: str) -> int | None:
         return 1
     raise ConfigError(f"{source}: field 'quantization_config': quant_method {method!r} is not modelled "
                       "(fp8, or none)")
+
+
+def _mxfp4(cfg: dict[str, Any], source: str) -> float | None:
+    """gpt-oss ships its experts in MXFP4 (`quantization_config.quant_method` "mxfp4"; attention,
+    router, embeddings and head are left out of it, `modules_to_not_convert`): 4 bits a weight and
+    one 8-bit scale a block of 32 (vLLM's mxfp4 MoE keeps them so), 0.53125 bytes a weight."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
+        return 0.5 + 1 / 32
+    raise ConfigError(f"{source}: field 'quantization_config': quant_method {q.get('quant_method') if isinstance(q, dict) else q!r} "
+                      "is not modelled for gpt-oss (mxfp4, or none)")
 
 
 def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str, int]:
@@ -196,6 +340,29 @@ def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str
                 "kv_lora_rank": need("kv_lora_rank"), "q_lora_rank": need("q_lora_rank") if q_lora else 0,
                 "qk_nope_head_dim": need("qk_nope_head_dim"), "qk_rope_head_dim": need("qk_rope_head_dim"),
                 "v_head_dim": need("v_head_dim")}
+    if kind == "GptOssForCausalLM":  # gpt_oss.py: experts of intermediate_size on every layer, with biases
+        return {"num_experts": need("num_local_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("intermediate_size"), "moe_layers": layers,
+                "router_bias": True, "expert_bias": True}
+    if kind.startswith("Llama4"):  # llama4.py: MoE on layer i iff (i + 1) % interleave_moe_layer_step == 0,
+        # with one shared expert of intermediate_size; the other layers a dense MLP of intermediate_size_mlp
+        step = cfg.get("interleave_moe_layer_step") or 0
+        moe = sum(1 for i in range(layers) if step > 0 and (i + 1) % step == 0)
+        return {"num_experts": need("num_local_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("intermediate_size"), "moe_layers": moe,
+                "shared_expert_intermediate_size": need("intermediate_size")}
+    if kind == "Qwen3NextForCausalLM":  # qwen3_next.py: Qwen3-MoE's layout, a gated shared expert
+        only = cfg.get("mlp_only_layers") or []
+        step = need("decoder_sparse_step")
+        moe = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        return {"num_experts": need("num_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("moe_intermediate_size"), "moe_layers": moe,
+                "shared_expert_intermediate_size": shared, "shared_expert_gate": shared > 0,
+                "linear_key_heads": need("linear_num_key_heads"), "linear_value_heads": need("linear_num_value_heads"),
+                "linear_key_head_dim": need("linear_key_head_dim"),
+                "linear_value_head_dim": need("linear_value_head_dim"),
+                "linear_conv_kernel": need("linear_conv_kernel_dim")}
     if kind == "Qwen3MoeForCausalLM":
         only = cfg.get("mlp_only_layers") or []
         step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1

@@ -144,4 +144,11 @@ def simulate(
         summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
     name = getattr(workload, "name", "workload")
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
+    layers = getattr(cost_model, "layers", None)  # what the cache holds a layer (a stand-in cost model: none)
+    if layers is not None:
+        from kvsim.sim.engine.layers import describe_layers
+
+        placement = cost_model.placement
+        summary.update(kv_layers=describe_layers(layers), kv_bytes_per_block=cost_model.kv_bytes_per_block,
+                       cache_approximation=placement.approximation if placement is not None else None)
     return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager)

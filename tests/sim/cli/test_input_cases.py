@@ -159,8 +159,9 @@ def test_help_names_the_choices_and_defaults_and_there_is_a_version():
 
     assert (DEFAULT_MODEL, DEFAULT_GPU) == (SimConfig().model, SimConfig().gpu)
     text = " ".join(runner.invoke(app, ["run", "--help"]).output.split())
-    for shown in ("model: llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, qwen3-8b, mixtral-8x7b, qwen3-30b-a3b, "
-                  "deepseek-v3, or a Hugging Face config.json [default: llama-3-8b]",
+    for shown in ("model: llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, deepseek-v3, gemma-3-12b, gemma-3-27b, "
+                  "gpt-oss-120b, gpt-oss-20b, llama-4-scout, mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, qwen3-8b, "
+                  "qwen3-next-80b-a3b, or a Hugging Face config.json [default: llama-3-8b]",
                   "GPU: a100-80g|h100-sxm|h200|l40s|b200|mi300x, or a GPU file (.toml) [default: h100-sxm]", "[default: 16]",
                   "lru|lfu|fifo|s3fifo|cost|pinned|arc [default: lru]"):
         assert shown in text, shown

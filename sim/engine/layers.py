@@ -1,0 +1,130 @@
+"""A model's KV cache layer by layer: what each layer keeps and the bytes of one block of it.
+
+vLLM 0.33 asks every attention layer for a KV-cache spec (`get_kv_cache_spec` in
+vllm/model_executor/layers/attention/attention.py, chunked_local_attention.py, mla_attention.py
+and mamba/abstract.py) and sizes pages with the spec classes of vllm/v1/kv_cache_interface.py.
+This module gives the same list, one `LayerKV` a layer, on one tensor-parallel rank:
+
+- full attention, sliding window W, chunked local attention C (`FullAttentionSpec`,
+  `SlidingWindowSpec`, `ChunkedLocalAttentionSpec`): a page is block_size tokens of K and V for
+  the rank's KV heads, `AttentionSpec.page_size_bytes` = KV heads x block_size x
+  (head_size + head_size_v) x dtype bytes; a rank holds max(1, KV heads / tp) heads;
+- MLA (`MLAAttentionSpec`): one "head" of kv_lora_rank + qk_rope_head_dim and no separate V,
+  on every rank alike;
+- a gated-delta-net (Mamba-style) layer (`MambaSpec`): one page holds one sequence's state, the
+  conv state and the recurrent state, in the model's dtype (`mamba_cache_dtype` and
+  `mamba_ssm_cache_dtype` "auto", mamba_utils.py `_mamba_state_dtype`), whatever
+  `--kv-cache-dtype` says.
+
+`--kv-cache-dtype fp8` stores attention K/V (and MLA's latent) in one byte an element.
+
+kvsim's block manager keeps one group of blocks (vLLM's hybrid KV-cache groups are the next
+step), so `place` says how a model is placed in it: a model whose layers are all alike is
+exact; one that mixes full attention with sliding-window or chunked-local layers is managed as
+vLLM manages it with `--disable-hybrid-kv-cache-manager` (kv_cache_planning.py
+`_promote_local_kv_cache_specs`: every layer keeps every token's K/V, the window still bounds
+what attention reads); one with Mamba-state layers has no such fallback in vLLM, and is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsim.sim.engine.catalog import ConfigError, ModelSpec
+
+# what a layer keeps, in the order a summary names them
+KINDS = ("full", "sliding_window", "chunked_local", "mla", "mamba")
+KIND_WORDS = {"full": "full attention", "sliding_window": "sliding window", "chunked_local": "chunked local",
+              "mla": "MLA latent", "mamba": "gated-delta-net state"}
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's KV cache on one rank: its kind (`KINDS`), the window of a sliding-window
+    layer or the chunk of a chunked-local one, and the bytes of one page (block_size tokens; a
+    Mamba-state layer: one sequence's state)."""
+
+    kind: str
+    window: int | None
+    page_bytes: int
+
+    def describe(self) -> str:
+        words = KIND_WORDS[self.kind]
+        return f"{words} {self.window:,}" if self.window else words
+
+
+def kv_layers(model: ModelSpec, tp: int = 1, block_size: int = 16, kv_dtype_bytes: int | None = None) -> tuple[LayerKV, ...]:
+    """Every layer's `LayerKV`, in layer order (see the module docstring)."""
+    dt = kv_dtype_bytes or model.dtype_bytes
+    if model.mla:
+        mla = LayerKV("mla", None, block_size * (model.kv_lora_rank + model.qk_rope_head_dim) * dt)
+        return (mla,) * model.num_layers
+    page = block_size * model.kv_elements_per_token_layer(tp) * dt
+    state = 0
+    if model.linear_value_heads:
+        state = sum(_prod(shape) for shape in model.linear_state_shapes(tp)) * model.dtype_bytes
+    by_type = {
+        "full_attention": LayerKV("full", None, page),
+        "sliding_attention": LayerKV("sliding_window", model.sliding_window, page),
+        "chunked_attention": LayerKV("chunked_local", model.attention_chunk_size, page),
+        "linear_attention": LayerKV("mamba", None, state),
+    }
+    return tuple(by_type[model.layer_type(i)] for i in range(model.num_layers))
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def layer_counts(layers: tuple[LayerKV, ...]) -> list[tuple[LayerKV, int]]:
+    """Identical specs merged, with how many layers each has, in order of first appearance."""
+    counts: dict[LayerKV, int] = {}
+    for layer in layers:
+        counts[layer] = counts.get(layer, 0) + 1
+    return list(counts.items())
+
+
+def describe_layers(layers: tuple[LayerKV, ...]) -> str:
+    """'62 layers: 52 sliding window 1,024, 10 full attention, 16,384 bytes a block each'."""
+    counts = layer_counts(layers)
+    parts = [f"{n} {layer.describe()}" for layer, n in counts]
+    pages = sorted({layer.page_bytes for layer, _ in counts})
+    if len(pages) == 1:
+        each = f"{pages[0]:,} bytes a page each"
+    else:
+        each = "; ".join(f"{layer.describe()} {layer.page_bytes:,} bytes a page" for layer, _ in counts)
+    return f"{len(layers)} layers: {', '.join(parts)}; {each}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a model's layers sit in kvsim's one group of blocks: the bytes one block takes on a
+    rank, the window the block manager enforces (None: every token kept), and `approximation`,
+    a sentence when the placement is vLLM's fallback rather than its default."""
+
+    bytes_per_block: int
+    window: int | None
+    approximation: str | None
+
+
+def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
+    """See the module docstring; ConfigError for a model with Mamba-state layers among others."""
+    counts = layer_counts(layers)
+    kinds = {layer.kind for layer, _ in counts}
+    total = sum(layer.page_bytes for layer in layers)
+    if len(counts) == 1 and counts[0][0].kind != "chunked_local":
+        only = counts[0][0]
+        return Placement(total, only.window if only.kind == "sliding_window" else None, None)
+    if "mamba" in kinds:
+        raise ConfigError(
+            f"model {model.name}: {describe_layers(layers)}. vLLM keeps Mamba-style state and attention "
+            "K/V in separate KV-cache groups of one pool (its hybrid KV-cache manager, with no fallback for such "
+            "a model); kvsim does not model those groups yet, so it cannot size or run this model's cache")
+    approx = (f"{model.name} mixes {', '.join(f'{n} {layer.describe()}' for layer, n in counts)} layers: until kvsim "
+              "models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's --disable-hybrid-kv-cache-manager "
+              "manages it (every layer keeps every token's K/V, so blocks are fewer than vLLM's default gives); "
+              "attention still reads only each layer's window")
+    return Placement(total, None, approx)
