@@ -1,0 +1,161 @@
+"""The catalog's models read from their published config.json files (sim/engine/configs/), each
+layer's KV-cache spec and page size, and the block count against vLLM 0.33's own sizing functions.
+
+Layer patterns follow vLLM 0.33's model files: gpt_oss.py (`layer_idx % 2 == 0` is sliding),
+gemma3.py (`config.layer_types`, which transformers' Gemma3TextConfig derives from
+`sliding_window_pattern`), llama4.py (`no_rope_layers[i] == 0` is a NoPE full-attention layer,
+the others chunked local), qwen3_next.py (`config.layer_types`, from `full_attention_interval`).
+Page sizes follow vllm/v1/kv_cache_interface.py (`AttentionSpec.page_size_bytes`,
+`MLAAttentionSpec`, `MambaSpec.page_size_bytes`); GDN state shapes mamba_utils.py
+`MambaStateShapeCalculator.gated_delta_net_state_shape`."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsim.sim.engine.catalog import ConfigError
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.hf_config import DEFAULTS, catalog_configs, model_spec
+from kvsim.sim.engine.layers import describe_layers, kv_layers, place
+
+F, S, C, L = "full_attention", "sliding_attention", "chunked_attention", "linear_attention"
+
+
+def _types(name: str) -> list[str]:
+    m = model_spec(name)
+    return [m.layer_type(i) for i in range(m.num_layers)]
+
+
+def test_each_catalog_models_layer_pattern_is_the_one_vllm_builds():
+    assert _types("gemma-3-27b") == [F if (i + 1) % 6 == 0 else S for i in range(62)]
+    assert _types("gemma-3-12b") == [F if (i + 1) % 6 == 0 else S for i in range(48)]
+    assert _types("gpt-oss-20b") == [S if i % 2 == 0 else F for i in range(24)]
+    assert _types("gpt-oss-120b") == [S if i % 2 == 0 else F for i in range(36)]
+    assert _types("llama-4-scout") == [F if (i + 1) % 4 == 0 else C for i in range(48)]
+    assert _types("qwen3-next-80b-a3b") == [F if (i + 1) % 4 == 0 else L for i in range(48)]
+    for dense in ("qwen3-8b", "qwen3-32b", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
+        assert set(_types(dense)) == {F}, dense
+    windows = {n: (model_spec(n).sliding_window, model_spec(n).attention_chunk_size)
+               for n in ("gemma-3-27b", "gemma-3-12b", "gpt-oss-20b", "llama-4-scout")}
+    assert windows == {"gemma-3-27b": (1024, None), "gemma-3-12b": (1024, None), "gpt-oss-20b": (128, None),
+                       "llama-4-scout": (None, 8192)}
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [
+    ("gemma-3-27b", 27_432_406_640, 27_009_346_304),  # the checkpoint's safetensors total (vision tower too)
+    ("gemma-3-12b", 12_187_325_040, 11_766_034_176),
+    ("gpt-oss-20b", 20_914_757_184, 4_187_440_704),  # OpenAI: 20.91B, 3.61B active + the 0.58B embedding
+    ("gpt-oss-120b", 116_829_156_672, 5_711_982_912),  # 116.83B, 5.13B active + 0.58B
+    ("llama-4-scout", 108_641_793_536, 17_172_894_720),  # Meta: 109B total, 17B active
+    ("qwen3-32b", 32_762_123_264, 32_762_123_264),
+    ("qwen3-next-80b-a3b", 79_674_391_296, 3_874_929_408),  # the MTP layer left out, as vLLM does
+])
+def test_parameter_counts(name, total, active):
+    m = model_spec(name)
+    assert (m.num_params, m.active_params()) == (total, active)
+
+
+@pytest.mark.parametrize(("name", "tp", "dtype", "pages"), [
+    # 2 (K, V) x KV heads on the rank x head_dim x 16 tokens x bytes
+    ("gemma-3-27b", 1, None, {"sliding_window 1024": 2 * 16 * 128 * 16 * 2, "full": 131_072}),
+    ("gpt-oss-20b", 1, None, {"sliding_window 128": 2 * 8 * 64 * 16 * 2, "full": 32_768}),
+    ("gpt-oss-20b", 1, 1, {"sliding_window 128": 16_384, "full": 16_384}),  # --kv-cache-dtype fp8
+    ("llama-4-scout", 4, None, {"chunked_local 8192": 2 * 2 * 128 * 16 * 2, "full": 16_384}),
+    ("qwen3-32b", 16, None, {"full": 2 * 1 * 128 * 16 * 2}),  # fewer KV heads than ranks: one each
+    ("deepseek-v3", 8, None, {"mla": 16 * (512 + 64) * 2}),  # one latent + rotary key, every rank
+    # conv state (2*16*128 + 32*128) / 2 x 3, recurrent 32/2 x 128 x 128, in bf16
+    ("qwen3-next-80b-a3b", 2, None, {"mamba": (4096 * 3 + 16 * 128 * 128) * 2, "full": 2 * 1 * 256 * 16 * 2}),
+])
+def test_page_bytes_of_each_layer_kind(name, tp, dtype, pages):
+    layers = kv_layers(model_spec(name), tp, 16, dtype)
+    got = {(f"{x.kind} {x.window}" if x.window else x.kind): x.page_bytes for x in layers}
+    assert got == pages
+
+
+def test_a_model_mixing_windows_runs_as_vllms_fallback_and_says_so():
+    m = model_spec("gemma-3-27b")
+    layers = kv_layers(m)
+    p = place(m, layers)
+    assert (p.bytes_per_block, p.window) == (62 * 131_072, None)  # every layer keeps every token
+    assert p.approximation.startswith("gemma-3-27b mixes 52 sliding window 1,024, 10 full attention layers: until "
+                                      "kvsim models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's "
+                                      "--disable-hybrid-kv-cache-manager manages it")
+    assert describe_layers(layers) == ("62 layers: 52 sliding window 1,024, 10 full attention; "
+                                       "131,072 bytes a page each")
+    dense = place(model_spec("qwen3-8b"), kv_layers(model_spec("qwen3-8b")))
+    assert dense.approximation is None
+
+
+def test_a_model_with_gated_delta_net_layers_is_refused_with_what_it_holds():
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=4, num_gpu_blocks=1000).validate()
+    cost = CostModel.from_config(cfg)  # it is priced (a step has a time) ...
+    assert cost.step_time(0, 8, 8000, 8) > 0
+    with pytest.raises(ConfigError, match=r"^model qwen3-next-80b-a3b: 48 layers: 36 gated-delta-net state, 12 full "
+                                          r"attention; .* kvsim does not model those groups yet"):
+        cost.num_gpu_blocks(cfg)  # ... but its cache is not sized, even with --num-gpu-blocks
+
+
+def test_sliding_layers_read_at_most_their_window():
+    gpu = "h100-sxm"
+    oss = CostModel.from_config(SimConfig(model="gpt-oss-20b", gpu=gpu).validate())
+    # a long decode batch: the 12 full layers read all 64 x 8,000 tokens, the 12 sliding ones 64 x 128
+    long, short = oss.step_time(0, 64, 64 * 8000, 64), oss.step_time(0, 64, 64 * 128, 64)
+    full = CostModel(oss.model.__class__(**{**oss.model.__dict__, "layer_types": (), "sliding_window": None}), oss.gpu)
+    assert full.step_time(0, 64, 64 * 8000, 64) > long > short
+    memory_rate = oss.gpu.hbm_bw * oss.calibration.memory
+    per_token_full_layers = 12 * 32_768 / 16  # bytes a token in the 12 full layers
+    # the extra context is read by the full layers only: (8000 - 128) x 64 tokens
+    assert long - short == pytest.approx((8000 - 128) * 64 * per_token_full_layers / memory_rate, rel=1e-9)
+
+
+def test_gpt_oss_weights_count_its_mxfp4_experts_at_4_25_bits():
+    cost = CostModel.from_config(SimConfig(model="gpt-oss-20b").validate())
+    m = cost.model
+    experts = m.moe_layers * m.num_experts * m.expert_params()
+    assert cost.weight_bytes == (m.num_params - experts) * 2 + experts * 0.53125
+    assert round(cost.weight_bytes / 1e9, 2) == 13.75
+
+
+def test_the_defaults_table_is_transformers_own():
+    transformers = pytest.importorskip("transformers")
+    classes = {"Gemma3": transformers.Gemma3TextConfig, "Llama4": transformers.Llama4TextConfig,
+               "Qwen3Next": transformers.Qwen3NextConfig, "GptOss": transformers.GptOssConfig}
+    patterns = {  # fields transformers only uses to fill in the layer list: checked through that list
+        ("Gemma3", "sliding_window_pattern"): lambda c: c.layer_types == [F if (i + 1) % 6 == 0 else S
+                                                                         for i in range(c.num_hidden_layers)],
+        ("Qwen3Next", "full_attention_interval"): lambda c: c.layer_types == [F if (i + 1) % 4 == 0 else L
+                                                                             for i in range(c.num_hidden_layers)],
+        ("Qwen3Next", "attn_output_gate"): lambda c: not hasattr(c, "attn_output_gate"),  # vLLM's getattr default
+    }
+    for family, fields in DEFAULTS.items():
+        made = classes[family]()
+        for field, value in fields.items():
+            if (family, field) in patterns:
+                assert patterns[family, field](made), (family, field)
+            else:
+                assert getattr(made, field) == value, (family, field)
+    assert DEFAULTS["Gemma3"]["sliding_window_pattern"] == 6 and DEFAULTS["Qwen3Next"]["full_attention_interval"] == 4
+
+
+def test_every_catalog_config_reads():
+    for name in catalog_configs():
+        assert model_spec(name).name == name
+
+
+@pytest.mark.needs_vllm
+def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
+    """vllm/v1/core/kv_cache_planning.py get_kv_cache_groups + get_kv_cache_config_from_groups, with
+    the specs built by vLLM's spec classes, for the memory kvsim finds left for the cache."""
+    from kvsim.sim.conform.vllm_sizing import table
+
+    rows = table(list(catalog_configs()))
+    assert {(r.model, r.gpu) for r in rows} == {(m, g) for m in catalog_configs() for g in ("h100-sxm", "h200")} - {
+        ("deepseek-v3", "h100-sxm")}  # 671B in fp8 does not fit on eight H100s
+    for r in rows:
+        assert r.kvsim_blocks == r.vllm_blocks, r
+    by = {(r.model, r.gpu): r for r in rows}
+    # vLLM's hybrid manager (its CUDA default) keeps sliding layers' blocks to the window: 6x Gemma's
+    assert (by["gemma-3-27b", "h100-sxm"].kvsim_blocks, by["gemma-3-27b", "h100-sxm"].vllm_hybrid_blocks) == \
+        (2_282, 14_150)
+    assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks is None
