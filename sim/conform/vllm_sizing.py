@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.cost_model import CostModel, smallest_tp
 
 
 @dataclass(frozen=True)
@@ -123,24 +123,6 @@ def sizing(model: str, gpu: str, tp: int, utilization: float = 0.9) -> Sizing:
     theirs = None if ours is None else vllm_num_blocks(cost, available, disable_hybrid=fallback)
     hybrid = vllm_num_blocks(cost, available, disable_hybrid=False) if fallback else None
     return Sizing(model, gpu, tp, available, ours, theirs, hybrid)
-
-
-def smallest_tp(model: str, gpu: str, utilization: float = 0.9) -> int | None:
-    """The fewest GPUs (1, 2, 4, 8) whose memory holds the model and a cache; None: not 8."""
-    from kvsim.sim.engine.catalog import ConfigError
-
-    for tp in (1, 2, 4, 8):
-        cfg = SimConfig(model=model, gpu=gpu, tensor_parallel=tp, gpu_memory_utilization=utilization)
-        try:
-            cost = CostModel.from_config(cfg.validate())
-            if cost.placement_error is None:
-                cost.num_gpu_blocks(cfg)
-            elif cost.gpu.memory_bytes * utilization - cost.weight_bytes - cost.activation_reserve_bytes(cfg) <= 0:
-                continue
-            return tp
-        except ConfigError:
-            continue
-    return None
 
 
 def table(models: list[str], gpus: tuple[str, ...] = ("h100-sxm", "h200")) -> list[Sizing]:

@@ -284,6 +284,34 @@ class CostModel:
             )
         return blocks
 
+    def bounds(self, prefill_tokens: int, decode_tokens: int, context_tokens: int, num_seqs: int) -> tuple[float, float]:
+        """(compute, memory) seconds of one forward over a batch (step_time's arguments) at this
+        cost model's rates: FLOPs over peak x efficiency, bytes over bandwidth x efficiency. With
+        every efficiency 1 these are the roofline's bounds (`sim.studies.roofline`)."""
+        tokens = prefill_tokens + decode_tokens
+        seqs = num_seqs if num_seqs > 0 else 1
+        prior = (context_tokens - tokens) / seqs
+        if prior < 0.0:
+            prior = 0.0
+        new_pairs = decode_tokens
+        if prefill_tokens:
+            chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
+            new_pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
+        compute = tokens * self._s_per_token_flops
+        memory = self._s_weights + seqs * self._s_state_per_seq
+        for w, s_pair, s_kv in self._attention:  # each window reads at most its window
+            p, ctx = prior, context_tokens
+            if w is not None:
+                if p > w:
+                    p = w
+                if ctx > seqs * w:
+                    ctx = seqs * w
+            compute += (tokens * p + new_pairs) * s_pair
+            memory += (ctx + tokens) * s_kv
+        if self._moe:
+            memory += self.experts_touched(tokens) * self._s_per_expert
+        return compute, memory
+
     def step_time(
         self,
         prefill_tokens: int,
@@ -302,27 +330,7 @@ class CostModel:
         t = self.overhead_s
         tokens = prefill_tokens + decode_tokens
         if tokens > 0:
-            seqs = num_seqs if num_seqs > 0 else 1
-            prior = (context_tokens - tokens) / seqs
-            if prior < 0.0:
-                prior = 0.0
-            new_pairs = decode_tokens
-            if prefill_tokens:
-                chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
-                new_pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
-            compute = tokens * self._s_per_token_flops
-            memory = self._s_weights + seqs * self._s_state_per_seq
-            for w, s_pair, s_kv in self._attention:  # each window reads at most its window
-                p, ctx = prior, context_tokens
-                if w is not None:
-                    if p > w:
-                        p = w
-                    if ctx > seqs * w:
-                        ctx = seqs * w
-                compute += (tokens * p + new_pairs) * s_pair
-                memory += (ctx + tokens) * s_kv
-            if self._moe:
-                memory += self.experts_touched(tokens) * self._s_per_expert
+            compute, memory = self.bounds(prefill_tokens, decode_tokens, context_tokens, num_seqs)
             if compute > memory:
                 t += compute + self._serial * memory
             else:
@@ -334,3 +342,18 @@ class CostModel:
                 if n:
                     t += n * cost
         return t
+
+
+def smallest_tp(model: str, gpu: str, utilization: float = 0.9) -> int | None:
+    """The fewest GPUs (1, 2, 4, 8) whose memory holds the model's weights and activations with
+    room left for a cache; None: eight do not."""
+    for tp in (1, 2, 4, 8):
+        cfg = SimConfig(model=model, gpu=gpu, tensor_parallel=tp, gpu_memory_utilization=utilization)
+        try:
+            cost = CostModel.from_config(cfg.validate())
+        except ConfigError:  # heads not divisible by tp
+            continue
+        free = cost.gpu.memory_bytes * utilization - cost.weight_bytes - cost.activation_reserve_bytes(cfg)
+        if free >= 2 * cost.kv_bytes_per_block:
+            return tp
+    return None
