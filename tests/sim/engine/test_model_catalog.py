@@ -159,3 +159,30 @@ def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
     assert (by["gemma-3-27b", "h100-sxm"].kvsim_blocks, by["gemma-3-27b", "h100-sxm"].vllm_hybrid_blocks) == \
         (2_282, 14_150)
     assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks is None
+
+
+def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_placed(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli.app import app
+    from kvsim.sim.engine.hf_config import CONFIG_DIR
+
+    (tmp_path / "my-oss").mkdir()
+    shutil.copy(CONFIG_DIR / "gpt-oss-20b.json", tmp_path / "my-oss" / "config.json")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["run", "--model", "my-oss", "--num-gpu-blocks", "400", "--no-plots", "-o", "run"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert ("model: read from my-oss's config: 24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes "
+            "a page each; 64 query and 8 KV heads of 64; 20.91B parameters (4.19B active: 4 of 32 experts a token on "
+            "24 layers)") in out
+    assert "KV cache: the model's 16-bit elements, 786,432 bytes a block of 16 tokens (every layer) on the GPU" in out
+    assert "approximation: my-oss mixes 12 sliding window 128, 12 full attention layers: until kvsim models" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["kv_layers"], summary["kv_bytes_per_block"], summary["num_gpu_blocks"]) == (
+        "24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes a page each", 786_432, 400)
+    assert summary["cache_approximation"].endswith("attention still reads only each layer's window")
+    assert "--disable-hybrid-kv-cache-manager" in summary["cache_approximation"]
