@@ -47,6 +47,9 @@ class KVCacheManager(Forking, Swapping, Loads):
     defragmentation need (off only for the fastest cache-only replays).
     defrag_threshold: run the online defragmenter (`defragment()`) when
     max_used_id - num_used exceeds it; None disables moves.
+    prefix_cache_retention_interval: which of a sliding window's full blocks are hashed (vLLM's
+    option: 0, its default, keeps only the tail a later request resumes from; N > 0 also a tail
+    every N tokens; None every block; `sliding_window.retained_ranges`).
     vllm_version: the release whose rules to follow (see `kvcache.profiles`).
     """
 
@@ -60,6 +63,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         eviction: str | EvictionPolicy = "lru",
         watermark: float = 0.0,
         sliding_window: int | None = None,
+        prefix_cache_retention_interval: int | None = 0,
         record_ops: bool = False,
         track_ids: bool = True,
         defrag_threshold: int | None = None,
@@ -77,6 +81,16 @@ class KVCacheManager(Forking, Swapping, Loads):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        # which of a window's full blocks are hashed (sliding_window.retained_ranges): vLLM's
+        # prefix_cache_retention_interval, default 0 since 0.29 (dense, None, before)
+        retention = prefix_cache_retention_interval if self.profile.sparse_retention else None
+        if retention is not None and (retention < 0 or retention % block_size):
+            raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple "
+                             f"of the block size ({block_size})")
+        if retention and sliding_window is None:
+            raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding window, so "
+                             "retention has no effect; set it to 0 (vLLM refuses it too)")
+        self.retention_interval = retention
         self.admission_tokens: int | None = None  # a window's admission cap (sliding_window.admission_blocks)
         self.ops = OpLog(record_ops)
         self.op_counts = MappingProxyType(self.ops.counts)  # kind -> ops so far (read-only, live)
@@ -275,7 +289,13 @@ class KVCacheManager(Forking, Swapping, Loads):
         if n_full <= n_cached:
             return
         hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
-        self.pool.cache_blocks(blocks, hashes, n_cached, n_full, seq.num_prompt_tokens // self.block_size)
+        chain = seq.num_prompt_tokens // self.block_size
+        if self.retention_interval is None or self.sliding_window is None:
+            self.pool.cache_blocks(blocks, hashes, n_cached, n_full, chain)
+        else:  # a sliding window hashes only the blocks a later request can resume from
+            for a, b in sw.retained_ranges(n_cached, n_full, seq.num_prompt_tokens, self.sliding_window,
+                                           self.block_size, self.retention_interval):
+                self.pool.cache_blocks(blocks, hashes, a, b, chain)
         self.num_cached_block[sid] = n_full
 
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:

@@ -66,6 +66,16 @@ RULES = (
         what="the option exists (0.24+); it paced data-parallel engines only until 0.33.",
     ),
     Rule(
+        "sparse_retention", (0, 29),
+        where="vllm/config/cache.py CacheConfig.prefix_cache_retention_interval (PR #52216, default 0); "
+              "vllm/v1/core/single_type_kv_cache_manager.py SlidingWindowManager.reachable_block_mask",
+        what="a sliding-window group hashes only the blocks a later request can resume from (the window's "
+             "tail at the prompt's replay boundary; with an interval N > 0, a tail every N tokens too). "
+             "PR #52216 (merged 2026-08-13) made the option an argument defaulting to 0; vLLM 0.29.0 is reported "
+             "with that default (vllm issue #57610). Before, every full block was hashed (the option's "
+             "environment variable, PR #43447, defaulted to None).",
+    ),
+    Rule(
         "local_prefill_cadence", (0, 33),
         where="vllm/v1/core/sched/scheduler.py Scheduler.__init__ (local_prefill_interval), Scheduler.schedule",
         what="prefill_schedule_interval holds prefill in an engine without data parallelism: until N "
@@ -88,6 +98,7 @@ class Profile:
     admission_knobs: bool
     prefill_schedule_interval: bool
     local_prefill_cadence: bool
+    sparse_retention: bool
 
     def check_watermark(self, watermark: float) -> None:
         """ValueError if a watermark is asked of a release that has none (before 0.24)."""

@@ -70,3 +70,49 @@ def admission_blocks(num_tokens: int, cap_tokens: int | None, window: int, block
         need = min(need, -(-cap_tokens // block_size) + 1)
     skipped = num_skipped_blocks(num_computed, window, block_size)
     return max(need - max(skipped, len(hits) + len(held)), 0) + free_hits(hits[max(0, skipped - len(held)):], True)
+
+
+def retained_ranges(start: int, end: int, num_prompt_tokens: int, window: int, block_size: int,
+                    retention_interval: int | None) -> list[tuple[int, int]]:
+    """Which of a request's just-filled blocks [start, end) a sliding-window group hashes for the
+    prefix cache, as vLLM 0.33's `SlidingWindowManager.reachable_block_mask`
+    (vllm/v1/core/single_type_kv_cache_manager.py) decides with `prefix_cache_retention_interval`
+    (`KVCacheCoordinator.cache_blocks` passes it; no EAGLE, hits aligned to the block size):
+
+    - None (dense): every block;
+    - 0 (vLLM's default, `vllm/config/cache.py`): only the tail a later request can resume from,
+      the `contiguous_blocks_needed` blocks ending at the replay boundary, the prompt's last token
+      rounded down to a block (`kv_cache_coordinator.py replay_boundaries`: a resend hits at most
+      num_prompt_tokens - 1). A single group reports no shared-prefix junction, so that is all;
+    - N > 0: that tail, and the tail of every N-token segment (all blocks when a hit's run
+      is as long as a segment).
+
+    The others stay unhashed: they never serve a hit, and they go back to the front of the free
+    queue. Returns the kept blocks as [a, b) ranges, in order.
+    """
+    if retention_interval is None:
+        return [(start, end)] if start < end else []
+    need = contiguous_blocks_needed(window, block_size)
+    keep = [False] * (end - start)
+    if retention_interval > 0:
+        per_segment = retention_interval // block_size
+        if need >= per_segment:
+            return [(start, end)] if start < end else []
+        for i in range(start, end):
+            if i % per_segment >= per_segment - need:
+                keep[i - start] = True
+    boundary = (num_prompt_tokens - 1) // block_size  # in blocks: the tail ends there
+    for j in range(max(start, boundary - need), min(end, boundary)):
+        keep[j - start] = True
+    ranges: list[tuple[int, int]] = []
+    i = 0
+    while i < len(keep):
+        if keep[i]:
+            j = i
+            while j < len(keep) and keep[j]:
+                j += 1
+            ranges.append((start + i, start + j))
+            i = j
+        else:
+            i += 1
+    return ranges

@@ -20,8 +20,10 @@ from kvsim.sim.cli.options import (
     OffloadEvictionPolicy,
     OffloadStoreThreshold,
     PrefillScheduleInterval,
+    RetentionInterval,
     admission_changes,
     offload_changes,
+    retention_changes,
 )
 
 
@@ -45,6 +47,7 @@ def conform(
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
     sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: full attention)")] = None,
+    prefix_cache_retention_interval: RetentionInterval = None,
     max_model_len: Annotated[int | None, typer.Option(help="scheduler mode: tokens per sequence; longer answers stop there (default: no limit)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
     step_time: Annotated[float | None, typer.Option("--step-time", help="scheduler mode: seconds per step on a fixed grid, sessions open loop (default: each step as long as the cost model says for its batch, closed-loop sessions, as `kvsim run`)")] = None,
@@ -94,7 +97,7 @@ def conform(
             max_model_len=max_model_len,
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
             closed_loop_sessions=step_time is None, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
-            **admission,
+            **admission, **retention_changes(prefix_cache_retention_interval),
         ).validate()
         requests = list(open_workload(workload, format, False, cfg.seed))
         name = "the default workload" if workload is None else str(workload)

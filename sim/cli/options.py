@@ -86,3 +86,27 @@ def hardware_changes(model: str | None, gpu: str | None, tp: int | None) -> dict
     """The `SimConfig` fields --model, --gpu and --tp set, those given."""
     given = {"model": model, "gpu": gpu, "tensor_parallel": tp}
     return {k: v for k, v in given.items() if v is not None}
+
+
+RetentionInterval = Annotated[str | None, typer.Option(
+    "--prefix-cache-retention-interval",
+    help="vLLM's option: which of a sliding window's full blocks are hashed for the prefix cache: 0 (vLLM 0.33's "
+         "default) only the tail a later request can resume from, N (a multiple of the block size) also a tail "
+         "every N tokens, none every block [default: 0]")]
+
+
+def retention_changes(value: str | None) -> dict[str, Any]:
+    """The SimConfig field `--prefix-cache-retention-interval` sets: a token count, or none (anything
+    else: exit 2 with the one-line error)."""
+    from kvsim.sim.cli.common import fail
+
+    if value is None:
+        return {}
+    text = value.strip().lower()
+    if text == "none":
+        return {"prefix_cache_retention_interval": None}
+    try:
+        return {"prefix_cache_retention_interval": int(text)}
+    except ValueError:
+        raise fail(f"--prefix-cache-retention-interval: expected a number of tokens or none, got {value!r}") from None
+

@@ -33,11 +33,13 @@ from kvsim.sim.cli.options import (
     OffloadFsThreads,
     OffloadStoreThreshold,
     PrefillScheduleInterval,
+    RetentionInterval,
     Tp,
     admission_changes,
     fs_changes,
     hardware_changes,
     offload_changes,
+    retention_changes,
 )
 from kvsim.sim.cli.report import compare, format_summary, report
 from kvsim.workloads.names import FORMATS
@@ -71,6 +73,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         d = {k: v for k, v in d.items() if not k.startswith("offload_fs")}
     if d["kv_cache_dtype"] == "auto":  # the names runs had before the option came
         del d["kv_cache_dtype"]
+    if d["prefix_cache_retention_interval"] == 0:  # likewise
+        del d["prefix_cache_retention_interval"]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
     model = cfg.model if not cfg.model.endswith(".json") else (Path(cfg.model).parent.name or Path(cfg.model).stem)
@@ -203,6 +207,7 @@ def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
     changes.update(admission_changes(g("max_num_active_seqs"), bool(g("long_prefill_token_threshold_adaptive")),
                                      bool(g("no_scheduler_reserve_full_isl")), g("prefill_schedule_interval"),
                                      g("max_num_scheduled_tokens")))
+    changes.update(retention_changes(g("prefix_cache_retention_interval")))
     changes.update(SWITCHES[k] for k in SWITCHES if g(k))
     return changes
 
@@ -216,6 +221,7 @@ def run(
     tp: Tp = None,
     block_size: BlockSize = None,
     kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="auto|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2, as vLLM's: fp8 halves a block's bytes [default: auto]")] = None,
+    prefix_cache_retention_interval: RetentionInterval = None,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: derived from GPU memory)")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of GPU memory vLLM may use")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(help="CPU swap blocks")] = None,

@@ -73,13 +73,15 @@ def compare(mode: str, ours: Sequence[dict], theirs: Sequence[dict], fields: Seq
 
 
 def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
-                  enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> list[dict]:
+                  enable_caching: bool, vllm_version: str, sliding_window: int | None = None,
+                  prefix_cache_retention_interval: int | None = 0) -> list[dict]:
     """kvsim's cache replay, one record per request as `kvsim cache-replay --out` writes it."""
     from kvsim.kvcache.manager import KVCacheManager
     from kvsim.kvcache.replay import replay
 
     m = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, track_ids=False,
-                       vllm_version=vllm_version, sliding_window=sliding_window)
+                       vllm_version=vllm_version, sliding_window=sliding_window,
+                       prefix_cache_retention_interval=prefix_cache_retention_interval)
     out: list[dict] = []
     replay(requests, m, max_running, lambda rec: out.append({
         "id": rec.id, "prompt_tokens": rec.prompt_tokens, "hit_tokens": rec.hit_tokens,
@@ -148,11 +150,13 @@ def by_request(requests: list, records: list[dict]) -> list[dict]:
 
 
 def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
-                enable_caching: bool, vllm_version: str, sliding_window: int | None = None) -> Diff:
+                enable_caching: bool, vllm_version: str, sliding_window: int | None = None,
+                prefix_cache_retention_interval: int | None = 0) -> Diff:
     from kvsim.sim.conform import vllm_cache
 
     kw = {"block_size": block_size, "num_blocks": num_blocks, "max_running": max_running,
-          "enable_caching": enable_caching, "sliding_window": sliding_window}
+          "enable_caching": enable_caching, "sliding_window": sliding_window,
+          "prefix_cache_retention_interval": prefix_cache_retention_interval if sliding_window is not None else 0}
     ours = kvsim_manager(requests, vllm_version=vllm_version, **kw)
     theirs = vllm_cache.replay_manager(requests, **kw)
     return compare("manager", ours, theirs, MANAGER_FIELDS)
@@ -194,7 +198,9 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
 
     tokens, seqs = cfg.batch_limits()
     cost = CostModel.from_config(cfg)
-    return {"block_size": cfg.block_size, "num_gpu_blocks": cost.num_gpu_blocks(cfg), "sliding_window": cost.sliding_window,
+    window = cost.sliding_window  # cfg's, or the model's
+    return {"block_size": cfg.block_size, "num_gpu_blocks": cost.num_gpu_blocks(cfg), "sliding_window": window,
+            "prefix_cache_retention_interval": cfg.prefix_cache_retention_interval if window is not None else 0,
             "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
             "long_prefill_token_threshold": cfg.long_prefill_token_threshold, "watermark": cfg.watermark,
@@ -224,7 +230,7 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     off = Offloading(chunks, cfg.offload_eviction_policy, cfg.offload_store_threshold, cfg.offload_blocks_per_chunk,
                      cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
     args = _scheduler_args(cfg)
-    del args["sliding_window"]  # None: offloading models full attention only (SimConfig.validate)
+    del args["sliding_window"], args["prefix_cache_retention_interval"]  # offloading: full attention only
     if cfg.step_time is None:  # the cost clock
         from kvsim.sim.conform.vllm_timed import run_timed
 
@@ -290,7 +296,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
             on_start("manager")
         d = run_manager(requests, block_size=cfg.block_size, num_blocks=cost.num_gpu_blocks(cfg),
                         max_running=max_running, enable_caching=cfg.enable_prefix_caching,
-                        vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window)
+                        vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window,
+                        prefix_cache_retention_interval=cfg.prefix_cache_retention_interval)
         diffs.append(d)
         if on_diff:
             on_diff(d)

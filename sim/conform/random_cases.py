@@ -43,6 +43,8 @@ class Case:
         knobs += ["priority"] if c.scheduling == "priority" else []
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
+        retention = c.prefix_cache_retention_interval
+        knobs += [f"retention {retention}"] if c.sliding_window is not None and retention != 0 else []
         knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
         knobs += [f"{c.max_num_active_seqs} active"] if c.max_num_active_seqs is not None else []
         knobs += ["adaptive"] if c.long_prefill_token_threshold_adaptive else []
@@ -112,6 +114,8 @@ def random_case(seed: int) -> Case:
     kw.update(_cadence(r))
     kw.update(_step_budget(r, kw))
     kw.update(_clock(r, kw))
+    if kw.get("sliding_window") is not None:  # drawn last: vLLM's retention interval, its default 0 most often
+        kw["prefix_cache_retention_interval"] = r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 

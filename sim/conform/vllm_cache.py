@@ -30,6 +30,7 @@ from kvsim.sim.conform.vllm_setup import (
     check_ids,
     kv_cache_config,
     require_vllm,
+    stand_in_config,
     token_ids,
     vllm_request,
 )
@@ -65,7 +66,7 @@ class _Live:
 
 def replay_manager(
     requests: Iterable[Request], *, block_size: int, num_blocks: int, max_running: int = 1,
-    enable_caching: bool = True, sliding_window: int | None = None,
+    enable_caching: bool = True, sliding_window: int | None = None, prefix_cache_retention_interval: int | None = 0,
 ) -> list[dict]:
     """Run vLLM's KVCacheManager under kvsim's cache-replay loop; records in completion order.
 
@@ -74,17 +75,22 @@ def replay_manager(
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
     require_vllm()
-    from vllm.config import CacheConfig
+    import tempfile
+
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     reqs = list(requests)
     check_ids(reqs)
     max_len = max((r.prompt_len + max(r.output_len, 1) for r in reqs), default=1) + block_size
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as tmp:
+        config = stand_in_config(tmp, max_model_len=max_len, cache={
+            "block_size": block_size, "enable_prefix_caching": enable_caching,
+            "prefix_cache_retention_interval": prefix_cache_retention_interval})
     manager = KVCacheManager(
-        kv_cache_config(block_size, num_blocks, sliding_window), max_model_len=max_len,
+        kv_cache_config(config, num_blocks, sliding_window), max_model_len=max_len,
         scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=enable_caching,
     )
-    algo = CacheConfig().prefix_caching_hash_algo
+    algo = config.cache_config.prefix_caching_hash_algo
     hasher = block_hasher(block_size, algo) if enable_caching else None
     lives = [_Live(r, uid, hasher) for uid, r in enumerate(reqs)]
     done: list[dict] = []

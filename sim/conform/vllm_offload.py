@@ -33,7 +33,7 @@ from kvsim.sim.conform.vllm_scheduler import (
     _SchedRun,
     prepare,
 )
-from kvsim.sim.conform.vllm_setup import kv_cache_config
+from kvsim.sim.conform.vllm_setup import stand_in_spec
 from kvsim.sim.engine.host_link import Job, Link
 from kvsim.sim.engine.loop import grid_index
 
@@ -62,7 +62,7 @@ class Offloading:
             raise ValueError(f"the host tier holds {self.num_chunks} chunks; vLLM needs at least 1")
         for rec in recs.values():
             rec["offload_hit_tokens"] = 0
-        page = kv_cache_config(block_size, num_gpu_blocks).kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        page = stand_in_spec(block_size).page_size_bytes
         return self.vllm_size_gib(page), self.extra_config()
 
     def worker(self, sched) -> FakeWorker:

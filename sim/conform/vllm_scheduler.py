@@ -8,8 +8,6 @@ sampled its first token and finished. Shared set-up is in `sim.conform.vllm_setu
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 from collections import deque
 from collections.abc import Iterable
@@ -22,6 +20,7 @@ from kvsim.sim.conform.vllm_setup import (
     check_ids,
     kv_cache_config,
     require_vllm,
+    stand_in_config,
     token_ids,
     vllm_request,
 )
@@ -33,7 +32,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      enable_prefix_caching: bool, long_prefill_token_threshold: int,
                      watermark: float, scheduling: str, async_scheduling: bool = False,
                      offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
-                     scheduler_extra: dict[str, Any] | None = None):
+                     scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec);
@@ -41,7 +40,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches: 2 with async scheduling).
     """
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import SchedulerConfig
     from vllm.v1.core.kv_cache_utils import (
         resolve_cache_hit_alignment_tokens,
         resolve_kv_cache_block_sizes,
@@ -50,16 +49,6 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_hidden_layers": 1, "vocab_size": 256, "max_position_embeddings": max_model_len,
-        "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False,
-    }
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config, f)
-    model_config = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len,
-                               dtype="float32", seed=0)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, is_encoder_decoder=False,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -69,15 +58,13 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     )
     offload_kw = {} if offloading is None else {"kv_offloading_size": offloading[0],
                                                  "kv_offloading_backend": "native"}
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                               **offload_kw)
-    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
-                             scheduler_config=scheduler_config,
-                             device_config=DeviceConfig(device="cpu"))
+    vllm_config = stand_in_config(tmp, max_model_len=max_model_len, scheduler=scheduler_config, cache={
+        "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
+        "prefix_cache_retention_interval": prefix_cache_retention_interval, **offload_kw})
     if offloading is not None:  # the connector reads these when the Scheduler builds it
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
-    kv_config = kv_cache_config(block_size, num_gpu_blocks, sliding_window)
+    kv_config = kv_cache_config(vllm_config, num_gpu_blocks, sliding_window)
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
     kv_config.hash_block_size = hash_bs
@@ -91,7 +78,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
         block_size=sched_bs, hash_block_size=hash_bs, log_stats=False,
     )
     # EngineCore hashes blocks for prefix caching or for a KV connector (vllm/v1/engine/core.py)
-    hasher = block_hasher(hash_bs, cache_config.prefix_caching_hash_algo) \
+    hasher = block_hasher(hash_bs, vllm_config.cache_config.prefix_caching_hash_algo) \
         if enable_prefix_caching or offloading is not None else None
     queue_size = vllm_config.max_concurrent_batches
     if queue_size != (2 if async_scheduling else 1):  # the drivers' batch queues: one in flight, or two
@@ -105,7 +92,7 @@ def run_scheduler(
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
     async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
-    scheduler_extra: dict[str, Any] | None = None,
+    scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
     `scheduler_extra`: more SchedulerConfig fields (vLLM 0.31+'s max_num_active_seqs, ...).
@@ -150,7 +137,7 @@ def run_scheduler(
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
-            scheduler_extra=scheduler_extra)
+            prefix_cache_retention_interval=prefix_cache_retention_interval, scheduler_extra=scheduler_extra)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if async_scheduling:
             run.run_async(queue_size, num_gpu_blocks, block_size)

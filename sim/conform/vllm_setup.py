@@ -73,22 +73,61 @@ def token_ids(req: Request, uid: int) -> list[int]:
     return seq.token_ids(0, req.prompt_len + max(req.output_len, 1)).tolist()
 
 
-def kv_cache_config(block_size: int, num_blocks: int, sliding_window: int | None = None):
-    """One KV-cache group of a one-layer model: full attention, or a sliding window of that many tokens."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+# the stand-in model the drivers give vLLM: a one-layer Llama, whose attention reports one KV head
+# of 32 (hidden 64 / 2 heads) in float32; its shape sizes nothing (the block count is given)
+STAND_IN = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "num_hidden_layers": 1, "vocab_size": 256, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+            "tie_word_embeddings": False}
 
-    kw = {"block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
-    spec = FullAttentionSpec(**kw) if sliding_window is None else SlidingWindowSpec(**kw, sliding_window=sliding_window)
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layers.0.self_attn"], spec)],
-    )
+
+def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], scheduler: Any = None):
+    """The VllmConfig `vllm serve` builds for the stand-in model written into `tmp`: vLLM's config
+    objects with every default vLLM's own, `cache` the CacheConfig fields given on the command
+    line (block size, prefix caching, ...), `scheduler` a SchedulerConfig (None: the default)."""
+    import json
+
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump({**STAND_IN, "max_position_embeddings": max_model_len}, f)
+    model_config = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=max_model_len,
+                               dtype="float32", seed=0)
+    if scheduler is None:
+        scheduler = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False)
+    return VllmConfig(model_config=model_config, cache_config=CacheConfig(**cache), scheduler_config=scheduler,
+                      device_config=DeviceConfig(device="cpu"))
+
+
+def stand_in_spec(block_size: int, sliding_window: int | None = None):
+    """The KV-cache spec the stand-in's attention layer reports (attention.py get_kv_cache_spec)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kw = {"block_size": block_size, "num_kv_heads": STAND_IN["num_key_value_heads"],
+          "head_size": STAND_IN["hidden_size"] // STAND_IN["num_attention_heads"], "dtype": torch.float32}
+    return FullAttentionSpec(**kw) if sliding_window is None else SlidingWindowSpec(**kw, sliding_window=sliding_window)
+
+
+def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | None = None):
+    """The KVCacheConfig the engine core plans for the stand-in model, as `vllm serve
+    --num-gpu-blocks-override num_blocks` plans it (vllm/v1/core/kv_cache_planning.py): the layer's
+    spec as its Attention reports it (FullAttentionSpec, or SlidingWindowSpec with a window),
+    grouped by `get_kv_cache_groups` and sized by `get_kv_cache_config_from_groups`, which also
+    carries the cache config's `prefix_cache_retention_interval` (vLLM's default 0: a sliding
+    window hashes only the blocks a later request can resume from). A hand-built KVCacheConfig
+    would default that field to None (dense) and check a rule `vllm serve` does not run."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    cache = vllm_config.cache_config
+    spec = stand_in_spec(cache.block_size, sliding_window)
+    cache.num_gpu_blocks_override = num_blocks
+    if cache.kv_cache_layout is None:  # the engine core resolves it from the backends; any fits one layer
+        cache.kv_cache_layout = "LBNHC"
+    groups = get_kv_cache_groups(vllm_config, {"model.layers.0.self_attn.attn": spec})
+    config = get_kv_cache_config_from_groups(vllm_config, groups, num_blocks * spec.page_size_bytes)
+    assert config.num_blocks == num_blocks
+    return config
 
 
 def block_hasher(block_size: int, hash_algo: str):

@@ -50,6 +50,10 @@ class SimConfig:
     watermark: float = 0.0
     defrag_threshold: int | None = None
     sliding_window: int | None = None  # None: the model's own (if any)
+    # vLLM's --prefix-cache-retention-interval: which of a sliding window's full blocks are hashed;
+    # 0 (vLLM 0.33's default) only the tail a later request can resume from, N also one every N
+    # tokens, None every block (kvcache.sliding_window.retained_ranges)
+    prefix_cache_retention_interval: int | None = 0
     # vLLM's --kv-cache-dtype: "auto" (the model's 16 bits) or an 8-bit float (fp8, fp8_e4m3,
     # fp8_e5m2): the bytes of a block, so the blocks that fit and the KV read time, follow it
     kv_cache_dtype: str = "auto"
@@ -138,6 +142,11 @@ class SimConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        retention = self.prefix_cache_retention_interval
+        if retention is not None and (isinstance(retention, bool) or not isinstance(retention, int) or retention < 0
+                                      or retention % self.block_size):
+            raise ConfigError(f"prefix_cache_retention_interval must be none, or a multiple of block_size "
+                              f"({self.block_size}) >= 0, got {retention!r}")
         if self.preemption not in ("recompute", "swap"):
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_blocks <= 0:

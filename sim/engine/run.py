@@ -14,7 +14,7 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.manager import KVCacheManager
-from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.loop import Engine
 from kvsim.sim.engine.metrics import summarize
 from kvsim.sim.engine.step_log import StepFile
@@ -60,6 +60,9 @@ class RunResult:
 def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
     """The block manager `cfg` describes, sized by the cost model."""
     window = cfg.sliding_window if cfg.sliding_window is not None else cost.sliding_window
+    if window is None and cfg.prefix_cache_retention_interval:  # vLLM refuses it (kv_cache_coordinator.py)
+        raise ConfigError(f"prefix_cache_retention_interval {cfg.prefix_cache_retention_interval}: {cfg.model}'s cache "
+                          "has no sliding-window group, so retention has no effect (vLLM refuses it); set 0 or none")
     m = KVCacheManager(
         cost.num_gpu_blocks(cfg),
         cfg.block_size,
@@ -68,6 +71,7 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
         eviction=cfg.eviction,
         watermark=cfg.watermark,
         sliding_window=window,
+        prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
         record_ops=cfg.record_ops,
         defrag_threshold=cfg.defrag_threshold,
         vllm_version=cfg.vllm_version,

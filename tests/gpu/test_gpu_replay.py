@@ -87,7 +87,8 @@ def test_concurrent_replay_with_preemption_and_sliding_window(tmp_path, window, 
     holes = sum(1 for op in ops if op.kind == "table" and op.a == 0)
     assert (holes > 0) == (window is not None)
     rep = _replay(run, kernels)
-    assert rep.ok and rep.decode_checks == 28 and rep.ops["evict"] == 2
+    # the window hashes only each prompt's resumable tail (vLLM 0.33's retention 0), so nothing cached is evicted
+    assert rep.ok and rep.decode_checks == 28 and rep.ops["evict"] == (2 if window is None else 0)
     tokens, _ = _expected_checks(ops)
     assert (rep.tokens_verified == tokens) == (window is None)  # a window's null blocks are not read back
     assert rep.units["attention"] < 352 if window else rep.units["attention"] == 352
