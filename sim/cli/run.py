@@ -191,7 +191,12 @@ def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
                      f"tokens (every layer) "
                      + (f"on each of {cfg.tensor_parallel} GPUs" if cfg.tensor_parallel > 1 else "on the GPU"))
     if cost.placement is not None and cost.placement.approximation:
-        notes.append(f"approximation: {cost.placement.approximation}")
+        from kvsim.sim.engine.layers import hybrid_layout
+
+        layout = hybrid_layout(m, cost.layers)
+        fit = int(cost.kv_memory_bytes(cfg) // layout.bytes_per_block)
+        notes.append(f"approximation: {cost.placement.approximation}. vLLM 0.33's default, its hybrid manager, "
+                     f"groups them: {layout.describe()}, {fit:,} blocks in this GPU's memory")
     return notes
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.cost_model import CostModel, smallest_tp
+from kvsim.sim.engine.layers import hybrid_layout
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,9 @@ class Sizing:
     available_bytes: int  # per GPU, for the KV cache (kvsim's estimate of vLLM's profiling)
     kvsim_blocks: int | None  # None: kvsim does not size this model's cache
     vllm_blocks: int | None  # vLLM's, placed as kvsim places it (None where kvsim refuses the model)
-    vllm_hybrid_blocks: int | None  # vLLM's with its hybrid KV-cache manager (None: unlike in layer types)
+    vllm_hybrid_blocks: int | None  # vLLM's with its hybrid KV-cache manager (None: layers all alike)
+    kvsim_hybrid_blocks: int | None  # the same from kvsim's grouping (layers.hybrid_layout)
+    groups_equal: bool | None  # kvsim's groups (layer indices, in order) are vLLM's
 
 
 def vllm_specs(cost: CostModel):
@@ -115,14 +118,26 @@ def sizing(model: str, gpu: str, tp: int, utilization: float = 0.9) -> Sizing:
     """kvsim's and vLLM's block counts for `model` on `tp` GPUs of type `gpu`."""
     cfg = SimConfig(model=model, gpu=gpu, tensor_parallel=tp, gpu_memory_utilization=utilization).validate()
     cost = CostModel.from_config(cfg)
-    budget = cost.gpu.memory_bytes * utilization
-    available = int(budget - cost.weight_bytes - cost.activation_reserve_bytes(cfg))
+    available = int(cost.kv_memory_bytes(cfg))
     mixed = len({layer.kind for layer in cost.layers}) > 1
     ours = None if cost.placement_error else cost.num_gpu_blocks(cfg)
     fallback = mixed and ours is not None  # kvsim's placement of a mixed model: vLLM's fallback
     theirs = None if ours is None else vllm_num_blocks(cost, available, disable_hybrid=fallback)
     hybrid = vllm_num_blocks(cost, available, disable_hybrid=False) if fallback else None
-    return Sizing(model, gpu, tp, available, ours, theirs, hybrid)
+    ours_hybrid = same = None
+    if fallback:
+        layout = hybrid_layout(cost.model, cost.layers)
+        ours_hybrid = available // layout.bytes_per_block
+        same = [list(g.layers) for g in layout.groups] == vllm_groups(cost)
+    return Sizing(model, gpu, tp, available, ours, theirs, hybrid, ours_hybrid, same)
+
+
+def vllm_groups(cost: CostModel) -> list[list[int]]:
+    """vLLM's hybrid-manager groups of the model's layers, as layer indices."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+
+    groups = get_kv_cache_groups(_vllm_config(cost, False), vllm_specs(cost))
+    return [[int(name.split(".")[2]) for name in g.layer_names] for g in groups]
 
 
 def table(models: list[str], gpus: tuple[str, ...] = ("h100-sxm", "h200")) -> list[Sizing]:

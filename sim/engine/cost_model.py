@@ -264,6 +264,12 @@ class CostModel:
         logits = max_seqs * m.vocab_size * 4
         return max_tokens * per_token + logits + NON_TORCH_RESERVE_BYTES
 
+    def kv_memory_bytes(self, cfg: SimConfig) -> float:
+        """Memory left for the KV cache on one GPU, as vLLM's profiling would find it (our estimate):
+        memory x utilization - weights - the activation reserve."""
+        budget = self.gpu.memory_bytes * cfg.gpu_memory_utilization
+        return budget - self.weight_bytes - self.activation_reserve_bytes(cfg)
+
     def num_gpu_blocks(self, cfg: SimConfig) -> int:
         """cfg.num_gpu_blocks, or what vLLM would allocate: (memory * utilization
         - weights - activation reserve) // bytes per block, all per GPU."""
@@ -272,8 +278,7 @@ class CostModel:
         if cfg.num_gpu_blocks is not None:
             return cfg.num_gpu_blocks
         budget = self.gpu.memory_bytes * cfg.gpu_memory_utilization
-        free = budget - self.weight_bytes - self.activation_reserve_bytes(cfg)
-        blocks = int(free // self.kv_bytes_per_block)
+        blocks = int(self.kv_memory_bytes(cfg) // self.kv_bytes_per_block)
         if blocks < 2:
             gb = 1e9
             raise ConfigError(

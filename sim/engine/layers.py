@@ -128,3 +128,60 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
               "manages it (every layer keeps every token's K/V, so blocks are fewer than vLLM's default gives); "
               "attention still reads only each layer's window")
     return Placement(total, None, approx)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV-cache group of vLLM's hybrid manager: layers of one spec sharing a block table.
+    A group holding fewer layers than the layout's group size is padded (its pages unused)."""
+
+    layer: LayerKV
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """How vLLM 0.33's hybrid KV-cache manager (its default on CUDA) groups a model's layers, and
+    the bytes one block of its shared pool takes on a rank (group size x page)."""
+
+    groups: tuple[Group, ...]
+    group_size: int
+    bytes_per_block: int
+
+    def describe(self) -> str:
+        kinds: dict[LayerKV, int] = {}
+        for g in self.groups:
+            kinds[g.layer] = kinds.get(g.layer, 0) + 1
+        parts = [f"{n} {layer.describe()}" for layer, n in kinds.items()]
+        return (f"{len(self.groups)} groups of {self.group_size} layers ({', '.join(parts)}), "
+                f"{self.bytes_per_block:,} bytes a block")
+
+
+def hybrid_layout(model: ModelSpec, layers: tuple[LayerKV, ...]) -> HybridLayout:
+    """vLLM 0.33's grouping (vllm/v1/core/kv_cache_planning.py `get_kv_cache_groups`, then
+    `_get_kv_cache_groups_uniform_page_size`) of attention layers whose pages are one size:
+
+    - layers with equal specs form a bucket, buckets in order of first appearance;
+    - the group size is the smallest bucket's layer count, or the largest's when that is below
+      1.5 times the smallest (fewer padding layers);
+    - a bucket of n layers becomes cdiv(n, size) groups, group i taking layers[i::groups]
+      (interleaved), the last ones padded;
+    - one block of the shared pool holds a page of every layer of a group: size x page bytes.
+
+    A model whose layers are all alike has one group of every layer. Mixed page sizes (Mamba
+    state beside attention) need vLLM's page unification and hybrid block-size alignment, not
+    modelled yet: ConfigError."""
+    counts = layer_counts(layers)
+    if len(counts) == 1:
+        return HybridLayout((Group(layers[0], tuple(range(len(layers)))),), len(layers), sum(x.page_bytes for x in layers))
+    if len({layer.page_bytes for layer, _ in counts}) > 1:
+        raise ConfigError(f"model {model.name}: {describe_layers(layers)}; grouping pages of different sizes "
+                          "(vLLM's page unification) is not modelled yet")
+    buckets = {layer: [i for i, x in enumerate(layers) if x == layer] for layer, _ in counts}
+    smallest, largest = min(map(len, buckets.values())), max(map(len, buckets.values()))
+    size = largest if largest < smallest * 1.5 else smallest
+    groups = []
+    for layer, idx in buckets.items():
+        n = -(-len(idx) // size)
+        groups += [Group(layer, tuple(idx[i::n])) for i in range(n)]
+    return HybridLayout(tuple(groups), size, size * counts[0][0].page_bytes)

@@ -159,6 +159,29 @@ def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
     assert (by["gemma-3-27b", "h100-sxm"].kvsim_blocks, by["gemma-3-27b", "h100-sxm"].vllm_hybrid_blocks) == \
         (2_282, 14_150)
     assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks is None
+    # kvsim's grouping (layers.hybrid_layout) is vLLM's: the same layers in the same groups, the same blocks
+    mixed = [r for r in rows if r.vllm_hybrid_blocks is not None]
+    assert {r.model for r in mixed} == {"gemma-3-12b", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout"}
+    for r in mixed:
+        assert r.groups_equal and r.kvsim_hybrid_blocks == r.vllm_hybrid_blocks, r
+
+
+def test_vllms_hybrid_grouping_hand_worked():
+    # kv_cache_planning.py _get_kv_cache_groups_uniform_page_size: gemma-3-27b's 52 sliding and 10 full
+    # layers: group size 10 (52 >= 1.5 x 10), the sliding bucket in cdiv(52, 10) = 6 interleaved groups
+    from kvsim.sim.engine.layers import hybrid_layout
+
+    m = model_spec("gemma-3-27b")
+    h = hybrid_layout(m, kv_layers(m))
+    sliding = [i for i in range(62) if (i + 1) % 6]
+    assert h.group_size == 10 and [g.layers for g in h.groups] == [tuple(sliding[k::6]) for k in range(6)] + [
+        tuple(range(5, 62, 6))]
+    assert h.bytes_per_block == 10 * 131_072
+    assert h.describe() == ("7 groups of 10 layers (6 sliding window 1,024, 1 full attention), 1,310,720 bytes a "
+                            "block")
+    # 12 and 12 (gpt-oss-20b): one group each; 13 and 12 would pad to 13 (below 1.5 x 12)
+    oss = model_spec("gpt-oss-20b")
+    assert [len(g.layers) for g in hybrid_layout(oss, kv_layers(oss)).groups] == [12, 12]
 
 
 def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_placed(tmp_path, monkeypatch):
