@@ -70,7 +70,8 @@ def vllm_specs(cost: CostModel):
         elif layer.kind == "chunked_local":
             spec = ChunkedLocalAttentionSpec(**attention, attention_chunk_size=layer.window)
         elif layer.kind == "mamba":
-            spec = MambaSpec(block_size=bs, shapes=m.linear_state_shapes(tp), dtypes=(torch.bfloat16,) * 2)
+            state = torch.float32 if m.state_dtype_bytes == 4 else torch.bfloat16
+            spec = MambaSpec(block_size=bs, shapes=m.linear_state_shapes(tp), dtypes=(torch.bfloat16, state))
         else:
             spec = FullAttentionSpec(**attention)
         specs[f"model.layers.{i}.attn"] = spec

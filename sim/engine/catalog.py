@@ -15,7 +15,8 @@ from pathlib import Path
 
 MiB = 1 << 20
 # a layer's attention, as vLLM's model files and transformers' configs name them
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "mlp", "moe")
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,20 @@ class ModelSpec:
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
     encoder_params: int = 0  # a vision tower and its projector: held in memory, not run on text
+    # the state-space layers' kind: "gated_delta_net" (the linear_* fields), "mamba2" or "mamba1"
+    linear_kind: str = "gated_delta_net"
+    ssm_state_size: int = 0  # Mamba's N
+    mamba_heads: int = 0  # Mamba2's heads (of mamba_head_dim) and groups of B and C
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_intermediate: int = 0  # Mamba1's expanded width (mamba_expand x hidden)
+    mamba_dt_rank: int = 0
+    mamba_conv_bias: bool = True
+    state_dtype_bytes: int | None = None  # the recurrent state's element (NemotronH: fp32); None: the model's
+    # layers that are one block each, a mixer or a feed-forward (Nemotron-H's "mlp" and "moe" layer
+    # types), rather than a mixer and a feed-forward in every layer
+    separate_ffn_layers: bool = False
+    gated_mlp: bool = True  # the dense MLP's gate (Nemotron-H's relu^2 MLP has none: up and down only)
 
     @property
     def mla(self) -> bool:
@@ -133,13 +148,48 @@ class ModelSpec:
         return (h * (2 * key + 2 * value) + h * 2 * self.linear_value_heads + conv * self.linear_conv_kernel
                 + 2 * self.linear_value_heads + self.linear_value_head_dim + value * h)
 
+    def _mamba(self) -> int:
+        """One Mamba layer's parameters: Mamba2 (vLLM mamba_mixer2.py MambaMixer2) projects to z, x,
+        B, C and dt, convolves x, B and C, keeps A, D and a dt bias per head and a gated norm of
+        the width; Mamba1 (mamba_mixer.py MambaMixer, with Jamba's RMS norms of dt, B and C)
+        projects to x and z, convolves x, projects x to dt, B and C and dt up to the width."""
+        h, n, k = self.hidden_size, self.ssm_state_size, self.linear_conv_kernel
+        if self.linear_kind == "mamba2":
+            width, heads = self.mamba_heads * self.mamba_head_dim, self.mamba_heads
+            conv = width + 2 * self.mamba_groups * n
+            return (h * (width + conv + heads) + conv * k + (conv if self.mamba_conv_bias else 0)
+                    + 3 * heads + width + width * h)
+        width, rank = self.mamba_intermediate, self.mamba_dt_rank
+        return (h * 2 * width + width * k + (width if self.mamba_conv_bias else 0) + width * (rank + 2 * n)
+                + rank * width + width + width * n + width + width * h + rank + 2 * n)
+
     def linear_state_shapes(self, tp: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A gated-delta-net layer's state per sequence on one rank (vLLM mamba_utils.py
-        MambaStateShapeCalculator.gated_delta_net_state_shape): the conv state (conv_dim / tp,
-        kernel - 1) and the recurrent state (value heads / tp, value head dim, key head dim)."""
+        """A state-space layer's state per sequence on one rank (vLLM mamba_utils.py
+        MambaStateShapeCalculator): the conv state and the recurrent state.
+
+        - gated delta net: (conv_dim / tp, kernel - 1) and (value heads / tp, value head dim, key
+          head dim), conv_dim = 2 x key heads x key dim + value heads x value dim;
+        - Mamba2: ((width + 2 x groups x N) / tp, kernel - 1) and (heads / tp, head dim, N), groups
+          raised to tp when tp does not divide them (`extra_groups_for_head_shards`);
+        - Mamba1: (width / tp, kernel - 1) and (width / tp, N)."""
+        k = self.linear_conv_kernel - 1
+        if self.linear_kind == "mamba2":
+            groups = self.mamba_groups + (0 if self.mamba_groups % tp == 0 else tp - self.mamba_groups)
+            conv = self.mamba_heads * self.mamba_head_dim + 2 * groups * self.ssm_state_size
+            return (conv // tp, k), (self.mamba_heads // tp, self.mamba_head_dim, self.ssm_state_size)
+        if self.linear_kind == "mamba1":
+            return (self.mamba_intermediate // tp, k), (self.mamba_intermediate // tp, self.ssm_state_size)
         conv = 2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
-        return ((conv // tp, self.linear_conv_kernel - 1),
-                (self.linear_value_heads // tp, self.linear_value_head_dim, self.linear_key_head_dim))
+        return ((conv // tp, k), (self.linear_value_heads // tp, self.linear_value_head_dim, self.linear_key_head_dim))
+
+    def state_flops_per_token(self, tp: int = 1) -> float:
+        """FLOPs one token's recurrence costs in one state-space layer on one rank: about 4 an
+        element of the recurrent state (decay, update, read-out)."""
+        shape = self.linear_state_shapes(tp)[1]
+        n = 1
+        for d in shape:
+            n *= d
+        return 4.0 * n
 
     def expert_params(self) -> int:
         """One expert's parameters (a gated MLP, with gpt-oss's biases)."""
@@ -154,9 +204,14 @@ class ModelSpec:
         moe = (self.num_experts + self.shared_experts) * self.expert_params() + h * self.num_experts
         moe += self.num_experts if self.router_bias else 0
         moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
-        linear = sum(1 for i in range(self.num_layers) if self.layer_type(i) == "linear_attention")
-        attention = (self.num_layers - linear) * self._attention() + linear * self._linear_attention()
-        layers = attention + self.num_layers * self.norms_per_layer * h + dense * 3 * h * self.intermediate_size
+        types = [self.layer_type(i) for i in range(self.num_layers)]
+        linear = types.count("linear_attention")
+        attention = sum(1 for t in types if t in ATTENTION_TYPES) * self._attention()
+        attention += linear * (self._linear_attention() if self.linear_kind == "gated_delta_net" else self._mamba())
+        if self.separate_ffn_layers:  # Nemotron-H: a layer is a mixer or a feed-forward
+            dense = types.count("mlp")
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
+        layers = attention + self.num_layers * self.norms_per_layer * h + dense * mlp
         embed = self.vocab_size * h * (1 if self.tied_embeddings else 2)
         return layers + self.moe_layers * moe + embed + h + self.encoder_params
 

@@ -171,7 +171,7 @@ class CostModel:
             raise ConfigError(f"sliding_window {sliding_window}: {model.name} has layers of more than one kind "
                               "(their windows come from its config)")
         self.sliding_window = sliding_window if sliding_window is not None else self.placement and self.placement.window
-        attention = [layer for layer in self.layers if layer.kind != "mamba"]
+        attention = [layer for layer in self.layers if layer.kind not in ("mamba", "none")]
         self.kv_bytes_per_block = sum(layer.page_bytes for layer in attention)  # one block, every layer
         self.kv_bytes_per_token = self.kv_bytes_per_block // block_size
         wb = model.weight_dtype_bytes or dt  # a quantized checkpoint's weights (fp8: 1 byte)
@@ -196,13 +196,12 @@ class CostModel:
         self._attention = tuple(
             (w, len(group) * s_per_pair_layer, sum(x.page_bytes for x in group) / block_size / mem_rate)
             for w, group in windows.items())
-        # gated-delta-net layers read and write each sequence's state once a step; their recurrence
-        # costs 4 FLOPs an element of the state a token (decay, delta update, read-out)
+        # state-space layers (gated delta net, Mamba) read and write each sequence's state once a
+        # step; their recurrence costs 4 FLOPs an element of the state a token (ModelSpec.state_flops_per_token)
         linear = [layer for layer in self.layers if layer.kind == "mamba"]
         self._s_state_per_seq = 2 * sum(x.page_bytes for x in linear) / mem_rate
         if linear:
-            state = model.linear_value_heads * model.linear_value_head_dim * model.linear_key_head_dim / tp
-            self._s_per_token_flops += 4 * len(linear) * state / compute_rate
+            self._s_per_token_flops += len(linear) * model.state_flops_per_token(tp) / compute_rate
         self._serial = cal.serial_fraction
         self._s_weights = self.weight_bytes / mem_rate
         # A mixture of experts reads only the experts its batch's tokens pick. Assumed: each token

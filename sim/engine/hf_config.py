@@ -50,7 +50,7 @@ MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # their experts' fields are
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # MLA, and experts from a dense start
 # models whose layers differ: windows, chunks, linear attention (and experts), read below
 MIXED = ("GptOssForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-         "Llama4ForConditionalGeneration", "Qwen3NextForCausalLM")
+         "Llama4ForConditionalGeneration", "Qwen3NextForCausalLM", "JambaForCausalLM", "NemotronHForCausalLM")
 KNOWN = DENSE + MOE + MLA + MIXED
 # fields whose presence means a model kvsim does not model, and what it is (checked on the
 # families that never carry them: a Llama config with experts is another model)
@@ -70,6 +70,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "Llama4": {"no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "tie_word_embeddings": False},
     "Qwen3Next": {"attn_output_gate": True, "full_attention_interval": 4, "decoder_sparse_step": 1},
     "GptOss": {"tie_word_embeddings": False},
+    "Jamba": {"attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
+              "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 256, "mamba_conv_bias": True,
+              "mamba_proj_bias": False, "tie_word_embeddings": False},
+    "NemotronH": {"mamba_ssm_cache_dtype": "float32", "use_conv_bias": True, "use_bias": False, "mlp_bias": False,
+                  "attention_bias": False, "tie_word_embeddings": False},
 }
 
 
@@ -175,7 +180,7 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         qkv_bias=True if kind == "Qwen2ForCausalLM" else bias,
         o_bias=bias and kind in ("LlamaForCausalLM", "MistralForCausalLM", "GptOssForCausalLM"),
         qk_norm=kind in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or family == "Gemma3",
-        norms_per_layer=4 if family == "Gemma3" else 2,
+        norms_per_layer=experts.pop("norms_per_layer", 4 if family == "Gemma3" else 2),
         attention_sinks=kind == "GptOssForCausalLM",
         attn_output_gate=kind == "Qwen3NextForCausalLM" and bool(text.get("attn_output_gate")),
         weight_dtype_bytes=_weight_bytes(cfg, source) if kind != "GptOssForCausalLM" else None,
@@ -240,6 +245,19 @@ def _attention_layout(text: dict[str, Any], kind: str, layers: int, need: Any, w
             raise ConfigError(f"{where}: field 'no_rope_layers': expected a list of {layers} flags, got {nope!r}")
         chunked = "chunked_attention" if text.get("attention_chunk_size") else "full_attention"
         return None, tuple("full_attention" if flag == 0 else chunked for flag in nope)
+    if kind == "JambaForCausalLM":  # jamba.py layers_block_type: attention iff i % period == offset
+        period, offset = need("attn_layer_period"), text.get("attn_layer_offset", 0)
+        return None, tuple("full_attention" if i % period == offset else "linear_attention" for i in range(layers))
+    if kind == "NemotronHForCausalLM":  # nemotron_h.py: one character a layer of hybrid_override_pattern
+        pattern = text.get("hybrid_override_pattern")
+        names = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+        if not isinstance(pattern, str) or len(pattern) != layers:
+            raise ConfigError(f"{where}: field 'hybrid_override_pattern': expected {layers} characters, got {pattern!r}")
+        bad = next((c for c in pattern if c not in names), None)
+        if bad is not None:
+            what = "a mixture-of-experts layer (E), not modelled yet" if bad == "E" else "not a layer kvsim knows"
+            raise ConfigError(f"{where}: field 'hybrid_override_pattern': {bad!r} is {what} (M, *, -)")
+        return None, tuple(names[c] for c in pattern)
     # Qwen3-Next
     listed = text.get("layer_types")
     if listed:
@@ -363,6 +381,26 @@ def _experts(cfg: dict[str, Any], kind: str, layers: int, need: Any) -> dict[str
                 "linear_key_head_dim": need("linear_key_head_dim"),
                 "linear_value_head_dim": need("linear_value_head_dim"),
                 "linear_conv_kernel": need("linear_conv_kernel_dim")}
+    if kind == "JambaForCausalLM":  # jamba.py: experts on i % expert_layer_period == offset; Mamba1 mixers
+        period, offset = need("expert_layer_period"), cfg.get("expert_layer_offset", 0)
+        rank = cfg.get("mamba_dt_rank")
+        hidden = need("hidden_size")
+        return {"num_experts": need("num_experts"), "experts_per_token": need("num_experts_per_tok"),
+                "moe_intermediate_size": need("intermediate_size"),
+                "moe_layers": sum(1 for i in range(layers) if i % period == offset),
+                "linear_kind": "mamba1", "ssm_state_size": need("mamba_d_state"), "linear_conv_kernel": need("mamba_d_conv"),
+                "mamba_intermediate": need("mamba_expand") * hidden,
+                "mamba_dt_rank": -(-hidden // 16) if rank == "auto" else need("mamba_dt_rank"),
+                "mamba_conv_bias": bool(cfg.get("mamba_conv_bias"))}
+    if kind == "NemotronHForCausalLM":  # nemotron_h.py: Mamba2 mixers; relu^2 MLPs; a layer is one of them
+        dtype = cfg.get("mamba_ssm_cache_dtype")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"config: field 'mamba_ssm_cache_dtype': {dtype!r} (float32, bfloat16 or float16)")
+        return {"linear_kind": "mamba2", "ssm_state_size": need("ssm_state_size"), "linear_conv_kernel": need("conv_kernel"),
+                "mamba_heads": need("mamba_num_heads"), "mamba_head_dim": need("mamba_head_dim"),
+                "mamba_groups": need("n_groups"), "mamba_conv_bias": bool(cfg.get("use_conv_bias")),
+                "state_dtype_bytes": 4 if dtype == "float32" else 2, "separate_ffn_layers": True, "gated_mlp": False,
+                "norms_per_layer": 1}
     if kind == "Qwen3MoeForCausalLM":
         only = cfg.get("mlp_only_layers") or []
         step = need("decoder_sparse_step") if cfg.get("decoder_sparse_step") is not None else 1

@@ -35,7 +35,7 @@ from kvsim.sim.engine.catalog import ConfigError, ModelSpec
 # what a layer keeps, in the order a summary names them
 KINDS = ("full", "sliding_window", "chunked_local", "mla", "mamba")
 KIND_WORDS = {"full": "full attention", "sliding_window": "sliding window", "chunked_local": "chunked local",
-              "mla": "MLA latent", "mamba": "gated-delta-net state"}
+              "mla": "MLA latent", "mamba": "state-space (Mamba or gated-delta-net) state", "none": "feed-forward only (no cache)"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class LayerKV:
         return f"{words} {self.window:,}" if self.window else words
 
 
+NO_CACHE = LayerKV("none", None, 0)  # a layer with no attention and no state (Nemotron-H's MLP and MoE layers)
+
+
 def kv_layers(model: ModelSpec, tp: int = 1, block_size: int = 16, kv_dtype_bytes: int | None = None) -> tuple[LayerKV, ...]:
     """Every layer's `LayerKV`, in layer order (see the module docstring)."""
     dt = kv_dtype_bytes or model.dtype_bytes
@@ -61,13 +64,15 @@ def kv_layers(model: ModelSpec, tp: int = 1, block_size: int = 16, kv_dtype_byte
         return (mla,) * model.num_layers
     page = block_size * model.kv_elements_per_token_layer(tp) * dt
     state = 0
-    if model.linear_value_heads:
-        state = sum(_prod(shape) for shape in model.linear_state_shapes(tp)) * model.dtype_bytes
+    if model.linear_conv_kernel:  # conv state in the model's dtype, the recurrent state in its own
+        conv, ssm = model.linear_state_shapes(tp)
+        state = _prod(conv) * model.dtype_bytes + _prod(ssm) * (model.state_dtype_bytes or model.dtype_bytes)
     by_type = {
         "full_attention": LayerKV("full", None, page),
         "sliding_attention": LayerKV("sliding_window", model.sliding_window, page),
         "chunked_attention": LayerKV("chunked_local", model.attention_chunk_size, page),
         "linear_attention": LayerKV("mamba", None, state),
+        "mlp": NO_CACHE, "moe": NO_CACHE,
     }
     return tuple(by_type[model.layer_type(i)] for i in range(model.num_layers))
 
@@ -80,10 +85,12 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def layer_counts(layers: tuple[LayerKV, ...]) -> list[tuple[LayerKV, int]]:
-    """Identical specs merged, with how many layers each has, in order of first appearance."""
+    """Identical specs merged, with how many layers each has, in order of first appearance; layers
+    that keep nothing are left out."""
     counts: dict[LayerKV, int] = {}
     for layer in layers:
-        counts[layer] = counts.get(layer, 0) + 1
+        if layer.kind != "none":
+            counts[layer] = counts.get(layer, 0) + 1
     return list(counts.items())
 
 
@@ -91,6 +98,8 @@ def describe_layers(layers: tuple[LayerKV, ...]) -> str:
     """'62 layers: 52 sliding window 1,024, 10 full attention, 16,384 bytes a block each'."""
     counts = layer_counts(layers)
     parts = [f"{n} {layer.describe()}" for layer, n in counts]
+    bare = sum(1 for layer in layers if layer.kind == "none")
+    parts += [f"{bare} {NO_CACHE.describe()}"] if bare else []
     pages = sorted({layer.page_bytes for layer, _ in counts})
     if len(pages) == 1:
         each = f"{pages[0]:,} bytes a page each"
@@ -115,14 +124,14 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
     counts = layer_counts(layers)
     kinds = {layer.kind for layer, _ in counts}
     total = sum(layer.page_bytes for layer in layers)
-    if len(counts) == 1 and counts[0][0].kind != "chunked_local":
+    if len(counts) == 1 and counts[0][0].kind not in ("chunked_local", "mamba"):
         only = counts[0][0]
         return Placement(total, only.window if only.kind == "sliding_window" else None, None)
     if "mamba" in kinds:
         raise ConfigError(
-            f"model {model.name}: {describe_layers(layers)}. vLLM keeps Mamba-style state and attention "
-            "K/V in separate KV-cache groups of one pool (its hybrid KV-cache manager, with no fallback for such "
-            "a model); kvsim does not model those groups yet, so it cannot size or run this model's cache")
+            f"model {model.name}: {describe_layers(layers)}. vLLM keeps state-space state in KV-cache groups of "
+            "its own beside attention's, in one pool (its hybrid KV-cache manager, with no fallback for such a "
+            "model); kvsim does not model those groups yet, so it cannot size or run this model's cache")
     approx = (f"{model.name} mixes {', '.join(f'{n} {layer.describe()}' for layer, n in counts)} layers: until kvsim "
               "models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's --disable-hybrid-kv-cache-manager "
               "manages it (every layer keeps every token's K/V, so blocks are fewer than vLLM's default gives); "
@@ -173,11 +182,12 @@ def hybrid_layout(model: ModelSpec, layers: tuple[LayerKV, ...]) -> HybridLayout
     modelled yet: ConfigError."""
     counts = layer_counts(layers)
     if len(counts) == 1:
-        return HybridLayout((Group(layers[0], tuple(range(len(layers)))),), len(layers), sum(x.page_bytes for x in layers))
+        only, n = counts[0]
+        return HybridLayout((Group(only, tuple(i for i, x in enumerate(layers) if x == only)),), n, n * only.page_bytes)
     if len({layer.page_bytes for layer, _ in counts}) > 1:
         raise ConfigError(f"model {model.name}: {describe_layers(layers)}; grouping pages of different sizes "
                           "(vLLM's page unification) is not modelled yet")
-    buckets = {layer: [i for i, x in enumerate(layers) if x == layer] for layer, _ in counts}
+    buckets = {layer: [i for i, x in enumerate(layers) if x == layer] for layer, _ in counts}  # (never "none")
     smallest, largest = min(map(len, buckets.values())), max(map(len, buckets.values()))
     size = largest if largest < smallest * 1.5 else smallest
     groups = []

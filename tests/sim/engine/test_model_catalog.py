@@ -91,7 +91,7 @@ def test_a_model_with_gated_delta_net_layers_is_refused_with_what_it_holds():
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=4, num_gpu_blocks=1000).validate()
     cost = CostModel.from_config(cfg)  # it is priced (a step has a time) ...
     assert cost.step_time(0, 8, 8000, 8) > 0
-    with pytest.raises(ConfigError, match=r"^model qwen3-next-80b-a3b: 48 layers: 36 gated-delta-net state, 12 full "
+    with pytest.raises(ConfigError, match=r"^model qwen3-next-80b-a3b: 48 layers: 36 state-space \(Mamba or gated-delta-net\) state, 12 full "
                                           r"attention; .* kvsim does not model those groups yet"):
         cost.num_gpu_blocks(cfg)  # ... but its cache is not sized, even with --num-gpu-blocks
 
@@ -120,7 +120,8 @@ def test_gpt_oss_weights_count_its_mxfp4_experts_at_4_25_bits():
 def test_the_defaults_table_is_transformers_own():
     transformers = pytest.importorskip("transformers")
     classes = {"Gemma3": transformers.Gemma3TextConfig, "Llama4": transformers.Llama4TextConfig,
-               "Qwen3Next": transformers.Qwen3NextConfig, "GptOss": transformers.GptOssConfig}
+               "Qwen3Next": transformers.Qwen3NextConfig, "GptOss": transformers.GptOssConfig,
+               "Jamba": transformers.JambaConfig, "NemotronH": transformers.NemotronHConfig}
     patterns = {  # fields transformers only uses to fill in the layer list: checked through that list
         ("Gemma3", "sliding_window_pattern"): lambda c: c.layer_types == [F if (i + 1) % 6 == 0 else S
                                                                          for i in range(c.num_hidden_layers)],
@@ -209,3 +210,56 @@ def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_place
         "24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes a page each", 786_432, 400)
     assert summary["cache_approximation"].endswith("attention still reads only each layer's window")
     assert "--disable-hybrid-kv-cache-manager" in summary["cache_approximation"]
+
+
+JAMBA = {"architectures": ["JambaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "num_experts": 16,
+         "num_experts_per_tok": 2, "max_position_embeddings": 262144}  # the rest: transformers' JambaConfig defaults
+NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 4096, "intermediate_size": 21504,
+              "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "vocab_size": 131072, "max_position_embeddings": 8192, "hybrid_override_pattern": "M-M*-M-M",
+              "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4}
+
+
+def test_jamba_and_nemotron_h_layers_from_their_patterns():
+    from kvsim.sim.engine.hf_config import spec_from_config
+
+    jamba = spec_from_config(JAMBA, "jamba.json")
+    # jamba.py layers_block_type: attention iff i % 8 == 4; experts iff i % 2 == 1
+    assert [jamba.layer_type(i) for i in range(32)] == [F if i % 8 == 4 else L for i in range(32)]
+    assert (jamba.moe_layers, jamba.num_params, jamba.active_params()) == (16, 51_570_323_328, 12_110_311_296)
+    nem = spec_from_config(NEMOTRON_H, "nemotron.json")
+    assert [nem.layer_type(i) for i in range(8)] == [L, "mlp", L, F, "mlp", L, "mlp", L]
+    assert describe_layers(kv_layers(nem)) == (
+        "8 layers: 4 state-space (Mamba or gated-delta-net) state, 1 full attention, 3 feed-forward only (no cache); "
+        "state-space (Mamba or gated-delta-net) state 4,255,744 bytes a page; full attention 65,536 bytes a page")
+    with pytest.raises(ConfigError, match=r"field 'hybrid_override_pattern': 'E' is a mixture-of-experts layer"):
+        spec_from_config({**NEMOTRON_H, "hybrid_override_pattern": "M-M*-M-E"}, "nemotron.json")
+    with pytest.raises(ConfigError, match=r"field 'hybrid_override_pattern': expected 8 characters"):
+        spec_from_config({**NEMOTRON_H, "hybrid_override_pattern": "M-M"}, "nemotron.json")
+
+
+@pytest.mark.needs_vllm
+@pytest.mark.parametrize("tp", [1, 2, 4, 16])
+def test_state_pages_equal_vllms_mamba_specs(tp):
+    """vllm/model_executor/layers/mamba/mamba_utils.py MambaStateShapeCalculator (mamba1, mamba2 with its
+    extra groups, gated delta net) and vllm/v1/kv_cache_interface.py MambaSpec.page_size_bytes."""
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as Calc
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvsim.sim.engine.hf_config import spec_from_config
+
+    def page(shapes, dtypes):
+        return MambaSpec(block_size=16, shapes=tuple(shapes), dtypes=dtypes).page_size_bytes
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    jamba, nem, nxt = spec_from_config(JAMBA, "j"), spec_from_config(NEMOTRON_H, "n"), model_spec("qwen3-next-80b-a3b")
+    want = {
+        "jamba": page(Calc.mamba1_state_shape(tp, 8192, 16, 4), (bf16, bf16)),
+        "nemotron": page(Calc.mamba2_state_shape(tp, 8192, 8, 128, 64, 128, 4), (bf16, fp32)),
+        "qwen3-next": page(Calc.gated_delta_net_state_shape(tp, 16, 32, 128, 128, 4), (bf16, bf16)),
+    }
+    got = {name: next(x.page_bytes for x in kv_layers(m, tp) if x.kind == "mamba")
+           for name, m in (("jamba", jamba), ("nemotron", nem), ("qwen3-next", nxt))}
+    assert got == want
