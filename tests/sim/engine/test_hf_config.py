@@ -51,7 +51,7 @@ def test_qwen3_counts_its_q_and_k_norms():
 @pytest.mark.parametrize(("change", "message"), [
     ({"architectures": None}, "field 'architectures': missing (a list naming the model class)"),
     ({"hidden_size": None}, "field 'hidden_size': expected a positive integer, got None"),
-    ({"architectures": ["JambaForCausalLM"]}, "field 'architectures': kvsim does not model JambaForCausalLM yet"),
+    ({"architectures": ["FalconMambaForCausalLM"]}, "field 'architectures': kvsim does not model FalconMambaForCausalLM yet"),
     ({"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 60},
      "field 'num_experts': Qwen2MoeForCausalLM is a mixture of experts, which kvsim does not model yet"),
     ({"architectures": ["KimiLinearForCausalLM"], "kv_lora_rank": 512},

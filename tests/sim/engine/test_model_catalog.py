@@ -221,6 +221,29 @@ NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 4096, "i
               "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4}
 
 
+HERE = __import__("pathlib").Path(__file__).parent
+
+
+@pytest.mark.parametrize(("file", "total", "active", "pattern"), [
+    # ai21labs/Jamba-v0.1 at 9efd115 (51.57B on the Open LLM Leaderboard; 52B / 12B in AI21's card)
+    ("jamba-v0.1.json", 51_570_323_328, 12_110_311_296, [F if i % 8 == 4 else L for i in range(32)]),
+    # nvidia/Nemotron-H-8B-Base-8K at 94ea861: 24 Mamba2, 4 attention, 24 MLP layers ("8B")
+    ("nemotron-h-8b-base-8k.json", 8_100_852_736, 8_100_852_736, None),
+])
+def test_the_published_jamba_and_nemotron_h_configs(file, total, active, pattern):
+    """Their files (tests/sim/engine/configs/, byte-identical to the hub's at those revisions by size
+    and sha256 recorded in dinoml/model-configs-rs) read as vLLM's jamba.py and nemotron_h.py."""
+    from kvsim.sim.engine.hf_config import load_config
+
+    m = load_config(str(HERE / "configs" / file))
+    assert (m.num_params, m.active_params()) == (total, active)
+    types = [m.layer_type(i) for i in range(m.num_layers)]
+    if pattern is not None:
+        assert types == pattern
+    else:
+        assert (types.count(L), types.count(F), types.count("mlp")) == (24, 4, 24)
+
+
 def test_jamba_and_nemotron_h_layers_from_their_patterns():
     from kvsim.sim.engine.hf_config import spec_from_config
 
