@@ -15,6 +15,7 @@ from kvsim.sim.cli.cache import register as _register_cache
 from kvsim.sim.cli.capacity import register as _register_capacity
 from kvsim.sim.cli.conform import register as _register_conform
 from kvsim.sim.cli.gpu import register as _register_gpu
+from kvsim.sim.cli.model import register as _register_model
 from kvsim.sim.cli.run import register as _register_run
 from kvsim.sim.cli.study import register as _register_study
 from kvsim.sim.cli.workload import workload_app
@@ -52,6 +53,7 @@ _register_study(app)
 _register_run(app)
 _register_capacity(app)
 _register_conform(app)
+_register_model(app)
 
 
 def main() -> None:

@@ -188,7 +188,7 @@ def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
     if read or cfg.kv_cache_dtype != "auto":
         dtype = "the model's 16-bit" if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cfg.block_size} "
-                     f"tokens (every layer) "
+                     f"tokens (every attention layer) "
                      + (f"on each of {cfg.tensor_parallel} GPUs" if cfg.tensor_parallel > 1 else "on the GPU"))
     if cost.placement is not None and cost.placement.approximation:
         from kvsim.sim.engine.layers import hybrid_layout

@@ -98,7 +98,13 @@ def model_spec(name: str) -> ModelSpec:
     if kept.is_file():
         spec = spec_from_config(json.loads(kept.read_text()), f"the catalog's {key}")
         return ModelSpec(**{**spec.__dict__, "name": key})
-    return get_model(name)
+    try:
+        return get_model(name)
+    except ConfigError:
+        from kvsim.sim.engine.catalog import MODELS
+
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join([*MODELS, *catalog_configs()])}, "
+                          "or give the path of a config.json") from None
 
 
 def read_from_config(name: str) -> bool:

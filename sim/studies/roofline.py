@@ -43,10 +43,11 @@ class Row:
         return "compute" if self.compute_s > self.memory_s else "memory"
 
 
-def rows(model: str, gpu: str, tp: int) -> list[Row]:
+def rows(model: str, gpu: str, tp: int, kv_cache_dtype: str = "auto") -> list[Row]:
     """The reference batches' bounds and steps for `model` on `tp` GPUs of type `gpu`."""
-    cost = CostModel.from_config(SimConfig(model=model, gpu=gpu, tensor_parallel=tp).validate())
-    ideal = CostModel(cost.model, cost.gpu, tp, cost.block_size, replace(IDEAL))
+    cfg = SimConfig(model=model, gpu=gpu, tensor_parallel=tp, kv_cache_dtype=kv_cache_dtype).validate()
+    cost = CostModel.from_config(cfg)
+    ideal = CostModel(cost.model, cost.gpu, tp, cost.block_size, replace(IDEAL), kv_dtype_bytes=cost.kv_dtype_bytes)
     out = []
     for name, batch in BATCHES.items():
         compute, memory = ideal.bounds(*batch)

@@ -94,7 +94,9 @@ def test_curve_replay_and_sim_gain_the_tier_columns(aba: str, tmp_path: Path) ->
          "offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0"),
         (["--offload-store-threshold", "-1"], "offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0"),
         (["--kv-offloading-size", "1", "--model", "gpt-9"],
-         "unknown model 'gpt-9'; choose from llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b"),
+         "unknown model 'gpt-9'; choose from llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, deepseek-v3, "
+         "gemma-3-12b, gemma-3-27b, gpt-oss-120b, gpt-oss-20b, llama-4-scout, mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, "
+         "qwen3-8b, qwen3-next-80b-a3b, or give the path of a config.json"),
         (["--kv-offloading-size", "1", "--tp", "3"], "tensor_parallel 3 must divide llama-3-8b's 32 attention heads"),
         (["--kv-offloading-size", "1", "--vllm-version", "0.28"],
          "kv_offloading_size cannot be combined with vllm_version 0.28: kvsim models offloading under vLLM 0.33's "

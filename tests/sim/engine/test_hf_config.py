@@ -192,5 +192,5 @@ def test_the_catalog_keeps_the_new_models_as_configs_and_deepseek_runs_with_an_f
     r = CliRunner().invoke(app, ["run", "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--kv-cache-dtype",
                                  "fp8", "--gpu-memory-utilization", "0.9", "--no-plots", "-o", "run"])
     assert r.exit_code == 0, r.output
-    assert "KV cache: fp8 elements, 562,176 bytes a block of 16 tokens (every layer) on each of 8 GPUs" in \
+    assert "KV cache: fp8 elements, 562,176 bytes a block of 16 tokens (every attention layer) on each of 8 GPUs" in \
         " ".join(r.output.split())

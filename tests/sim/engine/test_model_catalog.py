@@ -203,7 +203,7 @@ def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_place
     assert ("model: read from my-oss's config: 24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes "
             "a page each; 64 query and 8 KV heads of 64; 20.91B parameters (4.19B active: 4 of 32 experts a token on "
             "24 layers)") in out
-    assert "KV cache: the model's 16-bit elements, 786,432 bytes a block of 16 tokens (every layer) on the GPU" in out
+    assert "KV cache: the model's 16-bit elements, 786,432 bytes a block of 16 tokens (every attention layer) on the GPU" in out
     assert "approximation: my-oss mixes 12 sliding window 128, 12 full attention layers: until kvsim models" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["kv_layers"], summary["kv_bytes_per_block"], summary["num_gpu_blocks"]) == (
