@@ -90,7 +90,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         if retention and sliding_window is None:
             raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding window, so "
                              "retention has no effect; set it to 0 (vLLM refuses it too)")
-        self.retention_interval = retention
+        self.retention_interval = retention if sliding_window is not None else None  # full attention: dense
         self.admission_tokens: int | None = None  # a window's admission cap (sliding_window.admission_blocks)
         self.ops = OpLog(record_ops)
         self.op_counts = MappingProxyType(self.ops.counts)  # kind -> ops so far (read-only, live)
@@ -290,7 +290,7 @@ class KVCacheManager(Forking, Swapping, Loads):
             return
         hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
         chain = seq.num_prompt_tokens // self.block_size
-        if self.retention_interval is None or self.sliding_window is None:
+        if self.retention_interval is None:
             self.pool.cache_blocks(blocks, hashes, n_cached, n_full, chain)
         else:  # a sliding window hashes only the blocks a later request can resume from
             for a, b in sw.retained_ranges(n_cached, n_full, seq.num_prompt_tokens, self.sliding_window,

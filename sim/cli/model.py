@@ -37,11 +37,11 @@ def model(
 
 def _catalog() -> str:
     from kvsim.sim.engine.catalog import MODELS
-    from kvsim.sim.engine.hf_config import catalog_configs, model_spec
+    from kvsim.sim.engine.hf_config import catalog_names, model_spec
     from kvsim.sim.engine.layers import describe_layers, kv_layers
 
     lines = []
-    for n in [*MODELS, *catalog_configs()]:
+    for n in [*MODELS, *catalog_names()]:
         m = model_spec(n)
         active = f" ({m.active_params() / 1e9:.2f}B active)" if m.active_params() != m.num_params else ""
         lines.append(f"{n:20s} {m.num_params / 1e9:7.2f}B{active}  {describe_layers(kv_layers(m)).split(';')[0]}")

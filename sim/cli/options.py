@@ -10,12 +10,12 @@ import typer
 
 from kvsim.kvcache.eviction import POLICIES
 from kvsim.sim.engine.catalog import GPUS, MODELS
-from kvsim.sim.engine.hf_config import catalog_configs
+from kvsim.sim.engine.hf_config import catalog_names
 
 DEFAULT_MODEL, DEFAULT_GPU = "llama-3-8b", "h100-sxm"  # SimConfig's (tests/sim/cli: checked against it)
 
 Model = Annotated[str | None, typer.Option(
-    help=f"model: {', '.join([*MODELS, *catalog_configs()])}, or a Hugging Face config.json [default: {DEFAULT_MODEL}]")]
+    help=f"model: {', '.join([*MODELS, *catalog_names()])}, or a Hugging Face config.json [default: {DEFAULT_MODEL}]")]
 Gpu = Annotated[str | None, typer.Option(help=f"GPU: {'|'.join(GPUS)}, or a GPU file (.toml) [default: {DEFAULT_GPU}]")]
 Tp = Annotated[int | None, typer.Option("--tp", help="tensor-parallel degree (GPUs one replica spans) [default: 1]")]
 Eviction = Annotated[str | None, typer.Option(help=f"eviction policy of the prefix cache: {'|'.join(POLICIES)} [default: lru]")]

@@ -79,25 +79,15 @@ def vllm_specs(cost: CostModel):
 
 
 def _vllm_config(cost: CostModel, disable_hybrid: bool):
-    """A VllmConfig with vLLM's defaults, the hybrid manager as asked (set after construction: on
-    this CPU host vLLM would turn it off); the sizing functions read the scheduler's and the cache's
-    configs only, so the model is a stand-in of the right length."""
-    import json
+    """The drivers' VllmConfig (`vllm_setup.stand_in_config`, vLLM's defaults) at the model's length
+    and block size, the hybrid manager as asked (set after construction: on this CPU host vLLM would
+    turn it off); the sizing functions read the scheduler's and the cache's configs only."""
     import tempfile
-    from pathlib import Path
 
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from kvsim.sim.conform.vllm_setup import stand_in_config
 
-    length = cost.model.max_model_len
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-            "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
-            "vocab_size": 256, "max_position_embeddings": length, "torch_dtype": "bfloat16"}))
-        model = ModelConfig(model=tmp, skip_tokenizer_init=True, max_model_len=length, dtype="bfloat16")
-    scheduler = SchedulerConfig(max_model_len=length, is_encoder_decoder=False)
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=cost.block_size),
-                        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"))
+        config = stand_in_config(tmp, max_model_len=cost.model.max_model_len, cache={"block_size": cost.block_size})
     # what VllmConfig resolves on a CUDA host for a hybrid model (on: vllm/config/vllm.py), or the flag
     config.scheduler_config.disable_hybrid_kv_cache_manager = disable_hybrid
     # the layout the engine core resolves from the backends (resolve_kv_cache_layout); with no page
@@ -149,9 +139,9 @@ def table(models: list[str], gpus: tuple[str, ...] = ("h100-sxm", "h200")) -> li
 
 
 def main() -> None:
-    from kvsim.sim.engine.hf_config import catalog_configs
+    from kvsim.sim.engine.hf_config import catalog_names
 
-    rows = table(list(catalog_configs()))
+    rows = table(list(catalog_names()))
     print("| model | GPU | TP | KV memory per GPU (GiB) | kvsim blocks | vLLM 0.33 blocks | vLLM, hybrid manager |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -83,9 +83,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def catalog_configs() -> dict[str, dict[str, Any]]:
-    """Every catalog model kept as a config: name -> its config.json fields."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.json"))}
+def catalog_names() -> list[str]:
+    """The catalog models kept as configs, by name (their files are read only when asked for)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def _positive(fields: dict[str, Any], where: str):
+    """`need(field)`: `fields[field]` as a positive integer, or a ConfigError naming `where` and the field."""
+    def need(field: str) -> int:
+        v = fields.get(field)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{where}: field {field!r}: expected a positive integer, got {v!r}")
+        return v
+
+    return need
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -103,7 +114,7 @@ def model_spec(name: str) -> ModelSpec:
     except ConfigError:
         from kvsim.sim.engine.catalog import MODELS
 
-        raise ConfigError(f"unknown model {name!r}; choose from {', '.join([*MODELS, *catalog_configs()])}, "
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join([*MODELS, *catalog_names()])}, "
                           "or give the path of a config.json") from None
 
 
@@ -162,11 +173,7 @@ def spec_from_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         where = f"{source}: text_config"
     else:
         text, where = {**DEFAULTS.get(family, {}), **cfg}, source
-    def need(field: str) -> int:
-        v = text.get(field)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"{where}: field {field!r}: expected a positive integer, got {v!r}")
-        return v
+    need = _positive(text, where)
 
     layers, hidden, heads = need("num_hidden_layers"), need("hidden_size"), need("num_attention_heads")
     kv_heads = need("num_key_value_heads") if text.get("num_key_value_heads") is not None else heads
@@ -294,11 +301,7 @@ def _vision_params(kind: str, vision: dict[str, Any], text: dict[str, Any], sour
       embedding per patch + 1, two LayerNorms, per layer the same encoder block, the
       pixel-shuffle MLP and the projector to the text width (no biases where the config says).
     """
-    def need(field: str) -> int:
-        v = vision.get(field)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"{source}: vision_config: field {field!r}: expected a positive integer, got {v!r}")
-        return v
+    need = _positive(vision, f"{source}: vision_config")
 
     d, inner, n = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
     patch, image = need("patch_size"), need("image_size")

@@ -110,11 +110,10 @@ def describe_layers(layers: tuple[LayerKV, ...]) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """How a model's layers sit in kvsim's one group of blocks: the bytes one block takes on a
-    rank, the window the block manager enforces (None: every token kept), and `approximation`,
-    a sentence when the placement is vLLM's fallback rather than its default."""
+    """How a model's layers sit in kvsim's one group of blocks: the window the block manager
+    enforces (None: every token kept), and `approximation`, a sentence when the placement is
+    vLLM's fallback rather than its default."""
 
-    bytes_per_block: int
     window: int | None
     approximation: str | None
 
@@ -123,10 +122,9 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
     """See the module docstring; ConfigError for a model with Mamba-state layers among others."""
     counts = layer_counts(layers)
     kinds = {layer.kind for layer, _ in counts}
-    total = sum(layer.page_bytes for layer in layers)
     if len(counts) == 1 and counts[0][0].kind not in ("chunked_local", "mamba"):
         only = counts[0][0]
-        return Placement(total, only.window if only.kind == "sliding_window" else None, None)
+        return Placement(only.window if only.kind == "sliding_window" else None, None)
     if "mamba" in kinds:
         raise ConfigError(
             f"model {model.name}: {describe_layers(layers)}. vLLM keeps state-space state in KV-cache groups of "
@@ -136,7 +134,7 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
               "models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's --disable-hybrid-kv-cache-manager "
               "manages it (every layer keeps every token's K/V, so blocks are fewer than vLLM's default gives); "
               "attention still reads only each layer's window")
-    return Placement(total, None, approx)
+    return Placement(None, approx)
 
 
 @dataclass(frozen=True)

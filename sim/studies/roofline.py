@@ -80,10 +80,10 @@ def main() -> None:
     import sys
 
     from kvsim.sim.engine.catalog import MODELS
-    from kvsim.sim.engine.hf_config import catalog_configs
+    from kvsim.sim.engine.hf_config import catalog_names
 
     gpu = sys.argv[1] if len(sys.argv) > 1 else "h100-sxm"
-    print(markdown(table([*MODELS, *catalog_configs()], gpu)))
+    print(markdown(table([*MODELS, *catalog_names()], gpu)))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import pytest
 from kvsim.sim.engine.catalog import ConfigError
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.cost_model import CostModel
-from kvsim.sim.engine.hf_config import DEFAULTS, catalog_configs, model_spec
+from kvsim.sim.engine.hf_config import DEFAULTS, catalog_names, model_spec
 from kvsim.sim.engine.layers import describe_layers, kv_layers, place
 
 F, S, C, L = "full_attention", "sliding_attention", "chunked_attention", "linear_attention"
@@ -77,7 +77,8 @@ def test_a_model_mixing_windows_runs_as_vllms_fallback_and_says_so():
     m = model_spec("gemma-3-27b")
     layers = kv_layers(m)
     p = place(m, layers)
-    assert (p.bytes_per_block, p.window) == (62 * 131_072, None)  # every layer keeps every token
+    cost = CostModel.from_config(SimConfig(model="gemma-3-27b").validate())
+    assert (cost.kv_bytes_per_block, p.window) == (62 * 131_072, None)  # every layer keeps every token
     assert p.approximation.startswith("gemma-3-27b mixes 52 sliding window 1,024, 10 full attention layers: until "
                                       "kvsim models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's "
                                       "--disable-hybrid-kv-cache-manager manages it")
@@ -140,7 +141,7 @@ def test_the_defaults_table_is_transformers_own():
 
 
 def test_every_catalog_config_reads():
-    for name in catalog_configs():
+    for name in catalog_names():
         assert model_spec(name).name == name
 
 
@@ -150,8 +151,8 @@ def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
     the specs built by vLLM's spec classes, for the memory kvsim finds left for the cache."""
     from kvsim.sim.conform.vllm_sizing import table
 
-    rows = table(list(catalog_configs()))
-    assert {(r.model, r.gpu) for r in rows} == {(m, g) for m in catalog_configs() for g in ("h100-sxm", "h200")} - {
+    rows = table(list(catalog_names()))
+    assert {(r.model, r.gpu) for r in rows} == {(m, g) for m in catalog_names() for g in ("h100-sxm", "h200")} - {
         ("deepseek-v3", "h100-sxm")}  # 671B in fp8 does not fit on eight H100s
     for r in rows:
         assert r.kvsim_blocks == r.vllm_blocks, r
