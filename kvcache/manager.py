@@ -12,9 +12,7 @@ watermark come from the v0/v2 managers (fork and swap are mixed in from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from itertools import islice
-from pathlib import Path
+from collections.abc import Callable
 from types import MappingProxyType
 
 import numpy as np
@@ -24,11 +22,12 @@ from kvsim.kvcache.admission import AllocStatus, watermark_status
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
 from kvsim.kvcache.defrag import Defragmenter
-from kvsim.kvcache.eviction import LRU, EvictionPolicy, make_policy
+from kvsim.kvcache.eviction import EvictionPolicy, make_policy
 from kvsim.kvcache.fork import Forking
 from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.loads import Loads
 from kvsim.kvcache.ops import OpLog
+from kvsim.kvcache.pool_view import PoolView
 from kvsim.kvcache.profiles import DEFAULT_VERSION, profile
 from kvsim.kvcache.sequence import Sequence
 from kvsim.kvcache.swap import CpuPool, Swapping
@@ -38,7 +37,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(Forking, Swapping, Loads):
+class KVCacheManager(PoolView, Forking, Swapping, Loads):
     """Paged KV-cache block manager for one KV-cache group.
 
     num_gpu_blocks: as vLLM reports it; block 0 is the null block.
@@ -112,6 +111,8 @@ class KVCacheManager(Forking, Swapping, Loads):
             self.ops.resolve = self.defrag.resolve
         elif track_ids:
             self.pool.tracker = IdSpan(self.pool.blocks)
+
+    num_groups = 1  # KV-cache groups (kvcache.hybrid keeps several)
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
@@ -293,7 +294,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         if self.retention_interval is None:
             self.pool.cache_blocks(blocks, hashes, n_cached, n_full, chain)
         else:  # a sliding window hashes only the blocks a later request can resume from
-            for a, b in sw.retained_ranges(n_cached, n_full, seq.num_prompt_tokens, self.sliding_window,
+            for a, b in sw.retained_ranges(n_cached, n_full, (seq.num_prompt_tokens - 1,), self.sliding_window,
                                            self.block_size, self.retention_interval):
                 self.pool.cache_blocks(blocks, hashes, a, b, chain)
         self.num_cached_block[sid] = n_full
@@ -364,48 +365,7 @@ class KVCacheManager(Forking, Swapping, Loads):
             return ids
         return self.defrag.resolve(np.asarray(ids, dtype=np.int64)).tolist()
 
-    def id_space_fragmentation(self) -> int:
-        """Holes below the highest used physical id: max_used_id - num_used."""
-        tracker = self.pool.tracker
-        return tracker.fragmentation() if tracker is not None else 0
-
     # ------------------------------------------------------ state and counters
-    @property
-    def num_blocks(self) -> int:
-        """GPU blocks as vLLM reports them (block 0, the null block, included)."""
-        return self.pool.num_blocks
-
-    @property
-    def num_usable_blocks(self) -> int:
-        """Blocks sequences can hold: all but the null block."""
-        return self.pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation may take now (idle cached blocks included)."""
-        return self.pool.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (the evictable ones)."""
-        return self.pool.num_cached_free
-
-    @property
-    def free_order_is_lru(self) -> bool:
-        """Whether free blocks are handed out in the order of vLLM's free queue alone (exact LRU)."""
-        return type(self.pool.policy) is LRU
-
-    def next_free_blocks(self, n: int) -> Iterator[KVCacheBlock]:
-        """The first `n` blocks an allocation would take now (exact LRU only: `free_order_is_lru`)."""
-        if not self.free_order_is_lru:
-            raise ValueError(f"next_free_blocks needs exact LRU, not {type(self.pool.policy).__name__}")
-        return islice(self.pool.policy.queue, n)
-
-    @property
-    def caching_hooks_policy(self) -> bool:
-        """Whether the eviction policy hears of each block cached (so caching must stay in its step)."""
-        return self.pool.policy_sees_caching
-
     def num_cached_blocks_of(self, seq_id: str) -> int:
         """Of sequence `seq_id`'s blocks, how many are cached (in the prefix-cache map) so far."""
         return self.num_cached_block[seq_id]
@@ -426,27 +386,6 @@ class KVCacheManager(Forking, Swapping, Loads):
             if caching and (c + 1) % bs == 0:
                 self._cache_full_blocks(seq, blocks, c + 1)
 
-    def is_cached(self, block_hash: int) -> bool:
-        """True if a block with this hash is in the prefix cache."""
-        return block_hash in self.pool.cached
-
-    def count_writes(self, n: int) -> None:
-        """Count `n` decode writes the caller applied without `allocate_slots` (negative: taken back)."""
-        self.ops.counts["write"] += n
-
-    @property
-    def op_step(self) -> int:
-        """The step number ops are being stamped with now (`set_step`)."""
-        return self.ops.step
-
-    def keep_late_ops(self, steps: int) -> None:
-        """Let ops arrive up to `steps` steps late (lazy decodes' writes), before rows are final."""
-        self.ops.lag = steps
-
-    def stream_ops(self, folder: str | Path, *, process: bool = False) -> None:
-        """Stream the op records into `folder` as they become final (see `OpLog.stream_to`)."""
-        self.ops.stream_to(folder, process=process)
-
     def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
         """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the
         i-th at step `step + i`: late, by at most `ops.lag` steps (`OpLog.late_writes`)."""
@@ -457,32 +396,7 @@ class KVCacheManager(Forking, Swapping, Loads):
         """Whether sequence `seq_id` holds GPU blocks (running, or loading from the host tier)."""
         return seq_id in self.req_blocks
 
-    @property
-    def op_log(self) -> OpLog:
-        """The op stream, for the host tier's transfers recorded beside the manager's own ops."""
-        return self.ops
-
-    @property
-    def records_ops(self) -> bool:
-        """True if every op is recorded, not just counted (`record_ops`)."""
-        return self.ops.enabled
-
-    def set_step(self, step: int) -> None:
-        """Stamp the ops that follow with engine step `step`."""
-        if self.ops.enabled:
-            self.ops.set_step(step)  # may cut a chunk
-        else:
-            self.ops.step = step
-
-    def save_ops(self, folder: str | Path) -> None:
-        """Write the recorded ops and each sequence's tokens into `folder` (`OpLog.save`)."""
-        self.ops.save(folder)
-
     # ---------------------------------------------------------------- metrics
-    def num_used_blocks(self) -> int:
-        """Blocks not in the free set (referenced, or pinned and idle)."""
-        return self.pool.num_usable_blocks - self.pool.num_free_blocks
-
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
         """Allocated slots not holding a token, over the given live sequences."""
         bs, tables = self.block_size, self.req_blocks

@@ -278,7 +278,7 @@ def _sequential(requests: Iterable[Request], m: KVCacheManager, done: Callable, 
         # steps, so one allocation for all of them ends in the same state as
         # one per token; per-token only when it does not fit (truncation).
         n = live.target - 1
-        if n > 0 and m.sliding_window is None:
+        if n > 0 and m.sliding_window is None and m.num_groups == 1:  # windows free blocks token by token
             seq.append_tokens(n)
             if m.allocate_slots(seq, n) is not None:
                 seq.num_computed_tokens += n

@@ -72,7 +72,7 @@ def admission_blocks(num_tokens: int, cap_tokens: int | None, window: int, block
     return max(need - max(skipped, len(hits) + len(held)), 0) + free_hits(hits[max(0, skipped - len(held)):], True)
 
 
-def retained_ranges(start: int, end: int, num_prompt_tokens: int, window: int, block_size: int,
+def retained_ranges(start: int, end: int, boundaries: Sequence[int], window: int, block_size: int,
                     retention_interval: int | None) -> list[tuple[int, int]]:
     """Which of a request's just-filled blocks [start, end) a sliding-window group hashes for the
     prefix cache, as vLLM 0.33's `SlidingWindowManager.reachable_block_mask`
@@ -80,10 +80,12 @@ def retained_ranges(start: int, end: int, num_prompt_tokens: int, window: int, b
     (`KVCacheCoordinator.cache_blocks` passes it; no EAGLE, hits aligned to the block size):
 
     - None (dense): every block;
-    - 0 (vLLM's default, `vllm/config/cache.py`): only the tail a later request can resume from,
-      the `contiguous_blocks_needed` blocks ending at the replay boundary, the prompt's last token
-      rounded down to a block (`kv_cache_coordinator.py replay_boundaries`: a resend hits at most
-      num_prompt_tokens - 1). A single group reports no shared-prefix junction, so that is all;
+    - 0 (vLLM's default, `vllm/config/cache.py`): only the tails a later request can resume from,
+      the `contiguous_blocks_needed` blocks ending at each of `boundaries` rounded down to a block:
+      the replay boundary, the prompt's last token (`kv_cache_coordinator.py replay_boundaries`: a
+      resend hits at most num_prompt_tokens - 1), and with several groups the shared-prefix
+      junction found at lookup (`SingleTypeKVCacheManager.cache_blocks`; a single group reports
+      none);
     - N > 0: that tail, and the tail of every N-token segment (all blocks when a hit's run
       is as long as a segment).
 
@@ -101,9 +103,10 @@ def retained_ranges(start: int, end: int, num_prompt_tokens: int, window: int, b
         for i in range(start, end):
             if i % per_segment >= per_segment - need:
                 keep[i - start] = True
-    boundary = (num_prompt_tokens - 1) // block_size  # in blocks: the tail ends there
-    for j in range(max(start, boundary - need), min(end, boundary)):
-        keep[j - start] = True
+    for position in boundaries:
+        boundary = position // block_size  # in blocks: the tail ends there
+        for j in range(max(start, boundary - need), min(end, boundary)):
+            keep[j - start] = True
     ranges: list[tuple[int, int]] = []
     i = 0
     while i < len(keep):

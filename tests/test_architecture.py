@@ -206,6 +206,7 @@ REQUEST_PATH = {
     "kvcache/hashing.py": "leaf: the block-hash chain",
     "kvcache/free_queue.py": "leaf: LRU's doubly linked free queue",
     "kvcache/id_span.py": "leaf: the block-id span behind id-space fragmentation",
+    "kvcache/pool_view.py": "leaf: the pool's and op log's state as a manager shows it",
     "sim/engine/shortcuts.py": "shortcut: decodes that need no new block, counted in bulk",
     "sim/engine/quiet.py": "shortcut: steps that only decode, taken in a loop of their own",
     "sim/engine/cost_model.py": "cost: the step time",

@@ -10,10 +10,13 @@ import typer
 
 from kvsim.sim.cli.common import fail, open_workload
 from kvsim.sim.cli.options import (
+    DisableHybrid,
+    HybridChunkedLocal,
     KvOffloadingSize,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
     MaxNumScheduledTokens,
+    Model,
     NoReserveFullIsl,
     OffloadAll,
     OffloadBlocksPerChunk,
@@ -21,7 +24,10 @@ from kvsim.sim.cli.options import (
     OffloadStoreThreshold,
     PrefillScheduleInterval,
     RetentionInterval,
+    Tp,
     admission_changes,
+    hardware_changes,
+    hybrid_changes,
     offload_changes,
     retention_changes,
 )
@@ -46,7 +52,11 @@ def conform(
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="disable prefix caching")] = False,
     no_chunked_prefill: Annotated[bool, typer.Option("--no-chunked-prefill", help="a prompt must fit one step")] = False,
     scheduling: Annotated[str, typer.Option(help="fcfs | priority")] = "fcfs",
-    sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: full attention)")] = None,
+    model: Model = None,
+    tp: Tp = None,
+    sliding_window: Annotated[int | None, typer.Option(help="attention window in tokens (vLLM's SlidingWindowSpec; default: the model's)")] = None,
+    disable_hybrid_kv_cache_manager: DisableHybrid = None,
+    hybrid_chunked_local: HybridChunkedLocal = False,
     prefix_cache_retention_interval: RetentionInterval = None,
     max_model_len: Annotated[int | None, typer.Option(help="scheduler mode: tokens per sequence; longer answers stop there (default: no limit)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
@@ -98,15 +108,20 @@ def conform(
             enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
             closed_loop_sessions=step_time is None, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
             **admission, **retention_changes(prefix_cache_retention_interval),
+            **hardware_changes(model, None, tp), **hybrid_changes(disable_hybrid_kv_cache_manager, hybrid_chunked_local),
         ).validate()
         requests = list(open_workload(workload, format, False, cfg.seed))
         name = "the default workload" if workload is None else str(workload)
         tokens, seqs = cfg.batch_limits()
-        typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, block size "
+        from kvsim.sim.engine.cost_model import CostModel
+
+        layout = CostModel.from_config(cfg).layout
+        typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, {cfg.model}, block size "
                    f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
                    + ("the cost model's clock" if step_time is None else f"a {step_time:g} s step grid")
                    + (", async scheduling" if async_scheduling else "")
                    + (f", a {sliding_window}-token sliding window" if sliding_window is not None else "")
+                   + (f", vLLM's hybrid KV-cache groups: {layout.describe()}" if layout is not None else "")
                    + (f", {kv_offloading_size:g} GiB KV offloading" if kv_offloading_size is not None else ""))
         if kv_offloading_size is not None and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")

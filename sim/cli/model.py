@@ -67,7 +67,11 @@ def _describe(name: str, gpu: str | None, tp: int | None, dtype: str | None, uti
         lines.append(f"blocks: none: {cost.placement_error}")
     else:
         blocks = cost.num_gpu_blocks(cfg)
-        lines.append(f"blocks: {blocks:,} of {cfg.block_size} tokens ({blocks * cfg.block_size:,} tokens) on {where}")
+        if cost.layout is not None:
+            lines.append(f"blocks: {blocks:,} of {cfg.block_size} tokens on {where}, one pool for "
+                         f"{len(cost.layout.groups)} groups (a request holds blocks in each)")
+        else:
+            lines.append(f"blocks: {blocks:,} of {cfg.block_size} tokens ({blocks * cfg.block_size:,} tokens) on {where}")
     for r in rows(cfg.model, cfg.gpu, cfg.tensor_parallel, cfg.kv_cache_dtype):
         bound = max(r.compute_s, r.memory_s)
         lines.append(f"step, {r.batch}: {r.step_s * 1e3:.2f} ms ({r.bound}-bound; the roofline's {bound * 1e3:.2f} ms)")

@@ -95,6 +95,22 @@ RetentionInterval = Annotated[str | None, typer.Option(
          "every N tokens, none every block [default: 0]")]
 
 
+DisableHybrid = Annotated[bool | None, typer.Option(
+    "--disable-hybrid-kv-cache-manager/--no-disable-hybrid-kv-cache-manager",
+    help="vLLM's flag, for a model mixing layer kinds: off keeps every layer's every token in one group; "
+         "--no-... asks for vLLM's hybrid KV-cache groups [default: as vLLM on a CUDA host decides: the groups, "
+         "except with chunked local attention]")]
+HybridChunkedLocal = Annotated[bool, typer.Option(
+    "--hybrid-chunked-local",
+    help="vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1: hybrid groups for chunked local attention too")]
+
+
+def hybrid_changes(disable: bool | None, chunked_local: bool) -> dict[str, Any]:
+    """The SimConfig fields the hybrid KV-cache manager's two options set."""
+    out: dict[str, Any] = {} if disable is None else {"disable_hybrid_kv_cache_manager": disable}
+    return {**out, "hybrid_chunked_local": True} if chunked_local else out
+
+
 def retention_changes(value: str | None) -> dict[str, Any]:
     """The SimConfig field `--prefix-cache-retention-interval` sets: a token count, or none (anything
     else: exit 2 with the one-line error)."""

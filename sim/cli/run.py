@@ -16,8 +16,10 @@ import typer
 from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload
 from kvsim.sim.cli.options import (
     BlockSize,
+    DisableHybrid,
     Eviction,
     Gpu,
+    HybridChunkedLocal,
     KvOffloadingSize,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
@@ -38,6 +40,7 @@ from kvsim.sim.cli.options import (
     admission_changes,
     fs_changes,
     hardware_changes,
+    hybrid_changes,
     offload_changes,
     retention_changes,
 )
@@ -75,6 +78,9 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         del d["kv_cache_dtype"]
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
+    for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local"):  # likewise
+        if d[k] == getattr(default, k):
+            del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
     stem = Path(workload).stem if workload != "default" else "default"
     model = cfg.model if not cfg.model.endswith(".json") else (Path(cfg.model).parent.name or Path(cfg.model).stem)
@@ -168,6 +174,16 @@ SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_p
             "debug_invariants": ("debug_invariants", True)}
 
 
+def _ranges(layers: tuple[int, ...]) -> str:
+    """Layer indices as a reader takes them in: '0-22 every 2nd', '5-59 every 6th', or a list."""
+    if len(layers) > 2:
+        step = layers[1] - layers[0]
+        if all(b - a == step for a, b in zip(layers, layers[1:], strict=False)):
+            every = "" if step == 1 else f" every {step}{'nd' if step == 2 else 'rd' if step == 3 else 'th'}"
+            return f"{layers[0]}-{layers[-1]}{every}"
+    return ", ".join(map(str, layers))
+
+
 def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
     """What was read from a model's config.json (layer types and counts, parameters), the bytes of a
     block, and how a model that mixes layer types is placed in kvsim's one group of blocks: the
@@ -185,18 +201,25 @@ def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
                      + (f" ({m.active_params() / 1e9:.2f}B active: {m.experts_per_token} of {m.num_experts} experts "
                         f"a token on {m.moe_layers} layers)" if m.num_experts else "")
                      + (f", {m.encoder_params / 1e9:.2f}B of them a vision tower" if m.encoder_params else ""))
-    if read or cfg.kv_cache_dtype != "auto":
+    layout = cost.layout
+    if read or cfg.kv_cache_dtype != "auto" or layout is not None:
         dtype = "the model's 16-bit" if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+        holds = (f"a page of each of a group's {layout.group_size} layers" if layout is not None
+                 else "every attention layer")
         notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cfg.block_size} "
-                     f"tokens (every attention layer) "
+                     f"tokens ({holds}) "
                      + (f"on each of {cfg.tensor_parallel} GPUs" if cfg.tensor_parallel > 1 else "on the GPU"))
+    if layout is not None:
+        groups = "; ".join(f"{i}: {g.layer.describe()}, layers {_ranges(g.layers)}" for i, g in enumerate(layout.groups))
+        notes.append(f"KV-cache groups (vLLM 0.33's hybrid manager, one pool of {cost.num_gpu_blocks(cfg):,} blocks of "
+                     f"{cfg.block_size} tokens, {layout.bytes_per_block:,} bytes each): {groups}")
     if cost.placement is not None and cost.placement.approximation:
         from kvsim.sim.engine.layers import hybrid_layout
 
-        layout = hybrid_layout(m, cost.layers)
-        fit = int(cost.kv_memory_bytes(cfg) // layout.bytes_per_block)
-        notes.append(f"approximation: {cost.placement.approximation}. vLLM 0.33's default, its hybrid manager, "
-                     f"groups them: {layout.describe()}, {fit:,} blocks in this GPU's memory")
+        hybrid = hybrid_layout(cost.layers, m.name)
+        fit = int(cost.kv_memory_bytes(cfg) // hybrid.bytes_per_block)
+        notes.append(f"approximation: {cost.placement.approximation}. With vLLM 0.33's hybrid manager on, it "
+                     f"groups them: {hybrid.describe()}, {fit:,} blocks in this GPU's memory")
     return notes
 
 
@@ -213,6 +236,7 @@ def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
                                      bool(g("no_scheduler_reserve_full_isl")), g("prefill_schedule_interval"),
                                      g("max_num_scheduled_tokens")))
     changes.update(retention_changes(g("prefix_cache_retention_interval")))
+    changes.update(hybrid_changes(g("disable_hybrid_kv_cache_manager"), bool(g("hybrid_chunked_local"))))
     changes.update(SWITCHES[k] for k in SWITCHES if g(k))
     return changes
 
@@ -227,6 +251,8 @@ def run(
     block_size: BlockSize = None,
     kv_cache_dtype: Annotated[str | None, typer.Option("--kv-cache-dtype", help="auto|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2, as vLLM's: fp8 halves a block's bytes [default: auto]")] = None,
     prefix_cache_retention_interval: RetentionInterval = None,
+    disable_hybrid_kv_cache_manager: DisableHybrid = None,
+    hybrid_chunked_local: HybridChunkedLocal = False,
     num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: derived from GPU memory)")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(help="fraction of GPU memory vLLM may use")] = None,
     num_cpu_blocks: Annotated[int | None, typer.Option(help="CPU swap blocks")] = None,

@@ -2,7 +2,8 @@
 
 Each seed draws one of the synthetic workload kinds and a scheduler configuration (block size,
 budget, sequence limit, watermark, long-prefill cap, caching and chunking on or off, FCFS or
-priority with random priorities, async scheduling, a sliding window, a max_model_len, parallel
+priority with random priorities, async scheduling, a sliding window or a model mixing layer kinds in
+vLLM's hybrid KV-cache groups, a max_model_len, parallel
 sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence, the clock: a fixed step grid or
 the cost model's step times with closed-loop sessions), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
@@ -43,8 +44,10 @@ class Case:
         knobs += ["priority"] if c.scheduling == "priority" else []
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
+        hybrid = c.model in HYBRID_MODELS
+        knobs += [f"{c.model} (hybrid groups)"] if hybrid else []
         retention = c.prefix_cache_retention_interval
-        knobs += [f"retention {retention}"] if c.sliding_window is not None and retention != 0 else []
+        knobs += [f"retention {retention}"] if (c.sliding_window is not None or hybrid) and retention != 0 else []
         knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
         knobs += [f"{c.max_num_active_seqs} active"] if c.max_num_active_seqs is not None else []
         knobs += ["adaptive"] if c.long_prefill_token_threshold_adaptive else []
@@ -116,7 +119,30 @@ def random_case(seed: int) -> Case:
     kw.update(_clock(r, kw))
     if kw.get("sliding_window") is not None:  # drawn last: vLLM's retention interval, its default 0 most often
         kw["prefix_cache_retention_interval"] = r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
+    kw.update(_hybrid(r, kw, bs))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
+
+
+HYBRID_MODELS = {  # a catalog model mixing layer kinds: its tensor-parallel degree, and its other knobs
+    "gpt-oss-20b": (1, {}), "gemma-3-27b": (1, {}), "llama-4-scout": (8, {"hybrid_chunked_local": True})}
+
+
+def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, object]:
+    """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading, async scheduling,
+    or window of their own) take a catalog model mixing layer kinds, with its windows, its groups'
+    blocks in one pool (as many times the blocks as it has groups) and a retention interval (drawn
+    last, so the knobs above are what they were)."""
+    if "kv_offloading_size" in kw or kw["async_scheduling"] or "sliding_window" in kw or r.random() >= 1 / 3:
+        return {}
+    from kvsim.sim.engine.cost_model import CostModel
+
+    model = r.choice(sorted(HYBRID_MODELS))
+    tp, extra = HYBRID_MODELS[model]
+    out = {"model": model, "tensor_parallel": tp, **extra,
+           "prefix_cache_retention_interval": r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])}
+    groups = len(CostModel.from_config(SimConfig(**{**kw, **out})).layout.groups)
+    out["num_gpu_blocks"] = kw["num_gpu_blocks"] * groups
+    return out
 
 
 def _admission(r: random.Random, kw: dict[str, object]) -> dict[str, object]:

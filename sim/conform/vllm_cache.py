@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from kvsim.sim.conform.vllm_setup import (
     FINISHED,
@@ -67,10 +68,12 @@ class _Live:
 def replay_manager(
     requests: Iterable[Request], *, block_size: int, num_blocks: int, max_running: int = 1,
     enable_caching: bool = True, sliding_window: int | None = None, prefix_cache_retention_interval: int | None = 0,
+    layers: Any = None,
 ) -> list[dict]:
     """Run vLLM's KVCacheManager under kvsim's cache-replay loop; records in completion order.
 
-    num_blocks counts vLLM's null block 0, as KVCacheConfig.num_blocks does.
+    num_blocks counts vLLM's null block 0, as KVCacheConfig.num_blocks does. `layers`: a model's
+    layers mixing kinds, in vLLM's hybrid KV-cache groups (`vllm_setup.layer_specs`).
     """
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -87,7 +90,7 @@ def replay_manager(
             "block_size": block_size, "enable_prefix_caching": enable_caching,
             "prefix_cache_retention_interval": prefix_cache_retention_interval})
     manager = KVCacheManager(
-        kv_cache_config(config, num_blocks, sliding_window), max_model_len=max_len,
+        kv_cache_config(config, num_blocks, sliding_window, layers), max_model_len=max_len,
         scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=enable_caching,
     )
     algo = config.cache_config.prefix_caching_hash_algo
@@ -95,7 +98,7 @@ def replay_manager(
     lives = [_Live(r, uid, hasher) for uid, r in enumerate(reqs)]
     done: list[dict] = []
     if max_running == 1:
-        _sequential(lives, manager, block_size, done, sliding_window is not None)
+        _sequential(lives, manager, block_size, done, sliding_window is not None or layers is not None)
     else:
         _concurrent(lives, manager, max_running, done)
     return done
@@ -104,7 +107,8 @@ def replay_manager(
 def _admit(m, live: _Live) -> int | None:
     """Look up the cached prefix and allocate the rest of the context; the hit, or None."""
     v = live.vreq
-    blocks, hit, _ = m.get_computed_blocks(v)
+    # as the Scheduler keeps it (sched/scheduler.py schedule): the junction the groups' caching reads
+    blocks, hit, v.shared_prefix_boundary = m.get_computed_blocks(v)
     if m.allocate_slots(v, v.num_tokens - hit, hit, blocks) is None:
         return None
     return hit

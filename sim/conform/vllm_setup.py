@@ -99,33 +99,62 @@ def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], sche
                       device_config=DeviceConfig(device="cpu"))
 
 
-def stand_in_spec(block_size: int, sliding_window: int | None = None):
-    """The KV-cache spec the stand-in's attention layer reports (attention.py get_kv_cache_spec)."""
+def stand_in_spec(block_size: int, sliding_window: int | None = None, chunk: int | None = None):
+    """The KV-cache spec the stand-in's attention layer reports (attention.py get_kv_cache_spec):
+    full attention, a sliding window, or chunked local attention (chunked_local_attention.py)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     kw = {"block_size": block_size, "num_kv_heads": STAND_IN["num_key_value_heads"],
           "head_size": STAND_IN["hidden_size"] // STAND_IN["num_attention_heads"], "dtype": torch.float32}
+    if chunk is not None:
+        return ChunkedLocalAttentionSpec(**kw, attention_chunk_size=chunk)
     return FullAttentionSpec(**kw) if sliding_window is None else SlidingWindowSpec(**kw, sliding_window=sliding_window)
 
 
-def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | None = None):
+def layer_specs(block_size: int, sliding_window: int | None = None, layers: Any = None) -> dict[str, Any]:
+    """{layer name: spec} the model's attention layers report: the stand-in's one layer, or with
+    `layers` (kvsim's `LayerKV`s of a model mixing kinds) one stand-in-sized layer of each layer's
+    kind and window, in order (their page size is the stand-in's; the block count is given)."""
+    if layers is None:
+        return {"model.layers.0.self_attn.attn": stand_in_spec(block_size, sliding_window)}
+    specs = {}
+    for i, layer in enumerate(layers):
+        if layer.kind in ("none", "mamba"):
+            raise ValueError(f"layer {i}: the conformance drivers stand in attention layers only, not {layer.kind}")
+        window = layer.window if layer.kind == "sliding_window" else None
+        chunk = layer.window if layer.kind == "chunked_local" else None
+        specs[f"model.layers.{i}.self_attn.attn"] = stand_in_spec(block_size, window, chunk)
+    return specs
+
+
+def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | None = None, layers: Any = None):
     """The KVCacheConfig the engine core plans for the stand-in model, as `vllm serve
-    --num-gpu-blocks-override num_blocks` plans it (vllm/v1/core/kv_cache_planning.py): the layer's
-    spec as its Attention reports it (FullAttentionSpec, or SlidingWindowSpec with a window),
-    grouped by `get_kv_cache_groups` and sized by `get_kv_cache_config_from_groups`, which also
-    carries the cache config's `prefix_cache_retention_interval` (vLLM's default 0: a sliding
-    window hashes only the blocks a later request can resume from). A hand-built KVCacheConfig
-    would default that field to None (dense) and check a rule `vllm serve` does not run."""
+    --num-gpu-blocks-override num_blocks` plans it (vllm/v1/core/kv_cache_planning.py): the layers'
+    specs as their Attention reports them (`layer_specs`), grouped by `get_kv_cache_groups` and
+    sized by `get_kv_cache_config_from_groups`, which also carries the cache config's
+    `prefix_cache_retention_interval` (vLLM's default 0: a sliding window hashes only the blocks a
+    later request can resume from). A hand-built KVCacheConfig would default that field to None
+    (dense) and check a rule `vllm serve` does not run. With `layers` (a model mixing kinds), the
+    hybrid manager is on, as VllmConfig resolves it on a CUDA host where kvsim runs it so
+    (vllm/config/vllm.py; on this CPU host vLLM would turn it off)."""
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     cache = vllm_config.cache_config
-    spec = stand_in_spec(cache.block_size, sliding_window)
+    specs = layer_specs(cache.block_size, sliding_window, layers)
     cache.num_gpu_blocks_override = num_blocks
-    if cache.kv_cache_layout is None:  # the engine core resolves it from the backends; any fits one layer
+    if layers is not None:
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    if cache.kv_cache_layout is None:  # the engine core resolves it from the backends; any fits these layers
         cache.kv_cache_layout = "LBNHC"
-    groups = get_kv_cache_groups(vllm_config, {"model.layers.0.self_attn.attn": spec})
-    config = get_kv_cache_config_from_groups(vllm_config, groups, num_blocks * spec.page_size_bytes)
+    groups = get_kv_cache_groups(vllm_config, specs)
+    page = next(iter(specs.values())).page_size_bytes
+    per_block = max(len(g.layer_names) for g in groups) * page
+    config = get_kv_cache_config_from_groups(vllm_config, groups, num_blocks * per_block)
     assert config.num_blocks == num_blocks
     return config
 

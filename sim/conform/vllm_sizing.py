@@ -9,9 +9,9 @@ CUDA-graph reserves, `CostModel.activation_reserve_bytes`). The second step is c
 same available memory goes through vLLM's functions with the specs built by vLLM's own classes
 (`FullAttentionSpec`, `SlidingWindowSpec`, `ChunkedLocalAttentionSpec`, `MLAAttentionSpec`,
 `MambaSpec`) from the model's shape, and kvsim's count must equal vLLM's under the placement kvsim
-uses (vLLM's `--disable-hybrid-kv-cache-manager` for a model that mixes layer types, its default
-for one whose layers are alike). vLLM's count with its hybrid manager (its default on CUDA) is
-reported beside it: the blocks kvsim gives away until it models hybrid KV-cache groups.
+uses: vLLM's hybrid KV-cache groups for a model that mixes layer kinds where vLLM on CUDA turns
+them on (not for chunked local attention, whose count is its `--disable-hybrid-kv-cache-manager`
+fallback's). vLLM's count with its hybrid manager on is reported beside it for every mixed model.
 
 `python -m kvsim.sim.conform.vllm_sizing` prints the table for the catalog's models on H100 and
 H200 at `--gpu-memory-utilization 0.9` (docs/models.md keeps it).
@@ -36,7 +36,7 @@ class Sizing:
     available_bytes: int  # per GPU, for the KV cache (kvsim's estimate of vLLM's profiling)
     kvsim_blocks: int | None  # None: kvsim does not size this model's cache
     vllm_blocks: int | None  # vLLM's, placed as kvsim places it (None where kvsim refuses the model)
-    vllm_hybrid_blocks: int | None  # vLLM's with its hybrid KV-cache manager (None: layers all alike)
+    vllm_hybrid_blocks: int | None  # vLLM's with its hybrid KV-cache manager on (None: layers all alike)
     kvsim_hybrid_blocks: int | None  # the same from kvsim's grouping (layers.hybrid_layout)
     groups_equal: bool | None  # kvsim's groups (layer indices, in order) are vLLM's
 
@@ -112,12 +112,14 @@ def sizing(model: str, gpu: str, tp: int, utilization: float = 0.9) -> Sizing:
     available = int(cost.kv_memory_bytes(cfg))
     mixed = len({layer.kind for layer in cost.layers}) > 1
     ours = None if cost.placement_error else cost.num_gpu_blocks(cfg)
-    fallback = mixed and ours is not None  # kvsim's placement of a mixed model: vLLM's fallback
+    # kvsim places a mixed model in vLLM's hybrid groups where vLLM on CUDA does (CostModel.layout),
+    # else in its fallback; vLLM's count is taken the same way
+    fallback = mixed and ours is not None and cost.layout is None
     theirs = None if ours is None else vllm_num_blocks(cost, available, disable_hybrid=fallback)
-    hybrid = vllm_num_blocks(cost, available, disable_hybrid=False) if fallback else None
+    hybrid = vllm_num_blocks(cost, available, disable_hybrid=False) if mixed and ours is not None else None
     ours_hybrid = same = None
-    if fallback:
-        layout = hybrid_layout(cost.model, cost.layers)
+    if hybrid is not None:
+        layout = hybrid_layout(cost.layers, cost.model.name)
         ours_hybrid = available // layout.bytes_per_block
         same = [list(g.layers) for g in layout.groups] == vllm_groups(cost)
     return Sizing(model, gpu, tp, available, ours, theirs, hybrid, ours_hybrid, same)
@@ -147,7 +149,7 @@ def main() -> None:
     for r in rows:
         ours = f"{r.kvsim_blocks:,}" if r.kvsim_blocks is not None else "refused"
         hybrid = (f"{r.vllm_hybrid_blocks:,}" if r.vllm_hybrid_blocks is not None
-                  else "(same)" if r.kvsim_blocks is not None else "(issue 37)")
+                  else "(same)" if r.kvsim_blocks is not None else "(Mamba groups: not yet)")
         theirs = f"{r.vllm_blocks:,}" if r.vllm_blocks is not None else "-"
         print(f"| {r.model} | {r.gpu} | {r.tp} | {r.available_bytes / 2**30:.2f} | {ours} | {theirs} | {hybrid} |")
 

@@ -54,6 +54,11 @@ class SimConfig:
     # 0 (vLLM 0.33's default) only the tail a later request can resume from, N also one every N
     # tokens, None every block (kvcache.sliding_window.retained_ranges)
     prefix_cache_retention_interval: int | None = 0
+    # vLLM's --disable-hybrid-kv-cache-manager for a model mixing layer kinds: None as vLLM on a
+    # CUDA host decides (its hybrid KV-cache groups, but not with chunked local attention unless
+    # hybrid_chunked_local), True every layer keeps every token (one group), False asked for
+    disable_hybrid_kv_cache_manager: bool | None = None
+    hybrid_chunked_local: bool = False  # vLLM's VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1
     # vLLM's --kv-cache-dtype: "auto" (the model's 16 bits) or an 8-bit float (fp8, fp8_e4m3,
     # fp8_e5m2): the bytes of a block, so the blocks that fit and the KV read time, follow it
     kv_cache_dtype: str = "auto"

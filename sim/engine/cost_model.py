@@ -51,7 +51,16 @@ from kvsim.kvcache.ops import CHARGED_KINDS as OP_KINDS
 from kvsim.sim.engine.catalog import GpuSpec, ModelSpec, get_gpu
 from kvsim.sim.engine.config import KV_CACHE_DTYPES, ConfigError, SimConfig
 from kvsim.sim.engine.hf_config import model_spec
-from kvsim.sim.engine.layers import LayerKV, Placement, kv_layers, layer_counts, place
+from kvsim.sim.engine.layers import (
+    HybridLayout,
+    LayerKV,
+    Placement,
+    hybrid_layout,
+    hybrid_on,
+    kv_layers,
+    layer_counts,
+    place,
+)
 from kvsim.workloads.files import read_json
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
@@ -150,6 +159,9 @@ class CostModel:
         calibration: Calibration | None = None,
         sliding_window: int | None = None,
         kv_dtype_bytes: int | None = None,
+        *,
+        disable_hybrid: bool | None = True,
+        hybrid_chunked_local: bool = False,
     ):
         tp = tensor_parallel
         if tp < 1 or model.num_heads % tp:
@@ -173,6 +185,15 @@ class CostModel:
         self.sliding_window = sliding_window if sliding_window is not None else self.placement and self.placement.window
         attention = [layer for layer in self.layers if layer.kind not in ("mamba", "none")]
         self.kv_bytes_per_block = sum(layer.page_bytes for layer in attention)  # one block, every layer
+        # vLLM's hybrid KV-cache groups (`disable_hybrid`: its --disable-hybrid-kv-cache-manager,
+        # None as vLLM on CUDA decides), for a model mixing layer kinds: a block holds a page of
+        # every layer of one group
+        self.layout: HybridLayout | None = None
+        if self.placement is not None and self.placement.approximation is not None \
+                and hybrid_on(model, self.layers, disable_hybrid, hybrid_chunked_local):
+            self.layout = hybrid_layout(self.layers, model.name)
+            self.kv_bytes_per_block = self.layout.bytes_per_block
+            self.placement = Placement(None, None)
         self.kv_bytes_per_token = self.kv_bytes_per_block // block_size
         wb = model.weight_dtype_bytes or dt  # a quantized checkpoint's weights (fp8: 1 byte)
         ewb = model.expert_weight_bytes or wb  # experts quantized alone (gpt-oss's MXFP4)
@@ -242,6 +263,8 @@ class CostModel:
             cal,
             cfg.sliding_window,
             KV_CACHE_DTYPES[cfg.kv_cache_dtype],
+            disable_hybrid=cfg.disable_hybrid_kv_cache_manager,
+            hybrid_chunked_local=cfg.hybrid_chunked_local,
         )
 
     def experts_touched(self, tokens: int) -> float:

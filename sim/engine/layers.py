@@ -18,18 +18,20 @@ This module gives the same list, one `LayerKV` a layer, on one tensor-parallel r
 
 `--kv-cache-dtype fp8` stores attention K/V (and MLA's latent) in one byte an element.
 
-kvsim's block manager keeps one group of blocks (vLLM's hybrid KV-cache groups are the next
-step), so `place` says how a model is placed in it: a model whose layers are all alike is
-exact; one that mixes full attention with sliding-window or chunked-local layers is managed as
-vLLM manages it with `--disable-hybrid-kv-cache-manager` (kv_cache_planning.py
-`_promote_local_kv_cache_specs`: every layer keeps every token's K/V, the window still bounds
-what attention reads); one with Mamba-state layers has no such fallback in vLLM, and is refused.
+How a model sits in the blocks: one whose layers are all alike keeps one group (exact). One that
+mixes full attention with sliding-window or chunked-local layers keeps vLLM's hybrid KV-cache
+groups (`hybrid_layout`, `kvcache.hybrid`) where vLLM on a CUDA host turns its hybrid manager on
+(`hybrid_on`), and otherwise the fallback, `place`: vLLM's `--disable-hybrid-kv-cache-manager`
+(kv_cache_planning.py `_promote_local_kv_cache_specs`: every layer keeps every token's K/V, the
+window still bounds what attention reads). One with Mamba-state layers has no such fallback in
+vLLM, and kvsim does not model its groups yet: refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvsim.kvcache.groups import GroupSpec
 from kvsim.sim.engine.catalog import ConfigError, ModelSpec
 
 # what a layer keeps, in the order a summary names them
@@ -130,11 +132,29 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
             f"model {model.name}: {describe_layers(layers)}. vLLM keeps state-space state in KV-cache groups of "
             "its own beside attention's, in one pool (its hybrid KV-cache manager, with no fallback for such a "
             "model); kvsim does not model those groups yet, so it cannot size or run this model's cache")
-    approx = (f"{model.name} mixes {', '.join(f'{n} {layer.describe()}' for layer, n in counts)} layers: until kvsim "
-              "models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's --disable-hybrid-kv-cache-manager "
-              "manages it (every layer keeps every token's K/V, so blocks are fewer than vLLM's default gives); "
-              "attention still reads only each layer's window")
+    approx = (f"{model.name} mixes {', '.join(f'{n} {layer.describe()}' for layer, n in counts)} layers, kept as "
+              "vLLM keeps them with its hybrid KV-cache manager off (--disable-hybrid-kv-cache-manager; vLLM's "
+              "default for chunked local attention): every layer keeps every token's K/V in one group, so blocks "
+              "are fewer than its hybrid groups give; attention still reads only each layer's window")
     return Placement(None, approx)
+
+
+def hybrid_on(model: ModelSpec, layers: tuple[LayerKV, ...], disable: bool | None, chunked_local: bool) -> bool:
+    """Whether vLLM 0.33 on a CUDA host runs `model` with its hybrid KV-cache manager
+    (vllm/config/vllm.py `VllmConfig.__post_init__`'s hybrid-manager rules): `disable` is
+    `--disable-hybrid-kv-cache-manager` (True), `--no-disable-...` (False: asked for) or unset
+    (None: vLLM decides); `chunked_local` is VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1.
+    Unset, it is on, except for a model with chunked local attention (its latency regression)
+    without that variable; asked for where vLLM would turn it off: ConfigError, as vLLM's
+    ValueError. Only a model mixing layer kinds has more than one group either way."""
+    if disable:
+        return False
+    needs_off = any(layer.kind == "chunked_local" for layer in layers) and not chunked_local
+    if disable is False and needs_off:
+        raise ConfigError(f"model {model.name}: vLLM turns the hybrid KV-cache manager off for chunked local "
+                          "attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 "
+                          "(hybrid_chunked_local), and refuses it when asked for")
+    return not needs_off
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,11 @@ class Group:
 
     layer: LayerKV
     layers: tuple[int, ...]
+
+    def spec(self, block_size: int) -> GroupSpec:
+        """The block manager's spec of this group (`kvcache.groups`)."""
+        kind = "full" if self.layer.kind == "mla" else self.layer.kind
+        return GroupSpec(kind, block_size, self.layer.window if kind != "full" else None)
 
 
 @dataclass(frozen=True)
@@ -155,6 +180,13 @@ class HybridLayout:
     group_size: int
     bytes_per_block: int
 
+    def table(self, block_size: int) -> list[dict]:
+        """One record a group, in vLLM's group order: its kind, window, layers, block size and the
+        bytes one block of it takes (the pool's block: every group's is the same size)."""
+        return [{"group": i, "kind": g.layer.kind, "window": g.layer.window, "layers": list(g.layers),
+                 "block_size": block_size, "bytes_per_block": self.bytes_per_block}
+                for i, g in enumerate(self.groups)]
+
     def describe(self) -> str:
         kinds: dict[LayerKV, int] = {}
         for g in self.groups:
@@ -164,7 +196,7 @@ class HybridLayout:
                 f"{self.bytes_per_block:,} bytes a block")
 
 
-def hybrid_layout(model: ModelSpec, layers: tuple[LayerKV, ...]) -> HybridLayout:
+def hybrid_layout(layers: tuple[LayerKV, ...], name: str = "this model") -> HybridLayout:
     """vLLM 0.33's grouping (vllm/v1/core/kv_cache_planning.py `get_kv_cache_groups`, then
     `_get_kv_cache_groups_uniform_page_size`) of attention layers whose pages are one size:
 
@@ -183,7 +215,7 @@ def hybrid_layout(model: ModelSpec, layers: tuple[LayerKV, ...]) -> HybridLayout
         only, n = counts[0]
         return HybridLayout((Group(only, tuple(i for i, x in enumerate(layers) if x == only)),), n, n * only.page_bytes)
     if len({layer.page_bytes for layer, _ in counts}) > 1:
-        raise ConfigError(f"model {model.name}: {describe_layers(layers)}; grouping pages of different sizes "
+        raise ConfigError(f"model {name}: {describe_layers(layers)}; grouping pages of different sizes "
                           "(vLLM's page unification) is not modelled yet")
     buckets = {layer: [i for i, x in enumerate(layers) if x == layer] for layer, _ in counts}  # (never "none")
     smallest, largest = min(map(len, buckets.values())), max(map(len, buckets.values()))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import simpy
 
+from kvsim.kvcache.hybrid import HybridKVCacheManager
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.loop import Engine
@@ -57,8 +58,11 @@ class RunResult:
         return len(StepFile(self.steps_table)) if isinstance(self.steps_table, Path) else len(self.steps_table)
 
 
-def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
-    """The block manager `cfg` describes, sized by the cost model."""
+def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCacheManager:
+    """The block manager `cfg` describes, sized by the cost model: vLLM's hybrid KV-cache groups
+    over one pool where the cost model lays the model out in several (`CostModel.layout`)."""
+    if getattr(cost, "layout", None) is not None:  # (a stand-in cost model has none)
+        return make_hybrid_manager(cfg, cost)
     window = cfg.sliding_window if cfg.sliding_window is not None else cost.sliding_window
     if window is None and cfg.prefix_cache_retention_interval:  # vLLM refuses it (kv_cache_coordinator.py)
         raise ConfigError(f"prefix_cache_retention_interval {cfg.prefix_cache_retention_interval}: {cfg.model}'s cache "
@@ -80,6 +84,35 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager:
         in_flight = window - 1 + cfg.batch_limits()[0]
         m.admission_tokens = in_flight if cfg.max_model_len is None else min(in_flight, cfg.max_model_len)
     return m
+
+
+HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defragmentation"),
+                  ("record_ops", "the op log (gpu-replay)"), ("kv_offloading_size", "KV offloading"),
+                  ("async_scheduling", "async scheduling"))
+
+
+def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
+    """vLLM's hybrid manager for the cost model's groups (`sim.engine.layers.hybrid_layout`); what
+    kvsim models only for one group is refused with the way to run the model without groups."""
+    for field, what in HYBRID_REFUSES:
+        if getattr(cfg, field):
+            raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "
+                              f"keeps {len(cost.layout.groups)}); set disable_hybrid_kv_cache_manager "
+                              "(--disable-hybrid-kv-cache-manager) to run it with one group")
+    if cfg.parallel_sampling == "fork" or cfg.preemption == "swap":
+        raise ConfigError("vLLM's hybrid KV-cache groups run V1's scheduler: parallel_sampling 'fanout' and "
+                          "preemption 'recompute' only")
+    return HybridKVCacheManager(
+        cost.num_gpu_blocks(cfg),
+        [g.spec(cfg.block_size) for g in cost.layout.groups],
+        enable_caching=cfg.enable_prefix_caching,
+        eviction=cfg.eviction,
+        watermark=cfg.watermark,
+        prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
+        in_flight_tokens=cfg.batch_limits()[0],  # one step in flight (sync output)
+        max_model_len=cfg.max_model_len,
+        vllm_version=cfg.vllm_version,
+    )
 
 
 @contextmanager
@@ -152,7 +185,8 @@ def simulate(
     if layers is not None:
         from kvsim.sim.engine.layers import describe_layers
 
-        placement = cost_model.placement
+        placement, layout = cost_model.placement, cost_model.layout
         summary.update(kv_layers=describe_layers(layers), kv_bytes_per_block=cost_model.kv_bytes_per_block,
-                       cache_approximation=placement.approximation if placement is not None else None)
+                       cache_approximation=placement.approximation if placement is not None else None,
+                       kv_cache_groups=layout.table(cfg.block_size) if layout is not None else None)
     return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager)

@@ -184,11 +184,12 @@ class Shortcuts:
     def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True,
                  decodes_fit: bool = True):
         self.m = m
-        self.bs, self.tables, self.decode_slot = m.block_size, m.block_tables, m.decode_slot
+        self.bs, self.tables = m.block_size, m.block_tables
         self.lookahead = lookahead
         # NOTE: lazy decodes assume a step's budget holds every running decode (`decodes_fit`:
         # max_num_seqs <= the step budget); a smaller max_num_scheduled_tokens turns them off
         self.decodes = on and decodes_fit and not (m.sliding_window or lookahead or priority)
+        self.decode_slot = m.decode_slot if self.decodes else None
         self.heads = on and m.sliding_window is None and whole_fit  # BlockedHead's arithmetic assumes the whole-fit gate
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)

@@ -24,27 +24,27 @@ from tests.kvcache.conftest import prefill, seq
 def test_retention_zero_keeps_only_the_tail_before_the_replay_boundary():
     # window 8, blocks of 4: a hit needs cdiv(7, 4) = 2 cached blocks in a row. A 30-token prompt's
     # replay boundary is token 29, block 7: blocks 5 and 6 are kept, 0-4 and 7 are not
-    assert retained_ranges(0, 8, 30, 8, 4, 0) == [(5, 7)]
-    assert retained_ranges(0, 8, 30, 8, 4, None) == [(0, 8)]  # dense
+    assert retained_ranges(0, 8, (30 - 1,), 8, 4, 0) == [(5, 7)]
+    assert retained_ranges(0, 8, (30 - 1,), 8, 4, None) == [(0, 8)]  # dense
     # a 6-token prompt: boundary block 1, the tail starts at block 0 (max with the start)
-    assert retained_ranges(0, 3, 6, 8, 4, 0) == [(0, 1)]
+    assert retained_ranges(0, 3, (6 - 1,), 8, 4, 0) == [(0, 1)]
     # a later call over blocks [6, 9) sees only what is left of the tail, then nothing past it
-    assert retained_ranges(6, 9, 30, 8, 4, 0) == [(6, 7)]
-    assert retained_ranges(7, 12, 30, 8, 4, 0) == []
+    assert retained_ranges(6, 9, (30 - 1,), 8, 4, 0) == [(6, 7)]
+    assert retained_ranges(7, 12, (30 - 1,), 8, 4, 0) == []
 
 
 def test_an_interval_adds_a_tail_to_every_segment():
     # interval 16 tokens = 4 blocks a segment, tail 2: blocks 2, 3, 6, 7, ... and the boundary's 5, 6
-    assert retained_ranges(0, 12, 30, 8, 4, 16) == [(2, 4), (5, 8), (10, 12)]
+    assert retained_ranges(0, 12, (30 - 1,), 8, 4, 16) == [(2, 4), (5, 8), (10, 12)]
     # a tail as long as a segment: every block (interval 8 = 2 blocks, tail 2)
-    assert retained_ranges(0, 12, 30, 8, 4, 8) == [(0, 12)]
+    assert retained_ranges(0, 12, (30 - 1,), 8, 4, 8) == [(0, 12)]
 
 
 @given(st.integers(1, 200), st.integers(1, 64), st.sampled_from([1, 2, 4, 8, 16]), st.integers(0, 60),
        st.integers(0, 60), st.sampled_from([None, 0, 1, 2, 5]))
 def test_kept_ranges_are_ordered_disjoint_and_inside_the_call(prompt, window, bs, start, width, segments):
     interval = None if segments is None else segments * bs
-    ranges = retained_ranges(start, start + width, prompt, window, bs, interval)
+    ranges = retained_ranges(start, start + width, (prompt - 1,), window, bs, interval)
     flat = [i for a, b in ranges for i in range(a, b)]
     assert flat == sorted(set(flat)) and all(start <= i < start + width for i in flat)
     assert all(a < b for a, b in ranges)

@@ -86,8 +86,9 @@ def test_a_differing_seed_is_named_with_the_command_that_reruns_it(monkeypatch: 
     assert r.output.splitlines() == [
         "seed 1: multi-turn, 80 requests, grid 0.05 s, block 16, 143 blocks, budget 2048/64, watermark 0.05, long-prefill 200, "
         "adaptive, prefill every 8: identical",
-        "seed 2: shared-prefix, 20 requests, grid 0.05 s, block 32, 61 blocks, budget 1553/4, watermark 0.05, chunking off: "
-        "scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
+        # a model mixing layer kinds, its seven groups' blocks in one pool (61 x 7)
+        "seed 2: shared-prefix, 20 requests, grid 0.05 s, block 32, 427 blocks, budget 1553/4, watermark 0.05, chunking off, "
+        "gemma-3-27b (hybrid groups): scheduler 20 requests, 1 differ; first: request 'r' finish_step: kvsim 5, vLLM 6",
         "2 cases, 1 differ",
         "  rerun: kvsim conform --random 2:3 --mode scheduler",
     ]

@@ -73,15 +73,17 @@ def test_page_bytes_of_each_layer_kind(name, tp, dtype, pages):
     assert got == pages
 
 
-def test_a_model_mixing_windows_runs_as_vllms_fallback_and_says_so():
+def test_a_model_mixing_windows_keeps_vllms_hybrid_groups_or_its_fallback_and_says_which():
     m = model_spec("gemma-3-27b")
     layers = kv_layers(m)
     p = place(m, layers)
-    cost = CostModel.from_config(SimConfig(model="gemma-3-27b").validate())
-    assert (cost.kv_bytes_per_block, p.window) == (62 * 131_072, None)  # every layer keeps every token
-    assert p.approximation.startswith("gemma-3-27b mixes 52 sliding window 1,024, 10 full attention layers: until "
-                                      "kvsim models vLLM's hybrid KV-cache groups, its cache is managed as vLLM's "
-                                      "--disable-hybrid-kv-cache-manager manages it")
+    hybrid = CostModel.from_config(SimConfig(model="gemma-3-27b").validate())  # vLLM's default on CUDA
+    assert (hybrid.kv_bytes_per_block, hybrid.placement.approximation) == (10 * 131_072, None)  # groups of 10
+    off = CostModel.from_config(SimConfig(model="gemma-3-27b", disable_hybrid_kv_cache_manager=True).validate())
+    assert (off.kv_bytes_per_block, p.window, off.layout) == (62 * 131_072, None, None)  # every layer, every token
+    assert off.placement.approximation == p.approximation
+    assert p.approximation.startswith("gemma-3-27b mixes 52 sliding window 1,024, 10 full attention layers, kept as "
+                                      "vLLM keeps them with its hybrid KV-cache manager off")
     assert describe_layers(layers) == ("62 layers: 52 sliding window 1,024, 10 full attention; "
                                        "131,072 bytes a page each")
     dense = place(model_spec("qwen3-8b"), kv_layers(model_spec("qwen3-8b")))
@@ -157,9 +159,12 @@ def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
     for r in rows:
         assert r.kvsim_blocks == r.vllm_blocks, r
     by = {(r.model, r.gpu): r for r in rows}
-    # vLLM's hybrid manager (its CUDA default) keeps sliding layers' blocks to the window: 6x Gemma's
+    # vLLM's hybrid manager (its CUDA default, and kvsim's) keeps sliding layers' blocks to the window:
+    # 6.2x the blocks of its fallback for Gemma; chunked local attention stays in the fallback by default
     assert (by["gemma-3-27b", "h100-sxm"].kvsim_blocks, by["gemma-3-27b", "h100-sxm"].vllm_hybrid_blocks) == \
-        (2_282, 14_150)
+        (14_150, 14_150)
+    scout = by["llama-4-scout", "h200"]
+    assert scout.kvsim_blocks == scout.vllm_blocks < scout.vllm_hybrid_blocks
     assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks is None
     # kvsim's grouping (layers.hybrid_layout) is vLLM's: the same layers in the same groups, the same blocks
     mixed = [r for r in rows if r.vllm_hybrid_blocks is not None]
@@ -174,7 +179,7 @@ def test_vllms_hybrid_grouping_hand_worked():
     from kvsim.sim.engine.layers import hybrid_layout
 
     m = model_spec("gemma-3-27b")
-    h = hybrid_layout(m, kv_layers(m))
+    h = hybrid_layout(kv_layers(m), m.name)
     sliding = [i for i in range(62) if (i + 1) % 6]
     assert h.group_size == 10 and [g.layers for g in h.groups] == [tuple(sliding[k::6]) for k in range(6)] + [
         tuple(range(5, 62, 6))]
@@ -183,7 +188,7 @@ def test_vllms_hybrid_grouping_hand_worked():
                             "block")
     # 12 and 12 (gpt-oss-20b): one group each; 13 and 12 would pad to 13 (below 1.5 x 12)
     oss = model_spec("gpt-oss-20b")
-    assert [len(g.layers) for g in hybrid_layout(oss, kv_layers(oss)).groups] == [12, 12]
+    assert [len(g.layers) for g in hybrid_layout(kv_layers(oss)).groups] == [12, 12]
 
 
 def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_placed(tmp_path, monkeypatch):
@@ -204,11 +209,27 @@ def test_kvsim_run_on_a_config_file_says_what_it_read_and_how_the_cache_is_place
     assert ("model: read from my-oss's config: 24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes "
             "a page each; 64 query and 8 KV heads of 64; 20.91B parameters (4.19B active: 4 of 32 experts a token on "
             "24 layers)") in out
-    assert "KV cache: the model's 16-bit elements, 786,432 bytes a block of 16 tokens (every attention layer) on the GPU" in out
-    assert "approximation: my-oss mixes 12 sliding window 128, 12 full attention layers: until kvsim models" in out
+    assert ("KV cache: the model's 16-bit elements, 393,216 bytes a block of 16 tokens (a page of each of a "
+            "group's 12 layers) on the GPU") in out
+    # vLLM's hybrid KV-cache groups (its default on CUDA): kind, window, layers, block size, bytes a block
+    assert ("KV-cache groups (vLLM 0.33's hybrid manager, one pool of 400 blocks of 16 tokens, 393,216 bytes each): "
+            "0: sliding window 128, layers 0-22 every 2nd; 1: full attention, layers 1-23 every 2nd") in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["kv_layers"], summary["kv_bytes_per_block"], summary["num_gpu_blocks"]) == (
-        "24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes a page each", 786_432, 400)
+        "24 layers: 12 sliding window 128, 12 full attention; 32,768 bytes a page each", 393_216, 400)
+    assert summary["cache_approximation"] is None
+    assert summary["kv_cache_groups"] == [
+        {"group": 0, "kind": "sliding_window", "window": 128, "layers": list(range(0, 24, 2)), "block_size": 16,
+         "bytes_per_block": 393_216},
+        {"group": 1, "kind": "full", "window": None, "layers": list(range(1, 24, 2)), "block_size": 16,
+         "bytes_per_block": 393_216}]
+    r = CliRunner().invoke(app, ["run", "--model", "my-oss", "--num-gpu-blocks", "400", "--no-plots", "-o", "off",
+                                 "--disable-hybrid-kv-cache-manager"])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "786,432 bytes a block of 16 tokens (every attention layer)" in out
+    assert "approximation: my-oss mixes 12 sliding window 128, 12 full attention layers, kept as vLLM keeps" in out
+    summary = json.loads((tmp_path / "off" / "summary.json").read_text())
     assert summary["cache_approximation"].endswith("attention still reads only each layer's window")
     assert "--disable-hybrid-kv-cache-manager" in summary["cache_approximation"]
 

@@ -1,0 +1,197 @@
+"""One KV-cache group's rules: what its cache hit is, which of its blocks a request still reads,
+how many blocks an allocation takes, and which of its full blocks are hashed.
+
+vLLM 0.33's hybrid KV-cache manager gives every group of layers that share a spec its own block
+table per request, all drawing on one block pool; the rules of a group depend only on its kind
+(vllm/v1/core/single_type_kv_cache_manager.py, one manager class a kind):
+
+- `full`: every token is read; a hit is the longest run of cached blocks from the start
+  (`FullAttentionManager.find_longest_cache_hit`);
+- `sliding_window` (window W): a token reads the W before it, so blocks wholly before
+  `num_computed - W + 1` go back to the pool; a hit needs only the `cdiv(W - 1, block)` blocks
+  before its end (`SlidingWindowManager`); under `prefix_cache_retention_interval` only those
+  tails are hashed (`sliding_window.retained_ranges`);
+- `chunked_local` (chunk C): a token reads its own C-token chunk, so every block before the
+  chunk holding the next token is skipped, and a hit scans the last chunk only
+  (`ChunkedLocalAttentionManager`); it hashes densely (retention is for sliding windows and Mamba).
+
+`kvcache.hybrid` composes these over one pool; `kvcache.manager` is the one-group manager, whose
+window rules are `kvcache.sliding_window`'s, shared with the `sliding_window` kind here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvsim.kvcache import sliding_window as sw
+from kvsim.kvcache.block import KVCacheBlock
+
+KINDS = ("full", "sliding_window", "chunked_local")
+
+_MASK = (1 << 64) - 1
+
+
+def group_salt(group_id: int) -> int:
+    """What a group's cache keys are XORed with: 0 for group 0 (so a one-group cache keys its blocks
+    as the one-group manager does), a distinct 64-bit constant for every other group. vLLM keys its
+    prefix-cache map by (block hash, group id) (`make_block_hash_with_group_id`); XOR with a per-group
+    constant keeps one flat map of ints, and two groups' keys collide only with the chance of a
+    64-bit hash collision."""
+    if group_id == 0:
+        return 0
+    x = (group_id * 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (x ^ (x >> 31)) | 1
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A KV-cache group: its kind, block size and window (the sliding window, or the attention
+    chunk; None for full attention). Equal specs are looked up together (vLLM's `SpecGroup`)."""
+
+    kind: str
+    block_size: int
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"group kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+        if self.block_size <= 0:
+            raise ValueError(f"group block_size must be positive, got {self.block_size}")
+        if (self.kind == "full") != (self.window is None) or (self.window is not None and self.window <= 0):
+            raise ValueError(f"group {self.kind}: window {self.window!r} (a positive window for sliding_window "
+                             "and chunked_local, none for full)")
+
+    def describe(self) -> str:
+        if self.kind == "full":
+            return "full attention"
+        return f"{'sliding window' if self.kind == 'sliding_window' else 'chunked local'} {self.window:,}"
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens the next token's attention no longer reads (`get_num_skipped_tokens`)."""
+        if self.kind == "sliding_window":
+            return max(0, num_computed - self.window + 1)
+        if self.kind == "chunked_local":
+            return num_computed // self.window * self.window
+        return 0
+
+    def admission_cap(self, in_flight_tokens: int, max_model_len: int | None) -> int | None:
+        """Blocks a request can hold at most while it runs, which the whole-sequence admission gate
+        counts instead of all its tokens' (vllm/v1/kv_cache_interface.py
+        `SlidingWindowSpec.max_admission_blocks_per_request`: the window and the in-flight tokens,
+        plus one block for a window that starts mid-block; the chunked-local twin: a chunk and the
+        in-flight tokens); None for full attention."""
+        if self.kind == "full":
+            return None
+        span = self.window - 1 + in_flight_tokens if self.kind == "sliding_window" else self.window + in_flight_tokens
+        if max_model_len is not None:
+            span = min(span, max_model_len)
+        return -(-span // self.block_size) + (self.kind == "sliding_window")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether `prefix_cache_retention_interval` thins which of its blocks are hashed."""
+        return self.kind == "sliding_window"
+
+
+Lookup = Callable[[int], "list[KVCacheBlock] | None"]  # block index -> one cached block per group, or None
+
+
+def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num_groups: int,
+                           null: KVCacheBlock) -> tuple[list[list[KVCacheBlock]], int]:
+    """The longest hit of at most `max_length` tokens for `num_groups` groups of `spec` looked up
+    together: each group's hit blocks (null where the group no longer reads) and the hit's tokens.
+    `lookup(i)` gives block i's cached block in every group, or None when any group misses it.
+
+    vllm/v1/core/single_type_kv_cache_manager.py, `find_longest_cache_hit` of
+    `FullAttentionManager`, `SlidingWindowManager` and `ChunkedLocalAttentionManager` (no EAGLE,
+    hits aligned to the block size)."""
+    bs = spec.block_size
+    max_blocks = max_length // bs
+    if spec.kind == "full":
+        out: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        for i in range(max_blocks):
+            hit = lookup(i)
+            if hit is None:
+                break
+            for table, block in zip(out, hit, strict=True):
+                table.append(block)
+        return out, len(out[0]) * bs
+    if spec.kind == "sliding_window":
+        need = sw.contiguous_blocks_needed(spec.window, bs)
+        out = [[null] * max_blocks for _ in range(num_groups)]
+        run = 0
+        for i in range(max_blocks - 1, -1, -1):
+            hit = lookup(i)
+            if hit is None:
+                run = 0
+                continue
+            for table, block in zip(out, hit, strict=True):
+                table[i] = block
+            run += 1
+            if run >= need:
+                for table in out:
+                    del table[i + run:]
+                return out, (i + run) * bs
+        for table in out:
+            del table[run:]
+        return out, run * bs
+    # chunked local: blocks before the chunk that holds the next token are out of reach
+    start = max_length // spec.window * spec.window // bs if max_length > 0 else 0
+    out = [[null] * start for _ in range(num_groups)]
+    for i in range(start, max_blocks):
+        hit = lookup(i)
+        if hit is None:
+            break
+        for table, block in zip(out, hit, strict=True):
+            table.append(block)
+    return out, len(out[0]) * bs
+
+
+def blocks_to_allocate(spec: GroupSpec, held: Sequence[KVCacheBlock], running: bool, num_tokens: int,
+                       hits: Sequence[KVCacheBlock], num_computed: int, cap: int | None,
+                       free_hits: Callable[[Sequence[KVCacheBlock]], int]) -> int:
+    """Free blocks one group of a request takes to give it `num_tokens` slots: new blocks, plus
+    its cache hits that sit in the free queue (taking them consumes it). `held`: its table now;
+    `running`: it has cached blocks counted (vLLM's fast path: no new hits); `num_computed`: its
+    computed tokens, hits included; `cap`: the admission cap in blocks (`GroupSpec.admission_cap`,
+    whole-sequence gate only). vllm/v1/core/single_type_kv_cache_manager.py
+    `SingleTypeKVCacheManager.get_num_blocks_to_allocate`."""
+    bs = spec.block_size
+    need = -(-num_tokens // bs)
+    if cap is not None and need > cap:
+        need = cap
+    if running:
+        return max(need - len(held), 0)
+    skipped = spec.skipped_tokens(num_computed) // bs
+    new = max(need - max(skipped, len(hits) + len(held)), 0)
+    return new + free_hits(hits[max(0, skipped - len(held)):])
+
+
+def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
+                 null: KVCacheBlock) -> list[KVCacheBlock]:
+    """Put the null block in place of the blocks the group no longer reads, from the last of them
+    back to the first one already null; returns the blocks taken out, last first
+    (`SingleTypeKVCacheManager.remove_skipped_blocks` / `_remove_blocks_in_range`)."""
+    skipped = spec.skipped_tokens(num_computed) // spec.block_size
+    removed = []
+    for i in range(min(skipped, len(blocks)) - 1, -1, -1):
+        if blocks[i] is null:
+            break
+        removed.append(blocks[i])
+        blocks[i] = null
+    return removed
+
+
+def cached_ranges(spec: GroupSpec, start: int, end: int, boundaries: Sequence[int],
+                  retention_interval: int | None) -> list[tuple[int, int]]:
+    """Which of blocks [start, end) just filled the group hashes, as [a, b) ranges: all of them but
+    for a sliding window under sparse retention (`sliding_window.retained_ranges`), whose
+    `boundaries` are the token positions a later request can resume at."""
+    if start >= end:
+        return []
+    if not spec.sparse:
+        return [(start, end)]
+    return sw.retained_ranges(start, end, boundaries, spec.window, spec.block_size, retention_interval)

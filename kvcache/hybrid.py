@@ -1,0 +1,400 @@
+"""The hybrid block manager: several KV-cache groups, each with its own block table per request,
+all drawing on one block pool, as vLLM 0.33's `KVCacheManager` over its `HybridKVCacheCoordinator`
+(vllm/v1/core/kv_cache_manager.py, kv_cache_coordinator.py).
+
+A model that mixes sliding-window (or chunked local) layers with full-attention ones keeps one
+group per bucket of like layers (`sim.engine.layers.hybrid_layout`); a block of the pool holds one
+page of every layer of a group. Each group follows its kind's rules (`kvcache.groups`); what the
+groups share is decided here:
+
+- the cache hit: the longest prefix every group can resume from. Full attention is looked up
+  first; every other kind can only lower the length; the lookups repeat until no group lowers it
+  (once for one full-attention spec and one other), and the full-attention blocks are trimmed to
+  the agreed length (`HybridKVCacheCoordinator.find_longest_cache_hit`). A group that cached a
+  longer prefix than the agreed hit marks a shared-prefix junction, whose tail a sliding window
+  then hashes under sparse retention (`KVCacheManager.get_computed_blocks`'s
+  `shared_prefix_boundary`);
+- an allocation fits when the sum over groups of the blocks each takes is free; the blocks a
+  window no longer reads go back first, even if the allocation then fails;
+- a request's blocks are freed group by group, each group's tail first
+  (`KVCacheCoordinator.free`), which decides what LRU evicts first; blocks taken out for a
+  deferred free come back as one list, freed from its end (`pop_blocks_for_free`).
+
+Cache keys are per group (`groups.group_salt`), so a block hashed in one group never hits in
+another. Eviction policies rank blocks of all groups together; none knows that two blocks are
+siblings (the same tokens in two groups), so evicting one group's block leaves its sibling cached,
+and a hit then stops where the evicted group stops (as in vLLM, whose LRU is as blind to groups).
+
+Not modelled here (refused by the engine): forking, swapping, KV offloading, defragmentation and
+the op log; Mamba groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from types import MappingProxyType
+
+from kvsim.kvcache.admission import AllocStatus, watermark_status
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.block_pool import BlockPool, check_memory
+from kvsim.kvcache.eviction import EvictionPolicy, make_policy
+from kvsim.kvcache.groups import (
+    GroupSpec,
+    blocks_to_allocate,
+    cached_ranges,
+    find_longest_cache_hit,
+    group_salt,
+    null_skipped,
+)
+from kvsim.kvcache.id_span import IdSpan
+from kvsim.kvcache.ops import OpLog
+from kvsim.kvcache.pool_view import PoolView
+from kvsim.kvcache.profiles import DEFAULT_VERSION, profile
+from kvsim.kvcache.sequence import Sequence
+
+Hit = tuple[list[KVCacheBlock], ...]  # one list of hit blocks a group
+
+
+class _Salted:
+    """A request's block keys as one group keys them (`groups.group_salt`), computed on access."""
+
+    __slots__ = ("keys", "salt")
+
+    def __init__(self, keys: list[int], salt: int):
+        self.keys, self.salt = keys, salt
+
+    def __getitem__(self, i: int) -> int:
+        return self.keys[i] ^ self.salt
+
+
+class HybridKVCacheManager(PoolView):
+    """Paged KV-cache block manager for several KV-cache groups over one pool (vLLM's hybrid manager).
+
+    num_gpu_blocks: the shared pool's blocks as vLLM reports them (block 0, the null block, among
+    them): vLLM's `--num-gpu-blocks-override`. groups: each group's spec, in vLLM's group order
+    (all of one block size). in_flight_tokens / max_model_len: what the windowed groups' admission
+    cap counts (`GroupSpec.admission_cap`). The other arguments are `KVCacheManager`'s.
+    """
+
+    sliding_window = None  # no single window: the engine asks `num_groups` (several groups: windowed)
+    defrag = None
+    admission_tokens = None
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        groups: Seq[GroupSpec],
+        *,
+        enable_caching: bool = True,
+        eviction: str | EvictionPolicy = "lru",
+        watermark: float = 0.0,
+        prefix_cache_retention_interval: int | None = 0,
+        in_flight_tokens: int = 0,
+        max_model_len: int | None = None,
+        track_ids: bool = True,
+        vllm_version: str = DEFAULT_VERSION,
+    ):
+        if not groups:
+            raise ValueError("a hybrid cache needs at least one group")
+        sizes = {g.block_size for g in groups}
+        if len(sizes) > 1:
+            raise ValueError(f"groups of block sizes {sorted(sizes)}: groups of different block sizes (vLLM's "
+                             "hybrid block-size alignment for state-space layers) are not modelled")
+        check_memory(num_gpu_blocks)
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.profile = profile(vllm_version)
+        self.profile.check_watermark(watermark)
+        self.groups = tuple(groups)
+        self.block_size = bs = groups[0].block_size
+        self.enable_caching = enable_caching
+        retention = prefix_cache_retention_interval if self.profile.sparse_retention else None
+        sparse = any(g.sparse for g in groups)
+        if retention is not None and (retention < 0 or retention % bs):
+            raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple "
+                             f"of the block size ({bs})")
+        if retention and not sparse:  # vllm/v1/core/kv_cache_coordinator.py _validate_prefix_cache_retention_interval
+            raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding-window group, so "
+                             "retention has no effect; set it to 0 (vLLM refuses it too)")
+        self.retention_interval = retention
+        self.ops = OpLog(False)
+        self.op_counts = MappingProxyType(self.ops.counts)
+        policy = make_policy(eviction, bs) if isinstance(eviction, str) else eviction
+        self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops,
+                              free_first=self.profile.free_first(enable_caching))
+        if track_ids:
+            self.pool.tracker = IdSpan(self.pool.blocks)
+        self.null_block = self.pool.null_block
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.caps = tuple(g.admission_cap(in_flight_tokens, max_model_len) for g in groups)
+        self.salts = tuple(group_salt(i) for i in range(len(groups)))
+        self.tables: tuple[dict[str, list[KVCacheBlock]], ...] = tuple({} for _ in groups)
+        self.num_cached: tuple[dict[str, int], ...] = tuple({} for _ in groups)
+        self.junctions: dict[str, int] = {}  # seq id -> its shared-prefix boundary, found at lookup
+        self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
+        # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
+        merged: dict[GroupSpec, list[int]] = {}
+        for i, g in enumerate(groups):
+            merged.setdefault(g, []).append(i)
+        self.spec_groups = sorted(merged.items(), key=lambda item: item[0].kind != "full")
+        self._simple = len(self.spec_groups) == 2 and self.spec_groups[0][0].kind == "full"
+        self.empty_hit: Hit = tuple([] for _ in groups)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, seq: Sequence) -> tuple[Hit, int]:
+        """The longest prefix of `seq` every group holds cached (each group's hit blocks) and its
+        tokens; at most `num_tokens - 1`. Nothing is allocated or touched. Records the sequence's
+        shared-prefix junction for its caching."""
+        self.junctions[seq.seq_id] = 0
+        if not self.enable_caching:
+            return self.empty_hit, 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return self.empty_hit, 0
+        keys = seq.hashes_upto(max_blocks * bs, bs)
+        get, null = self.pool.get_cached_block, self.null_block
+        salts = self.salts
+
+        def lookup_for(ids: list[int]):
+            if len(ids) == 1:
+                salt = salts[ids[0]]
+
+                def one(i: int) -> list[KVCacheBlock] | None:
+                    b = get(keys[i] ^ salt)
+                    return None if b is None else [b]
+                return one
+            group_salts = [salts[g] for g in ids]
+
+            def many(i: int) -> list[KVCacheBlock] | None:
+                out = []
+                for salt in group_salts:
+                    b = get(keys[i] ^ salt)
+                    if b is None:
+                        return None
+                    out.append(b)
+                return out
+            return many
+
+        n = len(self.groups)
+        hit_length = max_blocks * bs
+        longest = 0
+        blocks: list[list[KVCacheBlock] | None] = [None] * n
+        lengths = [0] * n
+        while True:
+            current = hit_length
+            for spec, ids in self.spec_groups:
+                first = ids[0]
+                if spec.kind == "full" and blocks[first] is not None:  # downward-closed: trim, don't look again
+                    current = min(current, lengths[first])
+                    continue
+                found, current = find_longest_cache_hit(spec, current, lookup_for(ids), len(ids), null)
+                for g, table in zip(ids, found, strict=True):
+                    blocks[g], lengths[g] = table, current
+                longest = max(longest, current)
+            if current >= hit_length:
+                break
+            hit_length = current
+            if self._simple:
+                break
+        keep = -(-hit_length // bs)
+        for spec, ids in self.spec_groups:
+            if spec.kind == "full":
+                for g in ids:
+                    if blocks[g] is not None:
+                        del blocks[g][keep:]
+        if longest > hit_length:
+            self.junctions[seq.seq_id] = longest
+        return tuple(b if b is not None else [] for b in blocks), hit_length
+
+    # -------------------------------------------------------------- allocation
+    def num_blocks_to_allocate(self, seq: Sequence, num_tokens: int, hits: Hit = (), *, num_computed: int | None = None,
+                               capped: bool = False) -> int:
+        """Free blocks an allocation up to `num_tokens` slots would take, summed over the groups
+        (`KVCacheCoordinator.get_num_blocks_to_allocate`); `capped`: the whole-sequence gate's
+        count, each windowed group at most its admission cap."""
+        sid = seq.seq_id
+        hits = hits or self.empty_hit
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        free_hits = self._free_hits
+        total = 0
+        for g, spec in enumerate(self.groups):
+            held = self.tables[g].get(sid, ())
+            total += blocks_to_allocate(spec, held, sid in self.num_cached[g], num_tokens, hits[g], computed,
+                                        self.caps[g] if capped else None, free_hits)
+        return total
+
+    def _free_hits(self, hits: Seq[KVCacheBlock]) -> int:
+        return self.pool.num_free_hits(list(hits), True)
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Hit | None = None,
+        num_lookahead_tokens: int = 0,
+        *,
+        watermark: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """`KVCacheManager.allocate_slots` over every group (vllm/v1/core/kv_cache_manager.py
+        `allocate_slots`): the whole-sequence gate (capped per windowed group), then each group's
+        skipped blocks back to the pool, then the sum over groups against the free blocks; the
+        hits are taken by every group before any group takes new blocks, and new blocks are taken
+        group by group. Returns the new blocks of all groups, or None (only skipped blocks freed)."""
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"{seq.seq_id}: negative token count")
+        sid = seq.seq_id
+        hits = new_computed_blocks if new_computed_blocks is not None and any(new_computed_blocks) else None
+        computed = seq.num_computed_tokens + num_new_computed_tokens
+        reserve = self.watermark_blocks if watermark else 0
+        free = self.pool.num_free_blocks
+        if full_sequence_must_fit:
+            need = self.num_blocks_to_allocate(seq, seq.num_tokens, hits or self.empty_hit, num_computed=computed,
+                                               capped=True)
+            if need + reserve > free:
+                return None
+        num_slots = computed + num_new_tokens + num_lookahead_tokens
+        null, pool = self.null_block, self.pool
+        for g, spec in enumerate(self.groups):
+            blocks = self.tables[g].get(sid)
+            if blocks is not None and spec.kind != "full":
+                removed = null_skipped(spec, blocks, computed, null)
+                if removed:
+                    pool.free_blocks(removed)
+        need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
+        if need + reserve > pool.num_free_blocks:
+            return None
+        if hits is not None:
+            self._add_hits(sid, hits, computed)
+        new: list[KVCacheBlock] = []
+        bs = self.block_size
+        for g in range(len(self.groups)):
+            table = self.tables[g].setdefault(sid, [])
+            n = -(-num_slots // bs) - len(table)
+            if n > 0:
+                got = pool.get_new_blocks(n)
+                table.extend(got)
+                new.extend(got)
+        if self.enable_caching:
+            self._cache(seq, min(computed + num_new_tokens, seq.num_tokens))
+        return new
+
+    def _add_hits(self, sid: str, hits: Hit, computed: int) -> None:
+        """A new request's hits join its tables: every group's touched first, with null blocks for
+        the ones its window skips (`SingleTypeKVCacheManager.add_local_computed_blocks`)."""
+        if any(sid in counts for counts in self.num_cached):  # a running request has no new hits
+            return
+        for g, spec in enumerate(self.groups):
+            skipped = spec.skipped_tokens(computed) // self.block_size
+            taken = hits[g][skipped:]
+            if self.enable_caching:
+                self.pool.touch(taken)
+            table = self.tables[g].setdefault(sid, [])
+            table.extend([self.null_block] * skipped)
+            table.extend(taken)
+            self.num_cached[g][sid] = len(table)
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache `seq`'s full blocks within its first `num_tokens` tokens, in every group."""
+        if self.enable_caching:
+            self._cache(seq, num_tokens)
+
+    def _cache(self, seq: Sequence, num_tokens: int) -> None:
+        """Each group hashes its newly full blocks (`KVCacheCoordinator.cache_blocks`): all of them,
+        or for a sliding window under sparse retention the tails before the replay boundary and the
+        junction (`groups.cached_ranges`)."""
+        sid, bs = seq.seq_id, self.block_size
+        n_full = num_tokens // bs
+        keys = None
+        boundaries = (seq.num_prompt_tokens - 1,)
+        junction = self.junctions.get(sid, 0)
+        if junction:
+            boundaries += (junction,)
+        chain = seq.num_prompt_tokens // bs
+        for g, spec in enumerate(self.groups):
+            counts = self.num_cached[g]
+            n_cached = counts.get(sid, 0)
+            if n_full <= n_cached:
+                continue
+            if keys is None:
+                keys = seq.hashes_upto(n_full * bs, bs)
+            salted = keys if not self.salts[g] else _Salted(keys, self.salts[g])
+            table = self.tables[g][sid]
+            for a, b in cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval):
+                self.pool.cache_blocks(table, salted, a, b, chain)
+            counts[sid] = n_full
+
+    # ------------------------------------------------------------------- free
+    def free(self, seq: Sequence) -> None:
+        """Release a finished or recompute-preempted sequence's blocks group by group, each group's
+        tail first (`KVCacheCoordinator.free`)."""
+        for blocks in self._pop(seq):
+            self.pool.free_blocks(blocks[::-1])
+
+    def pop_blocks_for_free(self, seq: Sequence) -> list[KVCacheBlock]:
+        """Take a sequence's blocks out of its tables without returning them (vLLM 0.33
+        `KVCacheCoordinator.pop_blocks_for_free`: the groups' blocks in group order, each without
+        its leading null blocks); `free_popped` returns them, from the end."""
+        out: list[KVCacheBlock] = []
+        for blocks in self._pop(seq):
+            out.extend(blocks)
+        return out
+
+    def free_popped(self, blocks: list[KVCacheBlock]) -> None:
+        self.pool.free_blocks(blocks[::-1])
+
+    def _pop(self, seq: Sequence) -> list[list[KVCacheBlock]]:
+        sid = seq.seq_id
+        if sid not in self.tables[0]:
+            raise KeyError(f"free of unknown sequence {sid!r}")
+        self.junctions.pop(sid, None)
+        out = []
+        null = self.null_block
+        for g in range(len(self.groups)):
+            blocks = self.tables[g].pop(sid, [])
+            self.num_cached[g].pop(sid, None)
+            i = 0
+            while i < len(blocks) and blocks[i] is null:
+                i += 1
+            out.append(blocks[i:])
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix if no sequence holds blocks (else False, nothing changes)."""
+        if self.tables[0]:
+            return False
+        return self.pool.reset_prefix_cache()
+
+    # ---------------------------------------------------------- engine views
+    def holds_blocks(self, seq_id: str) -> bool:
+        return seq_id in self.tables[0]
+
+    def num_cached_blocks_of(self, seq_id: str) -> int:
+        return self.num_cached[0].get(seq_id, 0)
+
+    def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
+        return [b.block_id for b in self.tables[group].get(seq_id, ())]
+
+    def group_block_counts(self) -> list[int]:
+        """Blocks each group holds now (null blocks not counted)."""
+        null = self.null_block
+        return [sum(1 for blocks in t.values() for b in blocks if b is not null) for t in self.tables]
+
+    def can_allocate(self, seq: Sequence, num_lookahead_tokens: int = 0) -> AllocStatus:
+        """v2 watermark admission for a waiting sequence's whole context, summed over the groups."""
+        n = self.num_blocks_to_allocate(seq, seq.num_tokens + num_lookahead_tokens, capped=True)
+        return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
+
+    def defragment(self, before=None) -> list[tuple[int, int]]:
+        return []
+
+    def internal_fragmentation(self, seqs: list[Sequence]) -> int:
+        """Allocated slots not holding a token, over the given live sequences and every group."""
+        bs = self.block_size
+        return sum(max(0, len(t.get(s.seq_id, ())) * bs - s.num_tokens) for t in self.tables for s in seqs)

@@ -1,0 +1,91 @@
+"""Models mixing layer kinds in vLLM 0.33's hybrid KV-cache groups, against the real vLLM.
+
+vLLM's side is built as `vllm serve` builds it on a CUDA host (sim/conform/vllm_setup.py
+`kv_cache_config`: the layers' specs through vllm/v1/core/kv_cache_planning.py
+`get_kv_cache_groups` and `get_kv_cache_config_from_groups`, the hybrid manager on as
+vllm/config/vllm.py resolves it there), so its Scheduler runs `HybridKVCacheCoordinator` over one
+block pool with vLLM's default `prefix_cache_retention_interval` 0, or the interval a case sets.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvsim.sim.conform.check import conform, hybrid_layers
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.cost_model import CostModel
+from kvsim.workloads.build import build_workload
+from kvsim.workloads.request import make_request
+
+needs_vllm = pytest.mark.needs_vllm
+
+MODELS = {"gpt-oss-20b": {}, "gemma-3-27b": {}, "llama-4-scout": {"tensor_parallel": 8, "hybrid_chunked_local": True}}
+
+
+def _turns(n: int = 40, seed: int = 5) -> list:
+    """Requests over two shared system prompts, each with its own user text: junctions, replay
+    boundaries and a window's skipped blocks all come into play."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        system = [*range(700)] if i % 3 else [*range(50_000, 50_300)]
+        user = [*range(10_000 * (i % 9 + 1), 10_000 * (i % 9 + 1) + rng.randint(20, 1400))]
+        out.append(make_request(f"t{i}", i * 0.3, system + user, rng.randint(1, 300)))
+    return out
+
+
+def _cfg(model: str, blocks: int, retention, **kw) -> SimConfig:
+    return SimConfig(model=model, block_size=16, num_gpu_blocks=blocks, prefix_cache_retention_interval=retention,
+                     **MODELS[model], **kw).validate()
+
+
+@needs_vllm
+def test_vllms_side_is_its_hybrid_coordinator_with_the_groups_kvsim_keeps():
+    import tempfile
+
+    from kvsim.sim.conform.vllm_setup import kv_cache_config, stand_in_config
+
+    for model in MODELS:
+        cost = CostModel.from_config(_cfg(model, 500, 0))
+        with tempfile.TemporaryDirectory() as tmp:
+            config = stand_in_config(tmp, max_model_len=4096, cache={"block_size": 16})
+        kv = kv_cache_config(config, 500, layers=hybrid_layers(cost))
+        theirs = [(type(g.kv_cache_spec).__name__, [int(n.split(".")[2]) for n in g.layer_names])
+                  for g in kv.kv_cache_groups]
+        kinds = {"sliding_window": "SlidingWindowSpec", "full": "FullAttentionSpec",
+                 "chunked_local": "ChunkedLocalAttentionSpec"}
+        assert theirs == [(kinds[g.layer.kind], list(g.layers)) for g in cost.layout.groups]
+        assert (kv.num_blocks, kv.prefix_cache_retention_interval) == (500, 0)
+
+
+@needs_vllm
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("retention", [0, None])
+def test_hybrid_groups_match_vllm_in_both_modes_under_pressure(model, retention):
+    groups = len(CostModel.from_config(_cfg(model, 500, 0)).layout.groups)
+    reqs = _turns()
+    # tight (preemptions and evictions), then roomy (hits decided by retention alone)
+    for blocks in (170 * groups, 2000 * groups):
+        cfg = _cfg(model, blocks, retention, step_time=0.05, closed_loop_sessions=False, max_num_batched_tokens=512)
+        diffs = conform(reqs, cfg, "both", max_running=4)
+        assert [d.format() for d in diffs if not d.ok] == [], (model, retention, blocks)
+
+
+@needs_vllm
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-3-27b"])
+def test_hybrid_groups_match_vllm_on_the_cost_clock_with_sessions(model):
+    reqs = list(build_workload("multi-turn", 40, 20.0, "poisson", 1.0, 7, {}))
+    groups = len(CostModel.from_config(_cfg(model, 500, 0)).layout.groups)
+    cfg = _cfg(model, 200 * groups, 0)
+    assert [d.format() for d in conform(reqs, cfg, "scheduler") if not d.ok] == []
+
+
+def test_the_pressure_cases_preempt_and_evict():
+    """The tight case above is not vacuous: kvsim's run of it preempts and evicts."""
+    from kvsim.sim.conform.check import simulate_scheduler
+
+    cfg = _cfg("gpt-oss-20b", 260, 0, step_time=0.05, closed_loop_sessions=False, max_num_batched_tokens=512)
+    _, summary = simulate_scheduler(_turns(), cfg)
+    assert summary["preemptions"] > 0 and summary["evictions"] > 0 and summary["hit_tokens"] > 0
