@@ -289,9 +289,10 @@ class BlockPool:
         return True
 
     def cache_blocks(self, blocks: list[KVCacheBlock], keys: list[int], start: int, end: int,
-                     chain: int = 0) -> None:
-        """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped);
-        `chain` is the caching sequence's prompt length in blocks."""
+                     chain: int = 0, salt: int = 0) -> None:
+        """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped),
+        each XORed with `salt` (a KV-cache group's, `groups.group_salt`); `chain` is the caching
+        sequence's prompt length in blocks."""
         cached = self.cached
         null = self.null_block
         on_cache = self._on_cache
@@ -301,7 +302,7 @@ class BlockPool:
                 continue
             if b.block_hash is not None:
                 raise AssertionError(f"block {b.block_id} is already cached")
-            key = keys[i]
+            key = keys[i] ^ salt
             b.block_hash = key
             if key in cached:  # cached already: it maps to both
                 self._cache_again(key, b)

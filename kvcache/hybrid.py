@@ -55,18 +55,6 @@ from kvsim.kvcache.sequence import Sequence
 Hit = tuple[list[KVCacheBlock], ...]  # one list of hit blocks a group
 
 
-class _Salted:
-    """A request's block keys as one group keys them (`groups.group_salt`), computed on access."""
-
-    __slots__ = ("keys", "salt")
-
-    def __init__(self, keys: list[int], salt: int):
-        self.keys, self.salt = keys, salt
-
-    def __getitem__(self, i: int) -> int:
-        return self.keys[i] ^ self.salt
-
-
 class HybridKVCacheManager(PoolView):
     """Paged KV-cache block manager for several KV-cache groups over one pool (vLLM's hybrid manager).
 
@@ -139,10 +127,19 @@ class HybridKVCacheManager(PoolView):
         self.spec_groups = sorted(merged.items(), key=lambda item: item[0].kind != "full")
         self._simple = len(self.spec_groups) == 2 and self.spec_groups[0][0].kind == "full"
         self.empty_hit: Hit = tuple([] for _ in groups)
+        self._windowed = tuple((g, spec, spec.kind == "sliding_window", spec.window)
+                               for g, spec in enumerate(groups) if spec.kind != "full")
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def decode_shortcuts(self) -> bool:
+        """Whether a decode token landing mid-block leaves everything as it is: where every window
+        is a multiple of the block size, a window lets go of a block only when a token lands on a
+        block's last slot (a chunk on its first)."""
+        return all(w % self.block_size == 0 for _, _, _, w in self._windowed)
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[Hit, int]:
@@ -247,6 +244,10 @@ class HybridKVCacheManager(PoolView):
         skipped blocks back to the pool, then the sum over groups against the free blocks; the
         hits are taken by every group before any group takes new blocks, and new blocks are taken
         group by group. Returns the new blocks of all groups, or None (only skipped blocks freed)."""
+        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit:
+            decoded = self.decode_slot(seq, watermark)
+            if decoded is not False:
+                return decoded
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"{seq.seq_id}: negative token count")
         sid = seq.seq_id
@@ -261,9 +262,9 @@ class HybridKVCacheManager(PoolView):
                 return None
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         null, pool = self.null_block, self.pool
-        for g, spec in enumerate(self.groups):
+        for g, spec, _, _ in self._windowed:
             blocks = self.tables[g].get(sid)
-            if blocks is not None and spec.kind != "full":
+            if blocks is not None:
                 removed = null_skipped(spec, blocks, computed, null)
                 if removed:
                     pool.free_blocks(removed)
@@ -284,6 +285,43 @@ class HybridKVCacheManager(PoolView):
         if self.enable_caching:
             self._cache(seq, min(computed + num_new_tokens, seq.num_tokens))
         return new
+
+    def decode_slot(self, seq: Sequence, watermark: bool = False) -> list[KVCacheBlock] | None | bool:
+        """`allocate_slots(seq, 1)` for a running sequence's next token, the same effects in fewer
+        steps: every group's table has one length (null blocks hold a window's place), so the token
+        takes a block in every group or in none; the windows' skipped blocks go back first, as in
+        the general path. False: the general path must decide (a sequence with no blocks yet)."""
+        sid, bs = seq.seq_id, self.block_size
+        tables = self.tables
+        first = tables[0].get(sid)
+        c = seq.num_computed_tokens
+        if first is None or c // bs > len(first):
+            return False
+        pool = self.pool
+        self.remove_skipped_blocks(seq)
+        new: list[KVCacheBlock] = []
+        if c // bs == len(first):  # the token starts a block in every group, taken in group order
+            n = len(tables)
+            if pool.num_free_blocks < n + (self.watermark_blocks if watermark else 0):
+                return None
+            new = pool.get_new_blocks(n)  # (the policy's victims in order: as n takes of one)
+            for t, block in zip(tables, new, strict=True):
+                t[sid].append(block)
+        if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
+            self._cache(seq, c + 1)
+        return new
+
+    def remove_skipped_blocks(self, seq: Sequence) -> None:
+        """Return the blocks `seq`'s windows no longer read at its computed tokens to the pool, each
+        group's last first (vLLM's `remove_skipped_blocks`, which `allocate_slots` runs first)."""
+        sid, bs, c = seq.seq_id, self.block_size, seq.num_computed_tokens
+        null, tables = self.null_block, self.tables
+        for g, spec, sliding, window in self._windowed:
+            skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
+            if skipped >= bs:
+                table = tables[g].get(sid)
+                if table and table[min(skipped // bs, len(table)) - 1] is not null:
+                    self.pool.free_blocks(null_skipped(spec, table, c, null))
 
     def _add_hits(self, sid: str, hits: Hit, computed: int) -> None:
         """A new request's hits join its tables: every group's touched first, with null blocks for
@@ -324,10 +362,9 @@ class HybridKVCacheManager(PoolView):
                 continue
             if keys is None:
                 keys = seq.hashes_upto(n_full * bs, bs)
-            salted = keys if not self.salts[g] else _Salted(keys, self.salts[g])
             table = self.tables[g][sid]
             for a, b in cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval):
-                self.pool.cache_blocks(table, salted, a, b, chain)
+                self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
             counts[sid] = n_full
 
     # ------------------------------------------------------------------- free
@@ -395,6 +432,7 @@ class HybridKVCacheManager(PoolView):
         return []
 
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
-        """Allocated slots not holding a token, over the given live sequences and every group."""
-        bs = self.block_size
-        return sum(max(0, len(t.get(s.seq_id, ())) * bs - s.num_tokens) for t in self.tables for s in seqs)
+        """Allocated slots not holding a token, over the given live sequences, in one group (every
+        group's table has the same length: the others hold as many, in pages of their layers)."""
+        bs, tables = self.block_size, self.tables[0]
+        return sum(max(0, len(tables.get(s.seq_id, ())) * bs - s.num_tokens) for s in seqs)

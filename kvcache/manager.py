@@ -114,6 +114,12 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
 
     num_groups = 1  # KV-cache groups (kvcache.hybrid keeps several)
 
+    @property
+    def decode_shortcuts(self) -> bool:
+        """Whether a decode token landing mid-block (not on a block's first or last slot) in an
+        unshared block leaves the tables, the pool and the cache as they are (no window to slide)."""
+        return self.sliding_window is None
+
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `seq` in whole blocks, and its token count.

@@ -69,6 +69,7 @@ def conform(
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
     random_seeds: Annotated[str | None, typer.Option("--random", help="START:STOP: instead, one random workload and configuration a seed (sim.conform.random_cases)")] = None,
+    only_hybrid: Annotated[bool, typer.Option("--only-hybrid", help="with --random: only the seeds whose case is a model in vLLM's hybrid KV-cache groups")] = False,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from kvsim.sim.conform import vllm_setup
@@ -87,7 +88,7 @@ def conform(
         raise fail(missing)
     installed = vllm_setup.vllm_version()
     if seeds is not None:
-        _random(seeds, mode)
+        _random(seeds, mode, only_hybrid)
         return
     try:
         from kvsim.kvcache.profiles import profile
@@ -153,12 +154,13 @@ def _seeds(text: str) -> range:
     return seeds
 
 
-def _random(seeds: range, mode: str) -> None:
+def _random(seeds: range, mode: str, only_hybrid: bool = False) -> None:
     """Conform one random case a seed, a line each; the seeds that differ or fail, and how to rerun
     one. Only kvsim's refusal of a case (its ConfigError, raised outside vLLM and the vLLM drivers
-    `sim.conform.vllm_*`) is a skip; any other error fails its seed, in vLLM (or a driver) or in kvsim."""
+    `sim.conform.vllm_*`) is a skip; any other error fails its seed, in vLLM (or a driver) or in kvsim.
+    `only_hybrid`: the seeds whose case is not a model in hybrid groups are passed over, uncounted."""
     from kvsim.sim.conform.check import conform as run_conform
-    from kvsim.sim.conform.random_cases import random_case
+    from kvsim.sim.conform.random_cases import HYBRID_MODELS, random_case
     from kvsim.sim.engine.config import ConfigError
 
     def in_vllm(e: BaseException) -> bool:
@@ -171,11 +173,14 @@ def _random(seeds: range, mode: str) -> None:
             tb = tb.tb_next
         return False
 
-    differ, failed, skipped = [], [], 0
+    differ, failed, skipped, passed_over = [], [], 0, 0
     for seed in seeds:
         case = None
         try:
             case = random_case(seed)
+            if only_hybrid and case.cfg.model not in HYBRID_MODELS:
+                passed_over += 1
+                continue
             diffs = run_conform(case.requests, case.cfg, mode, case.max_running)
         except Exception as e:  # every error is reported, one line a seed
             vllm = in_vllm(e)
@@ -191,10 +196,11 @@ def _random(seeds: range, mode: str) -> None:
         typer.echo(f"{case.describe()}: " + ("; ".join(bad) if bad else "identical"))
         if bad:
             differ.append(seed)
-    typer.echo(f"{len(seeds)} cases, {len(differ)} differ" + (f", {len(failed)} failed" if failed else "")
-               + (f", {skipped} skipped" if skipped else ""))
+    typer.echo(f"{len(seeds) - passed_over} cases, {len(differ)} differ" + (f", {len(failed)} failed" if failed else "")
+               + (f", {skipped} skipped" if skipped else "")
+               + (f" ({passed_over} seeds without hybrid groups passed over)" if passed_over else ""))
     for seed in sorted(differ + failed):
-        typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}")
+        typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}" + (" --only-hybrid" if only_hybrid else ""))
     if differ or failed:
         raise typer.Exit(1)
 

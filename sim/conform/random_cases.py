@@ -138,8 +138,9 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, objec
 
     model = r.choice(sorted(HYBRID_MODELS))
     tp, extra = HYBRID_MODELS[model]
+    interval = bs * r.choice([1, 2, 8, 40])  # vLLM refuses one without a sliding-window group (Llama 4's)
     out = {"model": model, "tensor_parallel": tp, **extra,
-           "prefix_cache_retention_interval": r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])}
+           "prefix_cache_retention_interval": r.choice([0, 0, None, interval if model != "llama-4-scout" else 0])}
     groups = len(CostModel.from_config(SimConfig(**{**kw, **out})).layout.groups)
     out["num_gpu_blocks"] = kw["num_gpu_blocks"] * groups
     return out

@@ -69,7 +69,7 @@ class QuietRuns:
               drain: Callable[[float], int]) -> QuietRuns | None:
         """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
         they do not apply (see the module docstring)."""
-        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence:
+        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence or sched.m.num_groups > 1:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None

@@ -94,6 +94,9 @@ HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defrag
 def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
     """vLLM's hybrid manager for the cost model's groups (`sim.engine.layers.hybrid_layout`); what
     kvsim models only for one group is refused with the way to run the model without groups."""
+    if cfg.prefix_cache_retention_interval and not any(g.layer.kind == "sliding_window" for g in cost.layout.groups):
+        raise ConfigError(f"prefix_cache_retention_interval {cfg.prefix_cache_retention_interval}: {cfg.model}'s cache "
+                          "has no sliding-window group, so retention has no effect (vLLM refuses it); set 0 or none")
     for field, what in HYBRID_REFUSES:
         if getattr(cfg, field):
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "

@@ -22,9 +22,12 @@
 Both are exact: tests/sim/engine/test_engine.py compares every table with the
 switch on and off. With op records, a lazy sequence's writes are recorded when
 it is visited again, stamped with their steps (`KVCacheManager.record_decodes`).
-Lazy decodes stay off where `allocate_slots` does more (sliding window,
-lookahead slots), under priority scheduling and where a step's budget is below max_num_seqs;
-the blocked-head skip stays off with a sliding window. The async scheduler
+Lazy decodes stay off where `allocate_slots` does more (a sliding window with one group,
+lookahead slots; `decode_shortcuts`), under priority scheduling and where a step's budget is below
+max_num_seqs. vLLM's hybrid groups keep them where every window is a multiple of the block size:
+a window then lets go of a block only on a block's last slot (a chunk on its first), which are
+visited; their blocks fill eagerly (not `fills`: a window may drop a block before a deferred
+caching). The blocked-head skip stays off with a window or several groups. The async scheduler
 takes neither (`Scheduler.has_shortcuts`).
 """
 
@@ -188,16 +191,18 @@ class Shortcuts:
         self.lookahead = lookahead
         # NOTE: lazy decodes assume a step's budget holds every running decode (`decodes_fit`:
         # max_num_seqs <= the step budget); a smaller max_num_scheduled_tokens turns them off
-        self.decodes = on and decodes_fit and not (m.sliding_window or lookahead or priority)
+        self.decodes = on and decodes_fit and m.decode_shortcuts and not (lookahead or priority)
         self.decode_slot = m.decode_slot if self.decodes else None
-        self.heads = on and m.sliding_window is None and whole_fit  # BlockedHead's arithmetic assumes the whole-fit gate
+        self.windows = m.num_groups > 1  # (one group's window turns lazy decodes off)
+        # BlockedHead's arithmetic is one group's, with the whole-fit gate
+        self.heads = on and m.sliding_window is None and m.num_groups == 1 and whole_fit
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
         self.records = self.decodes and m.records_ops
         if self.records:
             self.lazy.record = self._record
             m.keep_late_ops(self.bs)  # late writes: a lazy run lasts at most bs - 1 steps
-        elif self.decodes and m.defrag is None and not m.caching_hooks_policy:
+        elif self.decodes and m.defrag is None and not m.caching_hooks_policy and m.num_groups == 1:
             self.lazy.fills = True  # (records, defrag and such policies keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
@@ -233,6 +238,8 @@ class Shortcuts:
         if r and r < bs - 1:
             if self.tables[seq.seq_id][c // bs].ref_cnt != 1:
                 return False  # shared with a fork: copy-on-write
+            if self.windows:  # blocks its prefill left behind a window go back at its first decode
+                self.m.remove_skipped_blocks(seq)
         else:
             got = self.decode_slot(seq)  # None: no free block; False: copy-on-write
             if got is None or got is False:
