@@ -282,6 +282,8 @@ class HybridKVCacheManager(PoolView):
                 got = pool.get_new_blocks(n)
                 table.extend(got)
                 new.extend(got)
+        if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
+            self.ops.counts["write"] += (computed + num_new_tokens - 1) // bs - computed // bs + 1
         if self.enable_caching:
             self._cache(seq, min(computed + num_new_tokens, seq.num_tokens))
         return new
@@ -307,6 +309,7 @@ class HybridKVCacheManager(PoolView):
             new = pool.get_new_blocks(n)  # (the policy's victims in order: as n takes of one)
             for t, block in zip(tables, new, strict=True):
                 t[sid].append(block)
+        self.ops.counts["write"] += 1
         if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
             self._cache(seq, c + 1)
         return new

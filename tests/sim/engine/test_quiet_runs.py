@@ -201,7 +201,9 @@ def test_the_prefill_cadence_sees_a_resumed_sequence_end_its_prefill_in_a_decode
     """A preempted sequence resumed in chunks may end its prefill with a one-token chunk, which
     the decode shortcut takes: that step still carries prefill (vLLM is_prefill_chunk), so the
     cadence restarts there. A random conformance case (seed 32513) found 8 of its 20 requests
-    scheduled later than vLLM schedules them when the shortcut missed it."""
+    scheduled later than vLLM schedules them when the shortcut missed it. (Since random cases draw
+    models in vLLM's hybrid KV-cache groups, the seed runs gpt-oss-20b's two groups: the rule is the
+    scheduler's, and the groups' lazy decodes must see it too.)"""
     from kvsim.sim.conform.random_cases import random_case
 
     case = random_case(32513)
