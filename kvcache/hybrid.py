@@ -119,6 +119,11 @@ class HybridKVCacheManager(PoolView):
         self.tables: tuple[dict[str, list[KVCacheBlock]], ...] = tuple({} for _ in groups)
         self.num_cached: tuple[dict[str, int], ...] = tuple({} for _ in groups)
         self.junctions: dict[str, int] = {}  # seq id -> its shared-prefix boundary, found at lookup
+        # per group, for the run's metrics: blocks held now and at most, blocks a window let go of,
+        # and the hit tokens each group alone offered the requests that took a hit
+        n = len(groups)
+        self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
+        self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
         # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
         merged: dict[GroupSpec, list[int]] = {}
@@ -206,6 +211,7 @@ class HybridKVCacheManager(PoolView):
                         del blocks[g][keep:]
         if longest > hit_length:
             self.junctions[seq.seq_id] = longest
+        self._own[seq.seq_id] = lengths  # what each group alone would have given (its metrics)
         return tuple(b if b is not None else [] for b in blocks), hit_length
 
     # -------------------------------------------------------------- allocation
@@ -265,9 +271,7 @@ class HybridKVCacheManager(PoolView):
         for g, spec, _, _ in self._windowed:
             blocks = self.tables[g].get(sid)
             if blocks is not None:
-                removed = null_skipped(spec, blocks, computed, null)
-                if removed:
-                    pool.free_blocks(removed)
+                self._release(g, null_skipped(spec, blocks, computed, null))
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
@@ -282,6 +286,7 @@ class HybridKVCacheManager(PoolView):
                 got = pool.get_new_blocks(n)
                 table.extend(got)
                 new.extend(got)
+                self._hold(g, n)
         if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
             self.ops.counts["write"] += (computed + num_new_tokens - 1) // bs - computed // bs + 1
         if self.enable_caching:
@@ -307,8 +312,9 @@ class HybridKVCacheManager(PoolView):
             if pool.num_free_blocks < n + (self.watermark_blocks if watermark else 0):
                 return None
             new = pool.get_new_blocks(n)  # (the policy's victims in order: as n takes of one)
-            for t, block in zip(tables, new, strict=True):
+            for g, (t, block) in enumerate(zip(tables, new, strict=True)):
                 t[sid].append(block)
+                self._hold(g, 1)
         self.ops.counts["write"] += 1
         if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
             self._cache(seq, c + 1)
@@ -324,13 +330,26 @@ class HybridKVCacheManager(PoolView):
             if skipped >= bs:
                 table = tables[g].get(sid)
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
-                    self.pool.free_blocks(null_skipped(spec, table, c, null))
+                    self._release(g, null_skipped(spec, table, c, null))
+
+    def _release(self, g: int, removed: list[KVCacheBlock]) -> None:
+        """Blocks group g's window no longer reads back to the pool (counted for its metrics)."""
+        if removed:
+            self.pool.free_blocks(removed)
+            self.held[g] -= len(removed)
+            self.freed_behind[g] += len(removed)
+
+    def _hold(self, g: int, n: int) -> None:
+        held = self.held[g] = self.held[g] + n
+        if held > self.peak[g]:
+            self.peak[g] = held
 
     def _add_hits(self, sid: str, hits: Hit, computed: int) -> None:
         """A new request's hits join its tables: every group's touched first, with null blocks for
         the ones its window skips (`SingleTypeKVCacheManager.add_local_computed_blocks`)."""
         if any(sid in counts for counts in self.num_cached):  # a running request has no new hits
             return
+        own = self._own.pop(sid, None)
         for g, spec in enumerate(self.groups):
             skipped = spec.skipped_tokens(computed) // self.block_size
             taken = hits[g][skipped:]
@@ -340,6 +359,8 @@ class HybridKVCacheManager(PoolView):
             table.extend([self.null_block] * skipped)
             table.extend(taken)
             self.num_cached[g][sid] = len(table)
+            self._hold(g, sum(1 for b in taken if b is not self.null_block))
+            self.own_hits[g] += own[g] if own is not None else 0
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens, in every group."""
@@ -396,6 +417,7 @@ class HybridKVCacheManager(PoolView):
         self.junctions.pop(sid, None)
         out = []
         null = self.null_block
+        self._own.pop(sid, None)
         for g in range(len(self.groups)):
             blocks = self.tables[g].pop(sid, [])
             self.num_cached[g].pop(sid, None)
@@ -403,6 +425,7 @@ class HybridKVCacheManager(PoolView):
             while i < len(blocks) and blocks[i] is null:
                 i += 1
             out.append(blocks[i:])
+            self.held[g] -= len(blocks) - i
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -430,6 +453,12 @@ class HybridKVCacheManager(PoolView):
         """v2 watermark admission for a waiting sequence's whole context, summed over the groups."""
         n = self.num_blocks_to_allocate(seq, seq.num_tokens + num_lookahead_tokens, capped=True)
         return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
+
+    def group_metrics(self) -> list[dict]:
+        """One record a group: blocks held at most, blocks its window let go of as requests advanced,
+        and the hit tokens the group alone offered (the hit every group agrees on is the least)."""
+        return [{"peak_blocks": p, "blocks_freed_behind_window": f, "own_hit_tokens": h}
+                for p, f, h in zip(self.peak, self.freed_behind, self.own_hits, strict=True)]
 
     def defragment(self, before=None) -> list[tuple[int, int]]:
         return []

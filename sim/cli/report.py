@@ -169,13 +169,27 @@ def _load_words(s: dict[str, Any]) -> list[str]:
             "and measure the backlog, not the configuration (`kvsim capacity` finds the rate it sustains)."]
 
 
+def group_table(s: dict[str, Any]) -> str:
+    """vLLM's hybrid KV-cache groups, a line each: kind and window, layers, blocks held at most,
+    blocks a window let go of, and the hit tokens the group alone offered ("" with one group)."""
+    groups = s.get("kv_cache_groups")
+    if not groups:
+        return ""
+    lines = ["", "KV-cache group            layers  peak blocks  freed behind window  own hit tokens"]
+    for g in groups:
+        kind = g["kind"].replace("_", " ") + (f" {g['window']:,}" if g["window"] else "")
+        lines.append(f"{g['group']:>2} {kind:<22} {len(g['layers']):>6}  {g['peak_blocks']:>11,}  "
+                     f"{g['blocks_freed_behind_window']:>19,}  {g['own_hit_tokens']:>14,}")
+    return "\n".join(lines)
+
+
 def format_summary(result: RunResult, notes: list[str] | None = None) -> str:
     """A run's header line (with `notes` under it, indented), its summary table and the
     table's reading in plain words."""
     lines = [header(result)]
     lines += [textwrap.fill(n, 100, initial_indent="  ", subsequent_indent="    ",
                            break_on_hyphens=False) for n in notes or []]
-    text = "\n".join(lines) + "\n" + format_table([result.summary])
+    text = "\n".join(lines) + "\n" + format_table([result.summary]) + group_table(result.summary)
     line = reading(result.summary, result.config.enable_prefix_caching)
     return text + ("\n\n" + textwrap.fill(line, 100) if line else "")
 

@@ -87,7 +87,10 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
 
 
 HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defragmentation"),
-                  ("record_ops", "the op log (gpu-replay)"), ("kv_offloading_size", "KV offloading"),
+                  ("record_ops", "the op log (gpu-replay)"),
+                  # vLLM 0.33's OffloadingConnector supports the hybrid manager (SupportsHMA,
+                  # offloading_connector.py), so vLLM keeps the groups with it on; kvsim not yet
+                  ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"),
                   ("async_scheduling", "async scheduling"))
 
 
@@ -191,5 +194,8 @@ def simulate(
         placement, layout = cost_model.placement, cost_model.layout
         summary.update(kv_layers=describe_layers(layers), kv_bytes_per_block=cost_model.kv_bytes_per_block,
                        cache_approximation=placement.approximation if placement is not None else None,
-                       kv_cache_groups=layout.table(cfg.block_size) if layout is not None else None)
+                       kv_cache_groups=None)
+        if layout is not None:  # each group: its layout and what it did
+            summary["kv_cache_groups"] = [{**row, **metrics} for row, metrics in
+                                          zip(layout.table(cfg.block_size), manager.group_metrics(), strict=True)]
     return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager)
