@@ -120,24 +120,7 @@ def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num
                 table.append(block)
         return out, len(out[0]) * bs
     if spec.kind == "sliding_window":
-        need = sw.contiguous_blocks_needed(spec.window, bs)
-        out = [[null] * max_blocks for _ in range(num_groups)]
-        run = 0
-        for i in range(max_blocks - 1, -1, -1):
-            hit = lookup(i)
-            if hit is None:
-                run = 0
-                continue
-            for table, block in zip(out, hit, strict=True):
-                table[i] = block
-            run += 1
-            if run >= need:
-                for table in out:
-                    del table[i + run:]
-                return out, (i + run) * bs
-        for table in out:
-            del table[run:]
-        return out, run * bs
+        return _window_hit(max_blocks, sw.contiguous_blocks_needed(spec.window, bs), bs, lookup, num_groups, null)
     # chunked local: blocks before the chunk that holds the next token are out of reach
     start = max_length // spec.window * spec.window // bs if max_length > 0 else 0
     out = [[null] * start for _ in range(num_groups)]
@@ -146,6 +129,46 @@ def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num
         if hit is None:
             break
         for table, block in zip(out, hit, strict=True):
+            table.append(block)
+    return out, len(out[0]) * bs
+
+
+def _window_hit(max_blocks: int, need: int, bs: int, lookup: Lookup, num_groups: int,
+                null: KVCacheBlock) -> tuple[list[list[KVCacheBlock]], int]:
+    """A sliding window's hit: the rightmost run of `need` cached blocks ending by `max_blocks`, null
+    before it; without one, the run of cached blocks from block 0. vLLM scans every block from the
+    right; a run ending at e covers block e - need + 1, so that block is looked up first and a miss
+    there rules out every run ending in [e - need + 1, e] at once (the TODO in vLLM's
+    `SlidingWindowManager.find_longest_cache_hit`): the same run, with about 1/need of the lookups
+    where the window's blocks are sparse (sparse retention)."""
+    end = max_blocks - 1  # the last block a run may end at
+    while end - need + 1 >= 0:
+        first = end - need + 1
+        rows = [lookup(first)]
+        if rows[0] is None:
+            end = first - 1
+            continue
+        i = end
+        while i > first:  # the rest of the run, from its right end
+            row = lookup(i)
+            if row is None:
+                break
+            rows.append(row)
+            i -= 1
+        if i > first:  # a miss at i: a run must end before it
+            end = i - 1
+            continue
+        out = [[null] * first for _ in range(num_groups)]
+        for row in (rows[0], *reversed(rows[1:])):
+            for table, block in zip(out, row, strict=True):
+                table.append(block)
+        return out, (end + 1) * bs
+    out = [[] for _ in range(num_groups)]
+    for i in range(min(need - 1, max_blocks)):  # no run: the cached blocks from block 0
+        row = lookup(i)
+        if row is None:
+            break
+        for table, block in zip(out, row, strict=True):
             table.append(block)
     return out, len(out[0]) * bs
 

@@ -223,15 +223,18 @@ class HybridKVCacheManager(PoolView):
         sid = seq.seq_id
         hits = hits or self.empty_hit
         computed = seq.num_computed_tokens if num_computed is None else num_computed
-        free_hits = self._free_hits
         total = 0
         for g, spec in enumerate(self.groups):
             held = self.tables[g].get(sid, ())
             total += blocks_to_allocate(spec, held, sid in self.num_cached[g], num_tokens, hits[g], computed,
-                                        self.caps[g] if capped else None, free_hits)
+                                        self.caps[g] if capped else None,
+                                        self._free_hits if spec.kind == "full" else self._free_hits_nulls)
         return total
 
-    def _free_hits(self, hits: Seq[KVCacheBlock]) -> int:
+    def _free_hits(self, hits: Seq[KVCacheBlock]) -> int:  # (full attention's hits hold no null block)
+        return self.pool.num_free_hits(list(hits))
+
+    def _free_hits_nulls(self, hits: Seq[KVCacheBlock]) -> int:
         return self.pool.num_free_hits(list(hits), True)
 
     def allocate_slots(

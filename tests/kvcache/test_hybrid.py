@@ -241,3 +241,25 @@ def test_one_full_group_hits_as_the_one_group_manager_and_every_block_comes_back
     for m in (ours, theirs, hybrid):
         assert m.num_free_blocks == m.num_usable_blocks
         assert all(b.ref_cnt == 0 for b in m.pool.blocks[1:])
+
+
+def _naive_window_hit(cached: set[int], max_blocks: int, need: int) -> tuple[list[int], int]:
+    """vLLM's scan as written (SlidingWindowManager.find_longest_cache_hit): every block from the right."""
+    out, run = [0] * max_blocks, 0
+    for i in range(max_blocks - 1, -1, -1):
+        if i not in cached:
+            run = 0
+            continue
+        out[i] = 100 + i
+        run += 1
+        if run >= need:
+            return out[: i + run], (i + run) * 4
+    return out[:run], run * 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(0, 40), max_size=40), st.integers(0, 41), st.integers(1, 9))
+def test_the_window_scan_that_skips_finds_the_hit_vllms_full_scan_finds(cached, max_blocks, window_blocks):
+    spec = GroupSpec("sliding_window", 4, 4 * window_blocks)  # needs cdiv(4w - 1, 4) = w blocks
+    found, n = find_longest_cache_hit(spec, max_blocks * 4, _lookup(cached), 1, NULL)
+    assert (_ids(found[0]), n) == _naive_window_hit(cached, max_blocks, window_blocks)
