@@ -266,6 +266,43 @@ class BlockPool:
         if later:
             self.policy.free(later)
 
+    def free_each(self, lists: list[list[KVCacheBlock]]) -> None:
+        """`free_blocks(blocks)` for each of `lists` in turn (the hybrid manager frees its groups so).
+        With exact LRU and `free_blocks`'s one-pass conditions, in one pass: each call would put its
+        uncached blocks in front of the queue (so a later call's come before an earlier one's) and
+        its cached ones at the back (in call order)."""
+        if len(lists) == 1 or type(self.policy) is not LRU or not self.free_first or self._pins \
+                or self.ops.enabled or (self.tracker is not None and type(self.tracker) is not IdSpan):
+            for blocks in lists:
+                self.free_blocks(blocks)
+            return
+        firsts, later, among = [], [], []
+        for blocks in lists:
+            first = []
+            for b in blocks:
+                if b is self.null_block:
+                    continue
+                rc = b.ref_cnt - 1
+                if rc < 0:
+                    raise ValueError(f"double free of block {b.block_id}")
+                b.ref_cnt = rc
+                if not rc:
+                    (first if b.block_hash is None else later).append(b)
+            firsts.append(first)
+            among += blocks
+        first = [b for f in reversed(firsts) for b in f]
+        n_freed = len(first) + len(later)
+        if not n_freed:
+            return
+        self.num_cached_free += len(later)
+        self.ops.counts["free"] += n_freed
+        if self.tracker is not None:
+            self.tracker.release(n_freed, among)
+        if first:
+            self.policy.free_first(first)
+        if later:
+            self.policy.free(later)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no
         block is in use (returns False and changes nothing otherwise). Free blocks keep

@@ -217,4 +217,6 @@ def cached_ranges(spec: GroupSpec, start: int, end: int, boundaries: Sequence[in
         return []
     if not spec.sparse:
         return [(start, end)]
+    if retention_interval == 0 and start >= max(boundaries) // spec.block_size:
+        return []  # past every boundary's tail (a decode's block): nothing (sliding_window.retained_ranges)
     return sw.retained_ranges(start, end, boundaries, spec.window, spec.block_size, retention_interval)

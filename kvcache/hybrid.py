@@ -124,6 +124,8 @@ class HybridKVCacheManager(PoolView):
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
+        self._watch: set[int] = set()  # a blocked head's keys, every group's (`watch_hit`)
+        self._watch_added = False
         self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
         # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
         merged: dict[GroupSpec, list[int]] = {}
@@ -271,10 +273,8 @@ class HybridKVCacheManager(PoolView):
                 return None
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         null, pool = self.null_block, self.pool
-        for g, spec, _, _ in self._windowed:
-            blocks = self.tables[g].get(sid)
-            if blocks is not None:
-                self._release(g, null_skipped(spec, blocks, computed, null))
+        self._release([(g, null_skipped(spec, blocks, computed, null)) for g, spec, _, _ in self._windowed
+                       if (blocks := self.tables[g].get(sid)) is not None])
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
@@ -328,19 +328,26 @@ class HybridKVCacheManager(PoolView):
         group's last first (vLLM's `remove_skipped_blocks`, which `allocate_slots` runs first)."""
         sid, bs, c = seq.seq_id, self.block_size, seq.num_computed_tokens
         null, tables = self.null_block, self.tables
+        removed = []
         for g, spec, sliding, window in self._windowed:
             skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
             if skipped >= bs:
                 table = tables[g].get(sid)
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
-                    self._release(g, null_skipped(spec, table, c, null))
-
-    def _release(self, g: int, removed: list[KVCacheBlock]) -> None:
-        """Blocks group g's window no longer reads back to the pool (counted for its metrics)."""
+                    removed.append((g, null_skipped(spec, table, c, null)))
         if removed:
-            self.pool.free_blocks(removed)
-            self.held[g] -= len(removed)
-            self.freed_behind[g] += len(removed)
+            self._release(removed)
+
+    def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
+        """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
+        coordinator calls each manager's `remove_skipped_blocks`), counted for their metrics."""
+        removed = [(g, blocks) for g, blocks in removed if blocks]
+        if not removed:
+            return
+        self.pool.free_each([blocks for _, blocks in removed])
+        for g, blocks in removed:
+            self.held[g] -= len(blocks)
+            self.freed_behind[g] += len(blocks)
 
     def _hold(self, g: int, n: int) -> None:
         held = self.held[g] = self.held[g] + n
@@ -382,6 +389,7 @@ class HybridKVCacheManager(PoolView):
         if junction:
             boundaries += (junction,)
         chain = seq.num_prompt_tokens // bs
+        ranges: dict[tuple[GroupSpec, int], list[tuple[int, int]]] = {}  # groups of one spec share them
         for g, spec in enumerate(self.groups):
             counts = self.num_cached[g]
             n_cached = counts.get(sid, 0)
@@ -390,8 +398,14 @@ class HybridKVCacheManager(PoolView):
             if keys is None:
                 keys = seq.hashes_upto(n_full * bs, bs)
             table = self.tables[g][sid]
-            for a, b in cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval):
+            kept = ranges.get((spec, n_cached))
+            if kept is None:
+                kept = ranges[spec, n_cached] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
+            for a, b in kept:
                 self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
+                if self._watch and not self._watch_added:
+                    salt, watch = self.salts[g], self._watch
+                    self._watch_added = any(keys[i] ^ salt in watch for i in range(a, b))
             counts[sid] = n_full
 
     # ------------------------------------------------------------------- free
@@ -424,11 +438,15 @@ class HybridKVCacheManager(PoolView):
         for g in range(len(self.groups)):
             blocks = self.tables[g].pop(sid, [])
             self.num_cached[g].pop(sid, None)
-            i = 0
-            while i < len(blocks) and blocks[i] is null:
-                i += 1
-            out.append(blocks[i:])
-            self.held[g] -= len(blocks) - i
+            lo, hi = 0, len(blocks)  # its null blocks lead (a window's skipped ones): the first that is not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if blocks[mid] is null:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out.append(blocks[lo:])
+            self.held[g] -= len(blocks) - lo
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -456,6 +474,37 @@ class HybridKVCacheManager(PoolView):
         """v2 watermark admission for a waiting sequence's whole context, summed over the groups."""
         n = self.num_blocks_to_allocate(seq, seq.num_tokens + num_lookahead_tokens, capped=True)
         return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
+
+    # --------------------------------------------- a blocked head (the shortcuts)
+    def allocation_deficit(self, seq: Sequence, hits: Hit, hit: int, n: int, watermark: bool) -> int:
+        """Blocks a waiting `seq` (no blocks held) lacks to take `hits` (`hit` tokens) and `n` new
+        slots now: allocation fails iff this is positive (the whole-sequence gate, capped per
+        window, or the chunk's own count; no window has blocks of it to give back)."""
+        gate = self.num_blocks_to_allocate(seq, seq.num_tokens, hits, num_computed=hit, capped=True)
+        chunk = self.num_blocks_to_allocate(seq, hit + n, hits, num_computed=hit)
+        return max(gate, chunk) + (self.watermark_blocks if watermark else 0) - self.pool.num_free_blocks
+
+    def watch_hit(self, seq: Sequence, hits: Hit) -> None:
+        """Watch `seq`'s lookup: its hit stays what it was while no key of its prefix is added in any
+        group (`_cache` sees every key added) and no block of the hit is evicted. Keys outside the
+        hit going do not change it: a group's hit is its run of cached blocks (the first miss of full
+        attention, the rightmost run of a window), which a missing key elsewhere leaves as it is."""
+        bs, n = self.block_size, (seq.num_tokens - 1) // self.block_size
+        keys = seq.hashes_upto(n * bs, bs)[:n] if self.enable_caching and n > 0 else []
+        self._watch = {k ^ salt for salt in self.salts for k in keys}
+        self._watch_added = False
+        self._watch_evictions = self.pool.num_evictions
+        self._watch_hashes = [(b, b.block_hash) for table in hits for b in table if b is not self.null_block]
+
+    def hit_unchanged(self) -> bool:
+        """Whether the watched lookup (`watch_hit`) would give the same blocks now."""
+        if self._watch_added:
+            return False
+        if self.pool.num_evictions != self._watch_evictions:
+            if any(b.block_hash != h for b, h in self._watch_hashes):
+                return False
+            self._watch_evictions = self.pool.num_evictions
+        return True
 
     def group_metrics(self) -> list[dict]:
         """One record a group: blocks held at most, blocks its window let go of as requests advanced,

@@ -156,11 +156,15 @@ class BlockedHead:
 
     def __init__(self, m: KVCacheManager, live: Live, blocks: list[KVCacheBlock], hit: int, n: int,
                  lookahead: int, watermark: bool):
+        self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
+        self.frees, self.evictions = m.op_counts["free"], m.op_counts["evict"]
+        if m.num_groups > 1:  # vLLM's hybrid groups: the manager counts and watches its hit
+            self.deficit = m.allocation_deficit(live.seq, blocks, hit, n, watermark)
+            m.watch_hit(live.seq, blocks)
+            return
         # the admission gate asks for the whole known context (see KVCacheManager.allocate_slots)
         need = m.num_blocks_to_allocate(live.seq, max(hit + n + lookahead, live.seq.num_tokens), blocks)
-        self.m, self.live, self.hits, self.n, self.watermark = m, live, blocks, n, watermark
         self.deficit = need + (m.watermark_blocks if watermark else 0) - m.num_free_blocks
-        self.frees, self.evictions = m.op_counts["free"], m.op_counts["evict"]
 
     def still(self, live: Live, budget: int, watermark: bool) -> bool:
         """True if allocating `live` now would certainly fail as it did."""
@@ -172,6 +176,8 @@ class BlockedHead:
         counts = m.op_counts
         if self.deficit - (counts["free"] - self.frees) <= 0:
             return False
+        if m.num_groups > 1:
+            return m.hit_unchanged()
         if m.enable_caching and k < (seq.num_tokens - 1) // m.block_size and m.is_cached(seq.block_hashes[k]):
             return False  # the hit may have grown
         if counts["evict"] != self.evictions and budget < seq.num_tokens \
@@ -194,8 +200,9 @@ class Shortcuts:
         self.decodes = on and decodes_fit and m.decode_shortcuts and not (lookahead or priority)
         self.decode_slot = m.decode_slot if self.decodes else None
         self.windows = m.num_groups > 1  # (one group's window turns lazy decodes off)
-        # BlockedHead's arithmetic is one group's, with the whole-fit gate
-        self.heads = on and m.sliding_window is None and m.num_groups == 1 and whole_fit
+        # BlockedHead's arithmetic, with the whole-fit gate: one group's without a window, or the
+        # hybrid manager's own (`allocation_deficit`, `watch_hit`), with no lookahead slots
+        self.heads = on and m.sliding_window is None and whole_fit and (m.num_groups == 1 or not lookahead)
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
         self.records = self.decodes and m.records_ops
