@@ -10,7 +10,10 @@
   past the one before): target <= 11x the Azure case's time, peak memory <= 500 MB.
 
 With `--only curve`, issue 4's 10-capacity `kvsim curve` on the Mooncake trace with two
-workers (target <= 120 s) instead.
+workers (target <= 120 s) instead. With `--only hybrid`, issue 37's: `kvsim run` of the Mooncake
+trace on gpt-oss-20b and on gemma-3-27b in vLLM's hybrid KV-cache groups against the same run in
+one group (`--disable-hybrid-kv-cache-manager`: the dense model of the same size), alternated run by
+run: target <= 2x, the ratio of the medians.
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -83,7 +86,7 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -93,6 +96,8 @@ def main() -> None:
     mooncake = args.traces / "mooncake/conversation_trace.jsonl"
     plots = ["--no-plots"] if args.no_plots else []
     sha = commit()
+    if args.only == "hybrid":
+        return hybrid(mooncake, plots, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -133,6 +138,22 @@ def main() -> None:
             if name == "tiled":
                 row["x_azure"] = round(wall / wall_of["azure"], 2)
             print(json.dumps(row), flush=True)
+
+
+def hybrid(mooncake: Path, plots: list[str], runs: int, sha: str) -> None:
+    """Issue 37's target: a model in hybrid groups at most 2x its run in one group, on Mooncake."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in ("gpt-oss-20b", "gemma-3-27b"):
+            argv = ["run", str(mooncake), "--model", model, *plots]
+            walls: dict[str, list[float]] = {"hybrid": [], "one group": []}
+            for i in range(runs):  # alternated, so a drift in the machine's speed hits both
+                walls["hybrid"].append(measure([*argv, "--out", f"{tmp}/h{i}"])[0])
+                walls["one group"].append(measure([*argv, "--disable-hybrid-kv-cache-manager", "--out", f"{tmp}/d{i}"])[0])
+            ratio = statistics.median(walls["hybrid"]) / statistics.median(walls["one group"])
+            print(json.dumps({"case": f"hybrid {model}", "commit": sha, "command": " ".join(["kvsim", *argv]),
+                              "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
+                              "x_one_group": round(ratio, 2), "target": "x_one_group <= 2", "met": ratio <= 2}),
+                  flush=True)
 
 
 if __name__ == "__main__":
