@@ -238,7 +238,14 @@ class BlockPool:
         """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
         one pass that builds just the two lists the policy needs, no list of all freed blocks
         (an IdSpan needs only their number and `ordered`)."""
-        null, first, later = self.null_block, [], []
+        first, later = [], []
+        self._drop_refs(ordered, first, later)
+        self._to_policy(first, later, ordered)
+
+    def _drop_refs(self, ordered: list[KVCacheBlock], first: list[KVCacheBlock], later: list[KVCacheBlock]) -> None:
+        """Drop one reference of each of `ordered` (null blocks skipped); those reaching 0 join
+        `first` (uncached) or `later` (cached), in order."""
+        null = self.null_block
         for b in ordered:
             if b is null:
                 continue
@@ -253,13 +260,17 @@ class BlockPool:
                     first.append(b)
                 else:
                     later.append(b)
+
+    def _to_policy(self, first: list[KVCacheBlock], later: list[KVCacheBlock], among: list[KVCacheBlock]) -> None:
+        """The counted one-pass frees' end: `first` to the front of the free set, `later` to its back,
+        counted, and the IdSpan told (every freed block is in `among`)."""
         n_freed = len(first) + len(later)
         if not n_freed:
             return
         self.num_cached_free += len(later)
         self.ops.counts["free"] += n_freed
         if self.tracker is not None:
-            self.tracker.release(n_freed, ordered)
+            self.tracker.release(n_freed, among)
         # NOTE: the same calls `free_blocks` makes: only `first`, only `later`, or both in this order
         if first:
             self.policy.free_first(first)
@@ -278,30 +289,11 @@ class BlockPool:
             return
         firsts, later, among = [], [], []
         for blocks in lists:
-            first = []
-            for b in blocks:
-                if b is self.null_block:
-                    continue
-                rc = b.ref_cnt - 1
-                if rc < 0:
-                    raise ValueError(f"double free of block {b.block_id}")
-                b.ref_cnt = rc
-                if not rc:
-                    (first if b.block_hash is None else later).append(b)
+            first: list[KVCacheBlock] = []
+            self._drop_refs(blocks, first, later)
             firsts.append(first)
             among += blocks
-        first = [b for f in reversed(firsts) for b in f]
-        n_freed = len(first) + len(later)
-        if not n_freed:
-            return
-        self.num_cached_free += len(later)
-        self.ops.counts["free"] += n_freed
-        if self.tracker is not None:
-            self.tracker.release(n_freed, among)
-        if first:
-            self.policy.free_first(first)
-        if later:
-            self.policy.free(later)
+        self._to_policy([b for f in reversed(firsts) for b in f], later, among)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no

@@ -110,27 +110,26 @@ def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num
     hits aligned to the block size)."""
     bs = spec.block_size
     max_blocks = max_length // bs
-    if spec.kind == "full":
-        out: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
-        for i in range(max_blocks):
-            hit = lookup(i)
-            if hit is None:
-                break
-            for table, block in zip(out, hit, strict=True):
-                table.append(block)
-        return out, len(out[0]) * bs
     if spec.kind == "sliding_window":
         return _window_hit(max_blocks, sw.contiguous_blocks_needed(spec.window, bs), bs, lookup, num_groups, null)
-    # chunked local: blocks before the chunk that holds the next token are out of reach
-    start = max_length // spec.window * spec.window // bs if max_length > 0 else 0
-    out = [[null] * start for _ in range(num_groups)]
-    for i in range(start, max_blocks):
+    # chunked local: blocks before the chunk that holds the next token are out of reach (null)
+    start = 0 if spec.kind == "full" or max_length <= 0 else max_length // spec.window * spec.window // bs
+    out = _run_from(start, max_blocks, lookup, num_groups, null)
+    return out, len(out[0]) * bs
+
+
+def _run_from(start: int, stop: int, lookup: Lookup, num_groups: int,
+              null: KVCacheBlock) -> list[list[KVCacheBlock]]:
+    """Each group's table: null blocks before `start`, then the cached blocks from `start` up to the
+    first miss (or `stop`)."""
+    out: list[list[KVCacheBlock]] = [[null] * start for _ in range(num_groups)]
+    for i in range(start, stop):
         hit = lookup(i)
         if hit is None:
             break
         for table, block in zip(out, hit, strict=True):
             table.append(block)
-    return out, len(out[0]) * bs
+    return out
 
 
 def _window_hit(max_blocks: int, need: int, bs: int, lookup: Lookup, num_groups: int,
@@ -163,13 +162,7 @@ def _window_hit(max_blocks: int, need: int, bs: int, lookup: Lookup, num_groups:
             for table, block in zip(out, row, strict=True):
                 table.append(block)
         return out, (end + 1) * bs
-    out = [[] for _ in range(num_groups)]
-    for i in range(min(need - 1, max_blocks)):  # no run: the cached blocks from block 0
-        row = lookup(i)
-        if row is None:
-            break
-        for table, block in zip(out, row, strict=True):
-            table.append(block)
+    out = _run_from(0, min(need - 1, max_blocks), lookup, num_groups, null)  # no run: the blocks from block 0
     return out, len(out[0]) * bs
 
 

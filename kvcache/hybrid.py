@@ -26,7 +26,7 @@ siblings (the same tokens in two groups), so evicting one group's block leaves i
 and a hit then stops where the evicted group stops (as in vLLM, whose LRU is as blind to groups).
 
 Not modelled here (refused by the engine): forking, swapping, KV offloading, defragmentation and
-the op log; Mamba groups.
+the op log; Mamba groups; v2's `can_allocate`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from types import MappingProxyType
 
-from kvsim.kvcache.admission import AllocStatus, watermark_status
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
 from kvsim.kvcache.eviction import EvictionPolicy, make_policy
@@ -272,9 +271,8 @@ class HybridKVCacheManager(PoolView):
             if need + reserve > free:
                 return None
         num_slots = computed + num_new_tokens + num_lookahead_tokens
-        null, pool = self.null_block, self.pool
-        self._release([(g, null_skipped(spec, blocks, computed, null)) for g, spec, _, _ in self._windowed
-                       if (blocks := self.tables[g].get(sid)) is not None])
+        pool = self.pool
+        self.remove_skipped_blocks(seq, computed)
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
@@ -323,10 +321,12 @@ class HybridKVCacheManager(PoolView):
             self._cache(seq, c + 1)
         return new
 
-    def remove_skipped_blocks(self, seq: Sequence) -> None:
-        """Return the blocks `seq`'s windows no longer read at its computed tokens to the pool, each
-        group's last first (vLLM's `remove_skipped_blocks`, which `allocate_slots` runs first)."""
-        sid, bs, c = seq.seq_id, self.block_size, seq.num_computed_tokens
+    def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """Return the blocks `seq`'s windows no longer read at `computed` tokens (default: its computed
+        tokens) to the pool, each group's last first (vLLM's `remove_skipped_blocks`, which
+        `allocate_slots` runs first). A window whose last skipped block is null already has none to give."""
+        sid, bs = seq.seq_id, self.block_size
+        c = seq.num_computed_tokens if computed is None else computed
         null, tables = self.null_block, self.tables
         removed = []
         for g, spec, sliding, window in self._windowed:
@@ -341,9 +341,6 @@ class HybridKVCacheManager(PoolView):
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
         """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
         coordinator calls each manager's `remove_skipped_blocks`), counted for their metrics."""
-        removed = [(g, blocks) for g, blocks in removed if blocks]
-        if not removed:
-            return
         self.pool.free_each([blocks for _, blocks in removed])
         for g, blocks in removed:
             self.held[g] -= len(blocks)
@@ -470,11 +467,6 @@ class HybridKVCacheManager(PoolView):
         null = self.null_block
         return [sum(1 for blocks in t.values() for b in blocks if b is not null) for t in self.tables]
 
-    def can_allocate(self, seq: Sequence, num_lookahead_tokens: int = 0) -> AllocStatus:
-        """v2 watermark admission for a waiting sequence's whole context, summed over the groups."""
-        n = self.num_blocks_to_allocate(seq, seq.num_tokens + num_lookahead_tokens, capped=True)
-        return watermark_status(n, self.pool.num_free_blocks, self.pool.num_usable_blocks, self.watermark_blocks)
-
     # --------------------------------------------- a blocked head (the shortcuts)
     def allocation_deficit(self, seq: Sequence, hits: Hit, hit: int, n: int, watermark: bool) -> int:
         """Blocks a waiting `seq` (no blocks held) lacks to take `hits` (`hit` tokens) and `n` new
@@ -511,9 +503,6 @@ class HybridKVCacheManager(PoolView):
         and the hit tokens the group alone offered (the hit every group agrees on is the least)."""
         return [{"peak_blocks": p, "blocks_freed_behind_window": f, "own_hit_tokens": h}
                 for p, f, h in zip(self.peak, self.freed_behind, self.own_hits, strict=True)]
-
-    def defragment(self, before=None) -> list[tuple[int, int]]:
-        return []
 
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
         """Allocated slots not holding a token, over the given live sequences, in one group (every
