@@ -177,6 +177,12 @@ class BlockPool:
             self._on_evict(block)
         block.block_hash = None
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a held block's key from the cache map, not counted as an eviction (vLLM's
+        `BlockPool._maybe_evict_cached_block` for a Mamba checkpoint that held a transient state)."""
+        if block.block_hash is not None:
+            self._evict(block)
+
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free set."""
         remove, pinned = self.policy.remove, self.policy.is_pinned if self._pins else None

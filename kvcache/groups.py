@@ -13,7 +13,12 @@ table per request, all drawing on one block pool; the rules of a group depend on
   tails are hashed (`sliding_window.retained_ranges`);
 - `chunked_local` (chunk C): a token reads its own C-token chunk, so every block before the
   chunk holding the next token is skipped, and a hit scans the last chunk only
-  (`ChunkedLocalAttentionManager`); it hashes densely (retention is for sliding windows and Mamba).
+  (`ChunkedLocalAttentionManager`); it hashes densely (retention is for sliding windows and Mamba);
+- `mamba` (a state-space or gated-delta-net layer's state, vLLM's "align" cache mode): block i holds
+  the state after (i + 1) x block tokens, so only the last computed token's block is read, a hit is
+  the rightmost cached block (nulls before it, `MambaManager.find_longest_cache_hit`), and under
+  sparse retention only the blocks ending at the replay boundary and the junction are hashed
+  (`MambaManager.reachable_block_mask`). How its blocks are taken and let go is `kvcache.mamba`'s.
 
 `kvcache.hybrid` composes these over one pool; `kvcache.manager` is the one-group manager, whose
 window rules are `kvcache.sliding_window`'s, shared with the `sliding_window` kind here.
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from kvsim.kvcache import sliding_window as sw
 from kvsim.kvcache.block import KVCacheBlock
 
-KINDS = ("full", "sliding_window", "chunked_local")
+KINDS = ("full", "sliding_window", "chunked_local", "mamba")
 
 _MASK = (1 << 64) - 1
 
@@ -60,13 +65,13 @@ class GroupSpec:
             raise ValueError(f"group kind {self.kind!r}: expected one of {', '.join(KINDS)}")
         if self.block_size <= 0:
             raise ValueError(f"group block_size must be positive, got {self.block_size}")
-        if (self.kind == "full") != (self.window is None) or (self.window is not None and self.window <= 0):
+        if (self.kind in ("full", "mamba")) != (self.window is None) or (self.window is not None and self.window <= 0):
             raise ValueError(f"group {self.kind}: window {self.window!r} (a positive window for sliding_window "
-                             "and chunked_local, none for full)")
+                             "and chunked_local, none for full and mamba)")
 
     def describe(self) -> str:
-        if self.kind == "full":
-            return "full attention"
+        if self.kind in ("full", "mamba"):
+            return "full attention" if self.kind == "full" else "Mamba state"
         return f"{'sliding window' if self.kind == 'sliding_window' else 'chunked local'} {self.window:,}"
 
     def skipped_tokens(self, num_computed: int) -> int:
@@ -75,6 +80,8 @@ class GroupSpec:
             return max(0, num_computed - self.window + 1)
         if self.kind == "chunked_local":
             return num_computed // self.window * self.window
+        if self.kind == "mamba":  # only the last computed token's state is read
+            return max(0, num_computed - 1)
         return 0
 
     def admission_cap(self, in_flight_tokens: int, max_model_len: int | None) -> int | None:
@@ -82,8 +89,8 @@ class GroupSpec:
         counts instead of all its tokens' (vllm/v1/kv_cache_interface.py
         `SlidingWindowSpec.max_admission_blocks_per_request`: the window and the in-flight tokens,
         plus one block for a window that starts mid-block; the chunked-local twin: a chunk and the
-        in-flight tokens); None for full attention."""
-        if self.kind == "full":
+        in-flight tokens); None for full attention and Mamba state."""
+        if self.kind in ("full", "mamba"):
             return None
         span = self.window - 1 + in_flight_tokens if self.kind == "sliding_window" else self.window + in_flight_tokens
         if max_model_len is not None:
@@ -93,7 +100,7 @@ class GroupSpec:
     @property
     def sparse(self) -> bool:
         """Whether `prefix_cache_retention_interval` thins which of its blocks are hashed."""
-        return self.kind == "sliding_window"
+        return self.kind in ("sliding_window", "mamba")
 
 
 Lookup = Callable[[int], "list[KVCacheBlock] | None"]  # block index -> one cached block per group, or None
@@ -106,10 +113,16 @@ def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num
     `lookup(i)` gives block i's cached block in every group, or None when any group misses it.
 
     vllm/v1/core/single_type_kv_cache_manager.py, `find_longest_cache_hit` of
-    `FullAttentionManager`, `SlidingWindowManager` and `ChunkedLocalAttentionManager` (no EAGLE,
-    hits aligned to the block size)."""
+    `FullAttentionManager`, `SlidingWindowManager`, `ChunkedLocalAttentionManager` and
+    `MambaManager` (no EAGLE, hits aligned to the block size, which is the hash block size)."""
     bs = spec.block_size
     max_blocks = max_length // bs
+    if spec.kind == "mamba":  # the rightmost cached state, nulls before it
+        for i in range(max_blocks - 1, -1, -1):
+            row = lookup(i)
+            if row is not None:
+                return [[null] * i + [b] for b in row], (i + 1) * bs
+        return [[] for _ in range(num_groups)], 0
     if spec.kind == "sliding_window":
         return _window_hit(max_blocks, sw.contiguous_blocks_needed(spec.window, bs), bs, lookup, num_groups, null)
     # chunked local: blocks before the chunk that holds the next token are out of reach (null)
@@ -210,6 +223,22 @@ def cached_ranges(spec: GroupSpec, start: int, end: int, boundaries: Sequence[in
         return []
     if not spec.sparse:
         return [(start, end)]
+    if spec.kind == "mamba":
+        return _state_ranges(start, end, boundaries, spec.block_size, retention_interval)
     if retention_interval == 0 and start >= max(boundaries) // spec.block_size:
         return []  # past every boundary's tail (a decode's block): nothing (sliding_window.retained_ranges)
     return sw.retained_ranges(start, end, boundaries, spec.window, spec.block_size, retention_interval)
+
+
+def _state_ranges(start: int, end: int, boundaries: Sequence[int], bs: int,
+                  retention_interval: int | None) -> list[tuple[int, int]]:
+    """A Mamba group's hashed blocks among [start, end) (`MambaManager.reachable_block_mask`):
+    every one when dense (None); else the block ending at each boundary floored to the block
+    size, plus with a positive interval the block ending each interval-sized segment."""
+    if retention_interval is None or (retention_interval and retention_interval // bs <= 1):
+        return [(start, end)]
+    keep = {b // bs - 1 for b in boundaries}
+    if retention_interval:
+        per = retention_interval // bs
+        keep.update(range((start + per) // per * per - 1, end, per))
+    return [(i, i + 1) for i in sorted(keep) if start <= i < end]

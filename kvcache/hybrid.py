@@ -25,8 +25,13 @@ another. Eviction policies rank blocks of all groups together; none knows that t
 siblings (the same tokens in two groups), so evicting one group's block leaves its sibling cached,
 and a hit then stops where the evicted group stops (as in vLLM, whose LRU is as blind to groups).
 
+A Mamba group (state-space or gated-delta-net state, vLLM's "align" cache mode) takes and lets go
+of its blocks as `kvcache.mamba` says: one running state block a request (two while a chunk
+exports a checkpoint), earlier states let go as the request advances, and a hit hashed in the
+current scheduling step refused until the next (`new_step_starts`).
+
 Not modelled here (refused by the engine): forking, swapping, KV offloading, defragmentation and
-the op log; Mamba groups; v2's `can_allocate`.
+the op log; Mamba without prefix caching (vLLM's other cache mode); v2's `can_allocate`.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from kvsim.kvcache.groups import (
     null_skipped,
 )
 from kvsim.kvcache.id_span import IdSpan
+from kvsim.kvcache.mamba import MambaAlign
 from kvsim.kvcache.ops import OpLog
 from kvsim.kvcache.pool_view import PoolView
 from kvsim.kvcache.profiles import DEFAULT_VERSION, profile
@@ -60,7 +66,9 @@ class HybridKVCacheManager(PoolView):
     num_gpu_blocks: the shared pool's blocks as vLLM reports them (block 0, the null block, among
     them): vLLM's `--num-gpu-blocks-override`. groups: each group's spec, in vLLM's group order
     (all of one block size). in_flight_tokens / max_model_len: what the windowed groups' admission
-    cap counts (`GroupSpec.admission_cap`). The other arguments are `KVCacheManager`'s.
+    cap counts (`GroupSpec.admission_cap`). mamba_checkpoint_alignment: the Mamba layers' prefill
+    checkpoint alignment (None: they export no checkpoint; `kvcache.mamba`). The other arguments
+    are `KVCacheManager`'s.
     """
 
     sliding_window = None  # no single window: the engine asks `num_groups` (several groups: windowed)
@@ -78,6 +86,7 @@ class HybridKVCacheManager(PoolView):
         prefix_cache_retention_interval: int | None = 0,
         in_flight_tokens: int = 0,
         max_model_len: int | None = None,
+        mamba_checkpoint_alignment: int | None = None,
         track_ids: bool = True,
         vllm_version: str = DEFAULT_VERSION,
     ):
@@ -101,8 +110,8 @@ class HybridKVCacheManager(PoolView):
             raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple "
                              f"of the block size ({bs})")
         if retention and not sparse:  # vllm/v1/core/kv_cache_coordinator.py _validate_prefix_cache_retention_interval
-            raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding-window group, so "
-                             "retention has no effect; set it to 0 (vLLM refuses it too)")
+            raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding-window or Mamba "
+                             "group, so retention has no effect; set it to 0 (vLLM refuses it too)")
         self.retention_interval = retention
         self.ops = OpLog(False)
         self.op_counts = MappingProxyType(self.ops.counts)
@@ -134,7 +143,15 @@ class HybridKVCacheManager(PoolView):
         self._simple = len(self.spec_groups) == 2 and self.spec_groups[0][0].kind == "full"
         self.empty_hit: Hit = tuple([] for _ in groups)
         self._windowed = tuple((g, spec, spec.kind == "sliding_window", spec.window)
-                               for g, spec in enumerate(groups) if spec.kind != "full")
+                               for g, spec in enumerate(groups) if spec.kind in ("sliding_window", "chunked_local"))
+        if any(g.kind == "mamba" for g in groups) and not enable_caching:
+            raise ValueError("Mamba groups without prefix caching (vLLM's 'none' cache mode, one state block a "
+                             "request) are not modelled; kvsim models vLLM's 'align' mode, on with prefix caching")
+        self._mamba = {g: MambaAlign(self.pool, bs, mamba_checkpoint_alignment)
+                       for g, spec in enumerate(groups) if spec.kind == "mamba"}
+        self.has_mamba = bool(self._mamba)
+        # what the scheduler cuts chunks by (`kvcache.mamba.aligned_chunk`), None without Mamba groups
+        self.mamba_split = (bs, mamba_checkpoint_alignment) if self._mamba else None
 
     @property
     def num_groups(self) -> int:
@@ -145,7 +162,13 @@ class HybridKVCacheManager(PoolView):
         """Whether a decode token landing mid-block leaves everything as it is: where every window
         is a multiple of the block size, a window lets go of a block only when a token lands on a
         block's last slot (a chunk on its first)."""
-        return all(w % self.block_size == 0 for _, _, _, w in self._windowed)
+        return not self._mamba and all(w % self.block_size == 0 for _, _, _, w in self._windowed)
+
+    def new_step_starts(self) -> None:
+        """A scheduling step begins: hits hashed in the last one may be taken again
+        (`KVCacheManager.new_step_starts`, which vLLM's `Scheduler.schedule` calls first)."""
+        for ma in self._mamba.values():
+            ma.cached_this_step.clear()
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[Hit, int]:
@@ -225,8 +248,13 @@ class HybridKVCacheManager(PoolView):
         hits = hits or self.empty_hit
         computed = seq.num_computed_tokens if num_computed is None else num_computed
         total = 0
+        mamba = self._mamba
         for g, spec in enumerate(self.groups):
             held = self.tables[g].get(sid, ())
+            if g in mamba:  # (vLLM's coordinator passes prefill_end only under retention 0)
+                prefill_end = max(seq.num_prompt_tokens, seq.num_tokens - 1) if self.retention_interval == 0 else 0
+                total += mamba[g].blocks_to_allocate(sid, held, num_tokens, hits[g], computed, prefill_end, capped)
+                continue
             total += blocks_to_allocate(spec, held, sid in self.num_cached[g], num_tokens, hits[g], computed,
                                         self.caps[g] if capped else None,
                                         self._free_hits if spec.kind == "full" else self._free_hits_nulls)
@@ -254,7 +282,8 @@ class HybridKVCacheManager(PoolView):
         skipped blocks back to the pool, then the sum over groups against the free blocks; the
         hits are taken by every group before any group takes new blocks, and new blocks are taken
         group by group. Returns the new blocks of all groups, or None (only skipped blocks freed)."""
-        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit:
+        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit \
+                and not self._mamba:
             decoded = self.decode_slot(seq, watermark)
             if decoded is not False:
                 return decoded
@@ -280,8 +309,14 @@ class HybridKVCacheManager(PoolView):
             self._add_hits(sid, hits, computed)
         new: list[KVCacheBlock] = []
         bs = self.block_size
+        mamba = self._mamba
         for g in range(len(self.groups)):
             table = self.tables[g].setdefault(sid, [])
+            if g in mamba:
+                got = mamba[g].allocate(sid, table, num_slots)
+                new.extend(got)
+                self._hold(g, len(got))
+                continue
             n = -(-num_slots // bs) - len(table)
             if n > 0:
                 got = pool.get_new_blocks(n)
@@ -335,6 +370,10 @@ class HybridKVCacheManager(PoolView):
                 table = tables[g].get(sid)
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
                     removed.append((g, null_skipped(spec, table, c, null)))
+        for g, ma in self._mamba.items():
+            table = tables[g].get(sid)
+            if table:
+                removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]
         if removed:
             self._release(removed)
 
@@ -403,7 +442,14 @@ class HybridKVCacheManager(PoolView):
                 if self._watch and not self._watch_added:
                     salt, watch = self.salts[g], self._watch
                     self._watch_added = any(keys[i] ^ salt in watch for i in range(a, b))
+                if g in self._mamba:  # hashed this step: not a hit before the next
+                    self._mamba[g].cached_this_step.update(table[i].block_hash for i in range(a, b)
+                                                           if table[i] is not self.null_block)
             counts[sid] = n_full
+        for g, ma in self._mamba.items():
+            table = self.tables[g].get(sid)
+            if table is not None:
+                ma.checkpoint_key_kept(sid, table, seq.num_prompt_tokens, junction, self.retention_interval)
 
     # ------------------------------------------------------------------- free
     def free(self, seq: Sequence) -> None:
@@ -435,6 +481,12 @@ class HybridKVCacheManager(PoolView):
         for g in range(len(self.groups)):
             blocks = self.tables[g].pop(sid, [])
             self.num_cached[g].pop(sid, None)
+            if g in self._mamba:  # null blocks between its states too
+                self._mamba[g].forget(sid)
+                lo = next((i for i, b in enumerate(blocks) if b is not null), len(blocks))
+                out.append(blocks[lo:])
+                self.held[g] -= sum(1 for b in blocks if b is not null)
+                continue
             lo, hi = 0, len(blocks)  # its null blocks lead (a window's skipped ones): the first that is not
             while lo < hi:
                 mid = (lo + hi) // 2

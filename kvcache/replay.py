@@ -207,6 +207,8 @@ def _allocate(m: KVCacheManager, live: _Live, conn: _Connector | None) -> tuple[
     host tier (cached like computed ones), the rest computed. (GPU hit, tier hit) tokens, or None
     (nothing changes) when they do not fit."""
     seq = live.seq
+    if getattr(m, "has_mamba", False):  # each admission a step: a Mamba hit hashed before it may be taken
+        m.new_step_starts()
     blocks, hit = m.get_computed_blocks(seq)
     ext = conn.lookup(live, hit) if conn is not None else 0
     if not ext:

@@ -116,9 +116,11 @@ def conform(
         tokens, seqs = cfg.batch_limits()
         from kvsim.sim.engine.cost_model import CostModel
 
-        layout = CostModel.from_config(cfg).layout
+        cost = CostModel.from_config(cfg)
+        layout = cost.layout
+        raised = f" (raised from {block_size} for Mamba state)" if cost.block_size != block_size else ""
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, {cfg.model}, block size "
-                   f"{block_size}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
+                   f"{cost.block_size}{raised}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
                    + ("the cost model's clock" if step_time is None else f"a {step_time:g} s step grid")
                    + (", async scheduling" if async_scheduling else "")
                    + (f", a {sliding_window}-token sliding window" if sliding_window is not None else "")

@@ -68,7 +68,7 @@ def _describe(name: str, gpu: str | None, tp: int | None, dtype: str | None, uti
     else:
         blocks = cost.num_gpu_blocks(cfg)
         if cost.layout is not None:
-            lines.append(f"blocks: {blocks:,} of {cfg.block_size} tokens on {where}, one pool for "
+            lines.append(f"blocks: {blocks:,} of {cost.block_size} tokens on {where}, one pool for "
                          f"{len(cost.layout.groups)} groups (a request holds blocks in each)")
         else:
             lines.append(f"blocks: {blocks:,} of {cfg.block_size} tokens ({blocks * cfg.block_size:,} tokens) on {where}")

@@ -206,13 +206,17 @@ def model_notes(cfg: SimConfig, cost: Any) -> list[str]:
         dtype = "the model's 16-bit" if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         holds = (f"a page of each of a group's {layout.group_size} layers" if layout is not None
                  else "every attention layer")
-        notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cfg.block_size} "
+        notes.append(f"KV cache: {dtype} elements, {cost.kv_bytes_per_block:,} bytes a block of {cost.block_size} "
                      f"tokens ({holds}) "
                      + (f"on each of {cfg.tensor_parallel} GPUs" if cfg.tensor_parallel > 1 else "on the GPU"))
     if layout is not None:
         groups = "; ".join(f"{i}: {g.layer.describe()}, layers {_ranges(g.layers)}" for i, g in enumerate(layout.groups))
         notes.append(f"KV-cache groups (vLLM 0.33's hybrid manager, one pool of {cost.num_gpu_blocks(cfg):,} blocks of "
-                     f"{cfg.block_size} tokens, {layout.bytes_per_block:,} bytes each): {groups}")
+                     f"{cost.block_size} tokens, {layout.bytes_per_block:,} bytes each): {groups}")
+        if layout.block_size is not None and layout.block_size != cfg.block_size:
+            notes.append(f"block size: {layout.block_size} tokens, not {cfg.block_size}: vLLM raises the attention block "
+                         f"size until a page holds a Mamba state ({layout.mamba_page_bytes:,} bytes, padded to the "
+                         "page), and Mamba prefill chunks end on its boundaries (_align_hybrid_block_size)")
     if cost.placement is not None and cost.placement.approximation:
         from kvsim.sim.engine.layers import hybrid_layout
 
@@ -323,7 +327,7 @@ def run(
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
     shown = {"path": None if workload is None else str(workload), "format": format, "seed": cfg.seed,
-             "block_size": cfg.block_size}  # for the hit-rate plot's ideal line
+             "block_size": cost.block_size}  # for the hit-rate plot's ideal line
     with PlotWorkers(workload=shown) if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
         # the steps and op records stream into the scratch folder until write_run
         streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
@@ -338,7 +342,7 @@ def run(
         s = result.summary
         if s["requests"] and not s["finished"] and s["rejected"] + s["truncated"] == s["requests"]:
             raise fail(
-                f"the KV cache ({blocks:,} blocks of {cfg.block_size} tokens) is too small for any "
+                f"the KV cache ({blocks:,} blocks of {cost.block_size} tokens) is too small for any "
                 f"request of {name} (smallest dropped prompt: {_smallest_drop(result)} tokens)"
             )
         if s.get("skipped_lines"):

@@ -74,9 +74,11 @@ def compare(mode: str, ours: Sequence[dict], theirs: Sequence[dict], fields: Seq
 
 def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
                   enable_caching: bool, vllm_version: str, sliding_window: int | None = None,
-                  prefix_cache_retention_interval: int | None = 0, layers: Any = None) -> list[dict]:
+                  prefix_cache_retention_interval: int | None = 0, layers: Any = None,
+                  mamba_checkpoints: bool = False) -> list[dict]:
     """kvsim's cache replay, one record per request as `kvsim cache-replay --out` writes it;
-    `layers`: a model's layers mixing kinds, in vLLM's hybrid KV-cache groups."""
+    `layers`: a model's layers mixing kinds, in vLLM's hybrid KV-cache groups (`mamba_checkpoints`:
+    its Mamba-state layers export prefill checkpoints)."""
     from kvsim.kvcache.hybrid import HybridKVCacheManager
     from kvsim.kvcache.manager import KVCacheManager
     from kvsim.kvcache.replay import replay
@@ -85,7 +87,8 @@ def kvsim_manager(requests: list, *, block_size: int, num_blocks: int, max_runni
     if layers is not None:
         m = HybridKVCacheManager(num_blocks, [g.spec(block_size) for g in hybrid_layout(layers).groups],
                                  enable_caching=enable_caching, track_ids=False, vllm_version=vllm_version,
-                                 prefix_cache_retention_interval=prefix_cache_retention_interval)
+                                 prefix_cache_retention_interval=prefix_cache_retention_interval,
+                                 mamba_checkpoint_alignment=block_size if mamba_checkpoints else None)
     else:
         m = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching, track_ids=False,
                            vllm_version=vllm_version, sliding_window=sliding_window,
@@ -159,12 +162,14 @@ def by_request(requests: list, records: list[dict]) -> list[dict]:
 
 def run_manager(requests: list, *, block_size: int, num_blocks: int, max_running: int,
                 enable_caching: bool, vllm_version: str, sliding_window: int | None = None,
-                prefix_cache_retention_interval: int | None = 0, layers: Any = None) -> Diff:
+                prefix_cache_retention_interval: int | None = 0, layers: Any = None,
+                mamba_checkpoints: bool = False) -> Diff:
     from kvsim.sim.conform import vllm_cache
 
     windowed = sliding_window is not None or layers is not None
     kw = {"block_size": block_size, "num_blocks": num_blocks, "max_running": max_running,
           "enable_caching": enable_caching, "sliding_window": sliding_window, "layers": layers,
+          "mamba_checkpoints": mamba_checkpoints,
           "prefix_cache_retention_interval": prefix_cache_retention_interval if windowed else 0}
     ours = kvsim_manager(requests, vllm_version=vllm_version, **kw)
     theirs = vllm_cache.replay_manager(requests, **kw)
@@ -210,8 +215,8 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
     window = cost.sliding_window  # cfg's, or the model's
     layers = hybrid_layers(cost)
     windowed = window is not None or layers is not None
-    return {"block_size": cfg.block_size, "num_gpu_blocks": cost.num_gpu_blocks(cfg), "sliding_window": window,
-            "layers": layers,
+    return {"block_size": cost.block_size, "num_gpu_blocks": cost.num_gpu_blocks(cfg), "sliding_window": window,
+            "layers": layers, "mamba_checkpoints": mamba_checkpoints(cost),
             "prefix_cache_retention_interval": cfg.prefix_cache_retention_interval if windowed else 0,
             "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": cfg.enable_prefix_caching,
@@ -223,6 +228,11 @@ def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
 def hybrid_layers(cost: Any) -> Any:
     """The model's layers when kvsim keeps them in vLLM's hybrid KV-cache groups, else None."""
     return cost.layers if cost.layout is not None else None
+
+
+def mamba_checkpoints(cost: Any) -> bool:
+    """Whether the model's Mamba-state layers export prefill checkpoints (`CostModel.layout`)."""
+    return cost.layout is not None and cost.layout.checkpoint_alignment is not None
 
 
 def scheduler_extra(cfg: SimConfig) -> dict[str, Any]:
@@ -247,7 +257,8 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     off = Offloading(chunks, cfg.offload_eviction_policy, cfg.offload_store_threshold, cfg.offload_blocks_per_chunk,
                      cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
     args = _scheduler_args(cfg)
-    del args["sliding_window"], args["prefix_cache_retention_interval"], args["layers"]  # offloading: full attention only
+    # offloading: full attention only
+    del args["sliding_window"], args["prefix_cache_retention_interval"], args["layers"], args["mamba_checkpoints"]
     if cfg.step_time is None:  # the cost clock
         from kvsim.sim.conform.vllm_timed import run_timed
 
@@ -311,11 +322,11 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         cost = CostModel.from_config(cfg)
         if on_start:
             on_start("manager")
-        d = run_manager(requests, block_size=cfg.block_size, num_blocks=cost.num_gpu_blocks(cfg),
+        d = run_manager(requests, block_size=cost.block_size, num_blocks=cost.num_gpu_blocks(cfg),
                         max_running=max_running, enable_caching=cfg.enable_prefix_caching,
                         vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window,
                         prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
-                        layers=hybrid_layers(cost))
+                        layers=hybrid_layers(cost), mamba_checkpoints=mamba_checkpoints(cost))
         diffs.append(d)
         if on_diff:
             on_diff(d)

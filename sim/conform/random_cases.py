@@ -45,7 +45,7 @@ class Case:
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
         hybrid = c.model in HYBRID_MODELS
-        knobs += [f"{c.model} (hybrid groups)"] if hybrid else []
+        knobs += [f"{c.model} on {c.gpu} (hybrid groups)"] if hybrid else []
         retention = c.prefix_cache_retention_interval
         knobs += [f"retention {retention}"] if (c.sliding_window is not None or hybrid) and retention != 0 else []
         knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
@@ -124,7 +124,9 @@ def random_case(seed: int) -> Case:
 
 
 HYBRID_MODELS = {  # a catalog model mixing layer kinds: its tensor-parallel degree, and its other knobs
-    "gpt-oss-20b": (1, {}), "gemma-3-27b": (1, {}), "llama-4-scout": (8, {"hybrid_chunked_local": True})}
+    "gpt-oss-20b": (1, {}), "gemma-3-27b": (1, {}), "llama-4-scout": (8, {"hybrid_chunked_local": True}),
+    "qwen3-next-80b-a3b": (8, {})}
+MAMBA_MODELS = ("qwen3-next-80b-a3b",)  # (vLLM runs them with prefix caching and chunked prefill only)
 
 
 def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, object]:
@@ -136,13 +138,20 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, objec
         return {}
     from kvsim.sim.engine.cost_model import CostModel
 
-    model = r.choice(sorted(HYBRID_MODELS))
+    models = [m for m in sorted(HYBRID_MODELS)
+              if m not in MAMBA_MODELS or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"])]
+    model = r.choice(models)
     tp, extra = HYBRID_MODELS[model]
-    interval = bs * r.choice([1, 2, 8, 40])  # vLLM refuses one without a sliding-window group (Llama 4's)
-    out = {"model": model, "tensor_parallel": tp, **extra,
-           "prefix_cache_retention_interval": r.choice([0, 0, None, interval if model != "llama-4-scout" else 0])}
-    groups = len(CostModel.from_config(SimConfig(**{**kw, **out})).layout.groups)
-    out["num_gpu_blocks"] = kw["num_gpu_blocks"] * groups
+    out = {"model": model, "tensor_parallel": tp, **extra}
+    if model in MAMBA_MODELS:  # FlashInfer's checkpoints (H100) or none (A100); its raised block size
+        out["gpu"] = r.choice(["h100-sxm", "a100-80g"])
+    cost = CostModel.from_config(SimConfig(**{**kw, **out}))
+    interval = cost.block_size * r.choice([1, 2, 8, 40])  # vLLM refuses one without a window or Mamba (Llama 4's)
+    out["prefix_cache_retention_interval"] = r.choice([0, 0, None, interval if model != "llama-4-scout" else 0])
+    blocks = kw["num_gpu_blocks"]
+    if cost.block_size != bs:  # as many blocks of the raised size as of the drawn one
+        blocks = max(-(-blocks * bs // cost.block_size), 3)
+    out["num_gpu_blocks"] = blocks * len(cost.layout.groups)
     return out
 
 

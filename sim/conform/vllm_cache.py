@@ -68,7 +68,7 @@ class _Live:
 def replay_manager(
     requests: Iterable[Request], *, block_size: int, num_blocks: int, max_running: int = 1,
     enable_caching: bool = True, sliding_window: int | None = None, prefix_cache_retention_interval: int | None = 0,
-    layers: Any = None,
+    layers: Any = None, mamba_checkpoints: bool = False,
 ) -> list[dict]:
     """Run vLLM's KVCacheManager under kvsim's cache-replay loop; records in completion order.
 
@@ -90,7 +90,7 @@ def replay_manager(
             "block_size": block_size, "enable_prefix_caching": enable_caching,
             "prefix_cache_retention_interval": prefix_cache_retention_interval})
     manager = KVCacheManager(
-        kv_cache_config(config, num_blocks, sliding_window, layers), max_model_len=max_len,
+        kv_cache_config(config, num_blocks, sliding_window, layers, mamba_checkpoints), max_model_len=max_len,
         scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=enable_caching,
     )
     algo = config.cache_config.prefix_caching_hash_algo
@@ -107,6 +107,7 @@ def replay_manager(
 def _admit(m, live: _Live) -> int | None:
     """Look up the cached prefix and allocate the rest of the context; the hit, or None."""
     v = live.vreq
+    m.new_step_starts()  # each admission a step: a Mamba hit hashed before it may be taken
     # as the Scheduler keeps it (sched/scheduler.py schedule): the junction the groups' caching reads
     blocks, hit, v.shared_prefix_boundary = m.get_computed_blocks(v)
     if m.allocate_slots(v, v.num_tokens - hit, hit, blocks) is None:

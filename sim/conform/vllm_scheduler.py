@@ -33,12 +33,13 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      watermark: float, scheduling: str, async_scheduling: bool = False,
                      offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
                      scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
-                     layers: Any = None):
+                     layers: Any = None, mamba_checkpoints: bool = False):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec); `layers`:
     instead, a model's layers mixing kinds, in vLLM's hybrid KV-cache groups (`vllm_setup.layer_specs`);
-    `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...).
+    `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...); `mamba_checkpoints`:
+    the model's Mamba-state layers export prefill checkpoints (`vllm_setup.mamba_spec`).
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches: 2 with async scheduling).
     """
@@ -66,7 +67,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     if offloading is not None:  # the connector reads these when the Scheduler builds it
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
-    kv_config = kv_cache_config(vllm_config, num_gpu_blocks, sliding_window, layers)
+    kv_config = kv_cache_config(vllm_config, num_gpu_blocks, sliding_window, layers, mamba_checkpoints)
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_config, vllm_config)
     kv_config.hash_block_size = hash_bs
@@ -95,7 +96,7 @@ def run_scheduler(
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
     async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
     scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
-    layers: Any = None,
+    layers: Any = None, mamba_checkpoints: bool = False,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
     `scheduler_extra`: more SchedulerConfig fields (vLLM 0.31+'s max_num_active_seqs, ...).
@@ -141,7 +142,7 @@ def run_scheduler(
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
             prefix_cache_retention_interval=prefix_cache_retention_interval, scheduler_extra=scheduler_extra,
-            layers=layers)
+            layers=layers, mamba_checkpoints=mamba_checkpoints)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if async_scheduling:
             run.run_async(queue_size, num_gpu_blocks, block_size)

@@ -116,23 +116,45 @@ def stand_in_spec(block_size: int, sliding_window: int | None = None, chunk: int
     return FullAttentionSpec(**kw) if sliding_window is None else SlidingWindowSpec(**kw, sliding_window=sliding_window)
 
 
-def layer_specs(block_size: int, sliding_window: int | None = None, layers: Any = None) -> dict[str, Any]:
+def mamba_spec(block_size: int, checkpoints: bool):
+    """The spec a gated-delta-net layer reports in align mode (mamba/abstract.py
+    `MambaBase.get_kv_cache_spec`, with qwen_gdn_linear_attn.py's checkpoint fields where FlashInfer
+    exports prefill checkpoints): a small stand-in state padded to the stand-in's attention page, as
+    `_align_hybrid_block_size` pads it; block size, cache mode and checkpoint grid `vllm serve`'s."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(shapes=((1, 4), (1, 4, 4)), dtypes=(torch.float32, torch.float32), block_size=block_size,
+                     page_size_padded=stand_in_spec(block_size).page_size_bytes,
+                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align",
+                     num_prefill_checkpoint_blocks=int(checkpoints),
+                     prefill_checkpoint_alignment=block_size if checkpoints else None)
+
+
+def layer_specs(block_size: int, sliding_window: int | None = None, layers: Any = None,
+                mamba_checkpoints: bool = False) -> dict[str, Any]:
     """{layer name: spec} the model's attention layers report: the stand-in's one layer, or with
     `layers` (kvsim's `LayerKV`s of a model mixing kinds) one stand-in-sized layer of each layer's
-    kind and window, in order (their page size is the stand-in's; the block count is given)."""
+    kind and window, in order (their page size is the stand-in's; the block count is given); a
+    Mamba-state layer as `mamba_spec` (`mamba_checkpoints`: it exports prefill checkpoints)."""
     if layers is None:
         return {"model.layers.0.self_attn.attn": stand_in_spec(block_size, sliding_window)}
     specs = {}
     for i, layer in enumerate(layers):
-        if layer.kind in ("none", "mamba"):
-            raise ValueError(f"layer {i}: the conformance drivers stand in attention layers only, not {layer.kind}")
+        if layer.kind == "mamba":
+            specs[f"model.layers.{i}.linear_attn"] = mamba_spec(block_size, mamba_checkpoints)
+            continue
+        if layer.kind == "none":
+            raise ValueError(f"layer {i}: the conformance drivers stand in layers with a cache only")
         window = layer.window if layer.kind == "sliding_window" else None
         chunk = layer.window if layer.kind == "chunked_local" else None
         specs[f"model.layers.{i}.self_attn.attn"] = stand_in_spec(block_size, window, chunk)
     return specs
 
 
-def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | None = None, layers: Any = None):
+def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | None = None, layers: Any = None,
+                    mamba_checkpoints: bool = False):
     """The KVCacheConfig the engine core plans for the stand-in model, as `vllm serve
     --num-gpu-blocks-override num_blocks` plans it (vllm/v1/core/kv_cache_planning.py): the layers'
     specs as their Attention reports them (`layer_specs`), grouped by `get_kv_cache_groups` and
@@ -141,11 +163,16 @@ def kv_cache_config(vllm_config: Any, num_blocks: int, sliding_window: int | Non
     later request can resume from). A hand-built KVCacheConfig would default that field to None
     (dense) and check a rule `vllm serve` does not run. With `layers` (a model mixing kinds), the
     hybrid manager is on, as VllmConfig resolves it on a CUDA host where kvsim runs it so
-    (vllm/config/vllm.py; on this CPU host vLLM would turn it off)."""
+    (vllm/config/vllm.py; on this CPU host vLLM would turn it off). With Mamba-state layers the
+    cache config is what `vllm serve` leaves it (model_executor/models/config.py
+    `MambaModelConfig.verify_and_update_config`, then `_align_hybrid_block_size`): "align" mode,
+    the Mamba block size the (raised) block size given."""
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     cache = vllm_config.cache_config
-    specs = layer_specs(cache.block_size, sliding_window, layers)
+    if layers is not None and any(layer.kind == "mamba" for layer in layers):
+        cache.mamba_cache_mode, cache.mamba_block_size = "align", cache.block_size
+    specs = layer_specs(cache.block_size, sliding_window, layers, mamba_checkpoints)
     cache.num_gpu_blocks_override = num_blocks
     if layers is not None:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False

@@ -69,9 +69,10 @@ def vllm_specs(cost: CostModel):
             spec = SlidingWindowSpec(**attention, sliding_window=layer.window)
         elif layer.kind == "chunked_local":
             spec = ChunkedLocalAttentionSpec(**attention, attention_chunk_size=layer.window)
-        elif layer.kind == "mamba":
+        elif layer.kind == "mamba":  # align mode, padded to the attention page (_align_hybrid_block_size)
             state = torch.float32 if m.state_dtype_bytes == 4 else torch.bfloat16
-            spec = MambaSpec(block_size=bs, shapes=m.linear_state_shapes(tp), dtypes=(torch.bfloat16, state))
+            spec = MambaSpec(block_size=bs, shapes=m.linear_state_shapes(tp), dtypes=(torch.bfloat16, state),
+                             page_size_padded=FullAttentionSpec(**attention).page_size_bytes, mamba_cache_mode="align")
         else:
             spec = FullAttentionSpec(**attention)
         specs[f"model.layers.{i}.attn"] = spec
@@ -119,7 +120,7 @@ def sizing(model: str, gpu: str, tp: int, utilization: float = 0.9) -> Sizing:
     hybrid = vllm_num_blocks(cost, available, disable_hybrid=False) if mixed and ours is not None else None
     ours_hybrid = same = None
     if hybrid is not None:
-        layout = hybrid_layout(cost.layers, cost.model.name)
+        layout = cost.layout or hybrid_layout(cost.layers, cost.model.name)
         ours_hybrid = available // layout.bytes_per_block
         same = [list(g.layers) for g in layout.groups] == vllm_groups(cost)
     return Sizing(model, gpu, tp, available, ours, theirs, hybrid, ours_hybrid, same)
@@ -149,7 +150,7 @@ def main() -> None:
     for r in rows:
         ours = f"{r.kvsim_blocks:,}" if r.kvsim_blocks is not None else "refused"
         hybrid = (f"{r.vllm_hybrid_blocks:,}" if r.vllm_hybrid_blocks is not None
-                  else "(same)" if r.kvsim_blocks is not None else "(Mamba groups: not yet)")
+                  else "(same)" if r.kvsim_blocks is not None else "-")
         theirs = f"{r.vllm_blocks:,}" if r.vllm_blocks is not None else "-"
         print(f"| {r.model} | {r.gpu} | {r.tp} | {r.available_bytes / 2**30:.2f} | {ours} | {theirs} | {hybrid} |")
 

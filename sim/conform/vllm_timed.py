@@ -47,7 +47,7 @@ def run_timed(
     scheduling: str = "fcfs", async_scheduling: bool = False, sliding_window: int | None = None,
     max_model_len: int | None = None, scheduler_extra: dict[str, Any] | None = None,
     load: float = 1.0, closed_loop: bool = True, offloading: Offloading | None = None,
-    prefix_cache_retention_interval: int | None = 0, layers: Any = None,
+    prefix_cache_retention_interval: int | None = 0, layers: Any = None, mamba_checkpoints: bool = False,
 ) -> list[dict]:
     """Run vLLM's Scheduler (AsyncScheduler if `async_scheduling`) on the cost clock; one record
     per request in workload order (fanned-out samples as their own requests), as
@@ -74,7 +74,7 @@ def run_timed(
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
             prefix_cache_retention_interval=prefix_cache_retention_interval, scheduler_extra=scheduler_extra,
-            layers=layers, **offload_kw)
+            layers=layers, mamba_checkpoints=mamba_checkpoints, **offload_kw)
         env = simpy.Environment()
         run = _TimedRun(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
         if offloading is not None:

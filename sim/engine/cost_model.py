@@ -55,6 +55,7 @@ from kvsim.sim.engine.layers import (
     HybridLayout,
     LayerKV,
     Placement,
+    describe_layers,
     hybrid_layout,
     hybrid_on,
     kv_layers,
@@ -147,6 +148,23 @@ def _number(path: Path, key: str, value: Any, positive: bool = False) -> float:
     return float(value)
 
 
+# GPUs whose gated-delta-net prefill is FlashInfer's in vLLM 0.33 ("auto": compute capability 9.0;
+# 10.x and 12.x also need a CUDA 13 runtime and 128-wide keys, assumed here for the B200),
+# vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py `_resolve_gdn_prefill_backend`
+FLASHINFER_GDN = {"h100-sxm": False, "h200": False, "b200": True}  # name -> needs 128-wide keys
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+
+
+def gdn_checkpoint_alignment(model: ModelSpec, gpu: GpuSpec) -> int | None:
+    """The prefill checkpoint alignment of `model`'s Mamba-state layers on `gpu` in align mode: 64
+    where they are gated-delta-net layers prefilled by FlashInfer (which exports a mid-prefill
+    state), else None (Triton's kernels, Mamba1 and Mamba2 layers: none)."""
+    wide = FLASHINFER_GDN.get(gpu.name)
+    if model.linear_kind != "gated_delta_net" or wide is None or (wide and model.linear_key_head_dim != 128):
+        return None
+    return FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+
+
 class CostModel:
     """Seconds per engine step and KV blocks per GPU for one model on one GPU type."""
 
@@ -162,6 +180,7 @@ class CostModel:
         *,
         disable_hybrid: bool | None = True,
         hybrid_chunked_local: bool = False,
+        prefix_caching: bool = True,
     ):
         tp = tensor_parallel
         if tp < 1 or model.num_heads % tp:
@@ -189,12 +208,29 @@ class CostModel:
         # None as vLLM on CUDA decides), for a model mixing layer kinds: a block holds a page of
         # every layer of one group
         self.layout: HybridLayout | None = None
-        if self.placement is not None and self.placement.approximation is not None \
+        mamba = any(layer.kind == "mamba" for layer in self.layers)
+        if mamba and model.linear_kind != "gated_delta_net" and self.placement_error is None:
+            self.placement_error = ConfigError(  # (a model of state-space layers alone: no groups to check)
+                f"model {model.name}: {describe_layers(self.layers)}; kvsim models vLLM's Mamba groups for "
+                f"gated-delta-net layers (Qwen3-Next), not yet for {model.linear_kind} layers")
+        elif mamba and model.linear_kind != "gated_delta_net":
+            self.placement_error = ConfigError(
+                f"{self.placement_error}. kvsim models vLLM's Mamba groups for gated-delta-net layers (Qwen3-Next), "
+                f"not yet for {model.linear_kind} layers")
+        elif mamba and not disable_hybrid and len(layer_counts(self.layers)) > 1:
+            # vLLM has no fallback for Mamba state beside attention: its groups, the block size
+            # raised to hold a state (vLLM: "align" mode, FlashInfer checkpoints on Hopper)
+            self.layout = hybrid_layout(self.layers, model.name, block_size,
+                                        gdn_checkpoint_alignment(model, gpu) if prefix_caching else None)
+            self.kv_bytes_per_block = self.layout.bytes_per_block
+            self.block_size = self.layout.block_size  # (`layers` keep their pages of `block_size` tokens)
+            self.placement, self.placement_error = Placement(None, None), None
+        elif self.placement is not None and self.placement.approximation is not None \
                 and hybrid_on(model, self.layers, disable_hybrid, hybrid_chunked_local):
             self.layout = hybrid_layout(self.layers, model.name)
             self.kv_bytes_per_block = self.layout.bytes_per_block
             self.placement = Placement(None, None)
-        self.kv_bytes_per_token = self.kv_bytes_per_block // block_size
+        self.kv_bytes_per_token = self.kv_bytes_per_block // self.block_size
         wb = model.weight_dtype_bytes or dt  # a quantized checkpoint's weights (fp8: 1 byte)
         ewb = model.expert_weight_bytes or wb  # experts quantized alone (gpt-oss's MXFP4)
         experts = model.moe_layers * model.num_experts * model.expert_params()  # routed, every layer
@@ -265,6 +301,7 @@ class CostModel:
             KV_CACHE_DTYPES[cfg.kv_cache_dtype],
             disable_hybrid=cfg.disable_hybrid_kv_cache_manager,
             hybrid_chunked_local=cfg.hybrid_chunked_local,
+            prefix_caching=cfg.enable_prefix_caching,
         )
 
     def experts_touched(self, tokens: int) -> float:

@@ -24,12 +24,14 @@ groups (`hybrid_layout`, `kvcache.hybrid`) where vLLM on a CUDA host turns its h
 (`hybrid_on`), and otherwise the fallback, `place`: vLLM's `--disable-hybrid-kv-cache-manager`
 (kv_cache_planning.py `_promote_local_kv_cache_specs`: every layer keeps every token's K/V, the
 window still bounds what attention reads). One with Mamba-state layers has no such fallback in
-vLLM, and kvsim does not model its groups yet: refused.
+vLLM: its groups always (`hybrid_layout` raises the attention block size until an attention page
+holds a Mamba state, as vLLM's `_align_hybrid_block_size` does).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from math import lcm
 
 from kvsim.kvcache.groups import GroupSpec
 from kvsim.sim.engine.catalog import ConfigError, ModelSpec
@@ -130,8 +132,8 @@ def place(model: ModelSpec, layers: tuple[LayerKV, ...]) -> Placement:
     if "mamba" in kinds:
         raise ConfigError(
             f"model {model.name}: {describe_layers(layers)}. vLLM keeps state-space state in KV-cache groups of "
-            "its own beside attention's, in one pool (its hybrid KV-cache manager, with no fallback for such a "
-            "model); kvsim does not model those groups yet, so it cannot size or run this model's cache")
+            "its own beside attention's, in one pool, and has no fallback without them: "
+            "--disable-hybrid-kv-cache-manager cannot run this model")
     approx = (f"{model.name} mixes {', '.join(f'{n} {layer.describe()}' for layer, n in counts)} layers, kept as "
               "vLLM keeps them with its hybrid KV-cache manager off (--disable-hybrid-kv-cache-manager; vLLM's "
               "default for chunked local attention): every layer keeps every token's K/V in one group, so blocks "
@@ -148,7 +150,7 @@ def hybrid_on(model: ModelSpec, layers: tuple[LayerKV, ...], disable: bool | Non
     without that variable; asked for where vLLM would turn it off: ConfigError, as vLLM's
     ValueError. Only a model mixing layer kinds has more than one group either way."""
     if disable:
-        return False
+        return False  # (a model with Mamba-state layers has no fallback: `place` refuses it)
     needs_off = any(layer.kind == "chunked_local" for layer in layers) and not chunked_local
     if disable is False and needs_off:
         raise ConfigError(f"model {model.name}: vLLM turns the hybrid KV-cache manager off for chunked local "
@@ -168,7 +170,7 @@ class Group:
     def spec(self, block_size: int) -> GroupSpec:
         """The block manager's spec of this group (`kvcache.groups`)."""
         kind = "full" if self.layer.kind == "mla" else self.layer.kind
-        return GroupSpec(kind, block_size, self.layer.window if kind != "full" else None)
+        return GroupSpec(kind, block_size, self.layer.window if kind not in ("full", "mamba") else None)
 
 
 @dataclass(frozen=True)
@@ -179,12 +181,22 @@ class HybridLayout:
     groups: tuple[Group, ...]
     group_size: int
     bytes_per_block: int
+    block_size: int | None = None  # the attention block size raised for Mamba state (None: as configured)
+    mamba_page_bytes: int = 0  # a Mamba state's own bytes, before padding to the page
+    # the Mamba layers' prefill checkpoint grid (vLLM's MambaSpec.prefill_checkpoint_alignment: the
+    # block size where they export a mid-prefill state, FlashInfer's gated delta net); None: none
+    checkpoint_alignment: int | None = None
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.layer.kind == "mamba" for g in self.groups)
 
     def table(self, block_size: int) -> list[dict]:
         """One record a group, in vLLM's group order: its kind, window, layers, block size and the
         bytes one block of it takes (the pool's block: every group's is the same size)."""
+        bs = self.block_size or block_size
         return [{"group": i, "kind": g.layer.kind, "window": g.layer.window, "layers": list(g.layers),
-                 "block_size": block_size, "bytes_per_block": self.bytes_per_block}
+                 "block_size": bs, "bytes_per_block": self.bytes_per_block}
                 for i, g in enumerate(self.groups)]
 
     def describe(self) -> str:
@@ -196,7 +208,24 @@ class HybridLayout:
                 f"{self.bytes_per_block:,} bytes a block")
 
 
-def hybrid_layout(layers: tuple[LayerKV, ...], name: str = "this model") -> HybridLayout:
+def mamba_block_size(layers: tuple[LayerKV, ...], block_size: int, checkpoint_alignment: int | None) -> int:
+    """The block size vLLM 0.33 gives a model with Mamba-state layers beside attention
+    (vllm/platforms/interface.py `Platform._align_hybrid_block_size`): the least multiple of the
+    kernel alignment whose attention page holds the largest Mamba state, rounded to the attention
+    kernel's 16 tokens; the configured size if that is larger. The kernel alignment is
+    max(16, block_size), made a multiple of the layers' prefill checkpoint alignment in align mode
+    (FlashInfer's gated-delta-net prefill: 64; `checkpoint_alignment` None: 1). `layers` are sized
+    at `block_size`."""
+    per_token = max(x.page_bytes for x in layers if x.kind not in ("mamba", "none")) // block_size
+    state = max(x.page_bytes for x in layers if x.kind == "mamba")
+    align = lcm(max(16, block_size), checkpoint_alignment or 1)
+    size = align * -(-state // (align * per_token))
+    size = 16 * -(-size // 16)
+    return max(size, block_size)
+
+
+def hybrid_layout(layers: tuple[LayerKV, ...], name: str = "this model", block_size: int = 16,
+                  checkpoint_alignment: int | None = None) -> HybridLayout:
     """vLLM 0.33's grouping (vllm/v1/core/kv_cache_planning.py `get_kv_cache_groups`, then
     `_get_kv_cache_groups_uniform_page_size`) of attention layers whose pages are one size:
 
@@ -207,10 +236,24 @@ def hybrid_layout(layers: tuple[LayerKV, ...], name: str = "this model") -> Hybr
       (interleaved), the last ones padded;
     - one block of the shared pool holds a page of every layer of a group: size x page bytes.
 
-    A model whose layers are all alike has one group of every layer. Mixed page sizes (Mamba
-    state beside attention) need vLLM's page unification and hybrid block-size alignment, not
-    modelled yet: ConfigError."""
+    A model whose layers are all alike has one group of every layer. With Mamba-state layers the
+    block size is raised (`mamba_block_size`, `layers` sized at `block_size`) and each state padded
+    to the attention page (`mamba_page_size_padded`), so every page is one size. Other mixed page
+    sizes: ConfigError."""
+    if any(layer.kind == "mamba" for layer in layers) and len(layer_counts(layers)) > 1:
+        raised = mamba_block_size(layers, block_size, checkpoint_alignment)
+        page = max(x.page_bytes for x in layers if x.kind not in ("mamba", "none")) // block_size * raised
+        padded = tuple(x if x.kind == "none" else replace(x, page_bytes=page) for x in layers)
+        state = max(x.page_bytes for x in layers if x.kind == "mamba")
+        return replace(_uniform_layout(padded, name), block_size=raised, mamba_page_bytes=state,
+                       checkpoint_alignment=raised if checkpoint_alignment else None)
+    return _uniform_layout(layers, name)
+
+
+def _uniform_layout(layers: tuple[LayerKV, ...], name: str) -> HybridLayout:
+    """`hybrid_layout` of layers whose pages are one size (ConfigError otherwise)."""
     counts = layer_counts(layers)
+
     if len(counts) == 1:
         only, n = counts[0]
         return HybridLayout((Group(only, tuple(i for i, x in enumerate(layers) if x == only)),), n, n * only.page_bytes)

@@ -97,9 +97,19 @@ HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defrag
 def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
     """vLLM's hybrid manager for the cost model's groups (`sim.engine.layers.hybrid_layout`); what
     kvsim models only for one group is refused with the way to run the model without groups."""
-    if cfg.prefix_cache_retention_interval and not any(g.layer.kind == "sliding_window" for g in cost.layout.groups):
+    layout = cost.layout
+    if cfg.prefix_cache_retention_interval and not any(g.layer.kind in ("sliding_window", "mamba")
+                                                       for g in layout.groups):
         raise ConfigError(f"prefix_cache_retention_interval {cfg.prefix_cache_retention_interval}: {cfg.model}'s cache "
-                          "has no sliding-window group, so retention has no effect (vLLM refuses it); set 0 or none")
+                          "has no sliding-window or Mamba group, so retention has no effect (vLLM refuses it); set 0 "
+                          "or none")
+    if layout.has_mamba and cfg.enable_prefix_caching and not cfg.enable_chunked_prefill:
+        raise ConfigError(f"enable_chunked_prefill false: vLLM runs {cfg.model}'s Mamba state with prefix caching only "
+                          "with chunked prefill (model_executor/models/config.py asserts it)")
+    if layout.has_mamba and not cfg.enable_prefix_caching:
+        raise ConfigError(f"enable_prefix_caching false: {cfg.model}'s Mamba state without prefix caching is vLLM's "
+                          "'none' cache mode (one state block a request), which kvsim does not model; kvsim models "
+                          "the 'align' mode vLLM runs with prefix caching on")
     for field, what in HYBRID_REFUSES:
         if getattr(cfg, field):
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "
@@ -110,13 +120,14 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
                           "preemption 'recompute' only")
     return HybridKVCacheManager(
         cost.num_gpu_blocks(cfg),
-        [g.spec(cfg.block_size) for g in cost.layout.groups],
+        [g.spec(cost.block_size) for g in layout.groups],
         enable_caching=cfg.enable_prefix_caching,
         eviction=cfg.eviction,
         watermark=cfg.watermark,
         prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
         in_flight_tokens=cfg.batch_limits()[0],  # one step in flight (sync output)
         max_model_len=cfg.max_model_len,
+        mamba_checkpoint_alignment=layout.checkpoint_alignment,
         vllm_version=cfg.vllm_version,
     )
 
@@ -175,7 +186,7 @@ def simulate(
     summary = summarize(
         steps,
         requests,
-        block_size=cfg.block_size,
+        block_size=manager.block_size,
         num_gpu_blocks=manager.num_blocks,
         slo_ttft=cfg.slo_ttft,
         slo_tpot=cfg.slo_tpot,

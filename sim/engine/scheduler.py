@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import replace
 
 from kvsim.kvcache.admission import AllocStatus
+from kvsim.kvcache.mamba import aligned_chunk
 from kvsim.kvcache.manager import KVCacheManager, cdiv
 from kvsim.kvcache.profiles import profile
 from kvsim.kvcache.sequence import Sequence
@@ -72,6 +73,11 @@ class Scheduler:
         self.max_len = cfg.max_model_len
         self.prefill = PrefillRules(cfg, profile(cfg.vllm_version))  # the release's rules, from the config
         self._chunk = self.prefill.long_prefill  # this step's cap on a request's chunk (0: none), see schedule
+        # Mamba groups in align mode: (block size, checkpoint alignment); chunks end on block
+        # boundaries (kvcache.mamba.aligned_chunk), within the configured chunk limit
+        self.mamba = getattr(manager, "mamba_split", None)
+        limit = self.prefill.long_prefill
+        self.max_prefill = min(self.max_tokens, limit) if limit > 0 else self.max_tokens
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
@@ -176,6 +182,8 @@ class Scheduler:
         if conn is not None:
             conn.begin_step(now)
         b = Batch(start=now)
+        if self.mamba is not None:
+            self.m.new_step_starts()
         self._chunk = prefill.chunk_cap(self.eligible()) if prefill.long_prefill else 0
         cadence = prefill.cadence is not None
         if cadence:
@@ -250,6 +258,8 @@ class Scheduler:
                 n = budget
             if max_len is not None and n > max_len - c - 1:
                 n = max_len - c - 1
+            if self.mamba is not None:  # vLLM: a request left with 0 tokens is skipped this step
+                n = self._mamba_chunk(seq, c, n)
             if n <= 0:
                 continue
             if alloc(seq, n, 0, None, la) is None:
@@ -404,6 +414,8 @@ class Scheduler:
             if prefill.held and hit < seq.num_tokens - 1:  # the cadence holds prompts back (loads still start)
                 break
             n = self._admission_tokens(seq, hit, budget, held)
+            if n and self.mamba is not None:
+                n = self._mamba_chunk(seq, hit, n)
             if not n:
                 break
             got = m.allocate_slots(seq, n, 0 if blocks is None else hit, blocks, self.lookahead, watermark=held,
@@ -438,6 +450,12 @@ class Scheduler:
         if n > budget:
             return 0 if not self.chunked and held else budget
         return n
+
+    def _mamba_chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """`n` tokens from `start` cut as vLLM's `Scheduler._mamba_block_aligned_split` cuts them."""
+        bs, alignment = self.mamba
+        return aligned_chunk(start, n, seq.num_prompt_tokens, seq.num_tokens, self.m.junctions.get(seq.seq_id, 0),
+                             bs, alignment, self.max_prefill)
 
     def _retire_never_fits(self, live: Live, now: float) -> None:
         """A request that cannot fit even with nothing else holding blocks: truncated once it has output."""

@@ -202,7 +202,9 @@ class Shortcuts:
         self.windows = m.num_groups > 1  # (one group's window turns lazy decodes off)
         # BlockedHead's arithmetic, with the whole-fit gate: one group's without a window, or the
         # hybrid manager's own (`allocation_deficit`, `watch_hit`), with no lookahead slots
-        self.heads = on and m.sliding_window is None and whole_fit and (m.num_groups == 1 or not lookahead)
+        # (not with Mamba groups: a hit hashed this step fails until the next, whatever is free)
+        self.heads = on and m.sliding_window is None and whole_fit and (m.num_groups == 1 or not lookahead) \
+            and not getattr(m, "has_mamba", False)
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
         self.records = self.decodes and m.records_ops

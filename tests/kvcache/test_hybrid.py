@@ -205,7 +205,7 @@ def test_a_window_returns_its_blocks_as_the_request_decodes():
 def test_refuses_groups_of_different_block_sizes_and_retention_without_a_window():
     with pytest.raises(ValueError, match="different block sizes"):
         HybridKVCacheManager(64, [GroupSpec("full", 16), GroupSpec("sliding_window", 32, 64)])
-    with pytest.raises(ValueError, match="no sliding-window group"):
+    with pytest.raises(ValueError, match="no sliding-window or Mamba group"):
         HybridKVCacheManager(64, [FULL, CHUNK8], prefix_cache_retention_interval=16)
 
 

@@ -31,8 +31,9 @@ def test_a_model_says_what_it_read_its_blocks_and_its_steps_against_the_roofline
     assert "step, decode 64 x 2k: 7.41 ms (memory-bound; the roofline's 5.13 ms)" in out
     fp8 = _out("deepseek-v3", "--gpu", "h200", "--tp", "8", "--kv-cache-dtype", "fp8")
     assert "blocks: 88,254 of 16 tokens" in fp8 and "562,176 bytes a block" in fp8
-    refused = _out("qwen3-next-80b-a3b", "--tp", "4")
-    assert "blocks: none: model qwen3-next-80b-a3b" in refused and "step, prefill 2k: 17.68 ms" in refused
+    nxt = _out("qwen3-next-80b-a3b", "--tp", "4")  # Mamba groups: the block size raised to hold a state
+    assert "blocks: 8,961 of 320 tokens on 4 x h100-sxm, one pool for 4 groups" in nxt
+    assert "block size: 320 tokens, not 16" in nxt and "step, prefill 2k: 17.68 ms" in nxt
 
 
 def test_an_unknown_model_names_the_whole_catalog_and_exits_2():

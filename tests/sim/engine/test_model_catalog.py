@@ -90,13 +90,26 @@ def test_a_model_mixing_windows_keeps_vllms_hybrid_groups_or_its_fallback_and_sa
     assert dense.approximation is None
 
 
-def test_a_model_with_gated_delta_net_layers_is_refused_with_what_it_holds():
-    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=4, num_gpu_blocks=1000).validate()
-    cost = CostModel.from_config(cfg)  # it is priced (a step has a time) ...
-    assert cost.step_time(0, 8, 8000, 8) > 0
-    with pytest.raises(ConfigError, match=r"^model qwen3-next-80b-a3b: 48 layers: 36 state-space \(Mamba or gated-delta-net\) state, 12 full "
-                                          r"attention; .* kvsim does not model those groups yet"):
-        cost.num_gpu_blocks(cfg)  # ... but its cache is not sized, even with --num-gpu-blocks
+@pytest.mark.parametrize(("gpu", "tp", "block", "alignment"), [
+    ("h100-sxm", 4, 320, 320), ("h100-sxm", 1, 576, 576), ("h200", 2, 576, 576),
+    ("a100-80g", 4, 272, None), ("a100-80g", 1, 544, None)])
+def test_a_gated_delta_net_hybrid_gets_vllms_raised_block_size_and_padded_pages(gpu, tp, block, alignment):
+    # vllm/platforms/interface.py _align_hybrid_block_size: Qwen3-Next's state at TP 4 is
+    # (3 x 8192/4 + 32/4 x 128 x 128) x 2 = 274,432 bytes; an attention token 1 KV head x 256 x 2 x 2 =
+    # 1,024 bytes. Hopper prefills with FlashInfer (checkpoint alignment 64): 64 x cdiv(274,432, 64 x
+    # 1,024) = 320; the A100 with Triton's kernels (16): 16 x 17 = 272. TP 1: 1,097,728 / 2,048 bytes
+    cost = CostModel.from_config(SimConfig(model="qwen3-next-80b-a3b", gpu=gpu, tensor_parallel=tp).validate())
+    layout = cost.layout
+    assert (cost.block_size, layout.block_size, layout.checkpoint_alignment) == (block, block, alignment)
+    per_token = (1 if tp > 1 else 2) * 256 * 2 * 2
+    # every page padded to the attention page; groups of 12: three of gated-delta-net layers, then full attention
+    assert layout.bytes_per_block == cost.kv_bytes_per_block == 12 * block * per_token
+    assert [g.layer.kind for g in layout.groups] == ["mamba"] * 3 + ["full"]
+    assert [g.layers[:2] for g in layout.groups] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    with pytest.raises(ConfigError, match="no fallback without them"):  # vLLM has none for Mamba state
+        CostModel.from_config(SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=4,
+                                        disable_hybrid_kv_cache_manager=True).validate()).num_gpu_blocks(
+            SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=4))
 
 
 def test_sliding_layers_read_at_most_their_window():
@@ -165,10 +178,11 @@ def test_block_counts_equal_vllms_sizing_functions_on_h100_and_h200():
         (14_150, 14_150)
     scout = by["llama-4-scout", "h200"]
     assert scout.kvsim_blocks == scout.vllm_blocks < scout.vllm_hybrid_blocks
-    assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks is None
+    assert by["qwen3-next-80b-a3b", "h200"].kvsim_blocks == 7_636  # 12 x 576 tokens x 1,024 bytes a block
     # kvsim's grouping (layers.hybrid_layout) is vLLM's: the same layers in the same groups, the same blocks
     mixed = [r for r in rows if r.vllm_hybrid_blocks is not None]
-    assert {r.model for r in mixed} == {"gemma-3-12b", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout"}
+    assert {r.model for r in mixed} == {"gemma-3-12b", "gemma-3-27b", "gpt-oss-20b", "gpt-oss-120b", "llama-4-scout",
+                                        "qwen3-next-80b-a3b"}
     for r in mixed:
         assert r.groups_equal and r.kvsim_hybrid_blocks == r.vllm_hybrid_blocks, r
 
