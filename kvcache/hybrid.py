@@ -162,7 +162,7 @@ class HybridKVCacheManager(PoolView):
         """Whether a decode token landing mid-block leaves everything as it is: where every window
         is a multiple of the block size, a window lets go of a block only when a token lands on a
         block's last slot (a chunk on its first)."""
-        return not self._mamba and all(w % self.block_size == 0 for _, _, _, w in self._windowed)
+        return all(w % self.block_size == 0 for _, _, _, w in self._windowed)
 
     def new_step_starts(self) -> None:
         """A scheduling step begins: hits hashed in the last one may be taken again
@@ -282,8 +282,7 @@ class HybridKVCacheManager(PoolView):
         skipped blocks back to the pool, then the sum over groups against the free blocks; the
         hits are taken by every group before any group takes new blocks, and new blocks are taken
         group by group. Returns the new blocks of all groups, or None (only skipped blocks freed)."""
-        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit \
-                and not self._mamba:
+        if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit:
             decoded = self.decode_slot(seq, watermark)
             if decoded is not False:
                 return decoded
@@ -333,7 +332,8 @@ class HybridKVCacheManager(PoolView):
         """`allocate_slots(seq, 1)` for a running sequence's next token, the same effects in fewer
         steps: every group's table has one length (null blocks hold a window's place), so the token
         takes a block in every group or in none; the windows' skipped blocks go back first, as in
-        the general path. False: the general path must decide (a sequence with no blocks yet)."""
+        the general path; a Mamba group's new block is its running state (`MambaAlign.decoded`).
+        False: the general path must decide (a sequence with no blocks yet)."""
         sid, bs = seq.seq_id, self.block_size
         tables = self.tables
         first = tables[0].get(sid)
@@ -351,15 +351,18 @@ class HybridKVCacheManager(PoolView):
             for g, (t, block) in enumerate(zip(tables, new, strict=True)):
                 t[sid].append(block)
                 self._hold(g, 1)
+        for ma in self._mamba.values():
+            ma.decoded(sid, len(first), bool(new))
         self.ops.counts["write"] += 1
         if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
             self._cache(seq, c + 1)
         return new
 
     def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
-        """Return the blocks `seq`'s windows no longer read at `computed` tokens (default: its computed
-        tokens) to the pool, each group's last first (vLLM's `remove_skipped_blocks`, which
-        `allocate_slots` runs first). A window whose last skipped block is null already has none to give."""
+        """Return the blocks `seq`'s windows and Mamba states no longer need at `computed` tokens
+        (default: its computed tokens) to the pool, each group's last first (vLLM's
+        `remove_skipped_blocks`, which `allocate_slots` runs first). A window whose last skipped
+        block is null already has none to give."""
         sid, bs = seq.seq_id, self.block_size
         c = seq.num_computed_tokens if computed is None else computed
         null, tables = self.null_block, self.tables
@@ -371,6 +374,8 @@ class HybridKVCacheManager(PoolView):
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
                     removed.append((g, null_skipped(spec, table, c, null)))
         for g, ma in self._mamba.items():
+            if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
+                ma.checkpoints.pop(sid, None)
             table = tables[g].get(sid)
             if table:
                 removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]

@@ -135,6 +135,14 @@ class MambaAlign:
         self.allocated.add(sid)
         return new
 
+    def decoded(self, sid: str, length: int, took: bool) -> None:
+        """A decode token's allocation (`allocate_new_blocks` with no checkpoint: a 1-token chunk
+        holds no boundary inside): `took`, the table (now `length` long) got its next state block."""
+        self.checkpoints.pop(sid, None)
+        if took:
+            self.last_state[sid] = length - 2
+        self.allocated.add(sid)
+
     def skipped(self, sid: str, table: list[KVCacheBlock], processed: int) -> list[list[KVCacheBlock]]:
         """Take out of `table` the blocks no longer needed at `processed` computed tokens: those
         before the last token's block not let go yet, last first, then the previous allocation's

@@ -26,7 +26,7 @@ Lazy decodes stay off where `allocate_slots` does more (a sliding window with on
 lookahead slots; `decode_shortcuts`), under priority scheduling and where a step's budget is below
 max_num_seqs. vLLM's hybrid groups keep them where every window is a multiple of the block size:
 a window then lets go of a block only on a block's last slot (a chunk on its first), which are
-visited; their blocks fill eagerly (not `fills`: a window may drop a block before a deferred
+visited, and a Mamba group of its previous state on a block's second slot, visited too; their blocks fill eagerly (not `fills`: a window may drop a block before a deferred
 caching). The blocked-head skip stays off with a window or several groups. The async scheduler
 takes neither (`Scheduler.has_shortcuts`).
 """
@@ -200,6 +200,8 @@ class Shortcuts:
         self.decodes = on and decodes_fit and m.decode_shortcuts and not (lookahead or priority)
         self.decode_slot = m.decode_slot if self.decodes else None
         self.windows = m.num_groups > 1  # (one group's window turns lazy decodes off)
+        # a Mamba group lets the previous state go at a block's second slot: visited, lazy after it
+        self.mamba = getattr(m, "has_mamba", False)
         # BlockedHead's arithmetic, with the whole-fit gate: one group's without a window, or the
         # hybrid manager's own (`allocation_deficit`, `watch_hit`), with no lookahead slots
         # (not with Mamba groups: a hit hashed this step fails until the next, whatever is free)
@@ -254,7 +256,7 @@ class Shortcuts:
             if got is None or got is False:
                 return False
             self._counted += 1  # the manager counted its write
-        last = self.lazy.window(seq, c)
+        last = self.lazy.window(seq, c) if r or not self.mamba else 0
         if live.target - c - 3 < last:  # visited at the step sampling its last token
             last = live.target - c - 3
         if last > 0:

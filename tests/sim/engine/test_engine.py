@@ -299,3 +299,25 @@ def test_hybrid_groups_decode_lazily_under_preemption(monkeypatch: pytest.Monkey
     fast = simulate(_mixed(), cfg)
     assert lazy and fast.summary["preemptions"] > 0
     pd.testing.assert_frame_equal(fast.steps, simulate(_mixed(), cfg.replace(shortcuts=False)).steps)
+
+
+@pytest.mark.parametrize(("gpu", "budget", "groups_blocks"), [("h100-sxm", 64, 6), ("h100-sxm", 512, 40),
+                                                              ("a100-80g", 256, 7)])
+def test_shortcuts_change_nothing_with_mamba_groups(monkeypatch: pytest.MonkeyPatch, gpu: str, budget: int,
+                                                    groups_blocks: int) -> None:
+    """Qwen3-Next's gated-delta-net groups decode lazily too: a state block is let go at the first
+    decode after the next one is taken (a block's second slot, which goes lazy after it), so the
+    tables equal visiting everyone, under preemption."""
+    from kvsim.sim.engine.cost_model import CostModel
+
+    lazy = []
+    drop = LazyDecodes.drop
+    monkeypatch.setattr(LazyDecodes, "drop", lambda lazies, live, k: (lazy.append(k), drop(lazies, live, k)))
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu=gpu, max_num_batched_tokens=budget,
+                    max_num_seqs=32)
+    cfg = cfg.replace(num_gpu_blocks=groups_blocks * len(CostModel.from_config(cfg).layout.groups))
+    fast = simulate(_mixed(), cfg)
+    slow = simulate(_mixed(), cfg.replace(shortcuts=False))
+    pd.testing.assert_frame_equal(fast.steps, slow.steps)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
+    assert lazy
