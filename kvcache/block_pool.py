@@ -73,6 +73,8 @@ class BlockPool:
         self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
         self._on_evict = self.policy.on_evict if overrides(self.policy, "on_evict") else None
         self._pins = overrides(self.policy, "is_pinned")
+        # exact LRU: its queue popped and the blocks taken in one pass (`_pop_counted`)
+        self._lru = self.policy.queue if type(self.policy) is LRU else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +109,8 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         if not self.ops.enabled and self._on_evict is None:
+            if self._lru is not None:
+                return self._pop_counted(n)
             return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
         evicted = []
@@ -128,6 +132,44 @@ class BlockPool:
         if self.tracker is not None:
             self.tracker.use_distinct([b.block_id for b in blocks])
         return blocks
+
+    def _pop_counted(self, n: int) -> list[KVCacheBlock]:
+        """`_take_counted(LRU.pop_n(n))` in one pass over the queue's first `n` blocks."""
+        q = self._lru
+        head = q._head
+        block = head.next
+        cached, evicted, top = self.cached, 0, 0
+        out = []
+        for _ in range(n):
+            b = block
+            block = b.next
+            b.prev = b.next = None
+            key = b.block_hash
+            if key is not None:
+                if cached[key] is b:
+                    del cached[key]
+                else:
+                    self._unshare(key, b)
+                b.block_hash = None
+                evicted += 1
+            b.ref_cnt = 1
+            if b.block_id > top:
+                top = b.block_id
+            out.append(b)
+        head.next = block
+        block.prev = head
+        q.num_free_blocks -= n
+        if evicted:
+            self.ops.counts["evict"] += evicted
+            self.num_evictions += evicted
+            self.num_cached_free -= evicted
+        tracker = self.tracker
+        if tracker is not None and out:  # an IdSpan keeps just the count and the top id
+            if type(tracker) is IdSpan:
+                tracker.use(n, top)
+            else:
+                tracker.use_distinct([b.block_id for b in out])
+        return out
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
@@ -205,7 +247,7 @@ class BlockPool:
         with `free_first`, uncached ones at the front, cached ones at the back."""
         if self.free_first and not self._pins and not self.ops.enabled \
                 and (self.tracker is None or type(self.tracker) is IdSpan):
-            return self._free_counted(ordered)
+            return self._free_lru(ordered) if self._lru is not None else self._free_counted(ordered)
         freed = []  # reaching 0, in order
         first = []  # of those, the ones to reuse first (uncached, with free_first)
         later = []  # of those, the cached ones (to the back, with free_first)
@@ -239,6 +281,62 @@ class BlockPool:
         else:
             self.policy.free_first(first)
             self.policy.free(later)
+
+    def _free_lru(self, ordered: list[KVCacheBlock]) -> None:
+        """`_free_counted` under exact LRU in one pass: the blocks reaching 0 are linked into two
+        chains as their references drop (uncached ones for the queue's front, cached ones for its
+        back), then spliced in, as `prepend_n` and `append_n` would put them."""
+        null = self.null_block
+        f_head = f_tail = l_head = l_tail = None
+        nf = nl = 0
+        for b in ordered:
+            if b is null:
+                continue
+            rc = b.ref_cnt - 1
+            if rc:
+                if rc < 0:
+                    raise ValueError(f"double free of block {b.block_id}")
+                b.ref_cnt = rc
+                continue
+            b.ref_cnt = 0
+            if b.block_hash is None:
+                if f_tail is None:
+                    f_head = b
+                else:
+                    f_tail.next = b
+                    b.prev = f_tail
+                f_tail = b
+                nf += 1
+            else:
+                if l_tail is None:
+                    l_head = b
+                else:
+                    l_tail.next = b
+                    b.prev = l_tail
+                l_tail = b
+                nl += 1
+        if not nf and not nl:
+            return
+        q = self._lru
+        if f_head is not None:  # in front, in their order (prepend_n)
+            head = q._head
+            first = head.next
+            f_head.prev = head
+            head.next = f_head
+            f_tail.next = first
+            first.prev = f_tail
+        if l_head is not None:  # at the back, in their order (append_n)
+            tail = q._tail
+            last = tail.prev
+            l_head.prev = last
+            last.next = l_head
+            l_tail.next = tail
+            tail.prev = l_tail
+        q.num_free_blocks += nf + nl
+        self.num_cached_free += nl
+        self.ops.counts["free"] += nf + nl
+        if self.tracker is not None:
+            self.tracker.release(nf + nl, ordered)
 
     def _free_counted(self, ordered: list[KVCacheBlock]) -> None:
         """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
@@ -284,22 +382,9 @@ class BlockPool:
             self.policy.free(later)
 
     def free_each(self, lists: list[list[KVCacheBlock]]) -> None:
-        """`free_blocks(blocks)` for each of `lists` in turn (the hybrid manager frees its groups so).
-        With exact LRU and `free_blocks`'s one-pass conditions, in one pass: each call would put its
-        uncached blocks in front of the queue (so a later call's come before an earlier one's) and
-        its cached ones at the back (in call order)."""
-        if len(lists) == 1 or type(self.policy) is not LRU or not self.free_first or self._pins \
-                or self.ops.enabled or (self.tracker is not None and type(self.tracker) is not IdSpan):
-            for blocks in lists:
-                self.free_blocks(blocks)
-            return
-        firsts, later, among = [], [], []
+        """`free_blocks(blocks)` for each of `lists` in turn (the hybrid manager frees its groups so)."""
         for blocks in lists:
-            first: list[KVCacheBlock] = []
-            self._drop_refs(blocks, first, later)
-            firsts.append(first)
-            among += blocks
-        self._to_policy([b for f in reversed(firsts) for b in f], later, among)
+            self.free_blocks(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no

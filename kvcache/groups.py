@@ -203,14 +203,20 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
                  null: KVCacheBlock) -> list[KVCacheBlock]:
     """Put the null block in place of the blocks the group no longer reads, from the last of them
     back to the first one already null; returns the blocks taken out, last first
-    (`SingleTypeKVCacheManager.remove_skipped_blocks` / `_remove_blocks_in_range`)."""
-    skipped = spec.skipped_tokens(num_computed) // spec.block_size
-    removed = []
-    for i in range(min(skipped, len(blocks)) - 1, -1, -1):
-        if blocks[i] is null:
-            break
-        removed.append(blocks[i])
-        blocks[i] = null
+    (`SingleTypeKVCacheManager.remove_skipped_blocks` / `_remove_blocks_in_range`). A window's or
+    chunk's table holds its null blocks first (its hit's skipped blocks, then those let go), so the
+    first one not null is found by bisection and the run replaced in one slice."""
+    end = min(spec.skipped_tokens(num_computed) // spec.block_size, len(blocks))
+    lo, hi = 0, end
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid] is null:
+            lo = mid + 1
+        else:
+            hi = mid
+    removed = blocks[lo:end]
+    removed.reverse()
+    blocks[lo:end] = [null] * (end - lo)
     return removed
 
 

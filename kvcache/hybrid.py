@@ -132,7 +132,7 @@ class HybridKVCacheManager(PoolView):
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
-        self._watch: set[int] = set()  # a blocked head's keys, every group's (`watch_hit`)
+        self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
         self._watch_added = False
         self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
         # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
@@ -444,9 +444,9 @@ class HybridKVCacheManager(PoolView):
                 kept = ranges[spec, n_cached] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
             for a, b in kept:
                 self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
-                if self._watch and not self._watch_added:
-                    salt, watch = self.salts[g], self._watch
-                    self._watch_added = any(keys[i] ^ salt in watch for i in range(a, b))
+                if self._watch and not self._watch_added:  # (a key cached in any group)
+                    watch = self._watch
+                    self._watch_added = any(keys[i] in watch for i in range(a, b))
                 if g in self._mamba:  # hashed this step: not a hit before the next
                     self._mamba[g].cached_this_step.update(table[i].block_hash for i in range(a, b)
                                                            if table[i] is not self.null_block)
@@ -540,7 +540,7 @@ class HybridKVCacheManager(PoolView):
         attention, the rightmost run of a window), which a missing key elsewhere leaves as it is."""
         bs, n = self.block_size, (seq.num_tokens - 1) // self.block_size
         keys = seq.hashes_upto(n * bs, bs)[:n] if self.enable_caching and n > 0 else []
-        self._watch = {k ^ salt for salt in self.salts for k in keys}
+        self._watch = set(keys)  # unsalted: `_cache` compares a group's keys before its salt
         self._watch_added = False
         self._watch_evictions = self.pool.num_evictions
         self._watch_hashes = [(b, b.block_hash) for table in hits for b in table if b is not self.null_block]

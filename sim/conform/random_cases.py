@@ -45,7 +45,8 @@ class Case:
         knobs += ["async"] if c.async_scheduling else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
         hybrid = c.model in HYBRID_MODELS
-        knobs += [f"{c.model} on {c.gpu} (hybrid groups)"] if hybrid else []
+        where = f" on {c.gpu}" if c.model in MAMBA_MODELS else ""  # (its block size follows the GPU)
+        knobs += [f"{c.model}{where} (hybrid groups)"] if hybrid else []
         retention = c.prefix_cache_retention_interval
         knobs += [f"retention {retention}"] if (c.sliding_window is not None or hybrid) and retention != 0 else []
         knobs += [f"max-model-len {c.max_model_len}"] if c.max_model_len is not None else []
