@@ -381,11 +381,6 @@ class BlockPool:
         if later:
             self.policy.free(later)
 
-    def free_each(self, lists: list[list[KVCacheBlock]]) -> None:
-        """`free_blocks(blocks)` for each of `lists` in turn (the hybrid manager frees its groups so)."""
-        for blocks in lists:
-            self.free_blocks(blocks)
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `BlockPool.reset_prefix_cache`: only when no
         block is in use (returns False and changes nothing otherwise). Free blocks keep

@@ -127,10 +127,12 @@ class HybridKVCacheManager(PoolView):
         self.tables: tuple[dict[str, list[KVCacheBlock]], ...] = tuple({} for _ in groups)
         self.num_cached: tuple[dict[str, int], ...] = tuple({} for _ in groups)
         self.junctions: dict[str, int] = {}  # seq id -> its shared-prefix boundary, found at lookup
-        # per group, for the run's metrics: blocks held now and at most, blocks a window let go of,
+        # per group, for the run's metrics: its blocks in use now and at most (distinct blocks some
+        # request references: a shared hit counts once), blocks a window let go of,
         # and the hit tokens each group alone offered the requests that took a hit
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
+        self._popped: dict[int, list[int]] = {}  # a popped list's id -> each group's length in it
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
         self._watch_added = False
@@ -385,15 +387,23 @@ class HybridKVCacheManager(PoolView):
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
         """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
         coordinator calls each manager's `remove_skipped_blocks`), counted for their metrics."""
-        self.pool.free_each([blocks for _, blocks in removed])
         for g, blocks in removed:
-            self.held[g] -= len(blocks)
+            self._free_group(g, blocks)
             self.freed_behind[g] += len(blocks)
 
     def _hold(self, g: int, n: int) -> None:
+        """Group g's blocks in use grew by `n` (new blocks, or hits taken out of the free set)."""
         held = self.held[g] = self.held[g] + n
         if held > self.peak[g]:
             self.peak[g] = held
+
+    def _free_group(self, g: int, ordered: list[KVCacheBlock]) -> None:
+        """`free_blocks(ordered)` of group g's blocks; those it returned to the free set leave the
+        group's count (a block shared by requests is in use until its last one lets it go)."""
+        pool = self.pool
+        before = pool.num_free_blocks
+        pool.free_blocks(ordered)
+        self.held[g] -= pool.num_free_blocks - before
 
     def _add_hits(self, sid: str, hits: Hit, computed: int) -> None:
         """A new request's hits join its tables: every group's touched first, with null blocks for
@@ -404,13 +414,14 @@ class HybridKVCacheManager(PoolView):
         for g, spec in enumerate(self.groups):
             skipped = spec.skipped_tokens(computed) // self.block_size
             taken = hits[g][skipped:]
-            if self.enable_caching:
+            if self.enable_caching:  # (those it takes out of the free set are in use now)
+                before = self.pool.num_free_blocks
                 self.pool.touch(taken)
+                self._hold(g, before - self.pool.num_free_blocks)
             table = self.tables[g].setdefault(sid, [])
             table.extend([self.null_block] * skipped)
             table.extend(taken)
             self.num_cached[g][sid] = len(table)
-            self._hold(g, sum(1 for b in taken if b is not self.null_block))
             self.own_hits[g] += own[g] if own is not None else 0
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -460,19 +471,27 @@ class HybridKVCacheManager(PoolView):
     def free(self, seq: Sequence) -> None:
         """Release a finished or recompute-preempted sequence's blocks group by group, each group's
         tail first (`KVCacheCoordinator.free`)."""
-        for blocks in self._pop(seq):
-            self.pool.free_blocks(blocks[::-1])
+        for g, blocks in enumerate(self._pop(seq)):
+            self._free_group(g, blocks[::-1])
 
     def pop_blocks_for_free(self, seq: Sequence) -> list[KVCacheBlock]:
         """Take a sequence's blocks out of its tables without returning them (vLLM 0.33
         `KVCacheCoordinator.pop_blocks_for_free`: the groups' blocks in group order, each without
         its leading null blocks); `free_popped` returns them, from the end."""
         out: list[KVCacheBlock] = []
-        for blocks in self._pop(seq):
+        groups = self._pop(seq)
+        for blocks in groups:
             out.extend(blocks)
+        self._popped[id(out)] = [len(blocks) for blocks in groups]
         return out
 
     def free_popped(self, blocks: list[KVCacheBlock]) -> None:
+        """Return blocks `pop_blocks_for_free` took out, from the end (one free, as vLLM's); each
+        group's blocks its references last held leave its count."""
+        lengths, at, null = self._popped.pop(id(blocks), ()), 0, self.null_block
+        for g, n in enumerate(lengths):
+            self.held[g] -= sum(1 for b in blocks[at:at + n] if b.ref_cnt == 1 and b is not null)
+            at += n
         self.pool.free_blocks(blocks[::-1])
 
     def _pop(self, seq: Sequence) -> list[list[KVCacheBlock]]:
@@ -490,7 +509,6 @@ class HybridKVCacheManager(PoolView):
                 self._mamba[g].forget(sid)
                 lo = next((i for i, b in enumerate(blocks) if b is not null), len(blocks))
                 out.append(blocks[lo:])
-                self.held[g] -= sum(1 for b in blocks if b is not null)
                 continue
             lo, hi = 0, len(blocks)  # its null blocks lead (a window's skipped ones): the first that is not
             while lo < hi:
@@ -500,7 +518,6 @@ class HybridKVCacheManager(PoolView):
                 else:
                     hi = mid
             out.append(blocks[lo:])
-            self.held[g] -= len(blocks) - lo
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -556,7 +573,8 @@ class HybridKVCacheManager(PoolView):
         return True
 
     def group_metrics(self) -> list[dict]:
-        """One record a group: blocks held at most, blocks its window let go of as requests advanced,
+        """One record a group: its blocks in use at most (distinct blocks some request references),
+        blocks its window (or Mamba state) let go of as requests advanced,
         and the hit tokens the group alone offered (the hit every group agrees on is the least)."""
         return [{"peak_blocks": p, "blocks_freed_behind_window": f, "own_hit_tokens": h}
                 for p, f, h in zip(self.peak, self.freed_behind, self.own_hits, strict=True)]

@@ -33,7 +33,7 @@ from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.ops import CHARGED_KINDS
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.frontend import Frontend
-from kvsim.sim.engine.metrics import RequestLog
+from kvsim.sim.engine.metrics import GroupUsage, RequestLog
 from kvsim.sim.engine.quiet import QuietRuns
 from kvsim.sim.engine.scheduler import Batch, Scheduler
 from kvsim.sim.engine.step_log import StepLog
@@ -115,6 +115,8 @@ class Engine:
         self.m = manager
         self.requests = RequestLog()
         self.steps = StepLog(steps_file)  # with a file: streamed into it
+        # vLLM's hybrid KV-cache groups: the blocks each holds after each step (blocks.png)
+        self.group_usage = GroupUsage(manager.num_groups) if getattr(manager, "num_groups", 1) > 1 else None
         self.sched = build_scheduler(cfg, manager, self.requests, cost)
         # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
         # request at its arrival time: open loop
@@ -167,6 +169,7 @@ class Engine:
         env, m, sched, cost, cfg = self.env, self.m, self.sched, self.cost, self.cfg
         count = m.op_counts.get  # NOTE: not [...]: a missing key would call Counter.__missing__
         record = self.steps.record
+        usage = self.group_usage
         defrag = cfg.defrag_threshold is not None
         check = check_invariants if cfg.debug_invariants else None
         S = cfg.step_time
@@ -263,6 +266,8 @@ class Engine:
             sched.update(b, at(end))
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
             record(step_row(at(start), dt, sched, b, deltas, done))
+            if usage is not None:
+                usage.add(m.held)
             if check is not None:
                 check(m)
                 sched.materialize()  # lazy decodes' sequences lag; the check reads them

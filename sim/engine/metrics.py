@@ -144,6 +144,24 @@ REQUEST_COLUMNS: dict[str, Any] = {
 STEP_INDEX_COLUMNS = ("first_scheduled_step", "first_token_step", "finish_step")
 
 
+class GroupUsage:
+    """Blocks each KV-cache group holds after each step (vLLM's hybrid groups: one column a group),
+    one row a row of the steps table; `frame` names the columns `held_0`, `held_1`, ..."""
+
+    def __init__(self, num_groups: int):
+        from array import array
+
+        self.columns = [array("q") for _ in range(num_groups)]
+
+    def add(self, held: list[int]) -> None:
+        for column, n in zip(self.columns, held, strict=True):
+            column.append(n)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame({f"held_{g}": np.frombuffer(c, dtype=np.int64) if len(c) else np.zeros(0, np.int64)
+                             for g, c in enumerate(self.columns)})
+
+
 class RequestLog(Columns):
     """One row per request, added at arrival; ids are kept in a plain list."""
 

@@ -39,6 +39,8 @@ class RunResult:
     requests: pd.DataFrame
     summary: dict[str, Any]
     manager: KVCacheManager | None = None
+    # vLLM's hybrid groups: the blocks each group holds after each step, a row a step (`held_<g>`)
+    group_usage: pd.DataFrame | None = None
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -209,4 +211,5 @@ def simulate(
         if layout is not None:  # each group: its layout and what it did
             summary["kv_cache_groups"] = [{**row, **metrics} for row, metrics in
                                           zip(layout.table(cfg.block_size), manager.group_metrics(), strict=True)]
-    return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager)
+    usage = engine.group_usage.frame() if engine.group_usage is not None else None
+    return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager, usage)

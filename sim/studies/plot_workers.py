@@ -137,7 +137,9 @@ def serve() -> None:
             worker.join()
             if ideal:  # (a workload it could not read gives no line, not a failure)
                 summary = {**summary, "ideal_hit_rate": ideal[0]}
-        result = RunResult(cfg, summary["workload"], folder / "steps.parquet", requests, summary)
+        groups = folder / "groups.parquet"
+        usage = pd.read_parquet(groups) if "blocks.png" in share and groups.is_file() else None
+        result = RunResult(cfg, summary["workload"], folder / "steps.parquet", requests, summary, group_usage=usage)
         plots.write_plots(result, folder, share)
         print("drawn", flush=True)
     except Exception:  # noqa: BLE001 - the command reports it

@@ -7,6 +7,7 @@ MAX_POINTS per line, which changes nothing visible.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -80,7 +81,9 @@ def resample(t: np.ndarray, weight: np.ndarray, columns: dict[str, np.ndarray], 
 
 def plot_blocks(result: RunResult, path: Path) -> None:
     """Where the cache's blocks are over time, as a stacked area (used / free but holding a cached
-    prefix / free and empty), and id-space and internal fragmentation; time-averaged slices."""
+    prefix / free and empty), and id-space and internal fragmentation; time-averaged slices. A run
+    in vLLM's hybrid KV-cache groups adds the blocks each group holds (`summary.json`'s
+    `kv_cache_groups` names them)."""
     st = result.step_columns("time", "duration", "used_blocks", "cached_blocks", "free_blocks",
                              "id_fragmentation", "internal_fragmentation")
     used, cached, free = (st[c].to_numpy().astype(float) for c in ("used_blocks", "cached_blocks", "free_blocks"))
@@ -88,7 +91,13 @@ def plot_blocks(result: RunResult, path: Path) -> None:
         "used": used, "cached": cached, "empty": free - cached,
         "id": st["id_fragmentation"].to_numpy().astype(float),
         "internal": st["internal_fragmentation"].to_numpy() / result.config.block_size})
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.4), sharex=True, height_ratios=(3, 2))
+    usage = result.group_usage
+    groups = result.summary.get("kv_cache_groups") or []
+    if usage is not None and len(usage) == len(st) and len(groups) == usage.shape[1]:
+        fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 8.8), sharex=True, height_ratios=(3, 2.4, 2))
+        _groups_panel(middle, st, usage, groups)
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.4), sharex=True, height_ratios=(3, 2))
     top.stackplot(t, r["used"], r["cached"], r["empty"], step="post", linewidth=0,
                   labels=("used by running requests", "free, holding a cached prefix (evictable)", "free and empty"),
                   colors=("tab:blue", "tab:orange", "0.85"))
@@ -103,6 +112,18 @@ def plot_blocks(result: RunResult, path: Path) -> None:
     bottom.legend(loc="best", fontsize="small")
     fig.suptitle(title(result), fontsize="medium")
     _save(fig, path)
+
+
+def _groups_panel(ax: Any, st: pd.DataFrame, usage: pd.DataFrame, groups: list[dict]) -> None:
+    """The blocks each KV-cache group holds over time, stacked (time-averaged slices)."""
+    names = [f"{g['group']}: {g['kind'].replace('_', ' ')}" + (f" {g['window']:,}" if g.get("window") else "")
+             for g in groups]
+    t, r = resample(st["time"].to_numpy(), st["duration"].to_numpy(),
+                    {name: usage[c].to_numpy().astype(float) for name, c in zip(names, usage.columns, strict=True)})
+    ax.stackplot(t, *(r[n] for n in names), step="post", linewidth=0, labels=names)
+    ax.set_ylabel("blocks in use")
+    ax.set_title("blocks in use by each KV-cache group (one pool; a shared block counts once)", fontsize="medium")
+    ax.legend(loc="upper right", fontsize="x-small", ncol=2 if len(names) > 4 else 1, framealpha=0.9)
 
 
 def plot_hit_rate(result: RunResult, path: Path) -> None:

@@ -2,7 +2,8 @@
 
 A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
-`record_ops`: what `kvsim gpu-replay` reads) and PNG plots. `config.json`
+`record_ops`: what `kvsim gpu-replay` reads), `groups.parquet` (only for a model in vLLM's
+hybrid KV-cache groups: the blocks each group held after each step) and PNG plots. `config.json`
 holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
 (`staged_folder`); a run's steps table and op records stream into a scratch
 folder beside (`run_scratch`) and are copied (the table) or moved (the ops) in
@@ -28,6 +29,7 @@ from kvsim.sim.engine.step_log import release_arrow_memory
 from kvsim.workloads.files import read_json
 
 TABLES = ("steps.parquet", "requests.parquet")
+GROUPS = "groups.parquet"  # a run in vLLM's hybrid groups: the blocks each group held after each step
 
 
 @contextmanager
@@ -81,6 +83,8 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True,
         else:
             result.steps.to_parquet(out / TABLES[0], index=False)
         result.requests.to_parquet(out / TABLES[1], index=False)
+        if result.group_usage is not None:
+            result.group_usage.to_parquet(out / GROUPS, index=False)
         release_arrow_memory()
         (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         if result.config.record_ops and result.manager is not None:
@@ -128,5 +132,6 @@ def load_run(run_dir: str | Path) -> RunResult:
     lacks = [k for k in SUMMARY_KEYS if k not in summary]
     if lacks:
         raise ValueError(f"{d / 'summary.json'}: not a kvsim summary (no {lacks[0]!r})")
+    usage = _table(d / GROUPS) if (d / GROUPS).is_file() else None
     return RunResult(cfg, summary.get("workload", d.name), _table(d / TABLES[0]), _table(d / TABLES[1]),
-                     summary)
+                     summary, group_usage=usage)

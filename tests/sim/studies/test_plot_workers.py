@@ -54,3 +54,24 @@ def test_a_share_whose_helper_died_is_drawn_by_the_command(tmp_path: Path) -> No
         workers._helpers[0][0].wait()
         workers.draw(res, folder)
     assert sorted(p.name for p in folder.glob("*.png")) == sorted(PLOTS)
+
+
+def test_a_run_in_hybrid_groups_keeps_each_groups_blocks_in_use_in_its_folder(tmp_path: Path) -> None:
+    """groups.parquet: one row a step, read back by `load_run` and by the helpers drawing blocks.png."""
+    import pandas as pd
+
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
+    from kvsim.sim.studies.run_folder import load_run
+    from tests.sim.engine.test_engine import _mixed
+
+    result = simulate(_mixed(), SimConfig(model="gpt-oss-20b", num_gpu_blocks=300))
+    with PlotWorkers() as workers:
+        write_run(result, tmp_path / "run", draw=workers.draw)
+    back = load_run(tmp_path / "run")
+    pd.testing.assert_frame_equal(back.group_usage, result.group_usage)
+    assert list(back.group_usage.columns) == ["held_0", "held_1"] and len(back.group_usage) == len(back.steps)
+    assert (tmp_path / "run" / "blocks.png").stat().st_size > 0
+    one = simulate(_mixed(), SimConfig(num_gpu_blocks=300))  # one group: no such table
+    assert one.group_usage is None
+    assert not (write_run(one, tmp_path / "one", plots=False) / "groups.parquet").exists()
