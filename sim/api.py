@@ -200,17 +200,18 @@ def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] |
 def cache_replay(workload: WorkloadLike = None, *, num_blocks: int = 10_000, block_size: int = 16,
                  eviction: str = "lru", max_running: int = 1, **knobs: Any) -> dict[str, Any]:
     """Replay `workload` through the block manager alone (no scheduler, no clock), as
-    `kvsim cache-replay`: its totals and hit rates. `knobs`: `vllm_version`, and KV offloading's
-    (`kv_offloading_size`, `offload_*`, with `model`) for a host tier with instant transfers."""
-    from kvsim.kvcache.manager import KVCacheManager
+    `kvsim cache-replay`: its totals and hit rates. `knobs`: `vllm_version`, `model` (one mixing
+    layer kinds replays in vLLM's hybrid KV-cache groups, with `disable_hybrid_kv_cache_manager` and
+    `prefix_cache_retention_interval`), and KV offloading's (`kv_offloading_size`, `offload_*`, with
+    `model`) for a host tier with instant transfers."""
     from kvsim.kvcache.replay import replay
+    from kvsim.sim.engine.run import replay_manager
     from kvsim.sim.studies.curves import replay_offload
 
     cfg = config(block_size=block_size, eviction=eviction, num_gpu_blocks=num_blocks, **knobs)
     if max_running < 1:
         raise ConfigError(f"max_running must be >= 1, got {max_running}")
-    manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
-                             vllm_version=cfg.vllm_version)
+    manager = replay_manager(cfg, num_blocks)  # a model mixing layer kinds: in its hybrid groups
     result = replay(_open(workload), manager, max_running, None, replay_offload(cfg))
     return result.as_dict()
 

@@ -112,3 +112,25 @@ def test_workload_stats_give_the_ideal_hit_rate(chat):
 
     st = kvsim.workload_stats(chat, 16)
     assert st.requests == 40 and st.ideal_token_hit_rate == describe(chat, 16).ideal_token_hit_rate
+
+
+def test_cache_replay_of_a_model_mixing_layer_kinds_runs_in_its_hybrid_groups():
+    """kvsim.cache_replay / `kvsim cache-replay --model`: the groups `kvsim run` keeps the model in
+    (the manager conformance mode checks this replay against vLLM's KVCacheManager); the fallback
+    is one group keeping every token, as a model without windows."""
+    from kvsim.sim.conform.check import hybrid_layers, kvsim_manager
+    from kvsim.sim.engine.cost_model import CostModel
+
+    wl = list(kvsim.default_workload())
+    groups = kvsim.cache_replay(wl, num_blocks=2100, model="gemma-3-27b")
+    cost = CostModel.from_config(kvsim.config(model="gemma-3-27b"))
+    same = kvsim_manager(wl, block_size=16, num_blocks=2100, max_running=1, enable_caching=True,
+                         vllm_version="0.33", layers=hybrid_layers(cost))
+    assert groups["hit_tokens"] == sum(r["hit_tokens"] for r in same) == 94_704
+    fallback = kvsim.cache_replay(wl, num_blocks=2100, model="gemma-3-27b", disable_hybrid_kv_cache_manager=True)
+    assert fallback["hit_tokens"] == kvsim.cache_replay(wl, num_blocks=2100)["hit_tokens"]
+    # Qwen3-Next: its raised block size (320 tokens at TP 4), 42.44% of the default workload's prompt tokens
+    nxt = kvsim.cache_replay(wl, num_blocks=200, model="qwen3-next-80b-a3b", tensor_parallel=4)
+    assert nxt["hit_tokens"] == 68_800
+    curve = kvsim.curve(wl, capacities=[2100], model="gemma-3-27b")  # its replay mode too
+    assert curve["hit_rate"].tolist() == [groups["hit_rate"]]

@@ -14,15 +14,20 @@ from kvsim.kvcache.eviction import POLICIES, check_policy
 from kvsim.kvcache.profiles import DEFAULT_VERSION
 from kvsim.sim.cli.common import fail, open_workload, staged_file
 from kvsim.sim.cli.options import (
+    DisableHybrid,
+    HybridChunkedLocal,
     KvOffloadingSize,
     Model,
     OffloadAll,
     OffloadBlocksPerChunk,
     OffloadEvictionPolicy,
     OffloadStoreThreshold,
+    RetentionInterval,
     Tp,
     hardware_changes,
+    hybrid_changes,
     offload_changes,
+    retention_changes,
 )
 from kvsim.workloads.names import FORMATS
 
@@ -50,9 +55,13 @@ def cache_replay(
     offload_store_threshold: OffloadStoreThreshold = None,
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
+    disable_hybrid_kv_cache_manager: DisableHybrid = None,
+    hybrid_chunked_local: HybridChunkedLocal = False,
+    prefix_cache_retention_interval: RetentionInterval = None,
 ) -> None:
     """Replay a workload through the block manager and report its prefix-cache hit rate
-    (with --kv-offloading-size, over a host tier with instantaneous transfers)."""
+    (with --kv-offloading-size, over a host tier with instantaneous transfers; with --model, in the
+    model's KV-cache groups where vLLM keeps it in several)."""
     from kvsim.sim.engine.config import check_block_size
 
     offload = None
@@ -69,14 +78,19 @@ def cache_replay(
         raise fail(f"--num-blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
     if max_running < 1:
         raise fail(f"--max-running must be >= 1, got {max_running}")
-    from kvsim.kvcache.manager import KVCacheManager
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import replay_manager
     from kvsim.workloads.default import DEFAULT_SEED
     from kvsim.workloads.errors import WorkloadError
 
     try:
         wl = open_workload(workload, format, skip_bad, DEFAULT_SEED)
-        manager = KVCacheManager(num_blocks, block_size, eviction=eviction, track_ids=False,
-                                 vllm_version=vllm_version)
+        # a model mixing layer kinds replays in vLLM's hybrid KV-cache groups, as `kvsim run` runs it
+        cfg = SimConfig(block_size=block_size, eviction=eviction, vllm_version=vllm_version).replace(
+            **hardware_changes(model, None, tp), **({"kv_offloading_size": kv_offloading_size} if offload else {}),
+            **hybrid_changes(disable_hybrid_kv_cache_manager, hybrid_chunked_local),
+            **retention_changes(prefix_cache_retention_interval))
+        manager = replay_manager(cfg, num_blocks)
     except (WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     with contextlib.ExitStack() as stack:
@@ -92,7 +106,12 @@ def cache_replay(
         typer.echo(json.dumps(summary))
         return
     name = "default workload" if workload is None else str(workload)
-    typer.echo(f"cache replay of {name}: block size {block_size}, {num_blocks:,} blocks, "
+    kinds: dict[str, int] = {}
+    for g in getattr(manager, "groups", ()):
+        kinds[g.describe()] = kinds.get(g.describe(), 0) + 1
+    groups = (f", {manager.num_groups} KV-cache groups ({', '.join(f'{n} {k}' for k, n in kinds.items())})"
+              if manager.num_groups > 1 else "")
+    typer.echo(f"cache replay of {name}: block size {manager.block_size}, {num_blocks:,} blocks{groups}, "
                f"eviction {eviction}, max running {max_running}, vLLM {manager.profile.version} rules")
     typer.echo(f"requests       {result.requests:,} ({result.rejected:,} rejected, {result.truncated:,} truncated, "
                f"{result.preemptions:,} preemptions)")

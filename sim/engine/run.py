@@ -134,6 +134,20 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
     )
 
 
+def replay_manager(cfg: SimConfig, num_blocks: int) -> KVCacheManager | HybridKVCacheManager:
+    """The block manager a cache-only replay of `cfg`'s model runs over `num_blocks` blocks (vLLM's
+    count, null block included): vLLM's hybrid KV-cache groups where `kvsim run` keeps the model in
+    them (`CostModel.layout`, with its block size), else one group of `cfg.block_size`."""
+    from kvsim.sim.engine.cost_model import CostModel
+
+    cfg = cfg.replace(num_gpu_blocks=num_blocks).validate()
+    cost = CostModel.from_config(cfg)
+    if cost.layout is not None:
+        return make_hybrid_manager(cfg, cost)
+    return KVCacheManager(num_blocks, cfg.block_size, eviction=cfg.eviction, track_ids=False,
+                          vllm_version=cfg.vllm_version)
+
+
 @contextmanager
 def rare_collections(every: int = 100_000) -> Iterator[None]:
     """Run the cyclic garbage collector's youngest pass every `every` container allocations, not

@@ -108,8 +108,16 @@ def replay_point(
     vllm_version: str = DEFAULT_VERSION, base: SimConfig | None = None,
 ) -> dict[str, Any]:
     """One point by cache-only replay (sequential, as `kvsim cache-replay`); over the host tier
-    of `base`'s KV offloading, if on."""
-    m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
+    of `base`'s KV offloading, if on. A model `base` keeps in vLLM's hybrid KV-cache groups replays
+    in them (`replay_manager`), its fragmentation not sampled (NaN)."""
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.run import replay_manager
+
+    if base is not None and CostModel.from_config(base).layout is not None:
+        m = replay_manager(base.replace(eviction=policy, block_size=block_size, vllm_version=vllm_version), capacity)
+        block_size = m.block_size
+    else:
+        m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
     offload = replay_offload(base.replace(block_size=block_size)) if base is not None else None
     blocks = {"hit": 0, "prompt": 0}
 
@@ -118,15 +126,15 @@ def replay_point(
         blocks["prompt"] += -(-rec.prompt_tokens // block_size)
 
     r = replay(workload.open(), m, 1, count, offload)
-    n = m.samples or 1
+    n = getattr(m, "samples", 0) or float("nan")
     row = {
         "policy": policy,
         "capacity": capacity,
         "hit_rate": r.hit_rate,
         "block_hit_rate": blocks["hit"] / blocks["prompt"] if blocks["prompt"] else 0.0,
         "evicted_blocks": r.evicted_blocks,
-        "mean_id_fragmentation": m.id_frag_total / n,
-        "mean_internal_fragmentation": m.internal_frag_total / n,
+        "mean_id_fragmentation": getattr(m, "id_frag_total", 0) / n,
+        "mean_internal_fragmentation": getattr(m, "internal_frag_total", 0) / n,
         "requests": r.requests,
         "rejected": r.rejected,
     }
