@@ -55,7 +55,6 @@ from kvsim.sim.engine.layers import (
     HybridLayout,
     LayerKV,
     Placement,
-    describe_layers,
     hybrid_layout,
     hybrid_on,
     kv_layers,
@@ -209,15 +208,7 @@ class CostModel:
         # every layer of one group
         self.layout: HybridLayout | None = None
         mamba = any(layer.kind == "mamba" for layer in self.layers)
-        if mamba and model.linear_kind != "gated_delta_net" and self.placement_error is None:
-            self.placement_error = ConfigError(  # (a model of state-space layers alone: no groups to check)
-                f"model {model.name}: {describe_layers(self.layers)}; kvsim models vLLM's Mamba groups for "
-                f"gated-delta-net layers (Qwen3-Next), not yet for {model.linear_kind} layers")
-        elif mamba and model.linear_kind != "gated_delta_net":
-            self.placement_error = ConfigError(
-                f"{self.placement_error}. kvsim models vLLM's Mamba groups for gated-delta-net layers (Qwen3-Next), "
-                f"not yet for {model.linear_kind} layers")
-        elif mamba and not disable_hybrid and len(layer_counts(self.layers)) > 1:
+        if mamba and not disable_hybrid and len(layer_counts(self.layers)) > 1:
             # vLLM has no fallback for Mamba state beside attention: its groups, the block size
             # raised to hold a state (vLLM: "align" mode, FlashInfer checkpoints on Hopper)
             self.layout = hybrid_layout(self.layers, model.name, block_size,

@@ -108,3 +108,23 @@ def test_the_mamba_pressure_cases_preempt_evict_and_hit():
         cfg = _cfg(model, TIGHT[model] * 4, 0, step_time=0.05, closed_loop_sessions=False, max_num_batched_tokens=512)
         _, summary = simulate_scheduler(_turns(), cfg)
         assert summary["preemptions"] > 0 and summary["evictions"] > 0 and summary["hit_tokens"] > 0, model
+
+
+@needs_vllm
+@pytest.mark.parametrize(("name", "tp", "block", "blocks"), [("jamba", 2, 80, 160), ("nemotron-h", 1, 1040, 30)])
+def test_mamba1_and_mamba2_hybrids_from_a_config_match_vllm(tmp_path, name: str, tp: int, block: int, blocks: int):
+    """Jamba's Mamba1 and Nemotron-H's Mamba2 layers (no FlashInfer checkpoints: Triton's 16-token
+    alignment): Jamba at TP 2, a state of (4096 x 3 + 4096 x 16) x 2 = 155,648 bytes over 2,048 bytes
+    an attention token: 16 x cdiv(155,648, 16 x 2,048) = 80 tokens; the Nemotron-H test config's
+    float32 Mamba2 state 4,255,744 bytes over 4,096: 1,040. Its MLP layers report no spec."""
+    import json
+
+    from tests.sim.engine.test_model_catalog import JAMBA, NEMOTRON_H
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(JAMBA if name == "jamba" else NEMOTRON_H))
+    cfg = SimConfig(model=str(path), tensor_parallel=tp, num_gpu_blocks=blocks, step_time=0.05,
+                    closed_loop_sessions=False, max_num_batched_tokens=512).validate()
+    cost = CostModel.from_config(cfg)
+    assert (cost.block_size, cost.layout.checkpoint_alignment) == (block, None)
+    assert [d.format() for d in conform(_turns(), cfg, "both", max_running=4) if not d.ok] == []
