@@ -68,6 +68,10 @@ class BlockPool:
         self.num_evictions = 0
         self.num_cached_free = 0  # free blocks that still hold a cached prefix
         self.tracker = None  # an IdSpan or Defragmenter, told of every block becoming used / unused
+        # several KV-cache groups (kvcache.hybrid): each block's group (set by the manager as it takes
+        # blocks) and the cached blocks each group lost to eviction
+        self.group_of: list[int] | None = None
+        self.evicted_by_group: list[int] | None = None
         # hooks the policy leaves as no-ops are not called from the hot loops
         self._on_cache = self.policy.on_cache if overrides(self.policy, "on_cache") else None
         self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
@@ -125,7 +129,10 @@ class BlockPool:
                 self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
             else:
                 self.ops.counts["evict"] += len(evicted)
+            go, eg = self.group_of, self.evicted_by_group
             for b in evicted:
+                if go is not None:
+                    eg[go[b.block_id]] += 1
                 self._evict(b)
             self.num_evictions += len(evicted)
             self.num_cached_free -= len(evicted)
@@ -139,6 +146,7 @@ class BlockPool:
         head = q._head
         block = head.next
         cached, evicted, top = self.cached, 0, 0
+        go, eg = self.group_of, self.evicted_by_group
         out = []
         for _ in range(n):
             b = block
@@ -152,6 +160,8 @@ class BlockPool:
                     self._unshare(key, b)
                 b.block_hash = None
                 evicted += 1
+                if go is not None:
+                    eg[go[b.block_id]] += 1
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
@@ -175,6 +185,7 @@ class BlockPool:
         """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
         same effects in one pass (each popped block's key dropped in pop order)."""
         cached, evicted, top = self.cached, 0, 0
+        go, eg = self.group_of, self.evicted_by_group
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
@@ -186,6 +197,8 @@ class BlockPool:
                     self._unshare(key, b)
                 b.block_hash = None
                 evicted += 1
+                if go is not None:
+                    eg[go[b.block_id]] += 1
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id

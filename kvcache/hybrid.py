@@ -132,6 +132,8 @@ class HybridKVCacheManager(PoolView):
         # and the hit tokens each group alone offered the requests that took a hit
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
+        self.pool.group_of = self._group_of = [0] * num_gpu_blocks  # each block's group, for the evictions by group
+        self.pool.evicted_by_group = [0] * n
         self._popped: dict[int, list[int]] = {}  # a popped list's id -> each group's length in it
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
@@ -310,20 +312,21 @@ class HybridKVCacheManager(PoolView):
             self._add_hits(sid, hits, computed)
         new: list[KVCacheBlock] = []
         bs = self.block_size
-        mamba = self._mamba
+        mamba, go = self._mamba, self._group_of
         for g in range(len(self.groups)):
             table = self.tables[g].setdefault(sid, [])
             if g in mamba:
                 got = mamba[g].allocate(sid, table, num_slots)
-                new.extend(got)
-                self._hold(g, len(got))
-                continue
-            n = -(-num_slots // bs) - len(table)
-            if n > 0:
+            else:
+                n = -(-num_slots // bs) - len(table)
+                if n <= 0:
+                    continue
                 got = pool.get_new_blocks(n)
                 table.extend(got)
-                new.extend(got)
-                self._hold(g, n)
+            new.extend(got)
+            self._hold(g, len(got))
+            for b in got:
+                go[b.block_id] = g
         if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
             self.ops.counts["write"] += (computed + num_new_tokens - 1) // bs - computed // bs + 1
         if self.enable_caching:
@@ -350,8 +353,10 @@ class HybridKVCacheManager(PoolView):
             if pool.num_free_blocks < n + (self.watermark_blocks if watermark else 0):
                 return None
             new = pool.get_new_blocks(n)  # (the policy's victims in order: as n takes of one)
+            go = self._group_of
             for g, (t, block) in enumerate(zip(tables, new, strict=True)):
                 t[sid].append(block)
+                go[block.block_id] = g
                 self._hold(g, 1)
         for ma in self._mamba.values():
             ma.decoded(sid, len(first), bool(new))
@@ -575,9 +580,11 @@ class HybridKVCacheManager(PoolView):
     def group_metrics(self) -> list[dict]:
         """One record a group: its blocks in use at most (distinct blocks some request references),
         blocks its window (or Mamba state) let go of as requests advanced,
-        and the hit tokens the group alone offered (the hit every group agrees on is the least)."""
-        return [{"peak_blocks": p, "blocks_freed_behind_window": f, "own_hit_tokens": h}
-                for p, f, h in zip(self.peak, self.freed_behind, self.own_hits, strict=True)]
+        the hit tokens the group alone offered (the hit every group agrees on is the least), and its
+        cached blocks evicted to make room (a block counts for the group that last took it)."""
+        return [{"peak_blocks": p, "blocks_freed_behind_window": f, "own_hit_tokens": h, "evicted_blocks": e}
+                for p, f, h, e in zip(self.peak, self.freed_behind, self.own_hits, self.pool.evicted_by_group,
+                                      strict=True)]
 
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
         """Allocated slots not holding a token, over the given live sequences, in one group (every

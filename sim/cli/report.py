@@ -170,16 +170,20 @@ def _load_words(s: dict[str, Any]) -> list[str]:
 
 
 def group_table(s: dict[str, Any]) -> str:
-    """vLLM's hybrid KV-cache groups, a line each: kind and window, layers, blocks held at most,
-    blocks a window let go of, and the hit tokens the group alone offered ("" with one group)."""
+    """vLLM's hybrid KV-cache groups, a line each: kind and window, layers, blocks in use at most,
+    blocks a window (or Mamba state) let go of, the hit tokens the group alone offered, and its
+    cached blocks evicted ("" with one group; a run folder written before evictions were counted
+    by group shows "-")."""
     groups = s.get("kv_cache_groups")
     if not groups:
         return ""
-    lines = ["", "KV-cache group            layers  peak blocks  freed behind window  own hit tokens"]
+    lines = ["", "KV-cache group            layers  peak blocks  freed behind window  own hit tokens    evicted"]
     for g in groups:
         kind = g["kind"].replace("_", " ") + (f" {g['window']:,}" if g["window"] else "")
+        evicted = g.get("evicted_blocks")
         lines.append(f"{g['group']:>2} {kind:<22} {len(g['layers']):>6}  {g['peak_blocks']:>11,}  "
-                     f"{g['blocks_freed_behind_window']:>19,}  {g['own_hit_tokens']:>14,}")
+                     f"{g['blocks_freed_behind_window']:>19,}  {g['own_hit_tokens']:>14,}  "
+                     f"{'-' if evicted is None else f'{evicted:,}':>9}")
     return "\n".join(lines)
 
 

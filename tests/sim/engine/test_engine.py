@@ -325,7 +325,7 @@ def test_shortcuts_change_nothing_with_mamba_groups(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize(("model", "knobs"), [("gemma-3-27b", {"num_gpu_blocks": 700}),
                                               ("qwen3-next-80b-a3b", {"tensor_parallel": 8, "num_gpu_blocks": 24})])
-def test_each_groups_blocks_in_use_add_up_to_the_pools_at_every_step(model: str, knobs: dict) -> None:
+def test_each_groups_blocks_in_use_and_evictions_add_up_to_the_pools(model: str, knobs: dict) -> None:
     """The per-group usage behind blocks.png: distinct blocks some request references, so the groups'
     counts sum to the pool's used blocks after every step, under preemption and shared hits."""
     r = simulate(_mixed(), SimConfig(model=model, max_num_batched_tokens=256, max_num_seqs=32, **knobs))
@@ -335,3 +335,5 @@ def test_each_groups_blocks_in_use_add_up_to_the_pools_at_every_step(model: str,
     np.testing.assert_array_equal(usage.sum(axis=1).to_numpy(), r.steps["used_blocks"].to_numpy())
     assert r.summary["preemptions"] > 0 and (r.summary["hit_tokens"] > 0 or model == "qwen3-next-80b-a3b")
     assert [g["peak_blocks"] for g in r.summary["kv_cache_groups"]] == usage.max().tolist()
+    # and each group's cached blocks evicted, the group that last took a block counting it
+    assert sum(g["evicted_blocks"] for g in r.summary["kv_cache_groups"]) == r.summary["evictions"] > 0
