@@ -9,6 +9,16 @@ from typing import Annotated
 import typer
 
 from kvsim.sim.cli.common import check_output, fail, staged_file
+from kvsim.sim.cli.options import (
+    DisableHybrid,
+    Gpu,
+    Model,
+    RetentionInterval,
+    Tp,
+    hardware_changes,
+    hybrid_changes,
+    retention_changes,
+)
 from kvsim.workloads.names import ARRIVALS, FORMATS, KINDS
 
 workload_app = typer.Typer(
@@ -99,8 +109,15 @@ def stats(
     skip_bad: Annotated[
         bool, typer.Option("--skip-bad", help="skip bad lines (and report how many)")
     ] = False,
+    model: Model = None,
+    gpu: Gpu = None,
+    tp: Tp = None,
+    disable_hybrid_kv_cache_manager: DisableHybrid = None,
+    prefix_cache_retention_interval: RetentionInterval = None,
 ) -> None:
-    """Requests, time span, rate, length percentiles and the ideal prefix-cache hit rate."""
+    """Requests, time span, rate, length percentiles and the ideal prefix-cache hit rate; with
+    --model, also the ideal in the model's KV-cache layout (vLLM's hybrid groups: a replay through
+    them with a pool nothing is evicted from), at its block size."""
     from kvsim.workloads.default import default_workload
     from kvsim.workloads.errors import WorkloadError
     from kvsim.workloads.stats import describe, format_stats
@@ -114,13 +131,38 @@ def stats(
         else:
             fmt = detect_format(file) if format == "auto" else format
             wl = load_workload(file, fmt, skip_bad=skip_bad)
+        layout, cfg = None, None
+        if model is not None:
+            from kvsim.sim.engine.config import ConfigError, SimConfig
+            from kvsim.sim.engine.cost_model import CostModel
+
+            try:
+                cfg = SimConfig(block_size=block_size).replace(
+                    **hardware_changes(model, gpu, tp), **hybrid_changes(disable_hybrid_kv_cache_manager, False),
+                    **retention_changes(prefix_cache_retention_interval)).validate()
+                block_size = CostModel.from_config(cfg).block_size  # (raised for Mamba state)
+            except ConfigError as e:
+                raise fail(str(e)) from None
         s = describe(wl, block_size)
+        if cfg is not None:
+            from kvsim.sim.studies.layout_ideal import layout_ideal
+
+            try:
+                layout = layout_ideal(wl, cfg, s)
+            except ValueError as e:
+                raise fail(str(e)) from None
     except WorkloadError as e:
         raise fail(str(e)) from None
     if s.skipped:
         typer.echo(f"skipped {s.skipped} bad lines (first: {wl.skipped_errors[0]})", err=True)
     if as_json:
-        typer.echo(json.dumps({"format": fmt, **s.to_dict()}))
+        typer.echo(json.dumps({"format": fmt, **s.to_dict(), **({"layout_ideal": layout} if layout else {})}))
     else:
         typer.echo(f"format         {fmt}")
         typer.echo(format_stats(s))
+        if layout is not None:
+            where = (f"{model}'s {layout['groups']} KV-cache groups" if layout["groups"] > 1
+                     else f"{model}'s one group")
+            typer.echo(f"ideal in {where} (a sequential replay, nothing evicted, block size {layout['block_size']}):")
+            typer.echo(f"  tokens       {layout['hit_rate']:.2%} ({layout['hit_tokens']:,} / {s.prompt_tokens:,} "
+                       "prompt tokens)")
