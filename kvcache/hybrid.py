@@ -134,7 +134,6 @@ class HybridKVCacheManager(PoolView):
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
         self.pool.group_of = self._group_of = [0] * num_gpu_blocks  # each block's group, for the evictions by group
         self.pool.evicted_by_group = [0] * n
-        self._popped: dict[int, list[int]] = {}  # a popped list's id -> each group's length in it
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
         self._watch_added = False
@@ -484,19 +483,17 @@ class HybridKVCacheManager(PoolView):
         `KVCacheCoordinator.pop_blocks_for_free`: the groups' blocks in group order, each without
         its leading null blocks); `free_popped` returns them, from the end."""
         out: list[KVCacheBlock] = []
-        groups = self._pop(seq)
-        for blocks in groups:
+        for blocks in self._pop(seq):
             out.extend(blocks)
-        self._popped[id(out)] = [len(blocks) for blocks in groups]
         return out
 
     def free_popped(self, blocks: list[KVCacheBlock]) -> None:
-        """Return blocks `pop_blocks_for_free` took out, from the end (one free, as vLLM's); each
-        group's blocks its references last held leave its count."""
-        lengths, at, null = self._popped.pop(id(blocks), ()), 0, self.null_block
-        for g, n in enumerate(lengths):
-            self.held[g] -= sum(1 for b in blocks[at:at + n] if b.ref_cnt == 1 and b is not null)
-            at += n
+        """Return blocks `pop_blocks_for_free` took out, from the end (one free, as vLLM's); a block
+        whose last reference this was leaves its group's count."""
+        go, held, null = self._group_of, self.held, self.null_block
+        for b in blocks:
+            if b.ref_cnt == 1 and b is not null:
+                held[go[b.block_id]] -= 1
         self.pool.free_blocks(blocks[::-1])
 
     def _pop(self, seq: Sequence) -> list[list[KVCacheBlock]]:

@@ -181,7 +181,9 @@ def test_a_deferred_free_returns_the_groups_blocks_from_the_end_of_their_list():
     m.allocate_slots(s, 17, 0, m.get_computed_blocks(s)[0])
     popped = m.pop_blocks_for_free(s)
     assert _ids(popped) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert m.held == [5, 5]  # in use until they are returned, each counted for its group
     m.free_popped(popped)
+    assert m.held == [0, 0]
     order = _ids(m.next_free_blocks(31))
     # one call: its uncached blocks to the front in its order (BlockPool.free_blocks, prepend_n), group 1's
     # first; and group 1's cached blocks now evicted before group 0's
