@@ -386,6 +386,8 @@ class HybridKVCacheManager(PoolView):
             if table:
                 removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]
         if removed:
+            if self._mamba and self._windowed:  # windows and Mamba states: in group order, as vLLM's coordinator
+                removed.sort(key=lambda item: item[0])  # (stable: a Mamba group's two frees keep their order)
             self._release(removed)
 
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:

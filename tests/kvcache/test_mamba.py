@@ -122,3 +122,26 @@ def test_a_checkpoint_block_holds_the_prompts_last_boundary_and_a_same_step_hit_
 def test_mamba_groups_refuse_what_vllm_runs_in_another_mode():
     with pytest.raises(ValueError, match="'none' cache mode"):
         HybridKVCacheManager(20, [MAMBA, FULL], enable_caching=False)
+
+
+def test_a_window_and_a_mamba_state_let_go_in_the_same_step_go_back_in_group_order():
+    # vLLM's coordinator calls each group's remove_skipped_blocks in group order. Window 6, blocks of 4:
+    # at 13 computed tokens the window lets block 1 go ((13 - 5) // 4 = 2 blocks skipped) and the
+    # Mamba group its state at 12 (block 2); both hashed (dense), so both join the back of the free
+    # queue in that order: the Mamba group's (group 0) first
+    m = HybridKVCacheManager(40, [MAMBA, GroupSpec("sliding_window", 4, 6), FULL], prefix_cache_retention_interval=None)
+    s = _seq("a", 12)
+    m.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    s.append_tokens(1)
+    m.allocate_slots(s, 1)
+    state, window = m.tables[0]["a"][2], m.tables[1]["a"][1]
+    s.num_computed_tokens = 13
+    s.append_tokens(1)
+    m.allocate_slots(s, 1)
+    assert m.tables[0]["a"][2] is NULL_OF(m) and m.tables[1]["a"][1] is NULL_OF(m)
+    assert _ids(m.next_free_blocks(m.pool.num_free_blocks))[-2:] == [state.block_id, window.block_id]
+
+
+def NULL_OF(m):  # noqa: N802 - the manager's null block
+    return m.null_block
