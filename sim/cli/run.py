@@ -89,7 +89,7 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     return f"{stem}-{model}-{gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
 
 
-def _progress_bar(workload: Workload):
+def _progress_bar(workload: Workload, label: str = "simulating"):
     """A rich progress bar on stderr (requests done), or None when stderr is not a terminal."""
     if not sys.stderr.isatty():
         return None, None
@@ -97,7 +97,7 @@ def _progress_bar(workload: Workload):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = sum(1 for _ in workload)  # one cheap pass (prompts stay lazy) for the bar's total
-    bar = Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     task = bar.add_task("run", total=total)
     return bar, lambda n: bar.update(task, completed=n)

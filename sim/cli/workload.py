@@ -145,10 +145,15 @@ def stats(
                 raise fail(str(e)) from None
         s = describe(wl, block_size)
         if cfg is not None:
+            from contextlib import nullcontext
+
+            from kvsim.sim.cli.run import _progress_bar
             from kvsim.sim.studies.layout_ideal import layout_ideal
 
+            bar, progress = _progress_bar(wl, f"replaying in {model}'s layout")  # (on a terminal only)
             try:
-                layout = layout_ideal(wl, cfg, s)
+                with bar if bar is not None else nullcontext():
+                    layout = layout_ideal(wl, cfg, s, progress)
             except ValueError as e:
                 raise fail(str(e)) from None
     except WorkloadError as e:

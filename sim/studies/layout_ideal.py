@@ -15,6 +15,7 @@ before), as it does in `vllm serve`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvsim.sim.engine.config import SimConfig
@@ -31,10 +32,12 @@ def pool_blocks(stats: WorkloadStats, num_groups: int, longest: int) -> int:
     return num_groups * per_group + 1
 
 
-def layout_ideal(workload: Workload, cfg: SimConfig, stats: WorkloadStats) -> dict[str, Any]:
+def layout_ideal(workload: Workload, cfg: SimConfig, stats: WorkloadStats,
+                 progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The replay's hit rate over `cfg`'s model in its groups (`stats` at the layout's block size):
     its tokens hit, their share of prompt tokens, and the pool it needed. ValueError when the pool
-    would not fit this machine's memory (`BlockPool`'s check names the blocks)."""
+    would not fit this machine's memory (`BlockPool`'s check names the blocks). `progress(n)` hears
+    of every 1,000th request replayed."""
     from kvsim.kvcache.replay import replay
     from kvsim.sim.engine.run import replay_manager
 
@@ -42,7 +45,14 @@ def layout_ideal(workload: Workload, cfg: SimConfig, stats: WorkloadStats) -> di
     probe = replay_manager(cfg, 2)  # (the groups' count; a two-block pool costs nothing)
     blocks = pool_blocks(stats, probe.num_groups, longest)
     m = replay_manager(cfg, blocks)
-    r = replay(workload, m, 1)
+    done = [0]
+
+    def count(_rec: Any) -> None:
+        done[0] += 1
+        if progress is not None and not done[0] % 1000:
+            progress(done[0])
+
+    r = replay(workload, m, 1, count)
     if r.evicted_blocks:  # the bound above is meant to make this impossible
         raise RuntimeError(f"the ideal replay evicted {r.evicted_blocks} blocks from {blocks:,}")
     return {"hit_tokens": r.hit_tokens, "hit_rate": r.hit_rate, "pool_blocks": blocks,

@@ -159,3 +159,15 @@ def test_stats_with_a_model_gives_the_ideal_in_its_kv_cache_layout():
     text = invoke("stats", "--model", "gemma-3-27b").stdout
     assert "ideal in gemma-3-27b's 7 KV-cache groups (a sequential replay, nothing evicted, block size 16):" in text
     assert "  tokens       74.18% (120,256 / 162,122 prompt tokens)" in text
+
+
+def test_the_layout_ideal_reports_its_progress_every_thousand_requests():
+    from kvsim.sim.api import generate_workload
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.studies.layout_ideal import layout_ideal
+    from kvsim.workloads.stats import describe
+
+    wl = generate_workload("unique", num_requests=2_500, rate=50.0, seed=1)
+    seen: list[int] = []
+    layout_ideal(wl, SimConfig().validate(), describe(wl, 16), seen.append)
+    assert seen == [1_000, 2_000]
