@@ -143,8 +143,7 @@ class BlockPool:
     def _pop_counted(self, n: int) -> list[KVCacheBlock]:
         """`_take_counted(LRU.pop_n(n))` in one pass over the queue's first `n` blocks."""
         q = self._lru
-        head = q._head
-        block = head.next
+        block = q.front()
         cached, evicted, top = self.cached, 0, 0
         go, eg = self.group_of, self.evicted_by_group
         out = []
@@ -166,19 +165,8 @@ class BlockPool:
             if b.block_id > top:
                 top = b.block_id
             out.append(b)
-        head.next = block
-        block.prev = head
-        q.num_free_blocks -= n
-        if evicted:
-            self.ops.counts["evict"] += evicted
-            self.num_evictions += evicted
-            self.num_cached_free -= evicted
-        tracker = self.tracker
-        if tracker is not None and out:  # an IdSpan keeps just the count and the top id
-            if type(tracker) is IdSpan:
-                tracker.use(n, top)
-            else:
-                tracker.use_distinct([b.block_id for b in out])
+        q.detach_front(block, n)
+        self._taken(out, evicted, top)
         return out
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -202,17 +190,22 @@ class BlockPool:
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
+        self._taken(blocks, evicted, top)
+        return blocks
+
+    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int) -> None:
+        """The counted takes' end: `evicted` of `blocks` were evictions; the tracker told (an IdSpan
+        keeps just the count and `top`, the highest id taken)."""
         if evicted:
             self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
         tracker = self.tracker
-        if tracker is not None and blocks:  # an IdSpan keeps just the count and the top id
+        if tracker is not None and blocks:
             if type(tracker) is IdSpan:
                 tracker.use(len(blocks), top)
             else:
                 tracker.use_distinct([b.block_id for b in blocks])
-        return blocks
 
     def _unshare(self, key: int, block: KVCacheBlock) -> None:
         """Drop `block` from `key`'s entry in the cache map, which other blocks share with it."""
@@ -330,22 +323,10 @@ class BlockPool:
                 nl += 1
         if not nf and not nl:
             return
-        q = self._lru
-        if f_head is not None:  # in front, in their order (prepend_n)
-            head = q._head
-            first = head.next
-            f_head.prev = head
-            head.next = f_head
-            f_tail.next = first
-            first.prev = f_tail
-        if l_head is not None:  # at the back, in their order (append_n)
-            tail = q._tail
-            last = tail.prev
-            l_head.prev = last
-            last.next = l_head
-            l_tail.next = tail
-            tail.prev = l_tail
-        q.num_free_blocks += nf + nl
+        if nf:  # in front, in their order (prepend_n)
+            self._lru.splice_front(f_head, f_tail, nf)
+        if nl:  # at the back, in their order (append_n)
+            self._lru.splice_back(l_head, l_tail, nl)
         self.num_cached_free += nl
         self.ops.counts["free"] += nf + nl
         if self.tracker is not None:
@@ -355,14 +336,7 @@ class BlockPool:
         """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
         one pass that builds just the two lists the policy needs, no list of all freed blocks
         (an IdSpan needs only their number and `ordered`)."""
-        first, later = [], []
-        self._drop_refs(ordered, first, later)
-        self._to_policy(first, later, ordered)
-
-    def _drop_refs(self, ordered: list[KVCacheBlock], first: list[KVCacheBlock], later: list[KVCacheBlock]) -> None:
-        """Drop one reference of each of `ordered` (null blocks skipped); those reaching 0 join
-        `first` (uncached) or `later` (cached), in order."""
-        null = self.null_block
+        null, first, later = self.null_block, [], []
         for b in ordered:
             if b is null:
                 continue
@@ -377,17 +351,13 @@ class BlockPool:
                     first.append(b)
                 else:
                     later.append(b)
-
-    def _to_policy(self, first: list[KVCacheBlock], later: list[KVCacheBlock], among: list[KVCacheBlock]) -> None:
-        """The counted one-pass frees' end: `first` to the front of the free set, `later` to its back,
-        counted, and the IdSpan told (every freed block is in `among`)."""
         n_freed = len(first) + len(later)
         if not n_freed:
             return
         self.num_cached_free += len(later)
         self.ops.counts["free"] += n_freed
         if self.tracker is not None:
-            self.tracker.release(n_freed, among)
+            self.tracker.release(n_freed, ordered)
         # NOTE: the same calls `free_blocks` makes: only `first`, only `later`, or both in this order
         if first:
             self.policy.free_first(first)

@@ -10,6 +10,7 @@ and a cache hit on a free block unlinks it in O(1).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 
 from kvsim.kvcache.block import KVCacheBlock
 
@@ -72,30 +73,44 @@ class FreeBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        if not blocks:
-            return
-        last = self._tail.prev
-        for block in blocks:
-            block.prev = last
-            last.next = block
-            last = block
-        last.next = self._tail
-        self._tail.prev = last
-        self.num_free_blocks += len(blocks)
+        if blocks:
+            self.splice_back(*_chain(blocks), len(blocks))
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the front, in their given order (the first is reused first)."""
-        if not blocks:
-            return
-        first = self._head.next
-        prev = self._head
-        for block in blocks:
-            block.prev = prev
-            prev.next = block
-            prev = block
-        prev.next = first
-        first.prev = prev
-        self.num_free_blocks += len(blocks)
+        if blocks:
+            self.splice_front(*_chain(blocks), len(blocks))
+
+    def front(self) -> KVCacheBlock:
+        """The first block (the tail sentinel when the queue is empty)."""
+        return self._head.next
+
+    def detach_front(self, rest: KVCacheBlock, n: int) -> None:
+        """The caller took the `n` blocks before `rest` (walking `next` from `front()`, clearing their
+        links as it went): `rest` is the front now."""
+        self._head.next = rest
+        rest.prev = self._head
+        self.num_free_blocks -= n
+
+    def splice_front(self, first: KVCacheBlock, last: KVCacheBlock, n: int) -> None:
+        """Put the `n` blocks linked from `first` to `last` at the front, in their order."""
+        head = self._head
+        old = head.next
+        first.prev = head
+        head.next = first
+        last.next = old
+        old.prev = last
+        self.num_free_blocks += n
+
+    def splice_back(self, first: KVCacheBlock, last: KVCacheBlock, n: int) -> None:
+        """Put the `n` blocks linked from `first` to `last` at the back, in their order."""
+        tail = self._tail
+        old = tail.prev
+        first.prev = old
+        old.next = first
+        last.next = tail
+        tail.prev = last
+        self.num_free_blocks += n
 
     def __iter__(self):
         block = self._head.next
@@ -105,3 +120,13 @@ class FreeBlockQueue:
 
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self]
+
+
+def _chain(blocks: list[KVCacheBlock]) -> tuple[KVCacheBlock, KVCacheBlock]:
+    """Link `blocks` in their order (each `next` the following one); returns the first and the last."""
+    prev = blocks[0]
+    for block in islice(blocks, 1, None):
+        prev.next = block
+        block.prev = prev
+        prev = block
+    return blocks[0], prev

@@ -207,6 +207,16 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
     chunk's table holds its null blocks first (its hit's skipped blocks, then those let go), so the
     first one not null is found by bisection and the run replaced in one slice."""
     end = min(spec.skipped_tokens(num_computed) // spec.block_size, len(blocks))
+    lo = leading_nulls(blocks, end, null)
+    removed = blocks[lo:end]
+    removed.reverse()
+    blocks[lo:end] = [null] * (end - lo)
+    return removed
+
+
+def leading_nulls(blocks: list[KVCacheBlock], end: int, null: KVCacheBlock) -> int:
+    """How many of `blocks[:end]` are the null block, where a table holds its nulls first (a window's
+    or a chunk's: its hit's skipped blocks, then those let go): found by bisection."""
     lo, hi = 0, end
     while lo < hi:
         mid = (lo + hi) // 2
@@ -214,10 +224,7 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
             lo = mid + 1
         else:
             hi = mid
-    removed = blocks[lo:end]
-    removed.reverse()
-    blocks[lo:end] = [null] * (end - lo)
-    return removed
+    return lo
 
 
 def cached_ranges(spec: GroupSpec, start: int, end: int, boundaries: Sequence[int],

@@ -48,6 +48,7 @@ from kvsim.kvcache.groups import (
     cached_ranges,
     find_longest_cache_hit,
     group_salt,
+    leading_nulls,
     null_skipped,
 )
 from kvsim.kvcache.id_span import IdSpan
@@ -145,8 +146,6 @@ class HybridKVCacheManager(PoolView):
         self.spec_groups = sorted(merged.items(), key=lambda item: item[0].kind != "full")
         self._simple = len(self.spec_groups) == 2 and self.spec_groups[0][0].kind == "full"
         self.empty_hit: Hit = tuple([] for _ in groups)
-        self._windowed = tuple((g, spec, spec.kind == "sliding_window", spec.window)
-                               for g, spec in enumerate(groups) if spec.kind in ("sliding_window", "chunked_local"))
         if any(g.kind == "mamba" for g in groups) and not enable_caching:
             raise ValueError("Mamba groups without prefix caching (vLLM's 'none' cache mode, one state block a "
                              "request) are not modelled; kvsim models vLLM's 'align' mode, on with prefix caching")
@@ -155,6 +154,10 @@ class HybridKVCacheManager(PoolView):
         self.has_mamba = bool(self._mamba)
         # what the scheduler cuts chunks by (`kvcache.mamba.aligned_chunk`), None without Mamba groups
         self.mamba_split = (bs, mamba_checkpoint_alignment) if self._mamba else None
+        # the groups that let blocks go as a request advances, in group order (vLLM's coordinator calls
+        # them so): a window or chunk (its kind, window) or a Mamba group (its bookkeeping)
+        self._skipping = tuple((g, spec, spec.kind == "sliding_window", spec.window, self._mamba.get(g))
+                               for g, spec in enumerate(groups) if spec.kind != "full")
 
     @property
     def num_groups(self) -> int:
@@ -165,7 +168,7 @@ class HybridKVCacheManager(PoolView):
         """Whether a decode token landing mid-block leaves everything as it is: where every window
         is a multiple of the block size, a window lets go of a block only when a token lands on a
         block's last slot (a chunk on its first)."""
-        return all(w % self.block_size == 0 for _, _, _, w in self._windowed)
+        return all(w % self.block_size == 0 for _, _, _, w, ma in self._skipping if ma is None)
 
     def new_step_starts(self) -> None:
         """A scheduling step begins: hits hashed in the last one may be taken again
@@ -373,21 +376,20 @@ class HybridKVCacheManager(PoolView):
         c = seq.num_computed_tokens if computed is None else computed
         null, tables = self.null_block, self.tables
         removed = []
-        for g, spec, sliding, window in self._windowed:
+        for g, spec, sliding, window, ma in self._skipping:
+            if ma is not None:  # a Mamba group
+                if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
+                    ma.checkpoints.pop(sid, None)
+                table = tables[g].get(sid)
+                if table:
+                    removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]
+                continue
             skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
             if skipped >= bs:
                 table = tables[g].get(sid)
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
                     removed.append((g, null_skipped(spec, table, c, null)))
-        for g, ma in self._mamba.items():
-            if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
-                ma.checkpoints.pop(sid, None)
-            table = tables[g].get(sid)
-            if table:
-                removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]
         if removed:
-            if self._mamba and self._windowed:  # windows and Mamba states: in group order, as vLLM's coordinator
-                removed.sort(key=lambda item: item[0])  # (stable: a Mamba group's two frees keep their order)
             self._release(removed)
 
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
@@ -514,14 +516,7 @@ class HybridKVCacheManager(PoolView):
                 lo = next((i for i, b in enumerate(blocks) if b is not null), len(blocks))
                 out.append(blocks[lo:])
                 continue
-            lo, hi = 0, len(blocks)  # its null blocks lead (a window's skipped ones): the first that is not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if blocks[mid] is null:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            out.append(blocks[lo:])
+            out.append(blocks[leading_nulls(blocks, len(blocks), null):])
         return out
 
     def reset_prefix_cache(self) -> bool:

@@ -81,7 +81,6 @@ class MambaAlign:
         self.null = pool.null_block
         self.last_state: dict[str, int] = {}  # the state block of the previous allocation
         self.retired: dict[str, int] = {}  # blocks before this are let go already
-        self.allocated: set[str] = set()
         self.checkpoints: dict[str, tuple[int, int]] = {}  # this chunk's checkpoint: (position, block index)
         self.cached_this_step: set[int] = set()  # keys hashed in this scheduling step
 
@@ -121,7 +120,6 @@ class MambaAlign:
         need = -(-num_tokens // self.block_size)
         checkpoint = sid in self.checkpoints
         if need <= len(table) and not checkpoint:
-            self.allocated.add(sid)
             return []
         prev = len(table)
         if prev:
@@ -132,7 +130,6 @@ class MambaAlign:
         n = need - len(table)
         new = self.pool.get_new_blocks(n) if n > 0 else []
         table.extend(new)
-        self.allocated.add(sid)
         return new
 
     def decoded(self, sid: str, length: int, took: bool) -> None:
@@ -141,7 +138,6 @@ class MambaAlign:
         self.checkpoints.pop(sid, None)
         if took:
             self.last_state[sid] = length - 2
-        self.allocated.add(sid)
 
     def skipped(self, sid: str, table: list[KVCacheBlock], processed: int) -> list[list[KVCacheBlock]]:
         """Take out of `table` the blocks no longer needed at `processed` computed tokens: those
@@ -192,7 +188,6 @@ class MambaAlign:
 
     def forget(self, sid: str) -> None:
         """A request's blocks are popped (`MambaManager.pop_blocks_for_free`)."""
-        self.allocated.discard(sid)
         self.last_state.pop(sid, None)
         self.retired.pop(sid, None)
         self.checkpoints.pop(sid, None)
