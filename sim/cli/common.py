@@ -4,6 +4,7 @@ output paths that are checked before the work and written whole or not at all.""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,3 +78,17 @@ def staged_file(path: Path, code: int = 2) -> Iterator[Path]:
             raise cannot_write(path, e, code) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def progress_bar(workload: Workload, label: str = "simulating"):
+    """A rich progress bar on stderr (requests done), or None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = sum(1 for _ in workload)  # one cheap pass (prompts stay lazy) for the bar's total
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("run", total=total)
+    return bar, lambda n: bar.update(task, completed=n)

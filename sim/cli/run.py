@@ -6,14 +6,13 @@ import hashlib
 import json
 import re
 import shlex
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload
+from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload, progress_bar
 from kvsim.sim.cli.options import (
     BlockSize,
     DisableHybrid,
@@ -49,7 +48,6 @@ from kvsim.workloads.names import FORMATS
 
 if TYPE_CHECKING:
     from kvsim.sim.engine.config import SimConfig
-    from kvsim.workloads.request import Workload
 
 RUNS_DIR = Path("runs")
 DEFAULT_WORKLOAD_TEXT = "the embedded default, 150 requests on 4 shared 512-token system prompts and 150 multi-turn chat turns"
@@ -87,20 +85,6 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     model = re.sub(r"[^A-Za-z0-9._-]+", "-", model)  # a config's path: its folder's name
     gpu = Path(cfg.gpu).stem if cfg.gpu.endswith(".toml") else cfg.gpu  # a GPU file: its name
     return f"{stem}-{model}-{gpu}-tp{cfg.tensor_parallel}-bs{cfg.block_size}-{digest[:8]}"
-
-
-def _progress_bar(workload: Workload, label: str = "simulating"):
-    """A rich progress bar on stderr (requests done), or None when stderr is not a terminal."""
-    if not sys.stderr.isatty():
-        return None, None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    total = sum(1 for _ in workload)  # one cheap pass (prompts stay lazy) for the bar's total
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task("run", total=total)
-    return bar, lambda n: bar.update(task, completed=n)
 
 
 def _smallest_drop(result: Any) -> str:
@@ -317,7 +301,7 @@ def run(
         if default_cache_used:
             cfg, blocks = sized, sized.num_gpu_blocks
         wl = open_workload(workload, format, skip_bad, cfg.seed)
-        bar, progress = _progress_bar(wl)
+        bar, progress = progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     name = str(workload) if workload is not None else "default"

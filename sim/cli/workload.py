@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvsim.sim.cli.common import check_output, fail, staged_file
+from kvsim.sim.cli.common import check_output, fail, progress_bar, staged_file
 from kvsim.sim.cli.options import (
     DisableHybrid,
     Gpu,
@@ -147,10 +147,9 @@ def stats(
         if cfg is not None:
             from contextlib import nullcontext
 
-            from kvsim.sim.cli.run import _progress_bar
             from kvsim.sim.studies.layout_ideal import layout_ideal
 
-            bar, progress = _progress_bar(wl, f"replaying in {model}'s layout")  # (on a terminal only)
+            bar, progress = progress_bar(wl, f"replaying in {model}'s layout")  # (on a terminal only)
             try:
                 with bar if bar is not None else nullcontext():
                     layout = layout_ideal(wl, cfg, s, progress)
