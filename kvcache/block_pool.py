@@ -17,6 +17,8 @@ from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.ops import OpLog
 
 _ref_cnt = attrgetter("ref_cnt")
+_block_id = attrgetter("block_id")
+_block_hash = attrgetter("block_hash")
 
 
 class OutOfBlocksError(RuntimeError):
@@ -141,13 +143,26 @@ class BlockPool:
         return blocks
 
     def _pop_counted(self, n: int) -> list[KVCacheBlock]:
-        """`_take_counted(LRU.pop_n(n))` in one pass over the queue's first `n` blocks."""
+        """`_take_counted(LRU.pop_n(n))` in one pass: the queue's front stack first, taken by
+        slicing (the pool puts only uncached blocks there, so nothing is evicted), then its linked
+        part, block by block."""
         q = self._lru
+        out = q.pop_stack(n)
+        top = 0
+        if out:
+            if any(map(_block_hash, out)):
+                raise AssertionError("a cached block was at the front of the free queue")
+            for b in out:
+                b.ref_cnt = 1
+            top = max(map(_block_id, out))
+        rest = n - len(out)
+        if not rest:
+            self._taken(out, 0, top)
+            return out
         block = q.front()
-        cached, evicted, top = self.cached, 0, 0
+        cached, evicted = self.cached, 0
         go, eg = self.group_of, self.evicted_by_group
-        out = []
-        for _ in range(n):
+        for _ in range(rest):
             b = block
             block = b.next
             b.prev = b.next = None
@@ -165,7 +180,7 @@ class BlockPool:
             if b.block_id > top:
                 top = b.block_id
             out.append(b)
-        q.detach_front(block, n)
+        q.detach_front(block, rest)
         self._taken(out, evicted, top)
         return out
 
@@ -289,12 +304,13 @@ class BlockPool:
             self.policy.free(later)
 
     def _free_lru(self, ordered: list[KVCacheBlock]) -> None:
-        """`_free_counted` under exact LRU in one pass: the blocks reaching 0 are linked into two
-        chains as their references drop (uncached ones for the queue's front, cached ones for its
-        back), then spliced in, as `prepend_n` and `append_n` would put them."""
+        """`_free_counted` under exact LRU in one pass: the uncached blocks reaching 0 are gathered
+        for the queue's front stack (pushed in one extend, the first freed ending first), the
+        cached ones linked into a chain for its back, as `prepend_n` and `append_n` would put them."""
         null = self.null_block
-        f_head = f_tail = l_head = l_tail = None
-        nf = nl = 0
+        first = []
+        l_head = l_tail = None
+        nl = 0
         for b in ordered:
             if b is null:
                 continue
@@ -306,13 +322,7 @@ class BlockPool:
                 continue
             b.ref_cnt = 0
             if b.block_hash is None:
-                if f_tail is None:
-                    f_head = b
-                else:
-                    f_tail.next = b
-                    b.prev = f_tail
-                f_tail = b
-                nf += 1
+                first.append(b)
             else:
                 if l_tail is None:
                     l_head = b
@@ -321,10 +331,12 @@ class BlockPool:
                     b.prev = l_tail
                 l_tail = b
                 nl += 1
+        nf = len(first)
         if not nf and not nl:
             return
         if nf:  # in front, in their order (prepend_n)
-            self._lru.splice_front(f_head, f_tail, nf)
+            first.reverse()
+            self._lru.push_front_reversed(first)
         if nl:  # at the back, in their order (append_n)
             self._lru.splice_back(l_head, l_tail, nl)
         self.num_cached_free += nl

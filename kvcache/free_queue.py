@@ -1,10 +1,21 @@
-"""The free-block queue: a doubly linked list with O(1) pop-front, append and remove.
+"""The free-block queue: O(1) pop-front, append and remove, in vLLM V1's order.
 
 Its order is the LRU eviction order: blocks are reused from the front, freed
 cached blocks join at the back (uncached ones at the front, from vLLM 0.24),
 and a cache hit on a free block unlinks it in O(1).
 
-    sentinel_head <-> b1 <-> b2 <-> ... <-> bn <-> sentinel_tail
+The queue is two parts, the front one first:
+
+    front stack [bk ... b2 b1]  (a Python list; its last item is the queue's first block)
+    sentinel_head <-> c1 <-> c2 <-> ... <-> cn <-> sentinel_tail  (intrusive links)
+
+Blocks put at the front (`prepend_n`, and the blocks the queue starts with) go
+on the stack, so a run of them is pushed and popped by list slicing, not block
+by block: a sliding window's prefill chunk takes and gives back hundreds of
+blocks a step, and the pool's per-block Python work was what made a hybrid
+model slow. A stacked block has no links (`prev` is None); `remove` finds it in
+the stack (a linear search: the pool only removes cache hits, which it never
+puts at the front). The order is exactly that of one linked list.
 """
 
 from __future__ import annotations
@@ -23,13 +34,16 @@ class FreeBlockQueue:
         self._tail = KVCacheBlock(-1)
         self._head.next = self._tail
         self._tail.prev = self._head
-        self.num_free_blocks = 0
-        self.append_n(list(blocks))
+        self.stack: list[KVCacheBlock] = list(blocks)[::-1]  # the front part, its last item first
+        self.num_free_blocks = len(self.stack)
 
     def __len__(self) -> int:
         return self.num_free_blocks
 
     def popleft(self) -> KVCacheBlock:
+        if self.stack:
+            self.num_free_blocks -= 1
+            return self.stack.pop()
         block = self._head.next
         if block is self._tail:
             raise ValueError("no free blocks")
@@ -43,22 +57,37 @@ class FreeBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} free")
-        out = []
-        block = self._head.next
-        for _ in range(n):
-            out.append(block)
-            nxt = block.next
-            block.prev = block.next = None
-            block = nxt
-        self._head.next = block
-        block.prev = self._head
-        self.num_free_blocks -= n
+        out = self.pop_stack(n)
+        rest = n - len(out)
+        if rest:
+            block = self._head.next
+            for _ in range(rest):
+                out.append(block)
+                nxt = block.next
+                block.prev = block.next = None
+                block = nxt
+            self.detach_front(block, rest)
+        return out
+
+    def pop_stack(self, n: int) -> list[KVCacheBlock]:
+        """Up to `n` blocks off the front stack, the queue's first first (whole slices, no links)."""
+        stack = self.stack
+        k = len(stack) - n if n < len(stack) else 0
+        out = stack[k:]
+        del stack[k:]
+        out.reverse()
+        self.num_free_blocks -= len(out)
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev, block.next
         if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
+            try:
+                self.stack.remove(block)
+            except ValueError:
+                raise ValueError(f"block {block.block_id} is not in the free queue") from None
+            self.num_free_blocks -= 1
+            return
         prev.next = nxt
         nxt.prev = prev
         block.prev = block.next = None
@@ -78,29 +107,25 @@ class FreeBlockQueue:
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put `blocks` at the front, in their given order (the first is reused first)."""
-        if blocks:
-            self.splice_front(*_chain(blocks), len(blocks))
+        self.push_front_reversed(blocks[::-1])
+
+    def push_front_reversed(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the front, the last of them first (`prepend_n` of them reversed): onto the
+        stack in one extend."""
+        self.stack += blocks
+        self.num_free_blocks += len(blocks)
 
     def front(self) -> KVCacheBlock:
-        """The first block (the tail sentinel when the queue is empty)."""
+        """The first block of the linked part (the tail sentinel when it is empty): the queue's first
+        once the stack is empty."""
         return self._head.next
 
     def detach_front(self, rest: KVCacheBlock, n: int) -> None:
-        """The caller took the `n` blocks before `rest` (walking `next` from `front()`, clearing their
-        links as it went): `rest` is the front now."""
+        """The caller took the `n` linked blocks before `rest` (walking `next` from `front()` once the
+        stack was empty, clearing their links as it went): `rest` is the linked part's front now."""
         self._head.next = rest
         rest.prev = self._head
         self.num_free_blocks -= n
-
-    def splice_front(self, first: KVCacheBlock, last: KVCacheBlock, n: int) -> None:
-        """Put the `n` blocks linked from `first` to `last` at the front, in their order."""
-        head = self._head
-        old = head.next
-        first.prev = head
-        head.next = first
-        last.next = old
-        old.prev = last
-        self.num_free_blocks += n
 
     def splice_back(self, first: KVCacheBlock, last: KVCacheBlock, n: int) -> None:
         """Put the `n` blocks linked from `first` to `last` at the back, in their order."""
@@ -113,6 +138,7 @@ class FreeBlockQueue:
         self.num_free_blocks += n
 
     def __iter__(self):
+        yield from reversed(self.stack)
         block = self._head.next
         while block is not self._tail:
             yield block

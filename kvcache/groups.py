@@ -207,7 +207,10 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
     chunk's table holds its null blocks first (its hit's skipped blocks, then those let go), so the
     first one not null is found by bisection and the run replaced in one slice."""
     end = min(spec.skipped_tokens(num_computed) // spec.block_size, len(blocks))
-    lo = leading_nulls(blocks, end, null)
+    if end < 2 or blocks[end - 2] is not null:
+        lo = leading_nulls(blocks, end, null)
+    else:  # a decode's: at most the last one is let go (no bisection)
+        lo = end - 1 if blocks[end - 1] is not null else end
     removed = blocks[lo:end]
     removed.reverse()
     blocks[lo:end] = [null] * (end - lo)

@@ -133,7 +133,8 @@ class HybridKVCacheManager(PoolView):
         # and the hit tokens each group alone offered the requests that took a hit
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
-        self.pool.group_of = self._group_of = [0] * num_gpu_blocks  # each block's group, for the evictions by group
+        # the group of each block that can be evicted (set as it is cached) or is popped for a deferred free
+        self.pool.group_of = self._group_of = [0] * num_gpu_blocks
         self.pool.evicted_by_group = [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
@@ -314,7 +315,7 @@ class HybridKVCacheManager(PoolView):
             self._add_hits(sid, hits, computed)
         new: list[KVCacheBlock] = []
         bs = self.block_size
-        mamba, go = self._mamba, self._group_of
+        mamba = self._mamba
         for g in range(len(self.groups)):
             table = self.tables[g].setdefault(sid, [])
             if g in mamba:
@@ -327,8 +328,6 @@ class HybridKVCacheManager(PoolView):
                 table.extend(got)
             new.extend(got)
             self._hold(g, len(got))
-            for b in got:
-                go[b.block_id] = g
         if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
             self.ops.counts["write"] += (computed + num_new_tokens - 1) // bs - computed // bs + 1
         if self.enable_caching:
@@ -355,10 +354,8 @@ class HybridKVCacheManager(PoolView):
             if pool.num_free_blocks < n + (self.watermark_blocks if watermark else 0):
                 return None
             new = pool.get_new_blocks(n)  # (the policy's victims in order: as n takes of one)
-            go = self._group_of
             for g, (t, block) in enumerate(zip(tables, new, strict=True)):
                 t[sid].append(block)
-                go[block.block_id] = g
                 self._hold(g, 1)
         for ma in self._mamba.values():
             ma.decoded(sid, len(first), bool(new))
@@ -461,8 +458,11 @@ class HybridKVCacheManager(PoolView):
             kept = ranges.get((spec, n_cached))
             if kept is None:
                 kept = ranges[spec, n_cached] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
+            go = self._group_of
             for a, b in kept:
                 self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
+                for i in range(a, b):  # (only a cached block can be evicted: its group is set here)
+                    go[table[i].block_id] = g
                 if self._watch and not self._watch_added:  # (a key cached in any group)
                     watch = self._watch
                     self._watch_added = any(keys[i] in watch for i in range(a, b))
@@ -487,7 +487,10 @@ class HybridKVCacheManager(PoolView):
         `KVCacheCoordinator.pop_blocks_for_free`: the groups' blocks in group order, each without
         its leading null blocks); `free_popped` returns them, from the end."""
         out: list[KVCacheBlock] = []
-        for blocks in self._pop(seq):
+        go = self._group_of
+        for g, blocks in enumerate(self._pop(seq)):
+            for b in blocks:  # (`free_popped` counts each block's group out)
+                go[b.block_id] = g
             out.extend(blocks)
         return out
 

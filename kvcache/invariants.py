@@ -30,10 +30,14 @@ def check(m: KVCacheManager) -> None:
     policy = pool.policy
     num_free = 0
     cached_free = 0
+    # the free queue's front stack (LRU's queue, a ranking policy's plain FIFO), as a set: `is_free`
+    # searches it, which would make this walk quadratic
+    queue = policy.queue if isinstance(policy, LRU) else getattr(policy, "plain", None)
+    stacked = {b.block_id for b in queue.stack} if queue is not None else ()
     for b in pool.blocks[1:]:
         if b.ref_cnt != holders[b.block_id]:
             _fail(f"block {b.block_id}: ref count {b.ref_cnt}, held by {holders[b.block_id]} tables")
-        free = policy.is_free(b)
+        free = b.block_id in stacked or policy.is_free(b)
         if b.ref_cnt > 0 and free:
             _fail(f"block {b.block_id}: free with ref count {b.ref_cnt}")
         pinned = policy.is_pinned(b)
@@ -73,8 +77,14 @@ def _lookup(hit, block_id: int):
 
 def _check_links(policy: LRU) -> None:
     q = policy.queue
+    ids = [b.block_id for b in q.stack]
+    if len(set(ids)) != len(ids):
+        _fail("free queue: a block twice on its front stack")
+    for b in q.stack:
+        if b.prev is not None or b.next is not None or b.block_hash is not None:
+            _fail(f"free queue: block {b.block_id} on the front stack is linked or cached")
     prev = q._head
-    n = 0
+    n = len(q.stack)
     b = q._head.next
     while b is not q._tail:
         if b.prev is not prev:

@@ -122,7 +122,9 @@ class CachedPolicy(EvictionPolicy):
         return out
 
     def is_free(self, block: KVCacheBlock) -> bool:
-        return block.prev is not None or self.tick[block.block_id] >= 0
+        """In the plain FIFO (linked, or on its front stack: a linear search) or ranked as cached."""
+        return block.prev is not None or self.tick[block.block_id] >= 0 \
+            or any(b is block for b in self.plain.stack)
 
     def _insert(self, block: KVCacheBlock) -> None:
         raise NotImplementedError

@@ -35,7 +35,8 @@ class LRU(EvictionPolicy):
         return self.queue.popleft_n(n)
 
     def is_free(self, block: KVCacheBlock) -> bool:
-        return block.prev is not None
+        """Linked in the queue, or on its front stack (a linear search there)."""
+        return block.prev is not None or any(b is block for b in self.queue.stack)
 
 
 class PinnedLRU(LRU):
