@@ -232,7 +232,7 @@ class _Replayer:
         rep.steps_checked += check
         before = Counter(rep.units)
         written: dict[str, list[int]] = {}  # seq -> [tokens this step, newest position]
-        for _, kind, a, b, c, seq, _, pos in rows:
+        for _, kind, a, b, c, seq, _, pos, _ in rows:
             rep.ops[kind] += 1
             if kind == "write":
                 n = c - b
