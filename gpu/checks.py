@@ -6,6 +6,11 @@ token) also run paged decode attention against dense attention over the expected
 K/V. With `touched`, only the table entries a data or table op changed since the
 sequence's last check are read (plus its newest, partial one): exact as long as
 nothing but the replayed ops writes the storage, where the full read trusts nothing.
+
+With hybrid KV-cache groups each table is one (sequence, group) (`gpu.replay`):
+a sliding window's decode attention runs over its window, a chunked local
+group's is not checked (the kernels know no chunks; its K/V is), and a Mamba
+group's table is checked by its current state page, read whole (`_verify_states`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ class Checks:
         self.bs = st.block_size
         self.expected = ExpectedKV(values, keys.__getitem__, st.device)
         self.dirty: defaultdict[str, set[int]] | None = defaultdict(set) if touched else None
+        self.windows: dict[str, int | None] = {}  # a table's attention window, where not `window` (hybrid groups)
+        self.local: set[str] = set()  # tables of chunked local groups (no decode attention check)
+        self.states: set[str] = set()  # tables of Mamba groups (pages checked whole)
+
+    def kind(self, table: str, kind: str, window: int | None) -> None:
+        """Table `table` belongs to a KV-cache group of `kind` with `window` (`kvcache.groups`)."""
+        if kind == "mamba":
+            self.states.add(table)
+        elif kind == "chunked_local":
+            self.local.add(table)
+        else:
+            self.windows[table] = window if kind == "sliding_window" else None
 
     # ------------------------------------------------------ touched entries
     def touch(self, block: int) -> None:
@@ -92,6 +109,9 @@ class Checks:
         """Check each written sequence's K/V (all of them in one pass, one device sync), then
         decode attention for the one-token ones."""
         rep, bs, st = self.report, self.bs, self.st
+        if self.states and not self.states.isdisjoint(written):
+            self._verify_states(step, {s: w for s, w in written.items() if s in self.states})
+            written = {s: w for s, w in written.items() if s not in self.states}
         checks = []  # (seq, tokens this step, extent, positions read, their blocks)
         decodes = []  # (seq, extent, every position, its blocks; None where attention does not run)
         attends = bool(self.attention_layers) or self.kernels.measures
@@ -133,22 +153,50 @@ class Checks:
                     self.mismatch(n_bad, first)
                     if self.dirty is not None:  # a wrong entry stays under watch, as a full read would
                         self.dirty[seq].update(np.unique(p // bs).tolist())
-        decodes = [d for d in decodes if d[0] not in bad]
-        if decodes:
-            self._check_decodes(step, decodes)
+        decodes = [d for d in decodes if d[0] not in bad and d[0] not in self.local]
+        if not self.windows:
+            if decodes:
+                self._check_decodes(step, decodes, self.window)
+            return
+        by_window: dict[int | None, list] = {}
+        for d in decodes:
+            by_window.setdefault(self.windows.get(d[0], self.window), []).append(d)
+        for window, group in by_window.items():
+            self._check_decodes(step, group, window)
 
-    def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]]) -> None:
+    def _verify_states(self, step: int, written: Mapping[str, list[int]]) -> None:
+        """Each written Mamba table's current state page (the entry of its newest position), read
+        whole: every slot must hold the value of the state it stands for (`gpu.values`)."""
+        bs, st = self.bs, self.st
+        for table, (_, newest) in written.items():
+            self.report.sequence_checks += 1
+            entry = newest // bs
+            row = self.tables.rows.get(table, ())
+            block = row[entry] if entry < len(row) else -1
+            if block <= 0:
+                self.mismatch(1, Mismatch(step, table, newest, "table", entry=entry))
+                continue
+            state = np.full(bs, self._keys[table][newest], dtype=np.uint64)
+            expected = self.values.kv(device_keys(state, st.device))
+            n_bad, first = compare_kv(st, entry * bs + np.arange(bs, dtype=np.int64), np.full(bs, block, np.int64),
+                                      expected, step=step, seq=table)
+            self.report.tokens_verified += bs
+            if first is not None:
+                self.mismatch(n_bad, first)
+
+    def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]],
+                       window: int | None) -> None:
         """Paged decode attention on every layer; on the first `attention_layers` layers, its output
         against dense attention over the expected K/V (never read from the storage), all decodes
         in one batch."""
         st, rep, bs = self.st, self.report, self.bs
         # positions attended: the window's, all non-null (only blocks wholly outside it are dropped)
-        rep.units["attention"] += sum(min(n, self.window or n) for _, n, _, _ in decodes)
+        rep.units["attention"] += sum(min(n, window or n) for _, n, _, _ in decodes)
         n_layers = min(self.attention_layers, st.num_layers)
         if not (n_layers or self.kernels.measures):
             return
         # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
-        spans = [pos[pos >= n - self.window] if self.window else pos for _, n, pos, _ in decodes]
+        spans = [pos[pos >= n - window] if window else pos for _, n, pos, _ in decodes]
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)
@@ -161,7 +209,7 @@ class Checks:
         last = np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)], dtype=np.uint64)
         q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
         with self.timer(step, "attention"):
-            out = self.kernels.decode(q, st, tables, ctx_t, self.window, max(ctx), n_layers)
+            out = self.kernels.decode(q, st, tables, ctx_t, window, max(ctx), n_layers)
         self.ex.launches += self.kernels.decode_launches(st, n_layers)
         if not n_layers:
             return

@@ -33,7 +33,7 @@ def predictor(config: Mapping[str, Any], source: str = "config.json") -> Predict
     from kvsim.sim.engine.config import SimConfig
     from kvsim.sim.engine.cost_model import CostModel
 
-    cfg = SimConfig.from_dict(dict(config), source=source)
+    cfg = SimConfig.from_run_config(dict(config), source=source)
     cost = CostModel.from_config(cfg)
     per_token = cost.kv_bytes_per_token / (cost.gpu.hbm_bw * cost.calibration.memory)
     unit = {**cost.op_cost_s, "write": per_token, "attention": per_token}

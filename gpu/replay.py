@@ -5,6 +5,14 @@ ops keep each sequence's block table (`gpu.tables`). After each checked step,
 every sequence that computed tokens in it is read back through its table and
 compared with the values its prefix implies (`gpu.checks`). A sequence whose
 blocks are freed mid-step is checked just before.
+
+With vLLM's hybrid KV-cache groups (a stream with a `group` column past 0, and
+config.json's `kv_cache_groups`), every group shares the one storage indexed by
+block id and each (sequence, group) has its own table, named `seq@g<group>`
+(group 0: `seq`); its values are the group's (`values.group_keys`). An attention
+group's K/V is read back through its table (a window's or chunk's null entries
+are not read); a Mamba group's page is one opaque state: a write fills it with
+the state's value, and a check reads the state block the request uses now whole.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from kvsim.gpu.report import ReplayReport, StepTime
 from kvsim.gpu.storage import PagedKVStorage
 from kvsim.gpu.tables import BlockTables
 from kvsim.gpu.timing import Timer
-from kvsim.gpu.values import DeviceValues, prefix_keys
+from kvsim.gpu.values import DeviceValues, group_keys, prefix_keys
+from kvsim.kvcache.groups import KINDS as GROUP_KINDS
 from kvsim.kvcache.ops import Op, as_rows, read_op_rows, read_ops, read_tokens
+from kvsim.sim.engine.config import KV_GROUPS_KEY as GROUPS_KEY
 from kvsim.workloads.files import read_json
 
 _RECORD = ("record the op stream with `kvsim run --record-ops` (or KVCacheManager(record_ops=True) "
@@ -152,6 +162,32 @@ def replay_ops(
         torch.set_num_threads(threads)
 
 
+def kv_groups(rows: Sequence[tuple], config: Mapping[str, Any]) -> list[tuple[str, int | None]] | None:
+    """A hybrid run's groups from config.json, (kind, window) each, or None for one group; a stream
+    whose ops name a group config.json does not describe is refused."""
+    groups, used = config.get(GROUPS_KEY), max((r[8] for r in rows), default=0)
+    if groups is None:
+        if used:
+            raise RunFilesError(f"config.json: the op stream has KV-cache groups 0 to {used} but no {GROUPS_KEY!r} "
+                                "(each group's kind, window and block_size); record the run again with `kvsim run "
+                                "--record-ops`, which writes them")
+        return None
+    if not isinstance(groups, list) or not groups:
+        raise RunFilesError(f"config.json: {GROUPS_KEY} must be a list of groups, got {groups!r}")
+    out = []
+    for i, g in enumerate(groups):
+        kind = g.get("kind") if isinstance(g, dict) else None
+        window = g.get("window") if isinstance(g, dict) else None
+        if kind not in GROUP_KINDS or not isinstance(g.get("block_size"), int) \
+                or (window is not None and not isinstance(window, int)):
+            raise RunFilesError(f"config.json: {GROUPS_KEY}[{i}] is {g!r}; expected kind (one of "
+                                f"{', '.join(GROUP_KINDS)}), window (an integer or null) and an integer block_size")
+        out.append((kind, window))
+    if used >= len(out):
+        raise RunFilesError(f"config.json: {GROUPS_KEY} names {len(out)} groups, but the op stream has group {used}")
+    return out
+
+
 def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int, int]:
     """GPU, CPU (swap) and host-tier blocks the storage needs: the highest ids the ops use, the first
     two within the config's counts."""
@@ -179,7 +215,13 @@ class _Replayer:
     def __init__(self, rows, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
                  swap_method, kernels, *, run, attention_layers, strict, check, progress):
         self.rows, self.tokens = rows, tokens
-        self.bs = bs = int(config["block_size"])
+        self.groups = kv_groups(rows, config)
+        self.mamba = {g for g, (kind, _) in enumerate(self.groups or ()) if kind == "mamba"}
+        # a hybrid run's block size is its groups' (vLLM raises it for Mamba pages)
+        self.bs = bs = int(config[GROUPS_KEY][0]["block_size"] if self.groups else config["block_size"])
+        self._page = np.arange(bs, dtype=np.int64)  # a Mamba state page: every slot of its block
+        self._names: dict[tuple[str, int], str] = {}
+        self._base: dict[str, tuple[str, int]] = {}  # table name -> (sequence, group)
         n_gpu, n_cpu, n_host = _sizes(rows, config)
         self.st = PagedKVStorage(layers, n_gpu, bs, kv_heads, head_dim, num_cpu_blocks=n_cpu,
                                  num_host_blocks=n_host, dtype=dtype, device=device)
@@ -232,12 +274,19 @@ class _Replayer:
         rep.steps_checked += check
         before = Counter(rep.units)
         written: dict[str, list[int]] = {}  # seq -> [tokens this step, newest position]
-        for _, kind, a, b, c, seq, _, pos in rows:
+        mamba = self.mamba
+        for _, kind, a, b, c, seq, _, pos, group in rows:
             rep.ops[kind] += 1
+            if group and seq:
+                seq = self._name(seq, group)
             if kind == "write":
                 n = c - b
-                keys = self._seq_keys(seq, pos + n, step)[pos : pos + n]
-                ex.write(a * bs + np.arange(b, c, dtype=np.int64), keys)
+                if group in mamba:  # the state after pos + n tokens, in every slot of the page
+                    keys = self._seq_keys(seq, pos + n, step)
+                    ex.write(a * bs + self._page, np.full(bs, keys[pos + n - 1], dtype=np.uint64))
+                else:
+                    keys = self._seq_keys(seq, pos + n, step)[pos : pos + n]
+                    ex.write(a * bs + np.arange(b, c, dtype=np.int64), keys)
                 checks.touch(a)
                 w = written.setdefault(seq, [0, -1])
                 w[0] += n
@@ -262,7 +311,7 @@ class _Replayer:
                 due = [s for s in tables.holders.get(a, ()) if s in written]
                 if due and check:
                     ex.flush()
-                    checks.verify(step, {s: written[s] for s in sorted(due)})
+                    checks.verify(step, self._with_states(step, {s: written[s] for s in sorted(due)}))
                 for s in due:
                     del written[s]
                 for s in tables.free(a):
@@ -271,18 +320,51 @@ class _Replayer:
                 raise RunFilesError(f"ops.parquet: unknown op kind {kind!r} at step {step}")
         ex.flush()
         if check and written:
-            checks.verify(step, written)
+            checks.verify(step, self._with_states(step, written))
         done = {k: n - before[k] for k, n in rep.units.items() if n > before[k]}
         self._step_units.extend((step, k, n) for k, n in done.items())
         rep.step_times.append(StepTime(step, 0.0, sum(self.pred(k, n) for k, n in done.items())))
 
-    def _seq_keys(self, seq: str, upto: int, step: int) -> np.ndarray:
-        keys = self._keys.get(seq)
+    def _with_states(self, step: int, written: dict[str, list[int]]) -> dict[str, list[int]]:
+        """`written` plus every Mamba table of its sequences, each at its sequence's newest position:
+        the state a request uses must stand for every token it computed (a state write lost or
+        standing for another position is caught)."""
+        if not self.mamba:
+            return written
+        newest: dict[str, int] = {}
+        for name, (_, last) in written.items():
+            seq = self._base.get(name, (name, 0))[0]
+            newest[seq] = max(newest.get(seq, -1), last)
+        out = dict(written)
+        for seq, last in newest.items():
+            for g in self.mamba:
+                name = self._name(seq, g)
+                if name in out or name in self.tables.rows:
+                    self._seq_keys(name, last + 1, step)
+                    out[name] = [out.get(name, (0,))[0], last]
+        return out
+
+    def _name(self, seq: str, group: int) -> str:
+        """The table name of `seq`'s table in KV-cache group `group` (> 0)."""
+        name = self._names.get((seq, group))
+        if name is None:
+            name = self._names[seq, group] = f"{seq}@g{group}"
+            self._base[name] = (seq, group)
+        return name
+
+    def _seq_keys(self, name: str, upto: int, step: int) -> np.ndarray:
+        """The value keys of table `name`'s positions (its sequence's, as its group holds them); on
+        first use its group's kind and window are told to the checks."""
+        keys = self._keys.get(name)
         if keys is None:
+            seq, group = self._base.get(name, (name, 0))
             if seq not in self.tokens:
                 raise RunFilesError(f"op_tokens.parquet: no tokens for sequence {seq!r} (written at step {step})")
-            keys = self._keys[seq] = prefix_keys(self.tokens[seq])
+            keys = self._keys[name] = group_keys(prefix_keys(self.tokens[seq]), group)
+            if self.groups is not None:
+                self.checks.kind(name, *self.groups[group])
         if upto > len(keys):
+            seq = self._base.get(name, (name, 0))[0]
             raise RunFilesError(f"op_tokens.parquet: sequence {seq!r} has {len(keys)} tokens, "
                                 f"step {step} writes position {upto - 1}")
         return keys

@@ -5,7 +5,9 @@
 
 Two sequences sharing a prefix share K/V (as in a real model), so prefix hits
 and forks verify, while data from any other prefix differs in almost every
-element. Quarters are exact in fp16, bf16 and fp32, so checks are bit-exact.
+element; each KV-cache group's keys are the prefix keys mixed with the group
+(`group_keys`: a hybrid model's groups are different layers). A Mamba group's
+state page after p tokens is one value, that of key p - 1, in every slot. Quarters are exact in fp16, bf16 and fp32, so checks are bit-exact.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from kvsim.kvcache import hashing
+from kvsim.kvcache.groups import group_salt
 
 _U64 = np.uint64
 _CHUNK = 1 << 22  # elements per vectorised pass, to bound temporaries
@@ -38,6 +41,16 @@ def prefix_keys(tokens: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.uint64)
     contents = hashing.content_hashes(tokens, 1)
     return _mix(hashing.chain(hashing.root_state(), contents))
+
+
+def group_keys(keys: np.ndarray, group: int) -> np.ndarray:
+    """`keys` as KV-cache group `group` holds them: group 0's are the keys themselves (a one-group
+    stream verifies as before), another group's are mixed with its salt (`kvcache.groups.group_salt`),
+    so a block read through the wrong group's table, or left stale after another group took it,
+    holds values no key of this group gives."""
+    if group == 0:
+        return keys
+    return _mix(np.asarray(keys, dtype=np.uint64) ^ _U64(group_salt(group)))
 
 
 @lru_cache(maxsize=16)

@@ -30,8 +30,11 @@ of its blocks as `kvcache.mamba` says: one running state block a request (two wh
 exports a checkpoint), earlier states let go as the request advances, and a hit hashed in the
 current scheduling step refused until the next (`new_step_starts`).
 
-Not modelled here (refused by the engine): forking, swapping, KV offloading, defragmentation and
-the op log; Mamba without prefix caching (vLLM's other cache mode); v2's `can_allocate`.
+With `record_ops`, every op is recorded with its group (`kvcache.ops`): each group's table
+entries (the null block where a window or Mamba group let a block go), its writes (a Mamba group's
+write is its state block's, `_record_allocation`), and frees and evictions with the group that
+held the block. Not modelled here (refused by the engine): forking, swapping, KV offloading,
+defragmentation; Mamba without prefix caching (vLLM's other cache mode); v2's `can_allocate`.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class HybridKVCacheManager(PoolView):
     them): vLLM's `--num-gpu-blocks-override`. groups: each group's spec, in vLLM's group order
     (all of one block size). in_flight_tokens / max_model_len: what the windowed groups' admission
     cap counts (`GroupSpec.admission_cap`). mamba_checkpoint_alignment: the Mamba layers' prefill
-    checkpoint alignment (None: they export no checkpoint; `kvcache.mamba`). The other arguments
-    are `KVCacheManager`'s.
+    checkpoint alignment (None: they export no checkpoint; `kvcache.mamba`). record_ops: record
+    every op with its group (else only counted). The other arguments are `KVCacheManager`'s.
     """
 
     sliding_window = None  # no single window: the engine asks `num_groups` (several groups: windowed)
@@ -88,6 +91,7 @@ class HybridKVCacheManager(PoolView):
         in_flight_tokens: int = 0,
         max_model_len: int | None = None,
         mamba_checkpoint_alignment: int | None = None,
+        record_ops: bool = False,
         track_ids: bool = True,
         vllm_version: str = DEFAULT_VERSION,
     ):
@@ -114,7 +118,7 @@ class HybridKVCacheManager(PoolView):
             raise ValueError("prefix_cache_retention_interval is set but this cache has no sliding-window or Mamba "
                              "group, so retention has no effect; set it to 0 (vLLM refuses it too)")
         self.retention_interval = retention
-        self.ops = OpLog(False)
+        self.ops = OpLog(record_ops)
         self.op_counts = MappingProxyType(self.ops.counts)
         policy = make_policy(eviction, bs) if isinstance(eviction, str) else eviction
         self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops,
@@ -133,8 +137,10 @@ class HybridKVCacheManager(PoolView):
         # and the hit tokens each group alone offered the requests that took a hit
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
-        # the group of each block that can be evicted (set as it is cached) or is popped for a deferred free
-        self.pool.group_of = self._group_of = [0] * num_gpu_blocks
+        # each block's group, for the evictions by group (set as a block is cached: only a cached block
+        # is evicted), a deferred free (set as it is popped) and, when ops are recorded, the group of a
+        # recorded free or evict (set for every block taken)
+        self.pool.group_of = self.ops.group_of = self._group_of = [0] * num_gpu_blocks
         self.pool.evicted_by_group = [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
         self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
@@ -311,11 +317,13 @@ class HybridKVCacheManager(PoolView):
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
+        recording = self.ops.enabled
+        starts = [len(t.get(sid, ())) for t in self.tables] if recording else None
         if hits is not None:
             self._add_hits(sid, hits, computed)
         new: list[KVCacheBlock] = []
         bs = self.block_size
-        mamba = self._mamba
+        mamba, go = self._mamba, self._group_of
         for g in range(len(self.groups)):
             table = self.tables[g].setdefault(sid, [])
             if g in mamba:
@@ -328,11 +336,40 @@ class HybridKVCacheManager(PoolView):
                 table.extend(got)
             new.extend(got)
             self._hold(g, len(got))
+            if recording:
+                for b in got:
+                    go[b.block_id] = g
+        if recording:
+            self._record_allocation(sid, starts, computed, computed + num_new_tokens)
         if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
             self.ops.counts["write"] += (computed + num_new_tokens - 1) // bs - computed // bs + 1
         if self.enable_caching:
             self._cache(seq, min(computed + num_new_tokens, seq.num_tokens))
         return new
+
+    def _record_allocation(self, sid: str, starts: list[int], start: int, end: int) -> None:
+        """Record an allocation's ops group by group: each table's entries from `starts[g]` on (hits,
+        their null blocks, new blocks), then the writes of positions [start, end): an attention
+        group's slots, a Mamba group's state block (the state after `end` tokens, as a write of
+        position end - 1) and before it the prefill checkpoint it exports. Writes stay counted as
+        one group's (the caller counts them), as when nothing is recorded."""
+        ops, bs = self.ops, self.block_size
+        counted = ops.counts["write"]
+        for g, table in enumerate(t[sid] for t in self.tables):
+            ops.emit_table(sid, table, starts[g], group=g)
+            if end <= start:
+                continue
+            ma = self._mamba.get(g)
+            if ma is None:
+                ops.emit_span(sid, [table[i].block_id for i in range(start // bs, (end - 1) // bs + 1)], start, end,
+                              bs, g)
+                continue
+            checkpoint = ma.checkpoints.get(sid)
+            if checkpoint is not None and table[checkpoint[1]] is not self.null_block:
+                position, idx = checkpoint
+                ops.emit_span(sid, [table[idx].block_id], position - 1, position, bs, g)
+            ops.emit_span(sid, [table[(end - 1) // bs].block_id], end - 1, end, bs, g)
+        ops.counts["write"] = counted
 
     def decode_slot(self, seq: Sequence, watermark: bool = False) -> list[KVCacheBlock] | None | bool:
         """`allocate_slots(seq, 1)` for a running sequence's next token, the same effects in fewer
@@ -357,8 +394,20 @@ class HybridKVCacheManager(PoolView):
             for g, (t, block) in enumerate(zip(tables, new, strict=True)):
                 t[sid].append(block)
                 self._hold(g, 1)
+            if self.ops.enabled:  # (a recorded free or evict names its block's group)
+                for g, block in enumerate(new):
+                    self._group_of[block.block_id] = g
         for ma in self._mamba.values():
             ma.decoded(sid, len(first), bool(new))
+        if self.ops.enabled:  # every group writes its block of position c (a Mamba group: its state)
+            ops, i = self.ops, c // bs
+            counted = ops.counts["write"]
+            for g, t in enumerate(tables):
+                block = t[sid][i].block_id
+                if new:
+                    ops.emit_entry(sid, block, i, g)
+                ops.emit_write(sid, block, c, bs, g)
+            ops.counts["write"] = counted
         self.ops.counts["write"] += 1
         if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
             self._cache(seq, c + 1)
@@ -373,19 +422,27 @@ class HybridKVCacheManager(PoolView):
         c = seq.num_computed_tokens if computed is None else computed
         null, tables = self.null_block, self.tables
         removed = []
+        recording = self.ops.enabled
         for g, spec, sliding, window, ma in self._skipping:
             if ma is not None:  # a Mamba group
                 if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
                     ma.checkpoints.pop(sid, None)
                 table = tables[g].get(sid)
                 if table:
-                    removed += [(g, blocks) for blocks in ma.skipped(sid, table, c)]
+                    for blocks, entries in ma.skipped(sid, table, c):
+                        removed.append((g, blocks))
+                        for i in entries if recording else ():
+                            self.ops.emit_entry(sid, null.block_id, i, g)
                 continue
             skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
             if skipped >= bs:
                 table = tables[g].get(sid)
                 if table and table[min(skipped // bs, len(table)) - 1] is not null:
-                    removed.append((g, null_skipped(spec, table, c, null)))
+                    blocks = null_skipped(spec, table, c, null)
+                    removed.append((g, blocks))
+                    if recording:  # the entries it nulled: the last len(blocks) before `end`
+                        end = min(skipped // bs, len(table))
+                        self.ops.emit_table(sid, table, end - len(blocks), end, group=g)
         if removed:
             self._release(removed)
 
@@ -507,6 +564,8 @@ class HybridKVCacheManager(PoolView):
         sid = seq.seq_id
         if sid not in self.tables[0]:
             raise KeyError(f"free of unknown sequence {sid!r}")
+        if self.ops.enabled:
+            self.ops.keep_sequence(seq)
         self.junctions.pop(sid, None)
         out = []
         null = self.null_block
@@ -534,6 +593,14 @@ class HybridKVCacheManager(PoolView):
 
     def num_cached_blocks_of(self, seq_id: str) -> int:
         return self.num_cached[0].get(seq_id, 0)
+
+    def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
+        """Record (not count) `n` one-token writes of `seq` from position `pos` on, the i-th at step
+        `step + i`, in every group's block of `pos` (a Mamba group's: its running state), late
+        (`KVCacheManager.record_decodes`)."""
+        sid, bs = seq.seq_id, self.block_size
+        for g, t in enumerate(self.tables):
+            self.ops.late_writes(sid, t[sid][pos // bs].block_id, step, n, pos % bs, pos, g)
 
     def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
         return [b.block_id for b in self.tables[group].get(seq_id, ())]

@@ -139,28 +139,30 @@ class MambaAlign:
         if took:
             self.last_state[sid] = length - 2
 
-    def skipped(self, sid: str, table: list[KVCacheBlock], processed: int) -> list[list[KVCacheBlock]]:
+    def skipped(self, sid: str, table: list[KVCacheBlock], processed: int) -> list[tuple[list[KVCacheBlock], list[int]]]:
         """Take out of `table` the blocks no longer needed at `processed` computed tokens: those
         before the last token's block not let go yet, last first, then the previous allocation's
-        state (`MambaManager.remove_skipped_blocks`); returns them as the two frees vLLM makes."""
+        state (`MambaManager.remove_skipped_blocks`); returns them as the two frees vLLM makes,
+        each with the table entries it nulled (for the op log's `table` ops)."""
         null, bs = self.null, self.block_size
         out = []
         if processed > 1:
             last = min((processed - 1) // bs, len(table))
             first = self.retired.get(sid, 0)
             if first < last:
-                freed = []
+                freed, entries = [], []
                 for i in range(last - 1, first - 1, -1):
                     b = table[i]
                     if b is not null:
                         freed.append(b)
+                        entries.append(i)
                         table[i] = null
                 if freed:
-                    out.append(freed)
+                    out.append((freed, entries))
                 self.retired[sid] = last
         i = self.last_state.get(sid)
         if i is not None and i < -(-processed // bs) - 1 and table[i] is not null:
-            out.append([table[i]])
+            out.append(([table[i]], [i]))
             table[i] = null
         return out
 

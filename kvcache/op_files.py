@@ -16,9 +16,11 @@ import numpy as np
 
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "free", "evict", "table", "store", "load", "file_write",
          "file_read")  # append only: a kind's code is its index
-OPS_VERSION = 1
+OPS_VERSION = 2  # 2: the `group` column (version 1 files, before it, are refused: `check_version`)
 META = {"kvsim_ops": str(OPS_VERSION)}  # the version, in both files' metadata
-COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos")  # `kvcache.ops.Op`'s fields, the file's columns
+COLUMNS = ("step", "kind", "a", "b", "c", "seq", "hash", "pos", "group")  # `kvcache.ops.Op`'s fields, the file's columns
+RUN_INTS = 8  # ints a pending run keeps: step, kind code, rows, mode, p, q, r, group
+LATE_INTS = 6  # ints a run of late writes keeps: first step, n, block, first slot, first pos, group
 
 # How a run of rows (one kind, one sequence, one step) gets its b, c and pos; its `a`s are kept a row.
 SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
@@ -28,8 +30,9 @@ SEG_EXPLICIT = 3  # b, c, pos kept a row
 
 
 class Runs(NamedTuple):
-    """Rows in runs, in emission order: `segs` seven ints a run (step, kind code, rows, mode, p, q,
-    r), flat, its sequence in `seqs`; `a` a row, `bcp` (b, c, pos) a row of the explicit runs, `hashes` an evict."""
+    """Rows in runs, in emission order: `segs` eight ints a run (step, kind code, rows, mode, p, q,
+    r, group), flat, its sequence in `seqs`; `a` a row, `bcp` (b, c, pos) a row of the explicit runs,
+    `hashes` an evict."""
 
     segs: list[int]
     seqs: list[str]
@@ -40,7 +43,7 @@ class Runs(NamedTuple):
 
 
 class LateRuns(NamedTuple):
-    """Runs of late one-slot writes (first step, n, block, first slot, first pos) and their sequences."""
+    """Runs of late one-slot writes (first step, n, block, first slot, first pos, group) and their sequences."""
 
     runs: np.ndarray
     seqs: list[str]
@@ -59,15 +62,16 @@ def runs_table(r: Runs, kinds: tuple[str, ...]):
     """The rows of `r` as a table of `schema()`."""
     import pyarrow as pa
 
-    segs, n = np.array(r.segs, np.int64).reshape(-1, 7), r.rows
+    segs, n = np.array(r.segs, np.int64).reshape(-1, RUN_INTS), r.rows
     counts = segs[:, 2]
     which = np.repeat(np.arange(len(segs)), counts)  # row -> its run
     off = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # row -> its index in its run
     mode = np.repeat(segs[:, 3], counts)
     p, q, bs = (np.repeat(segs[:, j], counts) for j in (4, 5, 6))
-    ints = np.full((n, 6), -1, np.int64)  # step, kind code, a, b, c, pos
+    ints = np.full((n, 7), -1, np.int64)  # step, kind code, a, b, c, pos, group
     ints[:, 0] = np.repeat(segs[:, 0], counts)
     ints[:, 1] = np.repeat(segs[:, 1], counts)
+    ints[:, 6] = np.repeat(segs[:, 7], counts)
     ints[:, 2] = np.fromiter(r.a, np.int64, n)
     t = mode == SEG_TABLE
     ints[t, 3] = p[t] + off[t]
@@ -81,7 +85,7 @@ def runs_table(r: Runs, kinds: tuple[str, ...]):
         ints[w, 5] = lo
     e = mode == SEG_EXPLICIT
     if r.bcp:
-        ints[e, 3:] = np.array(r.bcp, np.int64).reshape(-1, 3)
+        ints[e, 3:6] = np.array(r.bcp, np.int64).reshape(-1, 3)
     seqs = pa.array(r.seqs, pa.string()).take(pa.array(which))
     return rows_table(ints, seqs, r.hashes, kinds)
 
@@ -101,7 +105,8 @@ def schema():
     import pyarrow as pa
 
     return pa.schema([("step", pa.int64()), ("kind", pa.string()), ("a", pa.int64()), ("b", pa.int64()),
-                      ("c", pa.int64()), ("seq", pa.string()), ("hash", pa.uint64()), ("pos", pa.int64())],
+                      ("c", pa.int64()), ("seq", pa.string()), ("hash", pa.uint64()), ("pos", pa.int64()),
+                      ("group", pa.int64())],
                      metadata=META)
 
 
@@ -112,8 +117,8 @@ def tokens_schema():
 
 
 def rows_table(ints: np.ndarray, seqs, hashes: list[int | None], kinds: tuple[str, ...]):
-    """Rows (columns step, kind code, a, b, c, pos of `ints`; a kind code indexes `kinds`) as a
-    table of `schema()`; `hashes` are those of its `evict` rows, in order."""
+    """Rows (columns step, kind code, a, b, c, pos, group of `ints`; a kind code indexes `kinds`) as
+    a table of `schema()`; `hashes` are those of its `evict` rows, in order."""
     import pyarrow as pa
 
     codes = ints[:, 1]
@@ -122,23 +127,23 @@ def rows_table(ints: np.ndarray, seqs, hashes: list[int | None], kinds: tuple[st
     keys = pa.array(hashes, pa.uint64()).take(pa.array(which, mask=~evict))
     names = pa.array(kinds, pa.string()).take(pa.array(codes))
     seqs = seqs if isinstance(seqs, pa.Array) else pa.array(seqs, pa.string())
-    cols = [ints[:, 0], names, ints[:, 2], ints[:, 3], ints[:, 4], seqs, keys, ints[:, 5]]
+    cols = [ints[:, 0], names, ints[:, 2], ints[:, 3], ints[:, 4], seqs, keys, ints[:, 5], ints[:, 6]]
     return pa.table([pa.array(np.ascontiguousarray(c)) if isinstance(c, np.ndarray) else c for c in cols],
                     schema=schema())
 
 
 def late_table(runs: np.ndarray, seqs: list[str], kinds: tuple[str, ...]):
-    """Runs of late one-slot writes (first step, n, block, first slot, first pos), one row a write."""
+    """Runs of late one-slot writes (first step, n, block, first slot, first pos, group), one row a write."""
     import pyarrow as pa
 
-    step0, n, block, slot0, pos0 = runs.T
+    step0, n, block, slot0, pos0, group = runs.T
     which = np.repeat(np.arange(len(runs)), n)
     off = np.arange(which.size) - np.repeat(np.cumsum(n) - n, n)
     slot = slot0[which] + off
     total = which.size
     cols = [step0[which] + off, pa.array(kinds, pa.string()).take(pa.array(np.full(total, kinds.index("write")))),
             block[which], slot, slot + 1, pa.array(seqs, pa.string()).take(pa.array(which)),
-            pa.nulls(total, pa.uint64()), pos0[which] + off]
+            pa.nulls(total, pa.uint64()), pos0[which] + off, group[which]]
     return pa.table([pa.array(c) if isinstance(c, np.ndarray) else c for c in cols], schema=schema())
 
 
@@ -169,8 +174,11 @@ def tokens_dict(table) -> dict[str, np.ndarray]:
 
 
 def check_version(path: Path, version: int) -> None:
+    """Refuse a stream of another version (a version 1 stream, before the `group` column, too: its
+    ops would read as group 0 silently, so it is recorded again instead)."""
     if version != OPS_VERSION:
-        raise ValueError(f"{path}: op stream version {version}, this kvsim reads version {OPS_VERSION}")
+        again = "; record it again with this kvsim" if version < OPS_VERSION else ""
+        raise ValueError(f"{path}: op stream version {version}, this kvsim reads version {OPS_VERSION}{again}")
 
 
 def read_ops_table(path: Path):
@@ -199,7 +207,8 @@ def table_rows(table) -> list[tuple]:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One block operation; unused fields are -1 (ints) or "" / None."""
+    """One block operation; unused fields are -1 (ints) or "" / None. `group`: the KV-cache group
+    whose block table or pages it concerns (0 for the one-group manager and KV offloading)."""
 
     step: int
     kind: str
@@ -209,6 +218,7 @@ class Op:
     seq: str = ""
     hash: int | None = None
     pos: int = -1
+    group: int = 0
 
 
 def read_tokens(path: str | Path) -> dict[str, np.ndarray]:
@@ -241,5 +251,5 @@ def read_op_rows(path: str | Path) -> list[tuple]:
 def as_rows(ops: Sequence[Op] | Sequence[tuple]) -> list[tuple]:
     """Ops as plain tuples in `Op`'s field order (`COLUMNS`); tuples pass through."""
     if ops and isinstance(ops[0], Op):
-        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in ops]
+        return [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos, o.group) for o in ops]
     return list(ops)

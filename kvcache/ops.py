@@ -2,7 +2,7 @@
 
 Every physical effect of a manager decision is one typed record, in order:
 
-| kind       | a          | b          | c      | d    | meaning                                 |
+| kind       | a          | b          | c      | seq  | meaning                                 |
 | ---------- | ---------- | ---------- | ------ | ---- | --------------------------------------- |
 | `write`    | block      | first slot | end    | seq  | new K/V for slots [first, end) of block; `pos` = position of slot `first` |
 | `copy`     | src block  | dst block  |        |      | copy-on-write of a shared partial block |
@@ -19,6 +19,12 @@ Every physical effect of a manager decision is one typed record, in order:
 
 `table` ops carry no data: they let a replayer keep every request's block
 table (prefix hits, forks and swap-ins change tables without a write).
+Every op also carries its `group`, the KV-cache group whose table or pages it
+concerns: 0 for the one-group manager (and for KV offloading's transfers); with
+vLLM's hybrid groups (`kvcache.hybrid`) each group keeps its own table per
+sequence over the one pool, a `free` or `evict` carries the group that last held
+the block, and a write in a Mamba group stands for the state after token
+`pos + c - b - 1` (the page is one opaque state, not slots).
 `step` is the engine step (or replay iteration) the op belongs to. GPU block
 ids are physical: with the online defragmenter on, the manager's ids are
 mapped through its forward table, and a `move` exchanges the contents of two
@@ -39,8 +45,10 @@ import numpy as np
 from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-exported)
     COLUMNS,
     KINDS,
+    LATE_INTS,
     META,
     OPS_VERSION,
+    RUN_INTS,
     SEG_EXPLICIT,
     SEG_PLAIN,
     SEG_SPAN,
@@ -84,20 +92,21 @@ class OpLog:
     def __init__(self, enabled: bool = False, chunk_rows: int | None = None):
         self.enabled = enabled
         self.resolve = None  # allocator id -> physical id, set when a defragmenter runs
+        self.group_of: list[int] | None = None  # allocator id -> its KV-cache group (hybrid groups; None: all 0)
         self.counts: Counter[str] = Counter()
         self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
         self.lag = 0  # steps a late write may lag the current step (0: none come)
         self.step = 0  # the step the ops that follow belong to (`set_step` may also cut a chunk)
-        # NOTE: pending rows come in runs of one kind and sequence (`op_files.SEG_*`): seven ints a run
+        # NOTE: pending rows come in runs of one kind, sequence and group (`op_files.SEG_*`): eight ints a run
         # in `_segs`, the run's sequence in `_seqs`, one `a` a row in `_a`; only what no formula
         # gives is kept per row (`_bcp`: b, c, pos of the explicit rows; `_hashes`: of evicts)
-        self._segs: list[int] = []  # step, kind code, rows, mode, p, q, r; run after run in emission order
+        self._segs: list[int] = []  # step, kind code, rows, mode, p, q, r, group; run after run in emission order
         self._seqs: list[str] = []
         self._a: list[int] = []
         self._bcp: list[int] = []
         self._hashes: list[int | None] = []  # of the pending `evict` rows only
         self._rows = 0  # pending rows in runs
-        self._late: list[int] = []  # runs of late writes: first step, n, block, first slot, first pos
+        self._late: list[int] = []  # runs of late writes: first step, n, block, first slot, first pos, group
         self._late_seqs: list[str] = []
         self._chunks: list = []  # final rows as pyarrow tables, when not streaming
         self._tokens: list[tuple] = []  # (seq, its Sequence, tokens) when released, pending
@@ -123,7 +132,7 @@ class OpLog:
         if self.resolve is not None:
             r = self.resolve
             pairs = [(int(r(a)), b) if kind == "store" else (a, int(r(b))) for a, b in pairs]
-        segs = [x for _ in pairs for x in (self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0)]
+        segs = [x for _ in pairs for x in (self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0, 0)]
         a, bcp = [p[0] for p in pairs], [x for p in pairs for x in (p[1], -1, -1)]
         self._rows += len(pairs)
         if not at_start:
@@ -134,22 +143,25 @@ class OpLog:
             return
         s, r, e = self._start
         self._segs[s:s] = segs
-        self._seqs[s // 7:s // 7] = [seq] * len(pairs)
+        self._seqs[s // RUN_INTS:s // RUN_INTS] = [seq] * len(pairs)
         self._a[r:r] = a
         self._bcp[e:e] = bcp
         self._start = [s + len(segs), r + len(a), e + len(bcp)]
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
-             pos: int = -1) -> None:
-        """Record one op; GPU block ids are given as allocator ids and stored physical."""
+             pos: int = -1, group: int = 0) -> None:
+        """Record one op; GPU block ids are given as allocator ids and stored physical. A `free` or
+        `evict` carries its block's group (`group_of`)."""
         self.counts[kind] += 1
         if self.enabled:
+            if self.group_of is not None and (kind == "free" or kind == "evict"):
+                group = self.group_of[a]
             if self.resolve is not None:
                 if kind in _GPU_A:
                     a = int(self.resolve(a))
                 if kind in _GPU_B:
                     b = int(self.resolve(b))
-            self._segs.extend((self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0))
+            self._segs.extend((self.step, _CODE[kind], 1, SEG_EXPLICIT, 0, 0, 0, group))
             self._seqs.append(seq)
             self._a.append(a)
             self._bcp.extend((b, c, pos))
@@ -164,60 +176,75 @@ class OpLog:
         else:
             self.counts[kind] += len(pairs)
 
-    def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None) -> None:
-        """Record `seq`'s block-table entries [start, end) as `table` ops (call only when `enabled`)."""
+    def emit_table(self, seq: str, blocks: list, start: int = 0, end: int | None = None, group: int = 0) -> None:
+        """Record `seq`'s block-table entries [start, end) (of its table in `group`) as `table` ops
+        (call only when `enabled`)."""
         end = len(blocks) if end is None else end
         if end > start:
             self.counts["table"] += end - start
-            self._run(_TABLE, SEG_TABLE, seq, [blocks[i].block_id for i in range(start, end)], start)
+            self._run(_TABLE, SEG_TABLE, seq, [blocks[i].block_id for i in range(start, end)], start, group=group)
 
-    def emit_entry(self, seq: str, block: int, index: int) -> None:
+    def emit_entry(self, seq: str, block: int, index: int, group: int = 0) -> None:
         """Record the one `table` op of `seq`'s entry `index`, now allocator block `block` (call only
         when `enabled`): `emit_table` for one new block, the common case, without building a list."""
         self.counts["table"] += 1
         if self.resolve is not None:
             block = int(self.resolve(block))
-        self._segs.extend((self.step, _TABLE, 1, SEG_TABLE, index, 0, 0))
+        self._segs.extend((self.step, _TABLE, 1, SEG_TABLE, index, 0, 0, group))
         self._seqs.append(seq)
         self._a.append(block)
         self._rows += 1
 
     def emit_free(self, ids: list[int]) -> None:
-        """Record `free` ops of allocator blocks `ids`, in order."""
+        """Record `free` ops of allocator blocks `ids`, in order, each with its block's group."""
         self.counts["free"] += len(ids)
         if self.enabled:
-            self._run(_FREE, SEG_PLAIN, "", ids)
+            self._plain(_FREE, ids)
 
     def emit_evicts(self, ids: list[int], hashes: list[int]) -> None:
-        """Record `evict` ops of allocator blocks `ids` with their keys, in order."""
+        """Record `evict` ops of allocator blocks `ids` with their keys, in order, each with the group
+        that last held its block."""
         self.counts["evict"] += len(ids)
         if self.enabled:
-            self._run(_EVICT, SEG_PLAIN, "", ids)
+            self._plain(_EVICT, ids)
             self._hashes.extend(hashes)
 
-    def emit_span(self, seq: str, ids: list[int], start: int, end: int, bs: int) -> None:
+    def _plain(self, code: int, ids: list[int]) -> None:
+        """Runs of `free` or `evict` rows of `ids`, one a stretch of blocks of one group."""
+        go = self.group_of
+        if go is None:
+            self._run(code, SEG_PLAIN, "", ids)
+            return
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or go[ids[i]] != go[ids[start]]:
+                self._run(code, SEG_PLAIN, "", ids[start:i], group=go[ids[start]])
+                start = i
+
+    def emit_span(self, seq: str, ids: list[int], start: int, end: int, bs: int, group: int = 0) -> None:
         """Record `write` ops of `seq`'s positions [start, end) into allocator blocks `ids`, one a
         block of `bs` slots (ids[0] holds position `start`): the slots each block gets follow."""
         self.counts["write"] += len(ids)
         if self.enabled:
-            self._run(_WRITE, SEG_SPAN, seq, ids, start, end, bs)
+            self._run(_WRITE, SEG_SPAN, seq, ids, start, end, bs, group)
 
-    def emit_write(self, seq: str, block: int, pos: int, bs: int) -> None:
+    def emit_write(self, seq: str, block: int, pos: int, bs: int, group: int = 0) -> None:
         """Record the one-slot `write` of `seq`'s position `pos` into allocator block `block` (call
         only when `enabled`)."""
         self.counts["write"] += 1
         # NOTE: `_run` inlined: this is the hot path, one call per decode token
         if self.resolve is not None:
             block = int(self.resolve(block))
-        self._segs.extend((self.step, _WRITE, 1, SEG_SPAN, pos, pos + 1, bs))
+        self._segs.extend((self.step, _WRITE, 1, SEG_SPAN, pos, pos + 1, bs, group))
         self._seqs.append(seq)
         self._a.append(block)
         self._rows += 1
 
-    def _run(self, code: int, mode: int, seq: str, ids: list[int], p: int = 0, q: int = 0, r: int = 0) -> None:
-        """One pending run: rows of kind `code` and `seq` at this step, a row per allocator block of
-        `ids`; b, c and pos follow from (mode, p, q, r) (`kvcache.op_files`)."""
-        self._segs.extend((self.step, code, len(ids), mode, p, q, r))
+    def _run(self, code: int, mode: int, seq: str, ids: list[int], p: int = 0, q: int = 0, r: int = 0,
+             group: int = 0) -> None:
+        """One pending run: rows of kind `code`, `seq` and `group` at this step, a row per allocator
+        block of `ids`; b, c and pos follow from (mode, p, q, r) (`kvcache.op_files`)."""
+        self._segs.extend((self.step, code, len(ids), mode, p, q, r, group))
         self._seqs.append(seq)
         self._a.extend(self._physical(ids))
         self._rows += len(ids)
@@ -225,12 +252,12 @@ class OpLog:
     def _physical(self, ids: list[int]) -> list[int]:
         return ids if self.resolve is None else self.resolve(np.asarray(ids, dtype=np.int64)).tolist()
 
-    def late_writes(self, seq: str, block: int, step: int, n: int, slot: int, pos: int) -> None:
-        """Record `n` one-slot writes of `seq` into allocator block `block`, the i-th at step
-        `step + i`, slot `slot + i`, position `pos + i` (not counted: the caller counts them)."""
+    def late_writes(self, seq: str, block: int, step: int, n: int, slot: int, pos: int, group: int = 0) -> None:
+        """Record `n` one-slot writes of `seq` into allocator block `block` (of `group`), the i-th at
+        step `step + i`, slot `slot + i`, position `pos + i` (not counted: the caller counts them)."""
         if self.resolve is not None:
             block = int(self.resolve(block))
-        self._late.extend((step, n, block, slot, pos))
+        self._late.extend((step, n, block, slot, pos, group))
         self._late_seqs.append(seq)
 
     def keep_tokens(self, seq: str, tokens) -> None:
@@ -285,16 +312,16 @@ class OpLog:
         """The pending rows of steps before `cut` (None: all): the runs emitted in order (`Runs`), and
         the late writes' runs (an array, or None), for `ops_table` to make one table of."""
         segs = self._segs
-        k = len(segs) // 7  # runs before the cut: found from the end (rows after it are few)
+        k = len(segs) // RUN_INTS  # runs before the cut: found from the end (rows after it are few)
         rows, nb, evicts = self._rows, len(self._bcp) // 3, len(self._hashes)  # less the tail's, below
-        while cut is not None and k and segs[7 * k - 7] >= cut:
+        while cut is not None and k and segs[RUN_INTS * (k - 1)] >= cut:
             k -= 1
-            _, code, n, mode = segs[7 * k:7 * k + 4]
+            _, code, n, mode = segs[RUN_INTS * k:RUN_INTS * k + 4]
             rows -= n
             nb -= n if mode == SEG_EXPLICIT else 0
             evicts -= n if code == _EVICT else 0
-        late = np.array(self._late, dtype=np.int64).reshape(-1, 5)
-        main = Runs(segs[:7 * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
+        late = np.array(self._late, dtype=np.int64).reshape(-1, LATE_INTS)
+        main = Runs(segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
         seqs = self._late_seqs
         if cut is None:
             ready, ready_seqs = late, seqs
@@ -308,9 +335,9 @@ class OpLog:
             d = np.maximum(cut - rest[:, 0], 0)
             rest[:, 0] += d
             rest[:, 1] -= d
-            rest[:, 3:] += d[:, None]
+            rest[:, 3:5] += d[:, None]  # (first slot, first pos)
         if consume:
-            del self._segs[:7 * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts]
+            del self._segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts]
             self._rows -= rows
             if cut is None:
                 self._late, self._late_seqs = [], []
@@ -349,7 +376,7 @@ class OpLog:
         self._done = 0
 
     def __len__(self) -> int:
-        return self._done + self._rows + sum(self._late[1::5])
+        return self._done + self._rows + sum(self._late[1::LATE_INTS])
 
     def to_jsonl(self, path: str | Path) -> None:
         """One header line `{"kvsim_ops": VERSION}`, then one op per line."""

@@ -32,6 +32,10 @@ def check_block_size(block_size: int) -> None:
         raise ConfigError(f"block_size must be a positive power of two, got {block_size}")
 
 
+# config.json of a run in vLLM's hybrid KV-cache groups: each group's kind, window and block size,
+# what `kvsim gpu-replay` verifies its op stream by (`sim.studies.run_folder.write_run`)
+KV_GROUPS_KEY = "kv_cache_groups"
+
 @dataclass
 class SimConfig:
     """Everything a run depends on besides the workload (with it and `seed`, a run is deterministic)."""
@@ -282,6 +286,12 @@ class SimConfig:
             msg = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints, strict=True))
             raise ConfigError(f"{source}: unknown config key(s) {msg}")
         return cls(**d)
+
+    @classmethod
+    def from_run_config(cls, d: dict[str, Any], source: str = "config.json") -> SimConfig:
+        """Build from a run folder's config.json: `from_dict` of its settings, less what the run
+        folder adds for `kvsim gpu-replay` (`KV_GROUPS_KEY`, a hybrid run's groups)."""
+        return cls.from_dict({k: v for k, v in d.items() if k != KV_GROUPS_KEY}, source=source)
 
     def replace(self, **changes: Any) -> SimConfig:
         return dataclasses.replace(self, **changes)

@@ -89,7 +89,6 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
 
 
 HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defragmentation"),
-                  ("record_ops", "the op log (gpu-replay)"),
                   # vLLM 0.33's OffloadingConnector supports the hybrid manager (SupportsHMA,
                   # offloading_connector.py), so vLLM keeps the groups with it on; kvsim not yet
                   ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"),
@@ -130,6 +129,7 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         in_flight_tokens=cfg.batch_limits()[0],  # one step in flight (sync output)
         max_model_len=cfg.max_model_len,
         mamba_checkpoint_alignment=layout.checkpoint_alignment,
+        record_ops=cfg.record_ops,
         vllm_version=cfg.vllm_version,
     )
 

@@ -131,7 +131,7 @@ def serve() -> None:
     try:
         folder = Path(line)
         summary = read_json(folder / "summary.json")
-        cfg = SimConfig.from_dict(read_json(folder / "config.json"))
+        cfg = SimConfig.from_run_config(read_json(folder / "config.json"))
         requests = pd.read_parquet(folder / "requests.parquet") if "latency.png" in share else pd.DataFrame()
         if IDEAL in args:
             worker.join()

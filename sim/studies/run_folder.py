@@ -4,7 +4,8 @@ A run folder holds `config.json`, `steps.parquet`, `requests.parquet`,
 `summary.json`, `ops.parquet` and `op_tokens.parquet` (only with
 `record_ops`: what `kvsim gpu-replay` reads), `groups.parquet` (only for a model in vLLM's
 hybrid KV-cache groups: the blocks each group held after each step) and PNG plots. `config.json`
-holds the resolved `num_gpu_blocks`. Folders are written whole or not at all
+holds the resolved `num_gpu_blocks` and, for a model in hybrid groups, each group's kind, window and
+block size (`kv_cache_groups`, what `kvsim gpu-replay` checks each group by). Folders are written whole or not at all
 (`staged_folder`); a run's steps table and op records stream into a scratch
 folder beside (`run_scratch`) and are copied (the table) or moved (the ops) in
 with the rest.
@@ -23,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.config import KV_GROUPS_KEY, SimConfig
 from kvsim.sim.engine.run import RunResult
 from kvsim.sim.engine.step_log import release_arrow_memory
 from kvsim.workloads.files import read_json
@@ -76,6 +77,9 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True,
         cfg = result.config.to_dict()
         if result.manager is not None:  # the resolved size, so a replay needs no cost model
             cfg["num_gpu_blocks"] = result.manager.num_blocks
+            if getattr(result.manager, "num_groups", 1) > 1:  # vLLM's hybrid groups: what gpu-replay checks each group by
+                cfg[KV_GROUPS_KEY] = [{"kind": g.kind, "window": g.window, "block_size": g.block_size}
+                                      for g in result.manager.groups]
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if streamed:
             shutil.copyfile(result.steps_table, out / TABLES[0])
@@ -127,7 +131,7 @@ def load_run(run_dir: str | Path) -> RunResult:
     missing = [n for n in ("config.json", *TABLES) if not (d / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{d}: not a complete run folder (no {missing[0]})")
-    cfg = SimConfig.from_dict(_json_object(d / "config.json"), source=str(d / "config.json"))
+    cfg = SimConfig.from_run_config(_json_object(d / "config.json"), source=str(d / "config.json"))
     summary = _json_object(d / "summary.json")
     lacks = [k for k in SUMMARY_KEYS if k not in summary]
     if lacks:

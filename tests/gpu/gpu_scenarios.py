@@ -145,3 +145,20 @@ def every_kind(folder: Path) -> Path:
     """`simulated` with parallel sampling too: a run whose ops hold every kind a fault can corrupt
     (copy-on-write copies, swaps, defrag moves, prefix hits, writes)."""
     return simulated(folder, requests=8, gpu_blocks=12, forks=True)
+
+
+def hybrid(folder: Path, model: str, tensor_parallel: int = 1, gpu_blocks: int = 60) -> Path:
+    """`kvsim run --record-ops` of a model in vLLM's hybrid KV-cache groups on a tight cache, written
+    as a run folder: a shared system prompt (prefix hits), prompts of five lengths, preemptions."""
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.engine.run import simulate
+    from kvsim.sim.studies.run_folder import write_run
+    from kvsim.workloads.request import make_request
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 1000, 150)
+    reqs = [make_request(f"q{i}", 0.01 * i, np.concatenate([system, rng.integers(0, 1000, 20 + 37 * (i % 5))]),
+                         40 + 7 * (i % 4)) for i in range(12)]
+    cfg = SimConfig(model=model, tensor_parallel=tensor_parallel, num_gpu_blocks=gpu_blocks, record_ops=True,
+                    max_num_batched_tokens=256, max_num_seqs=8)
+    return write_run(simulate(reqs, cfg), folder, plots=False)

@@ -106,6 +106,36 @@ def test_read_op_rows_are_read_ops_as_tuples(tmp_path):
     log.emit("copy", 3, 4)
     log.to_parquet(tmp_path / "ops.parquet")
     rows = read_op_rows(tmp_path / "ops.parquet")
-    assert rows == [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos) for o in read_ops(tmp_path / "ops.parquet")]
-    assert rows[1] == (0, "write", 3, 0, 4, "a", None, 0) and rows[2] == (1, "evict", 5, -1, -1, "", 2**63 + 7, -1)
+    assert rows == [(o.step, o.kind, o.a, o.b, o.c, o.seq, o.hash, o.pos, o.group)
+                    for o in read_ops(tmp_path / "ops.parquet")]
+    assert rows[1] == (0, "write", 3, 0, 4, "a", None, 0, 0) and rows[2] == (1, "evict", 5, -1, -1, "", 2**63 + 7, -1, 0)
     assert rows[0][5] is rows[1][5]  # one string per name
+
+
+def test_every_row_carries_its_group(tmp_path) -> None:
+    """Runs, single ops and late writes keep their group; a free or evict takes its block's group
+    from `group_of` (split into one run a stretch of one group), and the file reads back the same."""
+    log = OpLog(True)
+    log.group_of = [0, 1, 1, 0, 2]
+    log.lag = 2
+    log.set_step(1)
+    log.emit_table("a", [type("B", (), {"block_id": i})() for i in (1, 2)], 0, 2, group=1)
+    log.emit_span("a", [1, 2], 0, 6, 4, group=1)
+    log.emit_entry("a", 4, 0, group=2)
+    log.emit_write("a", 4, 5, 4, group=2)
+    log.late_writes("b", 3, 0, 2, 1, 9, group=2)
+    log.emit_free([1, 2, 3, 4])
+    log.emit_evicts([4, 1], [7, 8])
+    log.emit("evict", 3, h=9)
+    want = [
+        Op(0, "write", 3, 1, 2, "b", pos=9, group=2),
+        Op(1, "table", 1, 0, seq="a", group=1), Op(1, "table", 2, 1, seq="a", group=1),
+        Op(1, "write", 1, 0, 4, "a", pos=0, group=1), Op(1, "write", 2, 0, 2, "a", pos=4, group=1),
+        Op(1, "table", 4, 0, seq="a", group=2), Op(1, "write", 4, 1, 2, "a", pos=5, group=2),
+        Op(1, "free", 1, group=1), Op(1, "free", 2, group=1), Op(1, "free", 3, group=0), Op(1, "free", 4, group=2),
+        Op(1, "evict", 4, hash=7, group=2), Op(1, "evict", 1, hash=8, group=1), Op(1, "evict", 3, hash=9, group=0),
+        Op(1, "write", 3, 2, 3, "b", pos=10, group=2),
+    ]
+    assert log.records() == want
+    log.to_parquet(tmp_path / "ops.parquet")
+    assert read_ops(tmp_path / "ops.parquet") == want

@@ -56,6 +56,19 @@ def test_version_mismatch_is_refused(tmp_path):
         read_ops(path)
 
 
+def test_a_stream_before_the_group_column_is_refused(tmp_path):
+    """A version 1 file (no `group` column) is refused with its path, not read as group 0."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "ops.parquet"
+    _ops().to_parquet(path)
+    table = pq.read_table(path)
+    pq.write_table(table.drop(["group"]).replace_schema_metadata({"kvsim_ops": "1"}), path)
+    with pytest.raises(ValueError) as e:
+        read_ops(path)
+    assert str(e.value) == f"{path}: op stream version 1, this kvsim reads version 2; record it again with this kvsim"
+
+
 def test_disabled_log_counts_without_records():
     m = KVCacheManager(8, 4)
     prefill(m, seq("a", range(6)))

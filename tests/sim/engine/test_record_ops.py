@@ -139,3 +139,50 @@ def test_streamed_records_equal_the_in_memory_ones(tmp_path, monkeypatch: pytest
     assert all((tokens[k] == v).all() for k, v in expect.items())
     with pytest.raises(ValueError, match="streams to"):
         streamed.manager.ops.records()
+
+
+def _hybrid_workload() -> list:
+    """A shared system prompt and prompts of five lengths: prefix hits, a window moving, preemption."""
+    import numpy as np
+
+    from kvsim.workloads.request import make_request
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 1000, 150)
+    return [make_request(f"q{i}", 0.01 * i, np.concatenate([system, rng.integers(0, 1000, 20 + 37 * (i % 5))]),
+                         40 + 7 * (i % 4)) for i in range(12)]
+
+
+@pytest.mark.parametrize(("model", "tp", "blocks"), [("gpt-oss-20b", 1, 60), ("qwen3-next-80b-a3b", 4, 12)])
+def test_hybrid_groups_record_the_plain_ops_with_shortcuts(monkeypatch: pytest.MonkeyPatch, model: str, tp: int,
+                                                           blocks: int) -> None:
+    """vLLM's hybrid groups (a window of 128 and full attention; Mamba state and full attention):
+    lazy decodes recorded late give every step the same ops, and every block the same order, as
+    visiting every sequence; recording changes no table, and the write counts stay one group's."""
+    from kvsim.kvcache.hybrid import HybridKVCacheManager
+
+    late = []
+    record = HybridKVCacheManager.record_decodes
+
+    def counted(m, seq, pos, step, n):
+        late.append(n)
+        record(m, seq, pos, step, n)
+
+    monkeypatch.setattr(HybridKVCacheManager, "record_decodes", counted)
+    cfg = SimConfig(model=model, tensor_parallel=tp, num_gpu_blocks=blocks, record_ops=True,
+                    max_num_batched_tokens=256, max_num_seqs=8)
+    fast = simulate(_hybrid_workload(), cfg)
+    assert sum(late) > 50 and max(late) > 1
+    slow = simulate(_hybrid_workload(), cfg.replace(shortcuts=False))
+    plain = simulate(_hybrid_workload(), cfg.replace(record_ops=False))
+    assert fast.summary["preemptions"] == 6 and fast.manager.num_groups > 1
+    for other in (slow, plain):
+        pd.testing.assert_frame_equal(fast.steps, other.steps)
+        pd.testing.assert_frame_equal(fast.requests, other.requests)
+    assert fast.manager.ops.counts == slow.manager.ops.counts
+    assert fast.manager.ops.counts - Counter(table=10**9) == plain.manager.ops.counts
+    a, b = fast.manager.ops.records(), slow.manager.ops.records()
+    assert {op.group for op in a} == set(range(fast.manager.num_groups))
+    assert [op.step for op in a] == sorted(op.step for op in a)
+    assert _per_step(a) == _per_step(b)
+    assert _per_block(a) == _per_block(b)
