@@ -93,6 +93,12 @@ def gpu_replay(
         ops, tokens, config = load_run(run_dir, rows=True)
         if inject_faults:
             from kvsim.gpu.faults import inject_faults as inject
+            from kvsim.sim.engine.config import KV_GROUPS_KEY
+
+            if config.get(KV_GROUPS_KEY):
+                raise ValueError(f"--inject-faults: {run_dir}'s stream has {len(config[KV_GROUPS_KEY])} KV-cache groups, "
+                                 "and the fault injector knows one block table a sequence; replay it without faults "
+                                 "(or record the run with --disable-hybrid-kv-cache-manager)")
 
             ops, faults = inject(ops, inject_faults, seed, tokens=tokens, block_size=config["block_size"])
         rep = replay_ops(ops, tokens, config, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,

@@ -113,3 +113,22 @@ def test_a_hybrid_stream_without_its_groups_is_refused(gpt_oss, tmp_path):
     config["kv_cache_groups"] = [{"kind": "full", "window": None, "block_size": 16}]
     with pytest.raises(RunFilesError, match="names 1 groups, but the op stream has group 1"):
         replay_ops(ops, tokens, config, **SMALL)
+
+
+def test_the_cli_replays_a_hybrid_run_and_refuses_to_inject_faults_into_it(gpt_oss):
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli.app import app
+
+    runner = CliRunner()
+    small = ["--device", "cpu", "--layers", "1", "--kv-heads", "1", "--head-dim", "8"]
+    r = runner.invoke(app, ["gpu-replay", str(gpt_oss), *small])
+    assert r.exit_code == 0, r.output
+    assert "ops            evict 246, free 488, table 737, write 1,494\n" in r.output
+    assert "verified       241,920 tokens in 1,220 sequence checks" in r.output
+    assert "mismatches     0\n" in r.output
+    r = runner.invoke(app, ["gpu-replay", str(gpt_oss), *small, "--inject-faults", "3"])
+    assert r.exit_code == 2
+    assert r.stderr == (f"error: --inject-faults: {gpt_oss}'s stream has 2 KV-cache groups, and the fault injector "
+                        "knows one block table a sequence; replay it without faults (or record the run with "
+                        "--disable-hybrid-kv-cache-manager)\n")
