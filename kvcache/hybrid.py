@@ -413,6 +413,19 @@ class HybridKVCacheManager(PoolView):
             self._cache(seq, c + 1)
         return new
 
+    def decode_in_place(self, seqs: list[Sequence], num_new: int = 0) -> None:
+        """`decode_slot` for each of `seqs` in order (running, prompt done, one token to compute,
+        their blocks unshared, the free blocks enough), no write counted: the caller counts them in
+        bulk (`sim.engine.quiet`). `num_new` is ignored: a window's blocks let go between two takes
+        are taken first, so the new blocks are taken one sequence at a time."""
+        counts = self.ops.counts
+        written = counts["write"]
+        for seq in seqs:
+            got = self.decode_slot(seq)
+            if got is None or got is False:
+                raise AssertionError(f"{seq.seq_id}: decode_in_place with no block for its token")
+        counts["write"] = written
+
     def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
         """Return the blocks `seq`'s windows and Mamba states no longer need at `computed` tokens
         (default: its computed tokens) to the pool, each group's last first (vLLM's

@@ -177,7 +177,7 @@ class Engine:
         sync = not cfg.async_scheduling
         depth = 1 if sync else 2
         busy = sched.has_work if sync else sched.has_requests
-        quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done)
+        quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done, usage)
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x

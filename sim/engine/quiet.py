@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import simpy
 
     from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.metrics import GroupUsage
     from kvsim.sim.engine.step_log import StepLog
 
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)  # what a cost model is told a step without charged ops did
@@ -52,8 +53,9 @@ class QuietRuns:
     """One engine's quiet runs: the scheduler, manager and logs they drive, and steps taken so far."""
 
     def __init__(self, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
-                 drain: Callable[[float], int]):
+                 drain: Callable[[float], int], usage: GroupUsage | None = None):
         self.sched, self.env, self.cost, self.steps, self.drain = sched, env, cost, steps, drain
+        self.usage = usage  # each group's blocks after each step (vLLM's hybrid groups), or None
         self.fast = sched.fast
         self.m = m = sched.m
         self.bs = m.block_size
@@ -62,18 +64,21 @@ class QuietRuns:
         self.allocs = 0  # new blocks the step `_visits` just cleared takes
         self.finishing: list[Live] = []  # the sequences the step `_decode` just took sampled their last token
         self.lru = m.free_order_is_lru  # exact LRU: its free queue's order is all that picks blocks
+        # vLLM's hybrid groups: a new block is one a group, and a visit may let a window's blocks go
+        self.groups = m.num_groups
+        self.blocked = False  # the last verdict rests on a blocked head (which blocks let go may unblock)
         self._hits: tuple[object, list, set[int]] = (None, [], set())  # a BlockedHead, its hits and their ids
 
     @classmethod
     def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
-              drain: Callable[[float], int]) -> QuietRuns | None:
+              drain: Callable[[float], int], usage: GroupUsage | None = None) -> QuietRuns | None:
         """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
         they do not apply (see the module docstring)."""
-        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence or sched.m.num_groups > 1:
+        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence or getattr(sched.m, "has_mamba", False):
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
-        return cls(sched, env, cost, steps, drain)
+        return cls(sched, env, cost, steps, drain, usage)
 
     def _admission(self, n: int) -> tuple[bool, int | None, bool]:
         """Whether the admission after this step's decodes (n running) must do nothing; if so
@@ -82,6 +87,7 @@ class QuietRuns:
         sched = self.sched
         waiting = sched.waiting
         budget = sched.max_tokens - n  # every running sequence takes one token
+        self.blocked = False
         if not waiting or budget <= 0:
             return True, None, False
         live = waiting.peek()
@@ -97,6 +103,7 @@ class QuietRuns:
             return False, None, False
         m, k = self.m, len(fast.blocked.hits)
         watch = seq.block_hashes[k] if m.enable_caching and k < (seq.num_tokens - 1) // self.bs else None
+        self.blocked = True
         return True, watch, budget < seq.num_tokens
 
     def _visits(self, k: int, watch: int | None, evicts: bool, free: int) -> bool:
@@ -111,7 +118,9 @@ class QuietRuns:
             active.sort(key=_order)
         if self.sched.max_tokens - lazy.n < len(active):
             return False
-        bs, tables, allocs = self.bs, self.tables, 0
+        if self.groups > 1 and self.blocked and active:  # a visit may let a window's blocks go, which
+            return False  # may unblock the head: the general step decides
+        bs, tables, allocs, per = self.bs, self.tables, 0, self.groups
         for live in active:
             seq = live.seq
             c = seq.num_computed_tokens
@@ -125,7 +134,7 @@ class QuietRuns:
                 continue
             # KVCacheManager.decode_slot: a new block, or a write to the last one (and caching it when full)
             if i == len(blocks):
-                allocs += 1
+                allocs += per
             elif i > len(blocks) or (r and blocks[i].ref_cnt > 1):
                 return False
             if watch is not None and (c + 1) % bs == 0 and self._caches(seq, c + 1, watch):
@@ -166,9 +175,12 @@ class QuietRuns:
         window = lazy.window
         # KVCacheManager.decode_slot for those whose token starts a block or fills one, in RUNNING order
         # (nothing below touches the manager): with exact LRU, one take for the step's new blocks
-        edge = [live.seq for live in fast.active if (live.seq.num_computed_tokens + 1) % bs < 2]
-        if edge:
-            m.decode_in_place(edge, self.allocs if self.lru else 0)
+        if self.groups > 1:  # every visit: a window lets its blocks go at any slot (`Shortcuts.decode`)
+            m.decode_in_place([live.seq for live in fast.active])
+        else:
+            edge = [live.seq for live in fast.active if (live.seq.num_computed_tokens + 1) % bs < 2]
+            if edge:
+                m.decode_in_place(edge, self.allocs if self.lru else 0)
         stay = []  # visited and decoded in place (not lazy): next step visits them again
         finishing = self.finishing = []  # of the visited, those sampling their last token
         context = frag = 0
@@ -231,7 +243,10 @@ class QuietRuns:
                     break
                 sched.quiet_step()
                 tokens, context, frag = self._decode(kk)
-            if self.allocs:
+            if self.groups > 1:  # (blocks let go behind windows too)
+                free = m.num_free_blocks
+                span = m.id_space_fragmentation()
+            elif self.allocs:
                 free -= self.allocs
                 span = m.id_space_fragmentation()
             t0 = clock
@@ -255,6 +270,8 @@ class QuietRuns:
                 free, m.num_cached_free_blocks, usable - free, span, frag,
                 evicted - prev[0], 0, 0, 0, 0, 0, 0, 0, 0, 0, done,
             ))  # fmt: skip
+            if self.usage is not None:
+                self.usage.add(m.held)
             prev = (evicted, *prev[1:])
             k += 1
             self.taken += 1

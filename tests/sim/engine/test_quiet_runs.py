@@ -52,6 +52,8 @@ def _same(fast: RunResult, slow: RunResult) -> None:
     for k, v in fast.summary.items():  # NaN == NaN here
         assert v == slow.summary[k] or (v != v and slow.summary[k] != slow.summary[k]), k
     assert fast.manager.ops.counts == slow.manager.ops.counts
+    if fast.group_usage is not None or slow.group_usage is not None:  # vLLM's hybrid groups: a row a step
+        pd.testing.assert_frame_equal(fast.group_usage, slow.group_usage)
 
 
 def _run(kind: str, seed: int, rate: float, cfg: SimConfig, real_cost: bool) -> RunResult:
@@ -212,3 +214,81 @@ def test_the_prefill_cadence_sees_a_resumed_sequence_end_its_prefill_in_a_decode
         return simulate(Workload.from_list(case.requests, "t"), c)
 
     _same(go(case.cfg), go(case.cfg.replace(shortcuts=False)))
+
+
+HYBRID_SHAPES: dict[str, dict[str, Any]] = {  # prompts and answers long enough for a 32-token window to move
+    "multi-turn": {"prefix_len": "fixed:64", "user_len": "lognormal:48,0.5", "output_len": "lognormal:60,0.8",
+                   "turns": "uniform:2,3", "think_time": 0.5},
+    "shared-prefix": {"prefix_len": "fixed:96", "user_len": "lognormal:40,1.0", "output_len": "lognormal:70,1.0",
+                      "num_prefixes": 2},
+    "unique": {"user_len": "lognormal:90,1.0", "output_len": "lognormal:80,1.0"},
+}
+
+
+def _small_window_model(tmp_path_factory: pytest.TempPathFactory, window: int, base: str) -> str:
+    """A catalog model's published config with a small window (`window` tokens), so short requests
+    move it: gpt-oss-20b (a window group and a full one) or gemma-3-12b (five window groups, one full)."""
+    import json
+    from pathlib import Path
+
+    import kvsim.sim.engine as engine
+
+    d = json.loads((Path(engine.__file__).parent / "configs" / f"{base}.json").read_text())
+    d.get("text_config", d)["sliding_window"] = window
+    path = tmp_path_factory.mktemp(f"{base}-w{window}") / "config.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+GROUPS = {"gpt-oss-20b": 2, "gemma-3-12b": 6}
+WINDOW_MODELS = [(w, base) for w in (32, 48) for base in GROUPS]
+
+
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], str]:
+    return {(w, base): _small_window_model(tmp_path_factory, w, base) for w, base in WINDOW_MODELS}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(sorted(HYBRID_SHAPES)),
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([5.0, 50.0]),
+    model=st.sampled_from(WINDOW_MODELS),
+    num_gpu_blocks=st.integers(40, 200),
+    budget=st.sampled_from([64, 256]),
+    max_seqs=st.sampled_from([4, 16]),
+    caching=st.booleans(),
+    retention=st.sampled_from([0, None]),
+    watermark=st.sampled_from([0.0, 0.05]),
+    closed=st.booleans(),
+)
+def test_quiet_runs_of_hybrid_groups_change_nothing(window_models, kind: str, seed: int, rate: float,
+                                                    model: tuple[int, str], num_gpu_blocks: int, budget: int,
+                                                    max_seqs: int, caching: bool, retention: int | None,
+                                                    watermark: float, closed: bool) -> None:
+    """vLLM's hybrid groups (a sliding window and full attention over one pool): a decode may let a
+    window's blocks go at any slot and takes a block in every group at a block's first, so quiet
+    steps visit each sequence through the manager and end where blocks let go could unblock the
+    waiting head. Same tables with the shortcuts on and off."""
+    cfg = SimConfig(model=window_models[model], gpu="h100-sxm", num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
+                    enable_prefix_caching=caching, watermark=watermark, closed_loop_sessions=closed,
+                    prefix_cache_retention_interval=retention if caching else 0)
+    wl = build_workload(kind, 24, rate, "poisson", 1.0, seed, dict(HYBRID_SHAPES[kind]))
+    fast, slow = simulate(wl, cfg), simulate(wl, cfg.replace(shortcuts=False))
+    assert fast.manager.num_groups == GROUPS[model[1]]
+    _same(fast, slow)
+
+
+def test_a_hybrid_models_decodes_run_quiet(monkeypatch: pytest.MonkeyPatch, window_models) -> None:
+    """The quiet runs are built for vLLM's hybrid groups (not with Mamba state) and take most steps
+    of a decode-heavy load, with the same tables."""
+    made = _taken(monkeypatch)
+    cfg = SimConfig(model=window_models[32, "gemma-3-12b"], gpu="h100-sxm", num_gpu_blocks=400,
+                    max_num_batched_tokens=256, max_num_seqs=16)
+    wl = build_workload("unique", 30, 20.0, "poisson", 1.0, 5, dict(HYBRID_SHAPES["unique"]))
+    fast = simulate(wl, cfg)
+    assert fast.manager.num_groups == 6 and fast.manager.freed_behind[0] > 0  # the window moved
+    assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
+    _same(fast, simulate(wl, cfg.replace(shortcuts=False)))
