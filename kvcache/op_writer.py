@@ -7,7 +7,9 @@ simulation only the pickling of each chunk; a thread is cheaper to start (small 
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import traceback
@@ -48,8 +50,11 @@ class Sink:
         self._child: subprocess.Popen | None = None
         self._awaiting = False  # the child's reply to the chunk in flight
         if process:
+            # SIGINT ignored from its first instruction (an ignored signal stays ignored across exec):
+            # a Ctrl-C to the group while it still imports would otherwise print its own KeyboardInterrupt
             self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           preexec_fn=_ignore_sigint if os.name == "posix" else None)
         else:
             self._files = Files(folder)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
@@ -110,6 +115,11 @@ class Sink:
             raise RuntimeError(f"the op log writer for {self.folder} failed: {error}")
 
 
+def _ignore_sigint() -> None:
+    """Run in the op writer's child before it execs (POSIX)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def serve(folder: Path, inbox, outbox) -> None:
     """The child's loop: write each chunk read from `inbox` (a pickle after its length, 8 bytes),
     reply None (or the error) to `outbox`; stop at None (files closed) or at the end of `inbox`."""
@@ -134,8 +144,6 @@ def serve(folder: Path, inbox, outbox) -> None:
 
 
 if __name__ == "__main__":
-    import signal
-
     # A Ctrl-C reaches the whole process group: the simulation stops this child (by closing its
     # pipe), so the child itself neither stops nor prints a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
