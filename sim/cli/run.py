@@ -76,7 +76,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         del d["kv_cache_dtype"]
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
-    for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local"):  # likewise
+    for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
+              "replicas", "router", "router_metrics_interval"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
