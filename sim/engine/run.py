@@ -178,6 +178,9 @@ def simulate(
     With `steps_file`, the steps table is written there as it goes (a parquet file), so
     memory does not grow with the run's steps; the result reads it back on demand."""
     cfg.validate()
+    if cfg.replicas > 1:
+        raise ConfigError(f"replicas {cfg.replicas}: a cluster runs through sim.cluster.run.simulate_cluster "
+                          "(kvsim run --replicas, kvsim.simulate_cluster)")
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
 
