@@ -21,7 +21,8 @@ from typing import Any
 # package on its way to `kvsim.sim.cli`, pulls in no numpy, pandas or simpy.
 __all__ = [
     "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "capacity", "config", "conform",
-    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "sweep", "workload_stats",
+    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "simulate_cluster", "sweep",
+    "workload_stats",
 ]  # fmt: skip
 try:
     __version__ = _version("kvsim")

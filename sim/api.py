@@ -17,7 +17,7 @@ import difflib
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -27,9 +27,13 @@ from kvsim.sim.studies.sweep import WorkloadSpec
 from kvsim.workloads.errors import WorkloadError
 from kvsim.workloads.request import Request, Workload
 
+if TYPE_CHECKING:
+    from kvsim.sim.cluster.run import ClusterResult
+
 __all__ = [
     "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "capacity", "config", "conform",
-    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "sweep", "workload_stats",
+    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "simulate_cluster", "sweep",
+    "workload_stats",
 ]  # fmt: skip
 
 # The embedded workload's cache when no size is given: 512 blocks (8,192 tokens at block 16)
@@ -195,6 +199,23 @@ def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] |
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
     return Run(run(_open(workload, cfg.seed), cfg, progress, cost_model=cost))
+
+
+def simulate_cluster(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,
+                     **knobs: Any) -> ClusterResult:
+    """Simulate `workload` through a cluster, as `kvsim run --replicas N --router NAME`: `replicas`
+    exact copies of the engine the knobs describe behind `router` (`router_metrics_interval`: how
+    stale its engine metrics are). Returns a `kvsim.sim.cluster.run.ClusterResult`: `summary`
+    (its `cluster` section), `replicas` (each a run as `simulate`'s result holds it), `received`
+    (the requests each replica got, with times), `load`; `kvsim.sim.studies.cluster_folder.write_cluster`
+    writes its folder. Deterministic for the same workload, knobs and seed."""
+    from kvsim.sim.cluster.run import simulate_cluster as run
+    from kvsim.sim.engine.cost_model import CostModel
+
+    cfg = config(**knobs)
+    cost = CostModel.from_config(cfg)
+    cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
+    return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost)
 
 
 def cache_replay(workload: WorkloadLike = None, *, num_blocks: int = 10_000, block_size: int = 16,

@@ -25,6 +25,7 @@ ALLOWED = {
     "sim.engine": ("kvcache", "workloads"),
     "sim.studies": ("sim.engine", "kvcache", "workloads"),
     "sim.conform": ("sim.engine", "kvcache", "workloads"),
+    "sim.cluster": ("sim.engine", "kvcache", "workloads"),
     # gpu reads the catalog, cost model and config, and run folders; never the engine loop
     "gpu": ("sim.engine.catalog", "sim.engine.cost_model", "sim.engine.config",
             "sim.studies.run_folder", "kvcache", "workloads"),

@@ -124,6 +124,26 @@ def header(result: RunResult) -> str:
     )
 
 
+def cluster_table(section: dict[str, Any]) -> str:
+    """A cluster's summary (`sim.cluster.run.cluster_summary`): a row a replica and one for all of
+    them together (requests, hit rate, TTFT and TPOT p50/p99, goodput), then the load imbalance."""
+    def row(label: str, f: dict[str, Any]) -> list[str]:
+        return [label, f"{f['requests']:,}", _pct(f["hit_rate"])] + [
+            "-" if f[k] is None else seconds(f[k]) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+        ] + ["-" if f["goodput_rps"] is None else f"{f['goodput_rps']:.2f}/s"]
+
+    rows = [["replica", "requests", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput"]]
+    rows += [row(str(i), f) for i, f in enumerate(section["per_replica"])] + [row("all", section["overall"])]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    imb, peak = section["imbalance_mean"], section["imbalance_peak"]
+    lines.append(f"router {section['router']} over {section['replicas']} replicas; load imbalance (most in-flight "
+                 "requests on one replica over the mean, time-averaged / peak): "
+                 + ("-" if imb is None else f"{imb:.2f} / {peak:.2f}"))
+    return "\n".join(lines)
+
+
 def reading(s: dict[str, Any], caching: bool = True) -> str:
     """The table in plain words: how much hit, whether the cache filled and evicted, preemptions."""
     if s.get("peak_block_usage") is None:

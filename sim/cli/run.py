@@ -76,7 +76,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         del d["kv_cache_dtype"]
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
-    for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local"):  # likewise
+    for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
+              "replicas", "router", "router_metrics_interval"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -151,7 +152,8 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
 PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
-               "step_time", "calibration", "slo_ttft", "slo_tpot", "seed")
+               "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
+               "router_metrics_interval")
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
@@ -279,7 +281,10 @@ def run(
     offload_fs_threads: OffloadFsThreads = None,
     record_ops: Annotated[bool, typer.Option("--record-ops", help="write the block-op stream (ops.parquet)")] = False,
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
-    seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload)")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload, and a cluster's router)")] = None,
+    replicas: Annotated[int | None, typer.Option(help="a cluster: this many exact replicas of the engine behind --router [default: 1]")] = None,
+    router: Annotated[str | None, typer.Option(help="round-robin|random|least-outstanding|vllm-dp|vllm-dp-legacy|session-affinity [default: round-robin]")] = None,
+    router_metrics_interval: Annotated[float | None, typer.Option("--router-metrics-interval", help="seconds between the engine-metric snapshots the router sees [default: 0.05]")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
 ) -> None:
@@ -307,6 +312,8 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
+    if cfg.replicas > 1:
+        return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress)
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
@@ -346,6 +353,39 @@ def run(
     if plots:
         lines += [f"{'plots:' if i == 0 else '':<12}{out_dir / p}" for i, p in enumerate(NAMES)]
     lines += ["", "next:"] + ["  " + c for c in next_steps(workload, format, switches, changes, cfg, out_dir, s)]
+    typer.echo("\n".join(lines))
+
+
+def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any) -> None:
+    """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table."""
+    from kvsim.sim.cli.report import cluster_table
+    from kvsim.sim.cluster.run import simulate_cluster
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
+    from kvsim.workloads.errors import WorkloadError
+
+    try:
+        if bar is not None:
+            with bar:
+                result = simulate_cluster(wl, cfg, progress, cost_model=cost)
+        else:
+            result = simulate_cluster(wl, cfg, cost_model=cost)
+    except (ConfigError, WorkloadError) as e:
+        raise fail(str(e)) from None
+    try:
+        write_cluster(result, out_dir, plots=plots)
+    except OSError as e:
+        raise cannot_write(out_dir, e) from None
+    section = result.summary["cluster"]
+    blocks = int(result.replicas[0].summary["num_gpu_blocks"])
+    head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} on "
+            f"{cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
+            f"eviction {cfg.eviction}")
+    lines = [head, cluster_table(section),
+             "", f"run folder: {out_dir} (replica-<i>/: each replica's run folder; received.parquet: the requests "
+             "each replica received)"]
+    if plots:
+        lines.append(f"plot:       {out_dir / PLOT}")
     typer.echo("\n".join(lines))
 
 

@@ -12,7 +12,7 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
+__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
@@ -31,6 +31,9 @@ def check_block_size(block_size: int) -> None:
     if block_size <= 0 or block_size & (block_size - 1):
         raise ConfigError(f"block_size must be a positive power of two, got {block_size}")
 
+
+# the routers a cluster of replicas may run behind (`sim.cluster.routers.ROUTERS` implements each)
+ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity")
 
 # config.json of a run in vLLM's hybrid KV-cache groups: each group's kind, window and block size,
 # what `kvsim gpu-replay` verifies its op stream by (`sim.studies.run_folder.write_run`)
@@ -99,6 +102,11 @@ class SimConfig:
     closed_loop_sessions: bool = True
     # arrival-rate multiplier: a request of the workload arriving at t arrives at t / load
     load: float = 1.0
+    # a cluster (sim.cluster): `replicas` exact copies of this engine on one clock behind a router
+    # (ROUTER_NAMES), which sees engine metrics as snapshots taken every router_metrics_interval s
+    replicas: int = 1
+    router: str = "round-robin"
+    router_metrics_interval: float = 0.05
     # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
     # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
@@ -142,6 +150,7 @@ class SimConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if not (math.isfinite(self.load) and self.load > 0):
             raise ConfigError(f"load must be a positive finite number, got {self.load}")
+        self._validate_cluster()
         for name in ("slo_ttft", "slo_tpot"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v > 0):
@@ -221,6 +230,19 @@ class SimConfig:
         (vllm/v1/core/sched/scheduler.py Scheduler.__init__, max_num_scheduled_tokens)."""
         n = self.max_num_scheduled_tokens
         return self.batch_limits()[0] if n is None else n
+
+    def _validate_cluster(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"replicas must be an integer >= 1, got {self.replicas!r}")
+        if self.router not in ROUTER_NAMES:
+            raise ConfigError(f"router must be one of {', '.join(ROUTER_NAMES)}, got {self.router!r}")
+        interval = self.router_metrics_interval
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
+                math.isfinite(interval) and interval > 0):
+            raise ConfigError(f"router_metrics_interval must be a positive number of seconds, got {interval!r}")
+        if self.replicas > 1 and self.record_ops:
+            raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
+                              "run with replicas 1")
 
     def _validate_offloading(self) -> None:
         from kvsim.kvcache.offload import OFFLOAD_POLICIES

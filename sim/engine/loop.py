@@ -102,12 +102,13 @@ class Engine:
     def __init__(
         self,
         env: simpy.Environment,
-        workload: Iterable[Request],
+        workload: Iterable[Request] | None,
         cfg: SimConfig,
         cost: CostModel,
         manager: KVCacheManager,
         progress: Callable[[int], None] | None = None,
         steps_file: str | Path | None = None,
+        front: Callable[[Callable[[Request], None]], Frontend] | None = None,
     ):
         self.env = env
         self.cfg = cfg
@@ -123,11 +124,16 @@ class Engine:
         closed = cfg.closed_loop_sessions and cfg.step_time is None
         self.progress = progress
         self.num_done = 0
-        self.front = Frontend(env, workload, self._admit, load=cfg.load, closed_loop=closed)
+        # a cluster's replica takes its requests from the router instead (`sim.cluster`): `front`
+        # builds its front end around this engine's `admit`, and `workload` is not read
+        if front is None:
+            self.front = Frontend(env, workload, self.admit, load=cfg.load, closed_loop=closed)
+        else:
+            self.front = front(self.admit)
         self.process = env.process(self._steps())
 
     # ------------------------------------------------------------- arrivals
-    def _admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> None:
         """The request reaches the engine now (the front end's hand-off)."""
         self.sched.add(req, self.env.now)
         self._drain_done(self.env.now)

@@ -178,6 +178,9 @@ def simulate(
     With `steps_file`, the steps table is written there as it goes (a parquet file), so
     memory does not grow with the run's steps; the result reads it back on demand."""
     cfg.validate()
+    if cfg.replicas > 1:
+        raise ConfigError(f"replicas {cfg.replicas}: a cluster runs through sim.cluster.run.simulate_cluster "
+                          "(kvsim run --replicas, kvsim.simulate_cluster)")
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
 
@@ -189,13 +192,22 @@ def simulate(
     engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
     with rare_collections():
         env.run()
+    return engine_result(engine, cfg, cost_model, getattr(workload, "name", "workload"),
+                         getattr(workload, "skipped", 0), steps_file)
+
+
+def engine_result(engine: Engine, cfg: SimConfig, cost_model: CostModel, name: str, skipped: int,
+                  steps_file: str | Path | None = None) -> RunResult:
+    """A finished engine's tables and summary (`simulate`'s result; a cluster's per replica):
+    `name` is the workload's, `skipped` its bad lines skipped."""
+    manager = engine.m
     if steps_file is None:
         steps = engine.steps.frame()
     else:
         engine.steps.close()
         steps = StepFile(steps_file)
     requests = engine.requests.frame()
-    counters = {"skipped_lines": getattr(workload, "skipped", 0)}
+    counters = {"skipped_lines": skipped}
     offload = engine.sched.connector  # KV offloading's, or None
     if offload is not None:
         counters.update(offload.totals())
@@ -212,7 +224,6 @@ def simulate(
     if offload is not None:  # GPU and tier hits at first admissions, over their prompt tokens
         prompt = summary["prompt_tokens"]
         summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
-    name = getattr(workload, "name", "workload")
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}
     layers = getattr(cost_model, "layers", None)  # what the cache holds a layer (a stand-in cost model: none)
     if layers is not None:

@@ -1,0 +1,177 @@
+"""A cluster: N exact replicas of the engine on one SimPy clock, behind a router.
+
+Scenario: the workload reaches the cluster through the same front end a lone engine has
+(`sim.engine.frontend.Frontend`: arrival times, closed-loop sessions), so a session's later turn
+is routed only when it is released, `think_time` after its previous turn finished on whichever
+replica ran it. Each release asks the router for a replica (`sim.cluster.routers`) and hands the
+request to that replica's engine at once. Each replica is a full `sim.engine.loop.Engine` with
+its own scheduler and block manager; only its front end differs (`ReplicaFront`: requests come
+from the router, not from a workload), so a replica given a sub-workload behaves as a lone engine
+given the same requests at the same times (`tests/sim/cluster/test_exact.py`).
+
+Why `ReplicaFront.upto` differs from the lone front end's: an engine runs ahead of the SimPy clock
+while no event falls before its own clock, and before applying a step's output at time t it lets
+every event at or before t happen. Alone, it loops `timeout(0)` until none is left; two replicas
+doing that at the same t would hand the turn back and forth for ever. A replica instead waits on
+one event at t of a priority after SimPy's normal one: every normal event at or before t (an
+arrival, a session's release, another replica's step) happens first. Left open: a request that
+another replica's output releases at exactly t (a zero think time, equal float step ends) may
+reach it after its own output at t, where a lone engine would queue it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import simpy
+from simpy.events import NORMAL, Event
+
+from kvsim.sim.cluster.routers import EngineMetrics, Router, RouterView, make_router
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.frontend import Frontend
+from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
+from kvsim.workloads.request import Request
+
+LATE = NORMAL + 1  # after every normal event at the same time
+
+
+class _Late(Event):
+    """An event `delay` seconds on that fires after every normal event at its time (SimPy's
+    `Timeout`, at priority LATE)."""
+
+    def __init__(self, env: simpy.Environment, delay: float):
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, LATE, delay)
+
+
+class ReplicaFront:
+    """A replica's front end: the engine's arrivals are the router's hand-offs (`hand`), and it
+    is idle when the cluster's front end is (no request will ever reach any replica again)."""
+
+    def __init__(self, cluster: Cluster, index: int, admit: Callable[[Request], None]):
+        self.cluster = cluster
+        self.index = index
+        self.env = cluster.env
+        self.admit = admit
+        self._wake: simpy.Event | None = None
+
+    def hand(self, req: Request) -> None:
+        """The router picked this replica for `req`: it reaches the engine now."""
+        self.admit(req)
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the engine if it sleeps on `wait()`."""
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def done(self, req: Request, now: float) -> None:
+        """`req` finished or was dropped at `now` on this replica."""
+        self.cluster.finished(self.index, req, now)
+
+    def idle(self) -> bool:
+        return self.cluster.front.idle()
+
+    def upto(self, t: float):
+        """Let every normal event at or before `t` happen before the engine goes on at `t` (one
+        wait at priority LATE; see the module docstring)."""
+        env = self.env
+        if env.peek() <= t:
+            yield _Late(env, max(t - env.now, 0.0))
+
+    def wait(self):
+        """Sleep until the router hands this replica a request, or the cluster is idle."""
+        self._wake = self.env.event()
+        yield self._wake
+        self._wake = None
+
+
+class Cluster:
+    """The cluster's front end and router over `len(managers)` engines on one environment (the
+    router `cfg.router` names, or `router`).
+
+    `received[i]` lists the requests replica i was handed with the time each reached it;
+    `load_events` the (time, replica, +1 or -1) changes of each replica's in-flight count as the
+    router counts it (dispatched, then finished or dropped)."""
+
+    def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
+                 progress: Callable[[int], None] | None = None, router: Router | None = None):
+        self.env = env
+        self.cfg = cfg
+        n = len(managers)
+        self.view = RouterView(n)
+        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed)
+        self.received: list[list[tuple[float, Request]]] = [[] for _ in range(n)]
+        self.load_events: list[tuple[float, int, int]] = []
+        self.progress = progress
+        self.num_done = 0
+        # as a lone engine's (`Engine.__init__`): a fixed step time runs sessions open loop
+        closed = cfg.closed_loop_sessions and cfg.step_time is None
+        self.front = Frontend(env, workload, self._route, load=cfg.load, closed_loop=closed)
+        self.inlets: list[ReplicaFront] = []
+        self.engines = [Engine(env, None, cfg, cost, m, front=self._inlet) for m in managers]
+        env.process(self._close_after_source())
+        if getattr(self.router, "reads_metrics", False):  # no snapshots where no router reads them
+            env.process(self._snapshots(cfg.router_metrics_interval))
+
+    def _inlet(self, admit: Callable[[Request], None]) -> ReplicaFront:
+        inlet = ReplicaFront(self, len(self.inlets), admit)
+        self.inlets.append(inlet)
+        return inlet
+
+    def _route(self, req: Request) -> None:
+        """A request reaches the cluster now: the router picks its replica, which gets it now."""
+        i = self.router.pick(req, self.view)
+        if not 0 <= i < len(self.inlets):
+            raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")
+        now = self.env.now
+        self.view.dispatched[i] += 1
+        self.received[i].append((now, req))
+        self.load_events.append((now, i, 1))
+        self.inlets[i].hand(req)
+
+    def finished(self, replica: int, req: Request, now: float) -> None:
+        """A request finished (or was dropped) on `replica` at `now`: the router sees it at once,
+        and its session's next turn may follow."""
+        self.view.finished[replica] += 1
+        self.load_events.append((now, replica, -1))
+        self.front.done(req, now)
+        self.num_done += 1
+        if self.progress is not None and self.num_done % PROGRESS_EVERY == 0:
+            self.progress(self.num_done)
+        if self.front.idle():
+            self._close()
+
+    def _close(self) -> None:
+        """No request will reach any replica again: wake the sleeping ones so they end."""
+        for inlet in self.inlets:
+            inlet.poke()
+
+    def _close_after_source(self):
+        while not self.front.source_done:
+            yield from self.front.wait()
+        if self.front.idle():
+            self._close()
+
+    def metrics(self, replica: int) -> EngineMetrics:
+        """Replica `replica`'s engine metrics now, as vLLM's SchedulerStats reports them."""
+        sched = self.engines[replica].sched
+        m = sched.m
+        usable = m.num_usable_blocks
+        return EngineMetrics(len(sched.waiting), len(sched.running), 1.0 - m.num_free_blocks / usable if usable else 0.0)
+
+    def _snapshots(self, interval: float):
+        """The engine metrics the router sees, taken every `interval` seconds from time 0 until
+        every replica has ended."""
+        env, view = self.env, self.view
+        k = 0
+        while True:
+            view.metrics = tuple(self.metrics(i) for i in range(len(self.engines)))
+            view.metrics_time = env.now
+            view.snapshots += 1
+            if self.front.idle() and not any(e.process.is_alive for e in self.engines):
+                return
+            k += 1
+            yield env.timeout(k * interval - env.now)  # (k * interval: no drift from summed floats)

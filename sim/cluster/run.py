@@ -1,0 +1,143 @@
+"""Run a cluster: build N replicas of the engine a config describes, replay a workload through its
+router, and summarize each replica and the whole (the `cluster` section of summary.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from kvsim.sim.cluster.cluster import Cluster
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.metrics import meets_slo, percentiles, prefix_hits
+from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
+from kvsim.workloads.request import Request, Workload
+
+if TYPE_CHECKING:
+    from kvsim.sim.engine.cost_model import CostModel
+
+REPLICA_FIGURES = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_rps")
+
+
+@dataclass
+class ClusterResult:
+    """A finished cluster run: each replica's run (`replicas[i]`, a `RunResult` as `simulate`
+    returns), the requests each received (`received`: id, arrival, replica: the time it reached
+    its replica), each replica's in-flight requests over time (`load`), and the summary (the
+    cluster section under `summary["cluster"]`; with one replica, that replica's summary besides)."""
+
+    config: SimConfig
+    workload: str
+    replicas: list[RunResult]
+    received: pd.DataFrame
+    load: pd.DataFrame
+    summary: dict[str, Any]
+    requests_by_replica: list[list[Request]] = dataclasses.field(default_factory=list, repr=False)
+
+    def received_workload(self, replica: int) -> Workload:
+        """The requests replica `replica` received, each arriving when it reached the replica and
+        with no think time: replayed alone through `simulate` with `load` 1 (`replay_config`),
+        it gives that replica's tables exactly."""
+        reqs = [dataclasses.replace(r, arrival=t, think_time=None) for t, r in self.requests_by_replica[replica]]
+        return Workload.from_list(reqs, f"{self.workload}-replica-{replica}")
+
+    def replay_config(self) -> SimConfig:
+        """The config a replica's `received_workload` replays under alone: this one with one replica
+        and `load` 1 (its arrivals are already the times the requests reached it)."""
+        return self.config.replace(replicas=1, load=1.0)
+
+
+def simulate_cluster(
+    workload: Iterable[Request],
+    cfg: SimConfig,
+    progress: Callable[[int], None] | None = None,
+    *,
+    cost_model: CostModel | None = None,
+) -> ClusterResult:
+    """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
+    `cfg.router`; deterministic for a given workload and config (the router's draws come from
+    `cfg.seed`). `progress(n)` is called as requests finish."""
+    cfg.validate()
+    if cost_model is None:
+        from kvsim.sim.engine.cost_model import CostModel
+
+        cost_model = CostModel.from_config(cfg)
+    managers = [make_manager(cfg, cost_model) for _ in range(cfg.replicas)]
+    env = simpy.Environment()
+    cluster = Cluster(env, workload, cfg, cost_model, managers, progress)
+    with rare_collections():
+        env.run()
+    if progress is not None:
+        progress(cluster.num_done)
+    name = getattr(workload, "name", "workload")
+    skipped = getattr(workload, "skipped", 0)
+    replicas = [engine_result(e, cfg, cost_model, name, skipped) for e in cluster.engines]
+    rows = [(r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
+    received = pd.DataFrame(rows, columns=["id", "arrival", "replica"]).astype(
+        {"id": "string", "arrival": np.float64, "replica": np.int32})
+    received = received.sort_values(["arrival", "replica"], kind="stable").reset_index(drop=True)
+    load = in_flight(cluster.load_events, cfg.replicas)
+    section = cluster_summary(replicas, load, cfg)
+    summary = {**replicas[0].summary, "cluster": section} if cfg.replicas == 1 else {
+        "workload": name, "model": cfg.model, "gpu": cfg.gpu, "cluster": section}
+    return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received)
+
+
+def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:
+    """Each replica's in-flight requests (dispatched, not yet finished) from each change on: a row
+    per distinct time (`time`, then `replica_<i>`), the counts after every change at that time."""
+    if not events:
+        return pd.DataFrame({"time": np.zeros(0), **{f"replica_{i}": np.zeros(0, np.int64) for i in range(num_replicas)}})
+    ev = sorted(events, key=lambda e: e[0])  # stable: same-time changes keep their order
+    times = np.array([e[0] for e in ev])
+    deltas = np.zeros((len(ev), num_replicas), np.int64)
+    deltas[np.arange(len(ev)), [e[1] for e in ev]] = [e[2] for e in ev]
+    counts = deltas.cumsum(axis=0)
+    last = np.r_[times[1:] != times[:-1], True]  # the row after the last change at each time
+    return pd.DataFrame({"time": times[last], **{f"replica_{i}": counts[last, i] for i in range(num_replicas)}})
+
+
+def imbalance(load: pd.DataFrame) -> dict[str, float | None]:
+    """Load imbalance over the run: at each moment, the most in-flight requests on one replica over
+    the mean per replica; `imbalance_mean` its time average over the moments any request is in
+    flight, `imbalance_peak` its largest value (1.0: perfectly even; N: all on one of N)."""
+    counts = load.drop(columns="time").to_numpy(np.float64)
+    if len(counts) < 2:
+        return {"imbalance_mean": None, "imbalance_peak": None}
+    dt = np.diff(load["time"].to_numpy())
+    counts = counts[:-1]
+    mean = counts.mean(axis=1)
+    busy = (mean > 0) & (dt > 0)
+    if not busy.any():
+        return {"imbalance_mean": None, "imbalance_peak": None}
+    ratio = counts[busy].max(axis=1) / mean[busy]
+    return {"imbalance_mean": float((ratio * dt[busy]).sum() / dt[busy].sum()), "imbalance_peak": float(ratio.max())}
+
+
+def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfig) -> dict[str, Any]:
+    """The cluster section: router and replicas, each replica's figures (`REPLICA_FIGURES`), the
+    same figures over every replica's requests together, and the load imbalance."""
+    per = [{k: r.summary[k] for k in REPLICA_FIGURES} for r in replicas]
+    requests = pd.concat([r.requests for r in replicas], ignore_index=True)
+    done = requests["status"] == "finished"
+    ends = [float(r.step_columns("time").iloc[-1, 0] + r.step_columns("duration").iloc[-1, 0])
+            for r in replicas if r.num_steps]
+    span = max(max(ends) - float(requests["arrival"].min()), 0.0) if ends and len(requests) else 0.0
+    overall: dict[str, Any] = {"requests": len(requests), "finished": int(done.sum()),
+                               "hit_rate": prefix_hits(requests, replicas[0].manager.block_size,
+                                                                  cfg.parallel_sampling == "fanout")["hit_rate"]}
+    for col in ("ttft", "tpot"):
+        figures = percentiles(requests.loc[done, col], col)
+        overall.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"]})
+    if cfg.slo_ttft is None and cfg.slo_tpot is None:
+        overall["goodput_rps"] = None
+    else:
+        overall["goodput_rps"] = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum()) / span if span else 0.0
+    overall["duration_s"] = span
+    return {"replicas": cfg.replicas, "router": cfg.router, "router_metrics_interval": cfg.router_metrics_interval,
+            "per_replica": per, "overall": overall, **imbalance(load)}

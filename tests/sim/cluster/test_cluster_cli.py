@@ -1,0 +1,58 @@
+"""`kvsim run --replicas N --router NAME` and `kvsim.simulate_cluster`: the cluster's folder, table
+and summary agree with the library's result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pandas.testing as pt
+from typer.testing import CliRunner
+
+import kvsim
+from kvsim.sim.cli.app import app
+
+runner = CliRunner()
+
+
+def test_run_a_cluster_writes_its_folder_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    r = runner.invoke(app, ["run", "--replicas", "2", "--router", "least-outstanding", "--router-metrics-interval",
+                            "0.1", "--slo-ttft", "0.1", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == ("default (300 requests): 2 replicas of llama-3-8b on h100-sxm x1, KV cache 512 blocks x 16 "
+                        "tokens each, eviction lru")
+    assert lines[1].split() == ["replica", "requests", "hit", "rate", "TTFT", "p50", "TTFT", "p99", "TPOT", "p50",
+                                "TPOT", "p99", "goodput"]
+    assert [ln.split()[0] for ln in lines[2:5]] == ["0", "1", "all"]
+    api = kvsim.simulate_cluster(replicas=2, router="least-outstanding", router_metrics_interval=0.1, slo_ttft=0.1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(api.summary))
+    section = summary["cluster"]
+    assert (section["replicas"], section["router"], section["router_metrics_interval"]) == (2, "least-outstanding", 0.1)
+    assert [ln.split()[1] for ln in lines[2:5]] == [str(f["requests"]) for f in section["per_replica"]] + ["300"]
+    pt.assert_frame_equal(pd.read_parquet(out / "received.parquet"), api.received)
+    for i in range(2):
+        pt.assert_frame_equal(pd.read_parquet(out / f"replica-{i}" / "requests.parquet"), api.replicas[i].requests)
+    assert json.loads((out / "config.json").read_text())["replicas"] == 2
+    assert (out / "cluster.png").is_file()
+
+
+def test_a_bad_router_is_one_error_line(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["run", "--replicas", "2", "--router", "nearest", "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0
+    assert "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, " \
+           "session-affinity, got 'nearest'" in r.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_simulate_refuses_a_cluster_config() -> None:
+    import pytest
+
+    from kvsim.sim.engine.config import ConfigError, SimConfig
+    from kvsim.sim.engine.run import simulate
+
+    with pytest.raises(ConfigError, match="replicas 2: a cluster runs through sim.cluster.run.simulate_cluster"):
+        simulate([], SimConfig(replicas=2))

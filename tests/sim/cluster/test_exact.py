@@ -1,0 +1,141 @@
+"""A cluster's replicas are exact engines: one replica gives `simulate`'s tables, and each replica's
+received requests, replayed alone, give that replica's tables; sessions are routed turn by turn,
+and a router sees engine metrics only as of the latest snapshot."""
+
+import pandas.testing as pt
+import pytest
+
+from kvsim.sim.api import default_workload
+from kvsim.sim.cluster.routers import RoundRobin
+from kvsim.sim.cluster.run import imbalance, in_flight, simulate_cluster
+from kvsim.sim.engine.config import ROUTER_NAMES, ConfigError, SimConfig
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Workload, make_request
+
+CFG = SimConfig(num_gpu_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return default_workload()
+
+
+@pytest.mark.parametrize("router", ["round-robin", "vllm-dp"])
+def test_one_replica_is_todays_run(workload, router):
+    lone = simulate(workload, CFG)
+    run = simulate_cluster(workload, CFG.replace(router=router))
+    pt.assert_frame_equal(run.replicas[0].steps, lone.steps)
+    pt.assert_frame_equal(run.replicas[0].requests, lone.requests)
+    summary = dict(run.summary)
+    section = summary.pop("cluster")
+    assert summary == lone.summary
+    assert section["per_replica"][0]["requests"] == 300
+    assert section["overall"]["hit_rate"] == lone.summary["hit_rate"]
+    assert section["imbalance_mean"] == 1.0
+
+
+@pytest.mark.parametrize("router", ROUTER_NAMES)
+def test_each_replica_replays_alone_exactly(workload, router):
+    run = simulate_cluster(workload, CFG.replace(num_gpu_blocks=200, replicas=3, router=router))
+    assert sum(len(r.requests) for r in run.replicas) == 300
+    assert len(run.received) == 300
+    for i, replica in enumerate(run.replicas):
+        alone = simulate(run.received_workload(i), run.replay_config())
+        pt.assert_frame_equal(alone.requests, replica.requests)
+        pt.assert_frame_equal(alone.steps, replica.steps)
+        got = run.received[run.received["replica"] == i]
+        assert list(got["id"]) == list(replica.requests["id"])
+        assert list(got["arrival"]) == list(replica.requests["arrival"])
+
+
+def test_runs_are_deterministic_and_seeded(workload):
+    cfg = CFG.replace(replicas=3, router="random", num_gpu_blocks=200)
+    a, b = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg)
+    pt.assert_frame_equal(a.received, b.received)
+    assert a.summary == b.summary
+    c = simulate_cluster(workload, cfg.replace(seed=1))
+    assert list(c.received["replica"]) != list(a.received["replica"])
+
+
+def _chat(think: float) -> Workload:
+    """Two sessions of three turns each, all given as arriving at 0 (closed loop places them)."""
+    reqs = [make_request(f"{s}-{t}", 0.0, list(range(100 * t + 1)), 8, session=s,
+                         think_time=None if t == 0 else think) for t in range(3) for s in ("a", "b")]
+    return Workload.from_list(reqs, "chat")
+
+
+def test_session_turns_are_routed_when_released():
+    run = simulate_cluster(_chat(0.5), SimConfig(num_gpu_blocks=64, replicas=2, router="round-robin"))
+    finish = {}
+    for r in run.replicas:
+        finish.update(zip(r.requests["id"], r.requests["finish"], strict=True))
+    got = dict(zip(run.received["id"], zip(run.received["arrival"], run.received["replica"], strict=True), strict=True))
+    for s in ("a", "b"):
+        for t in (1, 2):
+            assert got[f"{s}-{t}"][0] == finish[f"{s}-{t - 1}"] + 0.5  # released think_time after the last turn
+    # round-robin in release order: a-0, b-0 at 0, then each later turn as its predecessor ends
+    order = run.received.sort_values("arrival", kind="stable")
+    assert list(order["replica"]) == [0, 1, 0, 1, 0, 1]
+
+
+def test_session_affinity_keeps_a_session_on_one_replica():
+    run = simulate_cluster(_chat(0.5), SimConfig(num_gpu_blocks=64, replicas=3, router="session-affinity"))
+    by_session = run.received.assign(session=run.received["id"].str[0]).groupby("session")["replica"].unique()
+    assert {k: [int(x) for x in v] for k, v in by_session.items()} == {"a": [2], "b": [2]}  # uhashring agrees
+
+
+class Spy(RoundRobin):
+    """Round-robin that reads the snapshots and records what it saw at each pick."""
+
+    reads_metrics = True
+
+    def __init__(self, n, env_of):
+        super().__init__(n)
+        self.env_of = env_of
+        self.seen = []
+
+    def pick(self, request, view):
+        self.seen.append((request.id, view.metrics_time, view.metrics[0].running + view.metrics[0].waiting))
+        return 0
+
+
+def test_a_router_sees_engine_metrics_only_as_of_the_last_snapshot():
+    import simpy
+
+    from kvsim.sim.cluster.cluster import Cluster
+    from kvsim.sim.engine.cost_model import CostModel
+    from kvsim.sim.engine.run import make_manager
+
+    cfg = SimConfig(num_gpu_blocks=64, replicas=1, router_metrics_interval=1.0, step_time=0.1)
+    reqs = [make_request(f"r{i}", t, list(range(16)), 40) for i, t in enumerate((0.05, 0.5, 0.95, 1.05, 2.5))]
+    env = simpy.Environment()
+    cost = CostModel.from_config(cfg)
+    spy = Spy(1, env)
+    cluster = Cluster(env, reqs, cfg, cost, [make_manager(cfg, cost)], router=spy)
+    env.run()
+    # r0 runs from 0.1 (40 steps of 0.1 s), but until the snapshot at 1.0 the router sees nothing;
+    # at 1.05 it sees r0, r1 and r2 (the snapshot at 1.0), at 2.5 the same three (2.0's)
+    assert spy.seen == [("r0", 0.0, 0), ("r1", 0.0, 0), ("r2", 0.0, 0), ("r3", 1.0, 3), ("r4", 2.0, 4)]
+    assert cluster.view.finished == [5]
+
+
+def test_in_flight_and_imbalance_by_hand():
+    events = [(0.0, 0, 1), (0.0, 1, 1), (1.0, 0, 1), (2.0, 0, -1), (2.0, 0, -1), (3.0, 1, -1)]
+    load = in_flight(events, 2)
+    assert load.to_dict("list") == {"time": [0.0, 1.0, 2.0, 3.0], "replica_0": [1, 2, 0, 0], "replica_1": [1, 1, 1, 0]}
+    # [0, 1): 1 / 1; [1, 2): 2 / 1.5; [2, 3): 1 / 0.5
+    assert imbalance(load) == {"imbalance_mean": (1 + 4 / 3 + 2) / 3, "imbalance_peak": 2.0}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"replicas": 0}, "replicas must be an integer >= 1, got 0"),
+    ({"router": "fastest"}, "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, "
+                            "session-affinity, got 'fastest'"),
+    ({"router_metrics_interval": 0}, "router_metrics_interval must be a positive number of seconds, got 0"),
+    ({"replicas": 2, "record_ops": True}, "record_ops: the op stream of a cluster's replicas is not recorded yet; "
+                                          "run with replicas 1"),
+])
+def test_bad_cluster_settings_are_named(change, message):
+    with pytest.raises(ConfigError) as e:
+        SimConfig(**change).validate()
+    assert str(e.value) == message
