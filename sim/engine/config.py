@@ -119,6 +119,8 @@ class SimConfig:
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
+    # vLLM's KV events (kvcache.events), taken once a step; every step is taken in full (no speed shortcuts)
+    kv_events: bool = False
     slo_ttft: float | None = None  # seconds, for goodput
     slo_tpot: float | None = None
     seed: int = 0
