@@ -11,6 +11,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.events import KVEventLog
 from kvsim.kvcache.eviction import LRU, EvictionPolicy
 from kvsim.kvcache.eviction.base import overrides
 from kvsim.kvcache.id_span import IdSpan
@@ -74,6 +75,7 @@ class BlockPool:
         # blocks) and the cached blocks each group lost to eviction
         self.group_of: list[int] | None = None
         self.evicted_by_group: list[int] | None = None
+        self.events: KVEventLog | None = None  # vLLM's KV events, when asked for (`kvcache.events`)
         # hooks the policy leaves as no-ops are not called from the hot loops
         self._on_cache = self.policy.on_cache if overrides(self.policy, "on_cache") else None
         self._on_hit = self.policy.on_hit if overrides(self.policy, "on_hit") else None
@@ -114,7 +116,7 @@ class BlockPool:
         """Pop `n` blocks for writing; a popped cached block is evicted."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if not self.ops.enabled and self._on_evict is None:
+        if not self.ops.enabled and self._on_evict is None and self.events is None:
             if self._lru is not None:
                 return self._pop_counted(n)
             return self._take_counted(self.policy.pop_n(n))
@@ -132,6 +134,8 @@ class BlockPool:
             else:
                 self.ops.counts["evict"] += len(evicted)
             go, eg = self.group_of, self.evicted_by_group
+            if self.events is not None:  # (before their keys go)
+                self.events.removed(evicted, go)
             for b in evicted:
                 if go is not None:
                     eg[go[b.block_id]] += 1
@@ -244,6 +248,8 @@ class BlockPool:
         """Drop a held block's key from the cache map, not counted as an eviction (vLLM's
         `BlockPool._maybe_evict_cached_block` for a Mamba checkpoint that held a transient state)."""
         if block.block_hash is not None:
+            if self.events is not None:
+                self.events.removed([block], self.group_of)
             self._evict(block)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -394,6 +400,8 @@ class BlockPool:
                 b.block_hash = None
         self.cached.clear()
         self.num_cached_free = 0
+        if self.events is not None:
+            self.events.cleared()
         if ranked is not None:  # a ranking policy holds hash-less blocks in its plain FIFO
             self.policy.free(ranked)
         return True

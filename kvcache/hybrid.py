@@ -44,6 +44,7 @@ from types import MappingProxyType
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
+from kvsim.kvcache.events import KVEventLog
 from kvsim.kvcache.eviction import EvictionPolicy, make_policy
 from kvsim.kvcache.groups import (
     GroupSpec,
@@ -72,7 +73,8 @@ class HybridKVCacheManager(PoolView):
     (all of one block size). in_flight_tokens / max_model_len: what the windowed groups' admission
     cap counts (`GroupSpec.admission_cap`). mamba_checkpoint_alignment: the Mamba layers' prefill
     checkpoint alignment (None: they export no checkpoint; `kvcache.mamba`). record_ops: record
-    every op with its group (else only counted). The other arguments are `KVCacheManager`'s.
+    every op with its group (else only counted). kv_events: queue vLLM's KV events, each group's with
+    its `group_idx` (`kvcache.events`). The other arguments are `KVCacheManager`'s.
     """
 
     sliding_window = None  # no single window: the engine asks `num_groups` (several groups: windowed)
@@ -94,6 +96,7 @@ class HybridKVCacheManager(PoolView):
         record_ops: bool = False,
         track_ids: bool = True,
         vllm_version: str = DEFAULT_VERSION,
+        kv_events: bool = False,
     ):
         if not groups:
             raise ValueError("a hybrid cache needs at least one group")
@@ -129,6 +132,7 @@ class HybridKVCacheManager(PoolView):
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.caps = tuple(g.admission_cap(in_flight_tokens, max_model_len) for g in groups)
         self.salts = tuple(group_salt(i) for i in range(len(groups)))
+        self.events = self.pool.events = KVEventLog(self.salts) if kv_events else None
         self.tables: tuple[dict[str, list[KVCacheBlock]], ...] = tuple({} for _ in groups)
         self.num_cached: tuple[dict[str, int], ...] = tuple({} for _ in groups)
         self.junctions: dict[str, int] = {}  # seq id -> its shared-prefix boundary, found at lookup
@@ -529,6 +533,9 @@ class HybridKVCacheManager(PoolView):
             if kept is None:
                 kept = ranges[spec, n_cached] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
             go = self._group_of
+            if self.events is not None:
+                self.events.stored(table, keys, kept, n_cached, n_full, seq.token_ids(n_cached * bs, n_full * bs).tolist(),
+                                   bs, self.null_block, g)
             for a, b in kept:
                 self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
                 for i in range(a, b):  # (only a cached block can be evicted: its group is set here)

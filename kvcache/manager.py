@@ -22,6 +22,7 @@ from kvsim.kvcache.admission import AllocStatus, watermark_status
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
 from kvsim.kvcache.defrag import Defragmenter
+from kvsim.kvcache.events import KVEventLog
 from kvsim.kvcache.eviction import EvictionPolicy, make_policy
 from kvsim.kvcache.fork import Forking
 from kvsim.kvcache.id_span import IdSpan
@@ -50,6 +51,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
     option: 0, its default, keeps only the tail a later request resumes from; N > 0 also a tail
     every N tokens; None every block; `sliding_window.retained_ranges`).
     vllm_version: the release whose rules to follow (see `kvcache.profiles`).
+    kv_events: queue vLLM's KV events (`kvcache.events`) for `take_events`; off, nothing is queued.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         track_ids: bool = True,
         defrag_threshold: int | None = None,
         vllm_version: str = DEFAULT_VERSION,
+        kv_events: bool = False,
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -97,6 +100,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_caching, policy=policy, ops=self.ops,
                               free_first=self.profile.free_first(enable_caching))
         self.null_block = self.pool.null_block
+        self.events = self.pool.events = KVEventLog() if kv_events else None
         self.cpu = CpuPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -295,14 +299,19 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         n_cached = self.num_cached_block[sid]
         if n_full <= n_cached:
             return
-        hashes = seq.hashes_upto(n_full * self.block_size, self.block_size)
-        chain = seq.num_prompt_tokens // self.block_size
+        bs = self.block_size
+        hashes = seq.hashes_upto(n_full * bs, bs)
+        chain = seq.num_prompt_tokens // bs
         if self.retention_interval is None:
-            self.pool.cache_blocks(blocks, hashes, n_cached, n_full, chain)
+            ranges = [(n_cached, n_full)]
         else:  # a sliding window hashes only the blocks a later request can resume from
-            for a, b in sw.retained_ranges(n_cached, n_full, (seq.num_prompt_tokens - 1,), self.sliding_window,
-                                           self.block_size, self.retention_interval):
-                self.pool.cache_blocks(blocks, hashes, a, b, chain)
+            ranges = sw.retained_ranges(n_cached, n_full, (seq.num_prompt_tokens - 1,), self.sliding_window,
+                                        bs, self.retention_interval)
+        for a, b in ranges:
+            self.pool.cache_blocks(blocks, hashes, a, b, chain)
+        if self.events is not None:
+            self.events.stored(blocks, hashes, ranges, n_cached, n_full,
+                               seq.token_ids(n_cached * bs, n_full * bs).tolist(), bs, self.null_block)
         self.num_cached_block[sid] = n_full
 
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool
+from kvsim.kvcache.events import KVEvent
 from kvsim.kvcache.eviction import LRU
 from kvsim.kvcache.ops import OpLog
 
@@ -23,6 +24,17 @@ class PoolView:
 
     pool: BlockPool
     ops: OpLog
+
+    @property
+    def emits_events(self) -> bool:
+        """Whether the manager queues vLLM's KV events (`kvcache.events`; its `kv_events` argument)."""
+        return self.pool.events is not None
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last take, oldest first (vLLM's
+        `KVCacheManager.take_events`); none when events are off."""
+        events = self.pool.events
+        return events.take() if events is not None else []
 
     def id_space_fragmentation(self) -> int:
         """Holes below the highest used physical id: max_used_id - num_used."""

@@ -15,6 +15,7 @@ from kvsim.kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.events import KVEventLog
     from kvsim.kvcache.ops import OpLog
 
 
@@ -62,6 +63,7 @@ class Swapping:
     pool: BlockPool
     null_block: KVCacheBlock
     ops: OpLog
+    events: KVEventLog | None
     cpu: CpuPool
     watermark_blocks: int
     req_blocks: dict[str, list[KVCacheBlock]]
@@ -149,6 +151,9 @@ class Swapping:
                 self.cpu.free(cpu)
             for i in copied:
                 self.pool.cache_blocks(blocks, hashes, i, i + 1, seq.num_prompt_tokens // bs)
+                if self.events is not None:  # (v0's swap-in: no vLLM V1 rule, an event a block re-cached)
+                    self.events.stored(blocks, hashes, [(i, i + 1)], i, i + 1,
+                                       seq.token_ids(i * bs, (i + 1) * bs).tolist(), bs, self.null_block)
             self.req_blocks[seq.seq_id] = blocks
             if self.ops.enabled:
                 self.ops.emit_table(seq.seq_id, blocks)

@@ -165,6 +165,12 @@ class Run:
     def config(self) -> SimConfig:
         return self.result.config
 
+    @property
+    def kv_events(self) -> list | None:
+        """vLLM's KV events (`simulate(..., kv_events=True)`): an `EventBatch` a step that queued any
+        (`.as_dict()`, `.json_line()`: `kvsim run --kv-events`'s lines); None when not asked for."""
+        return self.result.kv_events
+
     def write(self, folder: str | Path, *, plots: bool = True) -> Path:
         """Write the run folder (tables, summary, config, and PNG plots unless `plots` is False);
         written beside it and renamed into place, so a failure leaves no half-written folder."""

@@ -134,3 +134,12 @@ def test_cache_replay_of_a_model_mixing_layer_kinds_runs_in_its_hybrid_groups():
     assert nxt["hit_tokens"] == 68_800
     curve = kvsim.curve(wl, capacities=[2100], model="gemma-3-27b")  # its replay mode too
     assert curve["hit_rate"].tolist() == [groups["hit_rate"]]
+
+
+def test_kv_events_are_asked_for_by_their_knob(chat):
+    plain = kvsim.simulate(chat, num_gpu_blocks=128)
+    run = kvsim.simulate(chat, num_gpu_blocks=128, kv_events=True)
+    assert plain.kv_events is None and run.summary == {**plain.summary}
+    kinds = [e.as_dict()["type"] for batch in run.kv_events for e in batch.events]
+    assert (len(run.kv_events), kinds.count("BlockStored"), kinds.count("BlockRemoved")) == (732, 590, 935)
+    assert kinds.count("BlockRemoved") == plain.summary["evictions"]

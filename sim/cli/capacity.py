@@ -18,7 +18,7 @@ from kvsim.sim.cli.common import fail
 from kvsim.sim.cli.run import run as _run_command
 
 # run's options that capacity does not take: its own output, and the targets it asks for itself
-NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "slo_ttft", "slo_tpot", "skip_bad"}
+NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "kv_events", "slo_ttft", "slo_tpot", "skip_bad"}
 
 
 def _capacity(

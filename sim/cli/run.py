@@ -6,13 +6,20 @@ import hashlib
 import json
 import re
 import shlex
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvsim.sim.cli.common import cannot_write, check_output, fail, open_workload, progress_bar
+from kvsim.sim.cli.common import (
+    cannot_write,
+    check_output,
+    fail,
+    open_workload,
+    progress_bar,
+    staged_file,
+)
 from kvsim.sim.cli.options import (
     BlockSize,
     DisableHybrid,
@@ -98,7 +105,7 @@ def _command(workload: Path | None, read: list[str], changes: dict[str, Any]) ->
     """`kvsim run` with the options that produced `changes` (the slow debug switches left out)."""
     words = ["kvsim", "run"] + ([str(workload)] if workload is not None else []) + read
     for key, value in changes.items():
-        if key in ("record_ops", "debug_invariants"):
+        if key in ("record_ops", "debug_invariants", "kv_events"):
             continue
         flag = FLAGS.get(key, "--" + key.replace("_", "-"))
         words += [flag] if isinstance(value, bool) else [flag, str(value)]
@@ -285,11 +292,14 @@ def run(
     replicas: Annotated[int | None, typer.Option(help="a cluster: this many exact replicas of the engine behind --router [default: 1]")] = None,
     router: Annotated[str | None, typer.Option(help="round-robin|random|least-outstanding|vllm-dp|vllm-dp-legacy|session-affinity [default: round-robin]")] = None,
     router_metrics_interval: Annotated[float | None, typer.Option("--router-metrics-interval", help="seconds between the engine-metric snapshots the router sees [default: 0.05]")] = None,
+    kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared); every step is then simulated in full")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
 ) -> None:
     """Simulate WORKLOAD through the engine and write a run folder (tables, summary, plots)."""
     changes = knob_changes(locals())
+    if kv_events is not None:
+        changes["kv_events"] = True
     from kvsim.sim.api import default_cache
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.engine.cost_model import CostModel
@@ -312,6 +322,8 @@ def run(
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
+    if kv_events is not None:
+        check_output(kv_events)
     if cfg.replicas > 1:
         return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress)
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
@@ -319,9 +331,14 @@ def run(
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
     shown = {"path": None if workload is None else str(workload), "format": format, "seed": cfg.seed,
              "block_size": cost.block_size}  # for the hit-rate plot's ideal line
-    with PlotWorkers(workload=shown) if plots else nullcontext() as workers, run_scratch(out_dir) as scratch:
-        # the steps and op records stream into the scratch folder until write_run
+    with PlotWorkers(workload=shown) if plots else nullcontext() as workers, run_scratch(out_dir) as scratch, \
+            ExitStack() as stack:
+        # the steps and op records stream into the scratch folder until write_run, the KV events
+        # into a file beside theirs, renamed into place only if the whole run is written
         streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
+        if kv_events is not None:
+            sink = stack.enter_context(open(stack.enter_context(staged_file(kv_events)), "w"))
+            streams["kv_events"] = lambda batch: sink.write(batch.json_line())
         try:
             if bar is not None:
                 with bar:

@@ -38,16 +38,17 @@ class Diff:
     differing: int
     first: tuple[str, str, Any, Any] | None = None  # (request id, field, kvsim, vllm)
     total: tuple[str, Any, Any] | None = None  # a whole-run figure that differs: (name, kvsim, vllm)
+    unit: str = "request"  # what `requests` counts and `first` names (the events mode: steps)
 
     @property
     def ok(self) -> bool:
         return self.differing == 0 and self.total is None
 
     def format(self) -> str:
-        head = f"{self.mode:<9} {self.requests:,} requests, {self.differing:,} differ"
+        head = f"{self.mode:<9} {self.requests:,} {self.unit}s, {self.differing:,} differ"
         if self.first is not None:
             rid, field, ours, theirs = self.first
-            head = f"{head}; first: request {rid!r} {field}: kvsim {ours!r}, vLLM {theirs!r}"
+            head = f"{head}; first: {self.unit} {rid!r} {field}: kvsim {ours!r}, vLLM {theirs!r}"
         if self.total is not None:
             name, ours, theirs = self.total
             head = f"{head}; total {name}: kvsim {ours!r}, vLLM {theirs!r}"
@@ -279,6 +280,75 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     if loaded[0] != loaded[1]:
         diff.total = ("offload_hit_tokens", *loaded)
     return diff
+
+
+def compare_events(requests: list, cfg: SimConfig) -> Diff:
+    """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync, with
+    `--kv-events-config` on): each step's events must agree in kind, order, group, block size,
+    token ids, and hashes named by the prefix they end (the two hash functions differ). A step
+    counts once however many of its events differ; `first` names its first differing event."""
+    from kvsim.kvcache.sequence import Sequence
+    from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
+    from kvsim.sim.conform.vllm_setup import token_ids
+    from kvsim.sim.engine.run import simulate
+
+    if cfg.step_time is None or cfg.async_scheduling or not cfg.enable_prefix_caching:
+        raise ConfigError("KV events are compared on the step grid (--step-time), with sync scheduling and "
+                          "prefix caching on")
+    if any(r.n > 1 for r in requests):
+        raise ConfigError("KV events are compared for requests of one sample (n = 1)")
+    check_workload(requests)
+    args = _scheduler_args(cfg)
+    bs = args["block_size"]
+    names: dict[int, tuple[int, ...]] = {}  # kvsim's key -> the prefix its block ends (uids in workload order)
+    for uid, r in enumerate(requests):
+        toks = token_ids(r, uid)
+        keys = Sequence(r.id, r.prompt, uid=uid, output=r.output).hashes_upto(len(toks), bs)
+        names.update((k, tuple(toks[: (i + 1) * bs])) for i, k in enumerate(keys))
+    ours: dict[int, list[dict]] = {}
+    for batch in simulate(requests, cfg.replace(kv_events=True)).kv_events:
+        ours.setdefault(batch.step, []).extend(_named(e.as_dict(), names) for e in batch.events)
+    published: list[tuple[int, list[dict]]] = []
+    vllm_run_scheduler(requests, **args, kv_events=published)
+    theirs: dict[int, list[dict]] = {}
+    for step, events in published:
+        theirs.setdefault(step, []).extend(events)
+    steps = sorted(set(ours) | set(theirs))
+    differing, first = 0, None
+    for step in steps:
+        a, b = ours.get(step, []), theirs.get(step, [])
+        if a == b:
+            continue
+        differing += 1
+        if first is None:
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            first = (step, f"event {i}", _shown(a[i]) if i < len(a) else None, _shown(b[i]) if i < len(b) else None)
+    return Diff("events", len(steps), differing, first, unit="step")
+
+
+def _named(event: dict, names: dict[int, tuple[int, ...]]) -> dict:
+    """A kvsim event (`as_dict`) with each hash replaced by the tokens of the prefix it ends."""
+    out = {**event}
+    if "block_hashes" in out:
+        out["block_hashes"] = [names.get(h, h) for h in out["block_hashes"]]
+    if out.get("parent_block_hash") is not None:
+        out["parent_block_hash"] = names.get(out["parent_block_hash"], out["parent_block_hash"])
+    return out
+
+
+def _shown(event: dict) -> dict:
+    """An event for a diff line: a named hash as the length of its prefix, token ids by count."""
+    def short(h: Any) -> Any:
+        return f"<{len(h)} tokens>" if isinstance(h, tuple) else h
+
+    out = {**event}
+    if "block_hashes" in out:
+        out["block_hashes"] = [short(h) for h in out["block_hashes"]]
+    if "parent_block_hash" in out:
+        out["parent_block_hash"] = short(out["parent_block_hash"])
+    if "token_ids" in out:
+        out["token_ids"] = f"<{len(out['token_ids'])} ids from {out['token_ids'][:1]}>"
+    return out
 
 
 def _both_or_neither_stall(ours: Callable[[], Any], theirs: Callable[[], Any]) -> Any:

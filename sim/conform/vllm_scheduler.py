@@ -33,13 +33,14 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      watermark: float, scheduling: str, async_scheduling: bool = False,
                      offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
                      scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
-                     layers: Any = None, mamba_checkpoints: bool = False):
+                     layers: Any = None, mamba_checkpoints: bool = False, kv_events: bool = False):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec); `layers`:
     instead, a model's layers mixing kinds, in vLLM's hybrid KV-cache groups (`vllm_setup.layer_specs`);
     `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...); `mamba_checkpoints`:
-    the model's Mamba-state layers export prefill checkpoints (`vllm_setup.mamba_spec`).
+    the model's Mamba-state layers export prefill checkpoints (`vllm_setup.mamba_spec`); `kv_events`:
+    its block pool queues KV events (`vllm_setup.stand_in_config`).
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches: 2 with async scheduling).
     """
@@ -63,7 +64,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                                                  "kv_offloading_backend": "native"}
     vllm_config = stand_in_config(tmp, max_model_len=max_model_len, scheduler=scheduler_config, cache={
         "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-        "prefix_cache_retention_interval": prefix_cache_retention_interval, **offload_kw})
+        "prefix_cache_retention_interval": prefix_cache_retention_interval, **offload_kw}, kv_events=kv_events)
     if offloading is not None:  # the connector reads these when the Scheduler builds it
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
@@ -96,10 +97,13 @@ def run_scheduler(
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
     async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
     scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
-    layers: Any = None, mamba_checkpoints: bool = False,
+    layers: Any = None, mamba_checkpoints: bool = False, kv_events: list | None = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
     `scheduler_extra`: more SchedulerConfig fields (vLLM 0.31+'s max_num_active_seqs, ...).
+    `kv_events` (sync only): a list that gets each published KV-event batch as (step, events), every
+    event a dict in vLLM's field names, each block hash replaced by the tokens of the prefix it
+    ends (`_EventSink`), so that they compare with kvsim's, whose hash function differs.
 
     Each record: id, first_scheduled_step, first_token_step, finish_step, preemptions,
     hit_tokens (local prefix-cache hit at first admission). num_gpu_blocks counts block 0.
@@ -142,8 +146,12 @@ def run_scheduler(
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
             prefix_cache_retention_interval=prefix_cache_retention_interval, scheduler_extra=scheduler_extra,
-            layers=layers, mamba_checkpoints=mamba_checkpoints)
+            layers=layers, mamba_checkpoints=mamba_checkpoints, kv_events=kv_events is not None)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
+        if kv_events is not None:
+            if async_scheduling or hasher is None:
+                raise ValueError("KV events are compared with sync scheduling and prefix caching on")
+            sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
         if async_scheduling:
             run.run_async(queue_size, num_gpu_blocks, block_size)
         else:
@@ -194,6 +202,7 @@ class _SchedRun:
         self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
         self.nxt = 0
         self.live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
+        self.step = 0  # the step whose output is being applied (sync)
 
     def _handed(self, out, start: float):
         """Step `out` is handed to the KV connector's worker at `start`: the connector output its
@@ -256,6 +265,7 @@ class _SchedRun:
             sampled.append([toks[vreq.num_tokens]] if done_prefill else [])
         mro = output_cls(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
                          sampled_token_ids=sampled, kv_connector_output=kv_connector_output)
+        self.step = step
         self.sched.update_from_output(out, mro)
         for rid, toks in zip(ids, sampled, strict=True):
             rec, vreq = recs[rid], live[rid][0]
@@ -358,3 +368,47 @@ def _record_admissions(out, live: dict, recs: dict, step: int) -> None:
         # it is handed out with the request's first output, after this point.
         stats = live[rid][0].prefill_stats
         rec["hit_tokens"] = stats.num_local_cached_tokens if stats is not None else 0
+
+
+def prefixes(tokens: list[list[int]], hasher, block_size: int) -> dict[Any, tuple[int, ...]]:
+    """Each block hash vLLM's events may carry (`maybe_convert_block_hash` of the requests' block
+    hashes over all their tokens) -> the tokens of the prefix that block ends."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import Request as VllmRequest
+
+    out: dict[Any, tuple[int, ...]] = {}
+    for i, toks in enumerate(tokens):
+        whole = VllmRequest(request_id=f"prefixes-{i}", prompt_token_ids=toks, sampling_params=SamplingParams(),
+                            pooling_params=None, block_hasher=hasher)
+        for k, h in enumerate(whole.block_hashes):
+            out[maybe_convert_block_hash(h)] = tuple(toks[: (k + 1) * block_size])
+    return out
+
+
+class _EventSink:
+    """Stands in for the scheduler's KV-event publisher (`Scheduler.kv_event_publisher`, which
+    `update_from_output` hands each step's non-empty batch): keeps (step, events) with hashes named
+    by their prefixes."""
+
+    def __init__(self, run: _SchedRun, names: dict[Any, tuple[int, ...]], out: list):
+        self.run, self.names, self.out = run, names, out
+
+    def publish(self, batch) -> None:
+        self.out.append((self.run.step, [self._event(e) for e in batch.events]))
+
+    def _event(self, e) -> dict:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+        names = self.names
+        if isinstance(e, AllBlocksCleared):
+            return {"type": "AllBlocksCleared"}
+        named = {"type": type(e).__name__, "block_hashes": [names.get(h, h) for h in e.block_hashes]}
+        if isinstance(e, BlockStored):
+            parent = e.parent_block_hash
+            named.update(parent_block_hash=None if parent is None else names.get(parent, parent),
+                         token_ids=list(e.token_ids), block_size=e.block_size)
+        return {**named, "medium": e.medium, "group_idx": e.group_idx}
+
+    def shutdown(self) -> None:
+        return None

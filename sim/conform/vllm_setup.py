@@ -81,13 +81,23 @@ STAND_IN = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "tie_word_embeddings": False}
 
 
-def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], scheduler: Any = None):
+def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], scheduler: Any = None,
+                    kv_events: bool = False):
     """The VllmConfig `vllm serve` builds for the stand-in model written into `tmp`: vLLM's config
     objects with every default vLLM's own, `cache` the CacheConfig fields given on the command
-    line (block size, prefix caching, ...), `scheduler` a SchedulerConfig (None: the default)."""
+    line (block size, prefix caching, ...), `scheduler` a SchedulerConfig (None: the default);
+    `kv_events`: as `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "null"}'`
+    (the block pool queues KV events; the caller takes over the publisher)."""
     import json
 
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump({**STAND_IN, "max_position_embeddings": max_model_len}, f)
@@ -95,8 +105,9 @@ def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], sche
                                dtype="float32", seed=0)
     if scheduler is None:
         scheduler = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False)
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     return VllmConfig(model_config=model_config, cache_config=CacheConfig(**cache), scheduler_config=scheduler,
-                      device_config=DeviceConfig(device="cpu"))
+                      device_config=DeviceConfig(device="cpu"), kv_events_config=events)
 
 
 def stand_in_spec(block_size: int, sliding_window: int | None = None, chunk: int | None = None):

@@ -127,6 +127,8 @@ class SimConfig:
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
+    # vLLM's KV events (kvcache.events), taken once a step; every step is taken in full (no speed shortcuts)
+    kv_events: bool = False
     slo_ttft: float | None = None  # seconds, for goodput
     slo_tpot: float | None = None
     seed: int = 0
@@ -243,6 +245,8 @@ class SimConfig:
         if self.replicas > 1 and self.record_ops:
             raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
                               "run with replicas 1")
+        if self.replicas > 1 and self.kv_events:
+            raise ConfigError("kv_events: a cluster's replicas do not write their KV events yet; run with replicas 1")
 
     def _validate_offloading(self) -> None:
         from kvsim.kvcache.offload import OFFLOAD_POLICIES

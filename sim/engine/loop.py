@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import simpy
 
+from kvsim.kvcache.events import EventBatch
 from kvsim.kvcache.invariants import check as check_invariants
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.ops import CHARGED_KINDS
@@ -109,6 +110,8 @@ class Engine:
         progress: Callable[[int], None] | None = None,
         steps_file: str | Path | None = None,
         front: Callable[[Callable[[Request], None]], Frontend] | None = None,
+        kv_events: Callable[[EventBatch], None] | None = None,
+        replica: int = 0,
     ):
         self.env = env
         self.cfg = cfg
@@ -124,6 +127,9 @@ class Engine:
         closed = cfg.closed_loop_sessions and cfg.step_time is None
         self.progress = progress
         self.num_done = 0
+        # vLLM's KV events (a manager built with kv_events): handed on once a step, stamped with `replica`
+        self.kv_events = kv_events if manager.emits_events else None
+        self.replica = replica
         # a cluster's replica takes its requests from the router instead (`sim.cluster`): `front`
         # builds its front end around this engine's `admit`, and `workload` is not read
         if front is None:
@@ -150,6 +156,13 @@ class Engine:
         if self.progress is not None and self.num_done // PROGRESS_EVERY != (self.num_done - n) // PROGRESS_EVERY:
             self.progress(self.num_done)
         return n
+
+    def _take_events(self, now: float, step: int) -> None:
+        """The KV events the step queued, handed on as one batch if there are any (vLLM's
+        `Scheduler.update_from_output` takes them once a step and publishes a non-empty batch)."""
+        events = self.m.take_events()
+        if events:
+            self.kv_events(EventBatch(now, self.replica, step, events))
 
     # ---------------------------------------------------------------- steps
     def _steps(self):
@@ -264,12 +277,16 @@ class Engine:
             b, start, end, dt, step, deltas, dropped = queue.pop()
             if start is None:
                 sched.update(b, b.start)  # nothing ran (no forward); the scheduler only hears of it
+                if self.kv_events is not None:
+                    self._take_events(b.start, step)
                 continue
             clock = max(clock, end)
             yield from self.front.upto(at(clock))  # arrivals while it ran are queued before its output
             sched.step = step
             m.set_step(step)
             sched.update(b, at(end))
+            if self.kv_events is not None:
+                self._take_events(at(end), step)
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
             record(step_row(at(start), dt, sched, b, deltas, done))
             if usage is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import simpy
 
+from kvsim.kvcache.events import EventBatch
 from kvsim.kvcache.hybrid import HybridKVCacheManager
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.sim.engine.config import ConfigError, SimConfig
@@ -41,6 +42,8 @@ class RunResult:
     manager: KVCacheManager | None = None
     # vLLM's hybrid groups: the blocks each group holds after each step, a row a step (`held_<g>`)
     group_usage: pd.DataFrame | None = None
+    # vLLM's KV events (`SimConfig.kv_events`), a batch a step that queued any, unless handed to a sink
+    kv_events: list[EventBatch] | None = None
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -81,6 +84,7 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
         record_ops=cfg.record_ops,
         defrag_threshold=cfg.defrag_threshold,
         vllm_version=cfg.vllm_version,
+        kv_events=cfg.kv_events,
     )
     if window is not None:  # vLLM's admission cap: the window and one step's tokens (no async: one step in flight)
         in_flight = window - 1 + cfg.batch_limits()[0]
@@ -131,6 +135,7 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         mamba_checkpoint_alignment=layout.checkpoint_alignment,
         record_ops=cfg.record_ops,
         vllm_version=cfg.vllm_version,
+        kv_events=cfg.kv_events,
     )
 
 
@@ -170,13 +175,16 @@ def simulate(
     cost_model: CostModel | None = None,
     ops_dir: str | Path | None = None,
     steps_file: str | Path | None = None,
+    kv_events: Callable[[EventBatch], None] | None = None,
 ) -> RunResult:
     """Replay `workload` through the engine `cfg` describes; deterministic for a given
     workload and config. `progress(n)` is called as requests finish;
     `cost_model` defaults to `CostModel.from_config(cfg)`. With `record_ops`, the op
     stream is kept in memory, or written into `ops_dir` as it goes (`OpLog.stream_to`).
     With `steps_file`, the steps table is written there as it goes (a parquet file), so
-    memory does not grow with the run's steps; the result reads it back on demand."""
+    memory does not grow with the run's steps; the result reads it back on demand. With
+    `cfg.kv_events`, each step's KV events are handed to `kv_events` as an `EventBatch`, or kept
+    in the result's `kv_events` (no sink given)."""
     cfg.validate()
     if cfg.replicas > 1:
         raise ConfigError(f"replicas {cfg.replicas}: a cluster runs through sim.cluster.run.simulate_cluster "
@@ -189,17 +197,19 @@ def simulate(
     if cfg.record_ops and ops_dir is not None:
         manager.stream_ops(ops_dir, process=True)
     env = simpy.Environment()
-    engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file)
+    batches: list[EventBatch] | None = [] if cfg.kv_events and kv_events is None else None
+    sink = batches.append if batches is not None else kv_events
+    engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
     with rare_collections():
         env.run()
     return engine_result(engine, cfg, cost_model, getattr(workload, "name", "workload"),
-                         getattr(workload, "skipped", 0), steps_file)
+                         getattr(workload, "skipped", 0), steps_file, batches)
 
 
 def engine_result(engine: Engine, cfg: SimConfig, cost_model: CostModel, name: str, skipped: int,
-                  steps_file: str | Path | None = None) -> RunResult:
+                  steps_file: str | Path | None = None, batches: list[EventBatch] | None = None) -> RunResult:
     """A finished engine's tables and summary (`simulate`'s result; a cluster's per replica):
-    `name` is the workload's, `skipped` its bad lines skipped."""
+    `name` is the workload's, `skipped` its bad lines skipped, `batches` its KV events kept."""
     manager = engine.m
     if steps_file is None:
         steps = engine.steps.frame()
@@ -237,4 +247,5 @@ def engine_result(engine: Engine, cfg: SimConfig, cost_model: CostModel, name: s
             summary["kv_cache_groups"] = [{**row, **metrics} for row, metrics in
                                           zip(layout.table(cfg.block_size), manager.group_metrics(), strict=True)]
     usage = engine.group_usage.frame() if engine.group_usage is not None else None
-    return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager, usage)
+    return RunResult(cfg, name, steps if steps_file is None else steps.path, requests, summary, manager, usage,
+                     batches)

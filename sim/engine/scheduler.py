@@ -81,7 +81,8 @@ class Scheduler:
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
-        on = cfg.shortcuts and self.output.shortcuts and connector is None
+        # (KV events: every step's block calls as vLLM makes them, so no shortcut)
+        on = cfg.shortcuts and not cfg.kv_events and self.output.shortcuts and connector is None
         self.fast = Shortcuts(manager, on, self.lookahead, self.priority,
                               whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)
         self.waiting = WaitQueue(self.priority)

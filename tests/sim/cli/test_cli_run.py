@@ -100,3 +100,32 @@ def test_default_run_names_are_deterministic() -> None:
     assert run_name("traces/conv.jsonl", cfg) == run_name("traces/conv.jsonl", SimConfig())
     assert run_name("traces/conv.jsonl", cfg).startswith("conv-llama-3-8b-h100-sxm-tp1-bs16-")
     assert run_name("traces/conv.jsonl", cfg) != run_name("traces/conv.jsonl", cfg.replace(watermark=0.1))
+
+
+def test_kv_events_are_written_a_json_line_a_step(tmp_path: Path) -> None:
+    from kvsim.kvcache.hashing import block_keys
+
+    wl = tmp_path / "two.jsonl"
+    write_jsonl([req("a", 0, list(range(40)), 2), req("b", 5, list(range(40)), 2)], wl)
+    events = tmp_path / "events.jsonl"
+    args = ["run", str(wl), "--num-gpu-blocks", "64", "--block-size", "16", "--step-time", "1", "--no-plots",
+            "--out", str(tmp_path / "r"), "--kv-events", str(events)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    keys = block_keys(list(range(40)), 16)
+    # a's prompt cached at step 0; b hits both blocks at step 5 and caches nothing new
+    assert lines == [{"ts": 1.0, "replica": 0, "step": 0, "events": [
+        {"type": "BlockStored", "block_hashes": keys, "parent_block_hash": None, "token_ids": list(range(32)),
+         "block_size": 16, "medium": "GPU", "group_idx": 0}]}]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["kv_events"] is True
+
+
+def test_kv_events_to_an_unwritable_path_or_a_failed_run_leave_no_file(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["run", "--no-plots", "--out", str(tmp_path / "r"), "--kv-events", str(tmp_path / "no" / "e")])
+    assert r.exit_code == 2 and r.stderr == f"error: {tmp_path / 'no' / 'e'}: cannot write there ({tmp_path / 'no'} does not exist)\n"
+    events = tmp_path / "events.jsonl"
+    r = runner.invoke(app, ["run", "--num-gpu-blocks", "4", "--no-plots", "--out", str(tmp_path / "r"),
+                            "--kv-events", str(events)])
+    assert r.exit_code == 2 and "too small" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -1,0 +1,121 @@
+"""KV-cache events as vLLM 0.33 publishes them (vllm/distributed/kv_events.py), for a router that
+tracks which prefixes each replica holds.
+
+The block manager queues an event where vLLM's `BlockPool` does: one `BlockStored` per caching
+call of a group (`cache_full_blocks`: the hashes of the blocks it newly caches, masked and null
+blocks left out, the hash of the block before the range as parent, the range's token ids), one
+`BlockRemoved` per cached block evicted as it is reused (`_maybe_evict_cached_block`), and
+`AllBlocksCleared` on a prefix-cache reset. The engine takes the queue once per step, as vLLM's
+scheduler does in `update_from_output`, into an `EventBatch` stamped with the step's time and the
+replica.
+
+A hash is kvsim's block key (`kvcache.hashing`), not vLLM's sha256 bytes: equal for equal
+prefixes across replicas of one run (the hash needs no seed), different from vLLM's. A hybrid
+group's salt (`groups.group_salt`) never reaches an event: it carries the group-free key and
+`group_idx`, as vLLM's `ExternalBlockHash` does. Token ids past a request's known tokens are
+kvsim's stand-ins for decoded tokens (`Sequence.token_ids`: negative numbers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvsim.kvcache.block import KVCacheBlock
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks newly cached by one caching call of a group (vLLM's `BlockStored`)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: str = MEDIUM_GPU
+    group_idx: int = 0
+
+    def as_dict(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "medium": self.medium,
+                "group_idx": self.group_idx}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A cached block evicted as it is reused (vLLM's `BlockRemoved`, one hash an event)."""
+
+    block_hashes: list[int]
+    medium: str = MEDIUM_GPU
+    group_idx: int = 0
+
+    def as_dict(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium,
+                "group_idx": self.group_idx}
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every cached prefix forgotten (vLLM's `AllBlocksCleared`, from `reset_prefix_cache`)."""
+
+    def as_dict(self) -> dict:
+        return {"type": "AllBlocksCleared"}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One step's events of one replica (vLLM's `KVEventBatch`; `ts` is the simulated time the
+    step's output was applied, in seconds, and `step` the engine's step number)."""
+
+    ts: float
+    replica: int
+    step: int
+    events: list[KVEvent]
+
+    def as_dict(self) -> dict:
+        return {"ts": self.ts, "replica": self.replica, "step": self.step,
+                "events": [e.as_dict() for e in self.events]}
+
+    def json_line(self) -> str:
+        """The batch as one line of JSON (`kvsim run --kv-events`)."""
+        return json.dumps(self.as_dict(), separators=(",", ":")) + "\n"
+
+
+class KVEventLog:
+    """The events a block manager queued since they were last taken (vLLM's `kv_event_queue`);
+    `salts`: each group's key salt, taken off a removed block's key (`groups.group_salt`)."""
+
+    def __init__(self, salts: Sequence[int] = (0,)):
+        self.queue: list[KVEvent] = []
+        self.salts = tuple(salts)
+
+    def stored(self, blocks: list[KVCacheBlock], keys: list[int], ranges: list[tuple[int, int]], start: int,
+               end: int, token_ids: list[int], block_size: int, null: KVCacheBlock, group: int = 0) -> None:
+        """A caching call over blocks [start, end) that hashed `ranges` of them (vLLM's
+        `cache_full_blocks` with its block mask): one event even if it hashed none."""
+        hashes = [keys[i] for a, b in ranges for i in range(a, b) if blocks[i] is not null]
+        parent = keys[start - 1] if start else None
+        self.queue.append(BlockStored(hashes, parent, token_ids, block_size, MEDIUM_GPU, group))
+
+    def removed(self, blocks: list[KVCacheBlock], group_of: list[int] | None) -> None:
+        """Cached `blocks` evicted (their keys still set), in order; `group_of`: each block's group
+        (None: one group)."""
+        salts, queue = self.salts, self.queue
+        for b in blocks:
+            g = group_of[b.block_id] if group_of is not None else 0
+            queue.append(BlockRemoved([b.block_hash ^ salts[g]], MEDIUM_GPU, g))
+
+    def cleared(self) -> None:
+        self.queue.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        """The queued events, oldest first; the queue starts again empty (vLLM's `take_events`)."""
+        events, self.queue = self.queue, []
+        return events
