@@ -84,7 +84,7 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
-              "replicas", "router", "router_metrics_interval"):
+              "replicas", "router", "router_metrics_interval", "kv_events"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
