@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable
 import simpy
 from simpy.events import NORMAL, Event
 
+from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.routers import EngineMetrics, Router, RouterView, make_router
-from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.config import EVENT_ROUTERS, SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.workloads.request import Request
@@ -44,6 +45,13 @@ class _Late(Event):
         self._ok = True
         self._value = None
         env.schedule(self, LATE, delay)
+
+
+def engine_config(cfg: SimConfig) -> SimConfig:
+    """The config each replica's engine and block manager run under: with a router fed by KV events
+    (`EVENT_ROUTERS`), `kv_events` on, so each step's events are queued and every step's block calls
+    are vLLM's (no speed shortcuts)."""
+    return cfg.replace(kv_events=True) if cfg.router in EVENT_ROUTERS else cfg
 
 
 class ReplicaFront:
@@ -94,7 +102,9 @@ class Cluster:
 
     `received[i]` lists the requests replica i was handed with the time each reached it;
     `load_events` the (time, replica, +1 or -1) changes of each replica's in-flight count as the
-    router counts it (dispatched, then finished or dropped)."""
+    router counts it (dispatched, then finished or dropped). A router that reads KV events
+    (`reads_events`, with an `index`) gets each replica's batch `cfg.kv_event_delay` seconds after
+    the step that produced it ended: every batch due by a pick is applied to its index before it."""
 
     def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
                  progress: Callable[[int], None] | None = None, router: Router | None = None):
@@ -102,7 +112,10 @@ class Cluster:
         self.cfg = cfg
         n = len(managers)
         self.view = RouterView(n)
-        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed)
+        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed, cfg)
+        self.events = DelayedEvents(cfg.kv_event_delay) if getattr(self.router, "reads_events", False) else None
+        self._rows: dict[str, tuple[int, int]] = {}  # request id -> (replica, its row in that engine's log)
+        self.view.prefilled = self._prefilled
         self.received: list[list[tuple[float, Request]]] = [[] for _ in range(n)]
         self.load_events: list[tuple[float, int, int]] = []
         self.progress = progress
@@ -111,7 +124,10 @@ class Cluster:
         closed = cfg.closed_loop_sessions and cfg.step_time is None
         self.front = Frontend(env, workload, self._route, load=cfg.load, closed_loop=closed)
         self.inlets: list[ReplicaFront] = []
-        self.engines = [Engine(env, None, cfg, cost, m, front=self._inlet) for m in managers]
+        engine_cfg = engine_config(cfg) if self.events is not None else cfg
+        sink = self.events.send if self.events is not None else None
+        self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i)
+                        for i, m in enumerate(managers)]
         env.process(self._close_after_source())
         if getattr(self.router, "reads_metrics", False):  # no snapshots where no router reads them
             env.process(self._snapshots(cfg.router_metrics_interval))
@@ -123,19 +139,33 @@ class Cluster:
 
     def _route(self, req: Request) -> None:
         """A request reaches the cluster now: the router picks its replica, which gets it now."""
+        now = self.env.now
+        self.view.now = now
+        if self.events is not None:
+            for batch in self.events.due(now):
+                self.router.index.apply(batch)
         i = self.router.pick(req, self.view)
         if not 0 <= i < len(self.inlets):
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")
-        now = self.env.now
         self.view.dispatched[i] += 1
         self.received[i].append((now, req))
         self.load_events.append((now, i, 1))
+        self._rows[req.id] = (i, len(self.engines[i].requests.ids))  # the row `hand` adds
         self.inlets[i].hand(req)
+
+    def _prefilled(self, request_id: str) -> bool:
+        """Whether the request's first token was out by now on its replica (the router hears of it
+        as its response stream starts)."""
+        replica, row = self._rows[request_id]
+        t = self.engines[replica].requests.first_token[row]
+        return t == t and t <= self.env.now  # NaN: not yet
 
     def finished(self, replica: int, req: Request, now: float) -> None:
         """A request finished (or was dropped) on `replica` at `now`: the router sees it at once,
         and its session's next turn may follow."""
         self.view.finished[replica] += 1
+        if hasattr(self.router, "finished"):
+            self.router.finished(req, replica)
         self.load_events.append((now, replica, -1))
         self.front.done(req, now)
         self.num_done += 1

@@ -13,11 +13,15 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from kvsim.sim.cluster.kv_routers import Dynamo, LlmdPrecise
 from kvsim.workloads.request import Request
+
+if TYPE_CHECKING:
+    from kvsim.sim.engine.config import SimConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,9 @@ class RouterView:
         self.metrics: tuple[EngineMetrics, ...] = (EngineMetrics(0, 0, 0.0),) * num_replicas
         self.metrics_time = 0.0  # when `metrics` was taken
         self.snapshots = 0  # snapshots taken so far (a router keeps its own copy until the next)
+        self.now = 0.0  # the time of the pick
+        # whether a request's first token has reached the router by now (the cluster sets it)
+        self.prefilled: Callable[[str], bool] = lambda request_id: False
 
     def outstanding(self, replica: int) -> int:
         """Requests sent to `replica` and not yet seen finished (vLLM's `engine_inflight`)."""
@@ -192,9 +199,14 @@ def _md5_int(key: str) -> int:
 
 
 ROUTERS = {"round-robin": RoundRobin, "random": RandomPick, "least-outstanding": LeastOutstanding,
-           "vllm-dp": VllmDP, "vllm-dp-legacy": VllmDPLegacy, "session-affinity": SessionAffinity}
+           "vllm-dp": VllmDP, "vllm-dp-legacy": VllmDPLegacy, "session-affinity": SessionAffinity,
+           "llm-d-precise": LlmdPrecise, "dynamo": Dynamo}
 
 
-def make_router(name: str, num_replicas: int, seed: int = 0) -> Router:
-    """The router `name` (a `SimConfig.router` value) over `num_replicas` replicas."""
-    return ROUTERS[name](num_replicas, seed)
+def make_router(name: str, num_replicas: int, seed: int = 0, cfg: SimConfig | None = None) -> Router:
+    """The router `name` (a `SimConfig.router` value) over `num_replicas` replicas; one with options
+    (`from_config`) takes them from `cfg`."""
+    cls = ROUTERS[name]
+    if cfg is not None and hasattr(cls, "from_config"):
+        return cls.from_config(num_replicas, cfg)
+    return cls(num_replicas, seed)

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from kvsim.sim.cluster.cluster import Cluster
+from kvsim.sim.cluster.cluster import Cluster, engine_config
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.metrics import meets_slo, percentiles, prefix_hits
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
@@ -67,7 +67,7 @@ def simulate_cluster(
         from kvsim.sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
-    managers = [make_manager(cfg, cost_model) for _ in range(cfg.replicas)]
+    managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
     env = simpy.Environment()
     cluster = Cluster(env, workload, cfg, cost_model, managers, progress)
     with rare_collections():

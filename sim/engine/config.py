@@ -33,7 +33,44 @@ def check_block_size(block_size: int) -> None:
 
 
 # the routers a cluster of replicas may run behind (`sim.cluster.routers.ROUTERS` implements each)
-ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity")
+ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity",
+                "llm-d-precise", "dynamo")
+# the routers fed by the replicas' KV events (sim.cluster.kv_routers)
+EVENT_ROUTERS = ("llm-d-precise", "dynamo")
+
+# The default transport delay of a KV-event batch, seconds after its step ended: vLLM's
+# ZmqEventPublisher sends each step's batch from its publisher thread at once (no batching
+# interval: vllm/distributed/kv_events.py), and the router's subscriber applies it to its
+# in-memory index through a worker queue (llm-d-kv-cache pkg/kvevents/pool.go `AddTask`,
+# `processEventBatch`; Dynamo's indexer task over NATS): one hop inside a cluster plus a queue,
+# about a millisecond.
+KV_EVENT_DELAY = 0.001
+
+# llm-d-precise's scorers, and its default profile (llm-d-inference-scheduler
+# deploy/config/epp-precise-prefix-cache-config.yaml, commit 98debc4)
+PRECISE_SCORERS = ("prefix", "kv-util", "queue")
+PRECISE_PROFILE = "prefix:2,kv-util:1,queue:1"
+
+
+def parse_router_scorers(text: str | None) -> dict[str, float]:
+    """`name:weight,...` (`SimConfig.router_scorers`; None: llm-d's profile) as {scorer: weight},
+    in the order given; ConfigError naming the bad entry."""
+    out: dict[str, float] = {}
+    for entry in (PRECISE_PROFILE if text is None else text).split(","):
+        name, sep, weight = entry.strip().partition(":")
+        if name not in PRECISE_SCORERS or not sep:
+            raise ConfigError(f"router_scorers: expected name:weight with name one of {', '.join(PRECISE_SCORERS)}, "
+                              f"got {entry.strip()!r}")
+        if name in out:
+            raise ConfigError(f"router_scorers: {name} given twice")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"router_scorers: {name}'s weight must be a number >= 0, got {weight!r}")
+        out[name] = value
+    return out
 
 # config.json of a run in vLLM's hybrid KV-cache groups: each group's kind, window and block size,
 # what `kvsim gpu-replay` verifies its op stream by (`sim.studies.run_folder.write_run`)
@@ -107,6 +144,12 @@ class SimConfig:
     replicas: int = 1
     router: str = "round-robin"
     router_metrics_interval: float = 0.05
+    # event-fed routers (EVENT_ROUTERS): a step's KV events reach the router's index this many
+    # seconds after the step ended; llm-d-precise's scorer weights (name:weight,...; None: its
+    # profile); dynamo's softmax temperature (0: the lowest cost)
+    kv_event_delay: float = KV_EVENT_DELAY
+    router_scorers: str | None = None
+    router_temperature: float = 0.0
     # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
     # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
@@ -245,8 +288,19 @@ class SimConfig:
         if self.replicas > 1 and self.record_ops:
             raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
                               "run with replicas 1")
+        for name in ("kv_event_delay", "router_temperature"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
+        if self.router_scorers is not None:
+            if self.router != "llm-d-precise":
+                raise ConfigError(f"router_scorers: only llm-d-precise takes scorer weights, not {self.router}")
+            parse_router_scorers(self.router_scorers)
+        if self.router_temperature and self.router != "dynamo":
+            raise ConfigError(f"router_temperature: only dynamo samples by temperature, not {self.router}")
         if self.replicas > 1 and self.kv_events:
-            raise ConfigError("kv_events: a cluster's replicas do not write their KV events yet; run with replicas 1")
+            raise ConfigError("kv_events: a cluster's replicas do not write their KV events to a file yet (the llm-d-precise "
+                              "and dynamo routers read them without it); run with replicas 1")
 
     def _validate_offloading(self) -> None:
         from kvsim.kvcache.offload import OFFLOAD_POLICIES

@@ -44,7 +44,7 @@ def test_a_bad_router_is_one_error_line(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "--replicas", "2", "--router", "nearest", "-o", str(tmp_path / "x")])
     assert r.exit_code != 0
     assert "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, " \
-           "session-affinity, got 'nearest'" in r.output
+           "session-affinity, llm-d-precise, dynamo, got 'nearest'" in r.output
     assert not (tmp_path / "x").exists()
 
 
@@ -56,3 +56,12 @@ def test_simulate_refuses_a_cluster_config() -> None:
 
     with pytest.raises(ConfigError, match="replicas 2: a cluster runs through sim.cluster.run.simulate_cluster"):
         simulate([], SimConfig(replicas=2))
+
+
+def test_bad_router_scorers_are_one_error_line(tmp_path):
+    r = runner.invoke(app, ["run", "--replicas", "2", "--router", "llm-d-precise", "--router-scorers", "prefix:2,hits:1",
+                            "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0
+    assert r.output == ("error: router_scorers: expected name:weight with name one of prefix, kv-util, queue, "
+                        "got 'hits:1'\n")
+    assert not (tmp_path / "x").exists()

@@ -130,7 +130,7 @@ def test_in_flight_and_imbalance_by_hand():
 @pytest.mark.parametrize(("change", "message"), [
     ({"replicas": 0}, "replicas must be an integer >= 1, got 0"),
     ({"router": "fastest"}, "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, "
-                            "session-affinity, got 'fastest'"),
+                            "session-affinity, llm-d-precise, dynamo, got 'fastest'"),
     ({"router_metrics_interval": 0}, "router_metrics_interval must be a positive number of seconds, got 0"),
     ({"replicas": 2, "record_ops": True}, "record_ops: the op stream of a cluster's replicas is not recorded yet; "
                                           "run with replicas 1"),

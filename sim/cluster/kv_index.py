@@ -1,0 +1,117 @@
+"""What an event-fed router knows of each replica's prefix cache: an index built from the replicas'
+KV events (`kvcache.events`), each batch seen only `delay` seconds after the step that produced it.
+
+`PrefixIndex` is the index llm-d's precise scorer and Dynamo's KV router both keep: block hash ->
+the replicas holding it, with the medium each holds it on. kvsim's block hashes are equal across
+replicas for equal prefixes, so the engine's hash is the index key (llm-d maps engine keys to its
+own request keys, Dynamo its external hashes to local ones: one to one here). Not modelled: both
+drop a `BlockStored` whose parent hash they do not know (kvsim's replicas never publish one: a
+block is cached only while its request holds its parent), and llm-d's LRU caps (1e8 keys, 10 pod
+entries a key).
+
+`DelayedEvents` holds each batch until `ts + delay`, `ts` being the time the step that produced it
+ended (`EventBatch.ts`), and hands the router every batch due by the time it picks: a router
+reads its index only when it picks, so this is what a timed delivery would show it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+from kvsim.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+
+class PrefixIndex:
+    """Block hash -> {replica: mediums holding it}, from KV events; `sizes[i]` counts the hashes
+    replica i holds (Dynamo's radix-tree size a worker)."""
+
+    def __init__(self, num_replicas: int):
+        self.holders: dict[int, dict[int, set[str]]] = {}
+        self.sizes = [0] * num_replicas
+
+    def apply(self, batch: EventBatch) -> None:
+        """One replica's batch, in order (llm-d-kv-cache `Pool.processEventBatch`: a stored block
+        adds the pod's entry of the event's medium, lower-cased; a removed one drops it; a clear
+        drops every entry of the pod)."""
+        replica = batch.replica
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                for h in event.block_hashes:
+                    self._add(h, replica, event.medium.lower())
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self._remove(h, replica, event.medium.lower())
+            elif isinstance(event, AllBlocksCleared):
+                for h in [h for h, pods in self.holders.items() if replica in pods]:
+                    for medium in list(self.holders[h][replica]):
+                        self._remove(h, replica, medium)
+
+    def _add(self, h: int, replica: int, medium: str) -> None:
+        pods = self.holders.setdefault(h, {})
+        if replica not in pods:
+            pods[replica] = set()
+            self.sizes[replica] += 1
+        pods[replica].add(medium)
+
+    def _remove(self, h: int, replica: int, medium: str) -> None:
+        pods = self.holders.get(h)
+        if pods is None or replica not in pods:
+            return
+        pods[replica].discard(medium)
+        if not pods[replica]:
+            del pods[replica]
+            self.sizes[replica] -= 1
+            if not pods:
+                del self.holders[h]
+
+    def weighted_prefix(self, keys: Sequence[int], weights: dict[str, float]) -> dict[int, float]:
+        """Each replica's longest run of `keys` from the first, each block counted at the largest
+        weight of the mediums holding it there (a medium not in `weights`: 1.0): llm-d-kv-cache's
+        `LongestPrefixScorer.Score` (pkg/kvcache/kvblock_scorer.go, commit 7be76e1). Replicas
+        holding none of the first block are absent."""
+        scores: dict[int, float] = {}
+        active: set[int] | None = None
+        for h in keys:
+            pods = self.holders.get(h, {})
+            current = {i: max(weights.get(m, 1.0) for m in mediums) for i, mediums in pods.items()}
+            active = set(current) if active is None else active & set(current)
+            if not active:
+                break
+            for i in sorted(active):
+                scores[i] = scores.get(i, 0.0) + current[i]
+        return scores
+
+    def overlaps(self, keys: Sequence[int]) -> list[int]:
+        """Each replica's count of `keys` it holds consecutively from the first (Dynamo's
+        `RadixTree::find_matches` scores, any medium)."""
+        counts = [0] * len(self.sizes)
+        active = None
+        for h in keys:
+            pods = self.holders.get(h, {})
+            active = set(pods) if active is None else active & set(pods)
+            if not active:
+                break
+            for i in active:
+                counts[i] += 1
+        return counts
+
+
+class DelayedEvents:
+    """KV-event batches in flight to a router: each becomes visible `delay` seconds after its
+    step ended (`ts + delay`), in the order they become due (ties: the order they were sent)."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self._heap: list[tuple[float, int, EventBatch]] = []
+        self._sent = 0
+
+    def send(self, batch: EventBatch) -> None:
+        heapq.heappush(self._heap, (batch.ts + self.delay, self._sent, batch))
+        self._sent += 1
+
+    def due(self, now: float) -> Iterator[EventBatch]:
+        """The batches due at or before `now`, oldest due first; each is handed out once."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            yield heapq.heappop(heap)[2]
