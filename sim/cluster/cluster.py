@@ -102,7 +102,7 @@ class Cluster:
         self.cfg = cfg
         n = len(managers)
         self.view = RouterView(n)
-        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed)
+        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed, cfg, managers[0].num_blocks)
         self.received: list[list[tuple[float, Request]]] = [[] for _ in range(n)]
         self.load_events: list[tuple[float, int, int]] = []
         self.progress = progress
@@ -123,6 +123,7 @@ class Cluster:
 
     def _route(self, req: Request) -> None:
         """A request reaches the cluster now: the router picks its replica, which gets it now."""
+        self.view.now = self.env.now
         i = self.router.pick(req, self.view)
         if not 0 <= i < len(self.inlets):
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")

@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvsim.sim.cluster.llmd import LlmD
+from kvsim.sim.cluster.sglang import SglangCacheAware
+from kvsim.sim.engine.config import SimConfig
 from kvsim.workloads.request import Request
 
 
@@ -40,6 +43,7 @@ class RouterView:
         self.metrics: tuple[EngineMetrics, ...] = (EngineMetrics(0, 0, 0.0),) * num_replicas
         self.metrics_time = 0.0  # when `metrics` was taken
         self.snapshots = 0  # snapshots taken so far (a router keeps its own copy until the next)
+        self.now = 0.0  # the time of the pick
 
     def outstanding(self, replica: int) -> int:
         """Requests sent to `replica` and not yet seen finished (vLLM's `engine_inflight`)."""
@@ -192,9 +196,14 @@ def _md5_int(key: str) -> int:
 
 
 ROUTERS = {"round-robin": RoundRobin, "random": RandomPick, "least-outstanding": LeastOutstanding,
-           "vllm-dp": VllmDP, "vllm-dp-legacy": VllmDPLegacy, "session-affinity": SessionAffinity}
+           "vllm-dp": VllmDP, "vllm-dp-legacy": VllmDPLegacy, "session-affinity": SessionAffinity,
+           "llm-d": LlmD, "sglang-cache-aware": SglangCacheAware}  # the text-hashing ones in llmd.py, sglang.py
 
 
-def make_router(name: str, num_replicas: int, seed: int = 0) -> Router:
-    """The router `name` (a `SimConfig.router` value) over `num_replicas` replicas."""
-    return ROUTERS[name](num_replicas, seed)
+def make_router(name: str, num_replicas: int, seed: int = 0, cfg: SimConfig | None = None, num_blocks: int = 0) -> Router:
+    """The router `name` (a `SimConfig.router` value) over `num_replicas` replicas; one with options
+    (`from_config`) takes them from `cfg`, and the replicas' GPU blocks (`num_blocks`) where it sizes by them."""
+    cls = ROUTERS[name]
+    if cfg is not None and hasattr(cls, "from_config"):
+        return cls.from_config(cfg, num_replicas, num_blocks)
+    return cls(num_replicas, seed)

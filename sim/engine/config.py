@@ -12,7 +12,8 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
+__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError", "SimConfig",
+           "check_block_size", "parse_router_scorers"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
@@ -33,7 +34,29 @@ def check_block_size(block_size: int) -> None:
 
 
 # the routers a cluster of replicas may run behind (`sim.cluster.routers.ROUTERS` implements each)
-ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity")
+ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity",
+                "llm-d", "sglang-cache-aware")
+
+# the scorers a scoring router weighs, and their default weights in the order it sums them (llm-d:
+# its chart's default scheduling profile, config/charts/epplib/templates/_config.yaml)
+ROUTER_SCORERS = {"llm-d": {"queue": 2.0, "kv-util": 2.0, "prefix": 3.0}}
+
+
+def parse_router_scorers(text: str) -> dict[str, float]:
+    """Scorer weights from `--router-scorers` text, 'prefix:3,queue:2,kv-util:2' -> {'prefix': 3.0, ...}
+    (in the order given); a ConfigError naming router_scorers for anything else."""
+    weights: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition(":")
+        try:
+            weight = float(value) if sep else math.nan
+        except ValueError:
+            weight = math.nan
+        if not name or not (math.isfinite(weight) and weight >= 0) or name in weights:
+            raise ConfigError(f"router_scorers must be name:weight pairs with distinct names and weights >= 0, "
+                              f"got {item.strip()!r} in {text!r}")
+        weights[name] = weight
+    return weights
 
 # config.json of a run in vLLM's hybrid KV-cache groups: each group's kind, window and block size,
 # what `kvsim gpu-replay` verifies its op stream by (`sim.studies.run_folder.write_run`)
@@ -107,6 +130,16 @@ class SimConfig:
     replicas: int = 1
     router: str = "round-robin"
     router_metrics_interval: float = 0.05
+    # a scoring router's scorer weights, 'name:weight,...' (ROUTER_SCORERS); None: its defaults
+    router_scorers: str | None = None
+    # sglang-cache-aware (sgl-router's router_args.py defaults): prefix-match rate above which it
+    # follows the match; the imbalance test (max - min > abs and max > rel x min in-flight requests);
+    # its radix tree's characters per replica, and the seconds between the tree's evictions
+    router_cache_threshold: float = 0.3
+    router_balance_abs: int = 64
+    router_balance_rel: float = 1.5
+    router_tree_size: int = 2**26
+    router_eviction_interval: float = 120.0
     # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
     # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
@@ -242,11 +275,33 @@ class SimConfig:
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
                 math.isfinite(interval) and interval > 0):
             raise ConfigError(f"router_metrics_interval must be a positive number of seconds, got {interval!r}")
+        self._validate_router_options()
         if self.replicas > 1 and self.record_ops:
             raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
                               "run with replicas 1")
         if self.replicas > 1 and self.kv_events:
             raise ConfigError("kv_events: a cluster's replicas do not write their KV events yet; run with replicas 1")
+
+    def _validate_router_options(self) -> None:
+        if self.router_scorers is not None:
+            known = ROUTER_SCORERS.get(self.router)
+            if known is None:
+                raise ConfigError(f"router_scorers: router {self.router} weighs no scorers "
+                                  f"(those that do: {', '.join(ROUTER_SCORERS)})")
+            unknown = [n for n in parse_router_scorers(self.router_scorers) if n not in known]
+            if unknown:
+                raise ConfigError(f"router_scorers: {self.router} has no scorer {unknown[0]!r} (it has {', '.join(known)})")
+        threshold = self.router_cache_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold must be a number in [0, 1], got {threshold!r}")
+        for name in ("router_balance_abs", "router_tree_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        for name, low in (("router_balance_rel", 0.0), ("router_eviction_interval", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > low):
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
 
     def _validate_offloading(self) -> None:
         from kvsim.kvcache.offload import OFFLOAD_POLICIES

@@ -17,11 +17,11 @@ from kvsim.sim.cluster.routers import (
     VllmDPLegacy,
 )
 from kvsim.sim.engine.config import ROUTER_NAMES
-from kvsim.workloads.request import Request
+from kvsim.workloads.request import make_request
 
 
 def req(session=None):
-    return Request("r", 0.0, 4, 1, session=session)
+    return make_request("r", 0.0, [1, 2, 3, 4], 1, session=session)
 
 
 def dispatch(router, view, times, session=None):
