@@ -84,8 +84,7 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
-              "replicas", "router", "router_metrics_interval", "kv_events", "kv_event_delay", "router_scorers",
-              "router_temperature"):
+              "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -156,12 +155,16 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
                     make + shlex.join(curve)]
 
 
+# the routers' options: the event-fed ones' delay and Dynamo's temperature, the scoring ones' weights
+# (llm-d, llm-d-precise), sglang-cache-aware's thresholds and tree
+ROUTER_OPTIONS = ("kv_event_delay", "router_temperature", "router_scorers", "router_cache_threshold",
+                  "router_balance_abs", "router_balance_rel", "router_tree_size", "router_eviction_interval")
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
 PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
-               "router_metrics_interval", "kv_event_delay", "router_scorers", "router_temperature")
+               "router_metrics_interval", *ROUTER_OPTIONS)
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
@@ -291,11 +294,16 @@ def run(
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload, and a cluster's router)")] = None,
     replicas: Annotated[int | None, typer.Option(help="a cluster: this many exact replicas of the engine behind --router [default: 1]")] = None,
-    router: Annotated[str | None, typer.Option(help="round-robin|random|least-outstanding|vllm-dp|vllm-dp-legacy|session-affinity|llm-d-precise|dynamo [default: round-robin]")] = None,
+    router: Annotated[str | None, typer.Option(help="round-robin|random|least-outstanding|vllm-dp|vllm-dp-legacy|session-affinity|llm-d|llm-d-precise|dynamo|sglang-cache-aware [default: round-robin]")] = None,
     router_metrics_interval: Annotated[float | None, typer.Option("--router-metrics-interval", help="seconds between the engine-metric snapshots the router sees [default: 0.05]")] = None,
     kv_event_delay: Annotated[float | None, typer.Option("--kv-event-delay", help="seconds after its step ends that a replica's KV events reach an event-fed router (llm-d-precise, dynamo) [default: 0.001]")] = None,
-    router_scorers: Annotated[str | None, typer.Option("--router-scorers", help="llm-d-precise's scorer weights, name:weight,... of prefix, kv-util, queue [default: prefix:2,kv-util:1,queue:1]")] = None,
     router_temperature: Annotated[float | None, typer.Option("--router-temperature", help="dynamo: softmax temperature of its pick (0: the lowest cost) [default: 0]")] = None,
+    router_scorers: Annotated[str | None, typer.Option("--router-scorers", help="llm-d's or llm-d-precise's scorer weights, name:weight,... of prefix, kv-util, queue [default: llm-d queue:2,kv-util:2,prefix:3; llm-d-precise prefix:2,kv-util:1,queue:1]")] = None,
+    router_cache_threshold: Annotated[float | None, typer.Option("--router-cache-threshold", help="sglang-cache-aware: prefix-match rate above which it follows the match [default: 0.3]")] = None,
+    router_balance_abs: Annotated[int | None, typer.Option("--router-balance-abs", help="sglang-cache-aware: imbalanced when max - min in-flight exceeds this... [default: 64]")] = None,
+    router_balance_rel: Annotated[float | None, typer.Option("--router-balance-rel", help="...and max exceeds min times this [default: 1.5]")] = None,
+    router_tree_size: Annotated[int | None, typer.Option("--router-tree-size", help="sglang-cache-aware: characters its radix tree keeps per replica [default: 2**26]")] = None,
+    router_eviction_interval: Annotated[float | None, typer.Option("--router-eviction-interval", help="sglang-cache-aware: seconds between its tree's evictions [default: 120]")] = None,
     kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared); every step is then simulated in full")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,

@@ -112,7 +112,7 @@ class Cluster:
         self.cfg = cfg
         n = len(managers)
         self.view = RouterView(n)
-        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed, cfg)
+        self.router = router if router is not None else make_router(cfg.router, n, cfg.seed, cfg, managers[0].num_blocks)
         self.events = DelayedEvents(cfg.kv_event_delay) if getattr(self.router, "reads_events", False) else None
         self._rows: dict[str, tuple[int, int]] = {}  # request id -> (replica, its row in that engine's log)
         self.view.prefilled = self._prefilled

@@ -56,7 +56,7 @@ class LlmdPrecise:
         self.index = PrefixIndex(num_replicas)
 
     @classmethod
-    def from_config(cls, num_replicas: int, cfg: SimConfig) -> LlmdPrecise:
+    def from_config(cls, cfg: SimConfig, num_replicas: int, num_blocks: int = 0) -> LlmdPrecise:
         return cls(num_replicas, cfg.seed, block_size=cfg.block_size, weights=parse_router_scorers(cfg.router_scorers))
 
     def prefix_scores(self, request: Request) -> list[float]:
@@ -126,7 +126,7 @@ class Dynamo:
         self.active: dict[str, tuple[int, list[int], int]] = {}  # id -> (replica, keys, prefill tokens left)
 
     @classmethod
-    def from_config(cls, num_replicas: int, cfg: SimConfig) -> Dynamo:
+    def from_config(cls, cfg: SimConfig, num_replicas: int, num_blocks: int = 0) -> Dynamo:
         return cls(num_replicas, cfg.seed, block_size=cfg.block_size, temperature=cfg.router_temperature)
 
     def logits(self, request: Request, view: RouterView) -> tuple[list[float], list[int]]:

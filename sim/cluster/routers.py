@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvsim.sim.cluster.kv_routers import Dynamo, LlmdPrecise
+from kvsim.sim.cluster.llmd import LlmD
+from kvsim.sim.cluster.sglang import SglangCacheAware
+from kvsim.sim.engine.config import SimConfig
 from kvsim.workloads.request import Request
 
 if TYPE_CHECKING:
@@ -200,13 +203,14 @@ def _md5_int(key: str) -> int:
 
 ROUTERS = {"round-robin": RoundRobin, "random": RandomPick, "least-outstanding": LeastOutstanding,
            "vllm-dp": VllmDP, "vllm-dp-legacy": VllmDPLegacy, "session-affinity": SessionAffinity,
-           "llm-d-precise": LlmdPrecise, "dynamo": Dynamo}
+           "llm-d-precise": LlmdPrecise, "dynamo": Dynamo,  # fed by KV events (kv_routers.py)
+           "llm-d": LlmD, "sglang-cache-aware": SglangCacheAware}  # the text-hashing ones in llmd.py, sglang.py
 
 
-def make_router(name: str, num_replicas: int, seed: int = 0, cfg: SimConfig | None = None) -> Router:
+def make_router(name: str, num_replicas: int, seed: int = 0, cfg: SimConfig | None = None, num_blocks: int = 0) -> Router:
     """The router `name` (a `SimConfig.router` value) over `num_replicas` replicas; one with options
-    (`from_config`) takes them from `cfg`."""
+    (`from_config`) takes them from `cfg`, and the replicas' GPU blocks (`num_blocks`) where it sizes by them."""
     cls = ROUTERS[name]
     if cfg is not None and hasattr(cls, "from_config"):
-        return cls.from_config(num_replicas, cfg)
+        return cls.from_config(cfg, num_replicas, num_blocks)
     return cls(num_replicas, seed)

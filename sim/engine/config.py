@@ -12,7 +12,8 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "SCHEDULER_KNOBS", "ConfigError", "SimConfig", "check_block_size"]
+__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError", "SimConfig",
+           "check_block_size", "parse_router_scorers"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
@@ -34,7 +35,7 @@ def check_block_size(block_size: int) -> None:
 
 # the routers a cluster of replicas may run behind (`sim.cluster.routers.ROUTERS` implements each)
 ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity",
-                "llm-d-precise", "dynamo")
+                "llm-d-precise", "dynamo", "llm-d", "sglang-cache-aware")
 # the routers fed by the replicas' KV events (sim.cluster.kv_routers)
 EVENT_ROUTERS = ("llm-d-precise", "dynamo")
 
@@ -46,20 +47,26 @@ EVENT_ROUTERS = ("llm-d-precise", "dynamo")
 # about a millisecond.
 KV_EVENT_DELAY = 0.001
 
-# llm-d-precise's scorers, and its default profile (llm-d-inference-scheduler
-# deploy/config/epp-precise-prefix-cache-config.yaml, commit 98debc4)
-PRECISE_SCORERS = ("prefix", "kv-util", "queue")
-PRECISE_PROFILE = "prefix:2,kv-util:1,queue:1"
+# the scorers a scoring router weighs, with its default weights in the order it sums them:
+# llm-d, its chart's default scheduling profile (llm-d-inference-scheduler
+# config/charts/epplib/templates/_config.yaml); llm-d-precise, its precise profile
+# (deploy/config/epp-precise-prefix-cache-config.yaml, commit 98debc4)
+ROUTER_SCORERS = {"llm-d": {"queue": 2.0, "kv-util": 2.0, "prefix": 3.0},
+                  "llm-d-precise": {"prefix": 2.0, "kv-util": 1.0, "queue": 1.0}}
 
 
-def parse_router_scorers(text: str | None) -> dict[str, float]:
-    """`name:weight,...` (`SimConfig.router_scorers`; None: llm-d's profile) as {scorer: weight},
-    in the order given; ConfigError naming the bad entry."""
+def parse_router_scorers(text: str | None, router: str = "llm-d-precise") -> dict[str, float]:
+    """`name:weight,...` (`SimConfig.router_scorers`) for `router` (ROUTER_SCORERS) as {scorer:
+    weight} in the order given; None: the router's default weights. A ConfigError names the bad
+    entry."""
+    known = ROUTER_SCORERS[router]
+    if text is None:
+        return dict(known)
     out: dict[str, float] = {}
-    for entry in (PRECISE_PROFILE if text is None else text).split(","):
+    for entry in text.split(","):
         name, sep, weight = entry.strip().partition(":")
-        if name not in PRECISE_SCORERS or not sep:
-            raise ConfigError(f"router_scorers: expected name:weight with name one of {', '.join(PRECISE_SCORERS)}, "
+        if name not in known or not sep:
+            raise ConfigError(f"router_scorers: expected name:weight with name one of {', '.join(known)}, "
                               f"got {entry.strip()!r}")
         if name in out:
             raise ConfigError(f"router_scorers: {name} given twice")
@@ -145,11 +152,19 @@ class SimConfig:
     router: str = "round-robin"
     router_metrics_interval: float = 0.05
     # event-fed routers (EVENT_ROUTERS): a step's KV events reach the router's index this many
-    # seconds after the step ended; llm-d-precise's scorer weights (name:weight,...; None: its
-    # profile); dynamo's softmax temperature (0: the lowest cost)
+    # seconds after the step ended; dynamo's softmax temperature (0: the lowest cost)
     kv_event_delay: float = KV_EVENT_DELAY
-    router_scorers: str | None = None
     router_temperature: float = 0.0
+    # a scoring router's scorer weights, 'name:weight,...' (ROUTER_SCORERS: llm-d, llm-d-precise); None: its defaults
+    router_scorers: str | None = None
+    # sglang-cache-aware (sgl-router's router_args.py defaults): prefix-match rate above which it
+    # follows the match; the imbalance test (max - min > abs and max > rel x min in-flight requests);
+    # its radix tree's characters per replica, and the seconds between the tree's evictions
+    router_cache_threshold: float = 0.3
+    router_balance_abs: int = 64
+    router_balance_rel: float = 1.5
+    router_tree_size: int = 2**26
+    router_eviction_interval: float = 120.0
     # cost model; step_time: every step takes exactly this many seconds on a grid (no cost
     # model), and every request is queued at its arrival time (sessions open loop)
     step_time: float | None = None
@@ -285,6 +300,7 @@ class SimConfig:
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
                 math.isfinite(interval) and interval > 0):
             raise ConfigError(f"router_metrics_interval must be a positive number of seconds, got {interval!r}")
+        self._validate_router_options()
         if self.replicas > 1 and self.record_ops:
             raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
                               "run with replicas 1")
@@ -292,15 +308,30 @@ class SimConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
-        if self.router_scorers is not None:
-            if self.router != "llm-d-precise":
-                raise ConfigError(f"router_scorers: only llm-d-precise takes scorer weights, not {self.router}")
-            parse_router_scorers(self.router_scorers)
         if self.router_temperature and self.router != "dynamo":
             raise ConfigError(f"router_temperature: only dynamo samples by temperature, not {self.router}")
         if self.replicas > 1 and self.kv_events:
             raise ConfigError("kv_events: a cluster's replicas do not write their KV events to a file yet (the llm-d-precise "
                               "and dynamo routers read them without it); run with replicas 1")
+
+    def _validate_router_options(self) -> None:
+        if self.router_scorers is not None:
+            known = ROUTER_SCORERS.get(self.router)
+            if known is None:
+                raise ConfigError(f"router_scorers: router {self.router} weighs no scorers "
+                                  f"(those that do: {', '.join(ROUTER_SCORERS)})")
+            parse_router_scorers(self.router_scorers, self.router)
+        threshold = self.router_cache_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold must be a number in [0, 1], got {threshold!r}")
+        for name in ("router_balance_abs", "router_tree_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        for name, low in (("router_balance_rel", 0.0), ("router_eviction_interval", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > low):
+                raise ConfigError(f"{name} must be a positive number, got {v!r}")
 
     def _validate_offloading(self) -> None:
         from kvsim.kvcache.offload import OFFLOAD_POLICIES

@@ -44,7 +44,7 @@ def test_a_bad_router_is_one_error_line(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "--replicas", "2", "--router", "nearest", "-o", str(tmp_path / "x")])
     assert r.exit_code != 0
     assert "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, " \
-           "session-affinity, llm-d-precise, dynamo, got 'nearest'" in r.output
+           "session-affinity, llm-d-precise, dynamo, llm-d, sglang-cache-aware, got 'nearest'" in r.output
     assert not (tmp_path / "x").exists()
 
 

@@ -130,8 +130,13 @@ def test_in_flight_and_imbalance_by_hand():
 @pytest.mark.parametrize(("change", "message"), [
     ({"replicas": 0}, "replicas must be an integer >= 1, got 0"),
     ({"router": "fastest"}, "router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, "
-                            "session-affinity, llm-d-precise, dynamo, got 'fastest'"),
+                            "session-affinity, llm-d-precise, dynamo, llm-d, sglang-cache-aware, got 'fastest'"),
     ({"router_metrics_interval": 0}, "router_metrics_interval must be a positive number of seconds, got 0"),
+    ({"router_cache_threshold": 1.5}, "router_cache_threshold must be a number in [0, 1], got 1.5"),
+    ({"router_balance_abs": -1}, "router_balance_abs must be an integer >= 0, got -1"),
+    ({"router_balance_rel": 0}, "router_balance_rel must be a positive number, got 0"),
+    ({"router_tree_size": 2.5}, "router_tree_size must be an integer >= 0, got 2.5"),
+    ({"router_eviction_interval": float("inf")}, "router_eviction_interval must be a positive number, got inf"),
     ({"replicas": 2, "record_ops": True}, "record_ops: the op stream of a cluster's replicas is not recorded yet; "
                                           "run with replicas 1"),
 ])

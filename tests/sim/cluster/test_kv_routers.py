@@ -133,7 +133,8 @@ def test_router_scorers_parse_and_refuse():
                           ("queue:-1", "router_scorers: queue's weight must be a number >= 0, got '-1'")):
         with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(") + "$"):
             SimConfig(replicas=2, router="llm-d-precise", router_scorers=text).validate()
-    with pytest.raises(ConfigError, match="only llm-d-precise takes scorer weights, not dynamo"):
+    with pytest.raises(ConfigError, match=r"^router_scorers: router dynamo weighs no scorers \(those that do: llm-d, "
+                                          r"llm-d-precise\)$"):
         SimConfig(replicas=2, router="dynamo", router_scorers="queue:1").validate()
     with pytest.raises(ConfigError, match="kv_event_delay must be a number >= 0, got -0.5"):
         SimConfig(replicas=2, router="dynamo", kv_event_delay=-0.5).validate()
