@@ -309,6 +309,63 @@ class BlockPool:
             self.policy.free_first(first)
             self.policy.free(later)
 
+    def free_runs(self, runs: list[list[KVCacheBlock]]) -> list[int]:
+        """`free_blocks` of each run in turn (several KV-cache groups' blocks let go together, as
+        vLLM's coordinator frees them group by group); returns how many blocks of each run joined
+        the free set. Under exact LRU in one pass: each run's uncached blocks go on the free
+        queue's front stack after the run before it (so the last run's are reused first, as
+        separate calls would leave them), the cached ones to its back in run order."""
+        if not (self.free_first and self._lru is not None and not self._pins and not self.ops.enabled
+                and (self.tracker is None or type(self.tracker) is IdSpan)):
+            counts = []
+            for run in runs:
+                before = len(self.policy)
+                self.free_blocks(run)
+                counts.append(len(self.policy) - before)
+            return counts
+        null, tracker = self.null_block, self.tracker
+        front: list[KVCacheBlock] = []
+        l_head = l_tail = None
+        nl = 0
+        counts = []
+        for run in runs:
+            first = []
+            nl_before = nl
+            for b in run:
+                if b is null:
+                    continue
+                rc = b.ref_cnt - 1
+                if rc:
+                    if rc < 0:
+                        raise ValueError(f"double free of block {b.block_id}")
+                    b.ref_cnt = rc
+                    continue
+                b.ref_cnt = 0
+                if b.block_hash is None:
+                    first.append(b)
+                else:
+                    if l_tail is None:
+                        l_head = b
+                    else:
+                        l_tail.next = b
+                        b.prev = l_tail
+                    l_tail = b
+                    nl += 1
+            n = len(first) + nl - nl_before
+            counts.append(n)
+            if first:
+                first.reverse()
+                front += first
+            if n and tracker is not None:
+                tracker.release(n, run)
+        if front:
+            self._lru.push_front_reversed(front)
+        if nl:
+            self._lru.splice_back(l_head, l_tail, nl)
+        self.num_cached_free += nl
+        self.ops.counts["free"] += len(front) + nl
+        return counts
+
     def _free_lru(self, ordered: list[KVCacheBlock]) -> None:
         """`_free_counted` under exact LRU in one pass: the uncached blocks reaching 0 are gathered
         for the queue's front stack (pushed in one extend, the first freed ending first), the

@@ -155,6 +155,12 @@ class HybridKVCacheManager(PoolView):
         for i, g in enumerate(groups):
             merged.setdefault(g, []).append(i)
         self.spec_groups = sorted(merged.items(), key=lambda item: item[0].kind != "full")
+        # each group's spec as an int (equal specs, one int): `_cache` keys its memo by it, not by
+        # hashing the spec's fields for every group each call
+        self._spec_id = [0] * len(groups)
+        for i, (_, ids) in enumerate(self.spec_groups):
+            for g in ids:
+                self._spec_id[g] = i
         self._simple = len(self.spec_groups) == 2 and self.spec_groups[0][0].kind == "full"
         self.empty_hit: Hit = tuple([] for _ in groups)
         if any(g.kind == "mamba" for g in groups) and not enable_caching:
@@ -466,9 +472,11 @@ class HybridKVCacheManager(PoolView):
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
         """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
         coordinator calls each manager's `remove_skipped_blocks`), counted for their metrics."""
-        for g, blocks in removed:
-            self._free_group(g, blocks)
-            self.freed_behind[g] += len(blocks)
+        freed = self.pool.free_runs([blocks for _, blocks in removed])
+        held, behind = self.held, self.freed_behind
+        for (g, blocks), n in zip(removed, freed, strict=True):
+            held[g] -= n
+            behind[g] += len(blocks)
 
     def _hold(self, g: int, n: int) -> None:
         """Group g's blocks in use grew by `n` (new blocks, or hits taken out of the free set)."""
@@ -520,7 +528,8 @@ class HybridKVCacheManager(PoolView):
         if junction:
             boundaries += (junction,)
         chain = seq.num_prompt_tokens // bs
-        ranges: dict[tuple[GroupSpec, int], list[tuple[int, int]]] = {}  # groups of one spec share them
+        ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}  # groups of one spec share them
+        spec_id = self._spec_id
         for g, spec in enumerate(self.groups):
             counts = self.num_cached[g]
             n_cached = counts.get(sid, 0)
@@ -529,9 +538,10 @@ class HybridKVCacheManager(PoolView):
             if keys is None:
                 keys = seq.hashes_upto(n_full * bs, bs)
             table = self.tables[g][sid]
-            kept = ranges.get((spec, n_cached))
+            memo = (spec_id[g], n_cached)
+            kept = ranges.get(memo)
             if kept is None:
-                kept = ranges[spec, n_cached] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
+                kept = ranges[memo] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
             go = self._group_of
             if self.events is not None:
                 self.events.stored(table, keys, kept, n_cached, n_full, seq.token_ids(n_cached * bs, n_full * bs).tolist(),

@@ -97,3 +97,51 @@ def test_any_mix_of_operations_keeps_one_lists_order(start, ops):
                 ref[:0] = moved[::-1]
         assert _ids(q) == ref
         assert len(q) == len(ref)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), n_runs=st.integers(1, 4), tracked=st.booleans())
+def test_free_runs_is_free_blocks_of_each_run_in_turn(seed, n_runs, tracked):
+    """`BlockPool.free_runs` (the hybrid manager's windows letting blocks go, group by group: vLLM's
+    `KVCacheCoordinator.remove_skipped_blocks` calls each group's manager, which calls
+    `BlockPool.free_blocks`) leaves the pool as separate `free_blocks` calls would: the same free
+    order, ref counts, counts and id span, and the same blocks freed per run."""
+    import random
+
+    from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.id_span import IdSpan
+
+    def build():
+        pool = BlockPool(40)
+        if tracked:
+            pool.tracker = IdSpan(pool.blocks)
+        return pool
+
+    rng = random.Random(seed)
+    pools = build(), build()
+    plan = []  # (take n, cache the first k of them, share the first s with a second reference)
+    for _ in range(n_runs):
+        n = rng.randint(0, 8)
+        plan.append((n, rng.randint(0, n), rng.randint(0, n)))
+    runs_of = []
+    for pool in pools:
+        runs = []
+        for i, (n, k, shared) in enumerate(plan):
+            blocks = pool.get_new_blocks(n)
+            pool.cache_blocks(blocks, [1000 * i + j for j in range(n)], 0, k)
+            pool.touch(blocks[:shared])  # a second holder: those stay used
+            runs.append(blocks[::-1] + [pool.null_block])
+        runs_of.append(runs)
+    fused = pools[0].free_runs(runs_of[0])
+    one_by_one = []
+    for run in runs_of[1]:
+        before = pools[1].num_free_blocks
+        pools[1].free_blocks(run)
+        one_by_one.append(pools[1].num_free_blocks - before)
+    a, b = pools
+    assert fused == one_by_one == [n - shared for n, _, shared in plan]
+    assert a.policy.queue.block_ids() == b.policy.queue.block_ids()
+    assert [x.ref_cnt for x in a.blocks] == [x.ref_cnt for x in b.blocks]
+    assert (a.num_free_blocks, a.num_cached_free, a.ops.counts) == (b.num_free_blocks, b.num_cached_free, b.ops.counts)
+    if tracked:
+        assert (a.tracker.num_used(), a.tracker.max_used()) == (b.tracker.num_used(), b.tracker.max_used())
