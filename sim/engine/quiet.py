@@ -67,6 +67,9 @@ class QuietRuns:
         # vLLM's hybrid groups: a new block is one a group, and a visit may let a window's blocks go
         self.groups = m.num_groups
         self.blocked = False  # the last verdict rests on a blocked head (which blocks let go may unblock)
+        # op records (one group): each quiet step stamps its ops, and a visit records its write as
+        # `Shortcuts.decode` does (a lazy run's writes are recorded when it is woken, late)
+        self.records = m.records_ops
         self._hits: tuple[object, list, set[int]] = (None, [], set())  # a BlockedHead, its hits and their ids
 
     @classmethod
@@ -74,7 +77,8 @@ class QuietRuns:
               drain: Callable[[float], int], usage: GroupUsage | None = None) -> QuietRuns | None:
         """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
         they do not apply (see the module docstring)."""
-        if not sched.fast.decodes or sched.m.records_ops or sched.prefill.cadence or getattr(sched.m, "has_mamba", False):
+        if not sched.fast.decodes or sched.prefill.cadence or getattr(sched.m, "has_mamba", False) \
+                or (sched.m.records_ops and sched.m.num_groups > 1):
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
@@ -175,25 +179,32 @@ class QuietRuns:
         window = lazy.window
         # KVCacheManager.decode_slot for those whose token starts a block or fills one, in RUNNING order
         # (nothing below touches the manager): with exact LRU, one take for the step's new blocks
+        records = self.records
         if self.groups > 1:  # every visit: a window lets its blocks go at any slot (`Shortcuts.decode`)
             m.decode_in_place([live.seq for live in fast.active])
-        else:
+        elif not records:
             edge = [live.seq for live in fast.active if (live.seq.num_computed_tokens + 1) % bs < 2]
             if edge:
                 m.decode_in_place(edge, self.allocs if self.lru else 0)
         stay = []  # visited and decoded in place (not lazy): next step visits them again
         finishing = self.finishing = []  # of the visited, those sampling their last token
-        context = frag = 0
+        context = frag = counted = 0  # counted: the writes `decode_slot` recorded and counted
         for live in fast.active:
             seq = live.seq
             c = seq.num_computed_tokens
             r = c % bs
+            if records and (c + 1) % bs < 2:  # a block's first or last slot, recorded in RUNNING order
+                m.decode_slot(seq)
+                counted += 1
             last = window(seq, c)
             if live.target - c - 3 < last:
                 last = live.target - c - 3
             if last > 0:
                 lazy.add(live, k, last)
                 continue
+            if records and r and r < bs - 1:  # recorded in place, not late (`Shortcuts.decode`)
+                m.decode_slot(seq)
+                counted += 1
             seq.num_computed_tokens = c + 1
             seq.num_tokens += 1
             context += c + 1
@@ -206,7 +217,7 @@ class QuietRuns:
         fast.active = stay
         nl = lazy.n
         decodes = len(stay) + len(finishing) + nl
-        m.count_writes(decodes)  # one write a decode
+        m.count_writes(decodes - counted)  # one write a decode
         return decodes, context + lazy.context_tokens(k), frag + lazy.empty_slots(k)
 
     def run(self, clock: float, k: int, prev: tuple[int, ...]):
@@ -231,6 +242,9 @@ class QuietRuns:
         lazy = fast.lazy
         while ok:
             kk = sched.steps_scheduled + 1
+            if self.records:  # the step's ops stamped with its number, as the general step stamps them
+                m.set_step(k)
+                fast.stamp(kk)
             if not fast.active and kk not in lazy.wakes:
                 # NOTE: a step that visits no one: the lazy sums are its totals, and the budget
                 # holds them all (lazy decodes need max_num_seqs <= the step budget)

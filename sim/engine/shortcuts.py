@@ -220,11 +220,15 @@ class Shortcuts:
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
 
     # ---------------------------------------------------------- lazy decodes
+    def stamp(self, k: int) -> None:
+        """Our step k is the manager's current op step (a quiet step's, as `begin` notes it)."""
+        self._stamps[k % len(self._stamps)] = self.m.op_step
+
     def begin(self, k: int, max_tokens: int, running: list[Live]) -> int:
         """Start step k's pass over RUNNING: wake the lazy sequences due, and end all laziness
         if the budget binds. Returns the token budget left for `active`."""
         lazies, active = self.lazy, self.active
-        self._stamps[k % len(self._stamps)] = self.m.op_step
+        self.stamp(k)
         woken = lazies.due(k)
         if woken:
             active.extend(woken)

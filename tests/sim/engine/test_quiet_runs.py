@@ -127,7 +127,7 @@ def test_most_steps_of_a_loaded_engine_are_quiet(monkeypatch: pytest.MonkeyPatch
     _same(fast, _run(kind, 7, 50.0, cfg.replace(shortcuts=False), True))
 
 
-@pytest.mark.parametrize("extra", [{"record_ops": True}, {"defrag_threshold": 4}, {"debug_invariants": True},
+@pytest.mark.parametrize("extra", [{"defrag_threshold": 4}, {"debug_invariants": True},
                                    {"step_time": 0.05}, {"scheduling": "priority"}, {"num_lookahead_tokens": 2},
                                    {"async_scheduling": True}, {"kv_offloading_size": 0.001}])
 def test_quiet_runs_stay_off_where_the_general_step_is_needed(monkeypatch: pytest.MonkeyPatch,
@@ -292,3 +292,23 @@ def test_a_hybrid_models_decodes_run_quiet(monkeypatch: pytest.MonkeyPatch, wind
     assert fast.manager.num_groups == 6 and fast.manager.freed_behind[0] > 0  # the window moved
     assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
     _same(fast, simulate(wl, cfg.replace(shortcuts=False)))
+
+
+@pytest.mark.parametrize("kind", ["unique", "multi-turn", "parallel"])
+def test_quiet_runs_record_the_plain_ops(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """With op records (one group) quiet steps stamp their ops with their step and record each
+    visit's write as `Shortcuts.decode` does (a lazy run's late, when woken): most steps are quiet,
+    and every step has the ops of plain stepping, each block seeing them in the same order."""
+    from tests.sim.engine.test_record_ops import _per_block, _per_step
+
+    made = _taken(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, record_ops=True)
+    fast = _run(kind, 7, 50.0, cfg, True)
+    assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
+    slow = _run(kind, 7, 50.0, cfg.replace(shortcuts=False), True)
+    _same(fast, slow)
+    a, b = fast.manager.ops.records(), slow.manager.ops.records()
+    assert len(a) == len(b) == fast.manager.ops.counts.total()
+    assert [op.step for op in a] == sorted(op.step for op in a)
+    assert _per_step(a) == _per_step(b)
+    assert _per_block(a) == _per_block(b)
