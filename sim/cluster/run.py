@@ -43,8 +43,7 @@ class ClusterResult:
         """The requests replica `replica` received, each arriving when it reached the replica and
         with no think time: replayed alone through `simulate` with `load` 1 (`replay_config`),
         it gives that replica's tables exactly."""
-        reqs = [dataclasses.replace(r, arrival=t, think_time=None) for t, r in self.requests_by_replica[replica]]
-        return Workload.from_list(reqs, f"{self.workload}-replica-{replica}")
+        return Workload.as_received(self.requests_by_replica[replica], f"{self.workload}-replica-{replica}")
 
     def replay_config(self) -> SimConfig:
         """The config a replica's `received_workload` replays under alone: this one with one replica
