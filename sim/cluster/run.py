@@ -87,6 +87,14 @@ def simulate_cluster(
     return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received)
 
 
+def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:
+    """One simulated cluster for a search over replicas (in a worker process): `params` a
+    `SimConfig`'s dict, `workload` anything whose `open()` gives the requests (a study's
+    `WorkloadSpec`); returns the cluster section (`overall["slo_attainment"]` among it)."""
+    cfg = SimConfig.from_dict(params, source="point")
+    return simulate_cluster(workload.open(), cfg).summary["cluster"]
+
+
 def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:
     """Each replica's in-flight requests (dispatched, not yet finished) from each change on: a row
     per distinct time (`time`, then `replica_<i>`), the counts after every change at that time."""
@@ -134,9 +142,11 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
         figures = percentiles(requests.loc[done, col], col)
         overall.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"]})
     if cfg.slo_ttft is None and cfg.slo_tpot is None:
-        overall["goodput_rps"] = None
+        overall["goodput_rps"] = overall["slo_attainment"] = None
     else:
-        overall["goodput_rps"] = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum()) / span if span else 0.0
+        good = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum())
+        overall["goodput_rps"] = good / span if span else 0.0
+        overall["slo_attainment"] = good / len(requests) if len(requests) else 0.0
     overall["duration_s"] = span
     return {"replicas": cfg.replicas, "router": cfg.router, "router_metrics_interval": cfg.router_metrics_interval,
             "per_replica": per, "overall": overall, **imbalance(load)}
