@@ -6,6 +6,8 @@ The folder holds `config.json`, `summary.json` (its `cluster` section: `sim.clus
 replica's in-flight requests from each change on), `cluster.png`, and `replica-<i>/`, each a run
 folder as `kvsim run` writes one (`write_run`, without plots: `kvsim report` draws them). The result
 is read by its attributes (`sim.cluster.run.ClusterResult`), so this layer does not import it.
+Read back: the cluster section (`kvsim compare`), and one replica alone, its received requests and
+the config it replays under (`kvsim conform --cluster-run`).
 """
 
 from __future__ import annotations
