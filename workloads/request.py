@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -112,6 +112,13 @@ class Workload:
     @classmethod
     def from_list(cls, requests: list[Request], name: str = "workload") -> Workload:
         return cls(lambda: iter(requests), name)
+
+    @classmethod
+    def as_received(cls, received: Iterable[tuple[float, Request]], name: str) -> Workload:
+        """Requests as one engine received them, `(time, request)` in the order they reached it:
+        each arriving at its time with no think time (already placed), so replaying them alone
+        at load 1 gives that engine's run again (a cluster's replica, `kvsim conform --cluster-run`)."""
+        return cls.from_list([replace(r, arrival=t, think_time=None) for t, r in received], name)
 
     def iter_chunks(self, size: int) -> Iterator[list[Request]]:
         """One pass in lists of at most `size` requests (bounded memory, vectorisable batches)."""

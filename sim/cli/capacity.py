@@ -2,7 +2,9 @@
 
 It takes `kvsim run`'s knob options (the same names, defaults and checks: its parameters are
 run's, read from `kvsim.sim.cli.run.run`), so policies, cache and offloading sizes can be compared
-by the rate they sustain. The search is `kvsim.sim.studies.capacity`.
+by the rate they sustain. With `--max-replicas N` it asks the cluster's question instead: the
+fewest replicas behind each `--router` (several, comma-separated) that meet the targets at the
+workload's rate. The searches are `kvsim.sim.studies.capacity`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvsim.sim.cli.common import fail
 from kvsim.sim.cli.run import run as _run_command
 
 # run's options that capacity does not take: its own output, and the targets it asks for itself
+ROUTERS = Annotated[str | None, typer.Option(help="the router (with --max-replicas: one or more, comma-separated, a search each) [default: round-robin]")]
 NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "kv_events", "slo_ttft", "slo_tpot", "skip_bad"}
 
 
@@ -30,6 +33,7 @@ def _capacity(
     workers: Annotated[int, typer.Option("--workers", "-w", help="loads simulated at once, each round")] = 2,
     tolerance: Annotated[float, typer.Option(help="stop when the bracket is this narrow (relative)")] = 0.02,
     as_json: Annotated[bool, typer.Option("--json", help="print the answer as one JSON object")] = False,
+    max_replicas: Annotated[int | None, typer.Option("--max-replicas", help="instead: the fewest replicas (1 to N, by bisection) behind each --router that meet the targets at the workload's rate (x --load)")] = None,
     **knobs: Any,
 ) -> None:
     """The highest arrival rate (the workload's arrivals rescaled) at which the configuration
@@ -44,6 +48,16 @@ def _capacity(
     from kvsim.workloads.errors import WorkloadError
     from kvsim.workloads.traces import load_workload
 
+    routers = None
+    if max_replicas is not None:
+        if max_replicas < 1:
+            raise fail(f"--max-replicas must be >= 1, got {max_replicas}")
+        if knobs.get("replicas") is not None:
+            raise fail("--max-replicas searches the replicas: give no --replicas")
+        routers = (knobs.pop("router") or "round-robin").split(",")
+    elif knobs.get("replicas") not in (None, 1):
+        raise fail(f"--replicas {knobs['replicas']}: the rate search runs one engine; --max-replicas N asks how "
+                   "many replicas the workload's rate needs")
     changes = knob_changes(knobs)
     try:
         cfg = SimConfig().replace(**changes).validate()
@@ -54,6 +68,9 @@ def _capacity(
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     name = str(workload) if workload is not None else "the default workload"
+    if routers is not None:
+        return _replicas(spec, cfg, routers, name, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
+                         max_replicas=max_replicas, workers=workers, as_json=as_json)
     if not as_json:
         typer.echo(f"capacity of {name}: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
                    f"{cfg.num_gpu_blocks or 'derived'} blocks, eviction {cfg.eviction}; targets TTFT <= "
@@ -89,11 +106,64 @@ def _capacity(
     typer.echo("\n".join(lines))
 
 
+def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, *, slo_ttft: float, slo_tpot: float,
+              attainment: float, max_replicas: int, workers: int, as_json: bool) -> None:
+    """`kvsim capacity --max-replicas N`: the fewest replicas a router needs at the workload's
+    rate, a search per router, each probe shown as it lands; exit 1 if a router needs more than N."""
+    from kvsim.sim.cluster.run import cluster_point
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.sim.studies.capacity import replicas_for_rate
+    from kvsim.workloads.errors import WorkloadError
+    from kvsim.workloads.stats import describe
+
+    try:
+        configs = [cfg.replace(router=r).validate() for r in routers]
+        stats = describe(spec.open(), cfg.block_size)
+    except (ConfigError, WorkloadError, ValueError) as e:
+        raise fail(str(e)) from None
+    rate = stats.mean_rate * cfg.load
+    if not as_json:
+        typer.echo(f"replicas for {name} at {rate:.3f} req/s: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
+                   f"{cfg.num_gpu_blocks or 'derived'} blocks each, eviction {cfg.eviction}; targets TTFT <= "
+                   f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
+    answers = []
+    for c in configs:
+        def shown(p: Any, router: str = c.router) -> None:
+            typer.echo(f"  {router:<20} {p.replicas:>4} replica{'s' if p.replicas > 1 else ' '}  "
+                       f"{p.attainment:7.2%} met  {'meets' if p.meets else 'misses'}", err=as_json)
+
+        try:
+            answers.append(replicas_for_rate(spec, c, cluster_point, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                             max_replicas=max_replicas, attainment=attainment, workers=workers,
+                                             on_probe=shown))
+        except (ConfigError, WorkloadError) as e:
+            raise fail(str(e)) from None
+    if as_json:
+        typer.echo(json.dumps({"rate_rps": rate, "target_attainment": attainment, "slo_ttft": slo_ttft,
+                               "slo_tpot": slo_tpot, "gpus_per_replica": cfg.tensor_parallel,
+                               "routers": {a.router: a.as_dict() for a in answers}}))
+        return
+    for a in answers:
+        if a.best is None:
+            typer.echo(f"{a.router}: more than {max_replicas} replicas; {max_replicas} meet the targets for only "
+                       f"{a.below.attainment:.1%} of requests")
+            continue
+        n, gpus = a.best.replicas, a.best.replicas * cfg.tensor_parallel
+        below = "" if a.below is None else (f"; {a.below.replicas} give{'s' if a.below.replicas == 1 else ''} "
+                                              f"{a.below.attainment:.1%}")
+        typer.echo(f"{a.router}: {n} replica{'s' if n > 1 else ''} ({gpus} GPU{'s' if gpus > 1 else ''}), "
+                   f"{a.best.attainment:.1%} of requests within both targets{below}")
+    if any(a.best is None for a in answers):
+        raise typer.Exit(1)
+
+
 def _knob_parameters() -> list[inspect.Parameter]:
-    """`kvsim run`'s options, as capacity's keyword-only parameters (annotations resolved)."""
+    """`kvsim run`'s options, as capacity's keyword-only parameters (annotations resolved); --router
+    takes several names with --max-replicas."""
     params = inspect.signature(_run_command, eval_str=True).parameters
-    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in params.items()
-            if name not in NOT_KNOBS and name != "workload"]
+    out = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in params.items()
+           if name not in NOT_KNOBS and name != "workload"]
+    return [p.replace(annotation=ROUTERS) if p.name == "router" else p for p in out]
 
 
 def command() -> Any:

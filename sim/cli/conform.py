@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -70,6 +70,8 @@ def conform(
     offload_all: OffloadAll = False,
     random_seeds: Annotated[str | None, typer.Option("--random", help="START:STOP: instead, one random workload and configuration a seed (sim.conform.random_cases)")] = None,
     only_hybrid: Annotated[bool, typer.Option("--only-hybrid", help="with --random: only the seeds whose case is a model in vLLM's hybrid KV-cache groups")] = False,
+    cluster_run: Annotated[Path | None, typer.Option("--cluster-run", help="instead, one replica of this cluster run folder (`kvsim run --replicas N`): the requests it received, at the times they reached it, under the run's config; WORKLOAD is the one the run was made with")] = None,
+    replica: Annotated[int | None, typer.Option("--replica", help="with --cluster-run: which replica (0 to N-1)")] = None,
 ) -> None:
     """Diff kvsim against the installed vLLM request by request; exit 1 on any difference."""
     from kvsim.sim.conform import vllm_setup
@@ -83,6 +85,14 @@ def conform(
     seeds = None if random_seeds is None else _seeds(random_seeds)
     if seeds is not None and workload is not None:
         raise fail("--random makes its own workloads: give no workload file")
+    if (cluster_run is None) != (replica is None):
+        raise fail("--cluster-run FOLDER and --replica I go together: one replica of a cluster run")
+    if cluster_run is not None:
+        given = _knobs_given(locals())
+        if given:
+            raise fail(f"--cluster-run takes the run's config from its folder: give no --{given[0].replace('_', '-')}")
+        if seeds is not None:
+            raise fail("--cluster-run and --random are two different cases: give one")
     missing = vllm_setup.vllm_available()
     if missing:
         raise fail(missing)
@@ -96,37 +106,43 @@ def conform(
         theirs = profile(installed).version
         if vllm_version is not None and profile(vllm_version).version != theirs:
             raise fail(f"--vllm-version {vllm_version} but vLLM {installed} is installed: compare like with like")
-        offload = offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
-                                  offload_blocks_per_chunk, offload_all)
-        admission = admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
-                                      no_scheduler_reserve_full_isl, prefill_schedule_interval,
-                                      max_num_scheduled_tokens)
-        cfg = SimConfig(
-            gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
-            watermark=watermark, enable_prefix_caching=not no_prefix_caching, sliding_window=sliding_window,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
-            closed_loop_sessions=step_time is None, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
-            **admission, **retention_changes(prefix_cache_retention_interval),
-            **hardware_changes(model, None, tp), **hybrid_changes(disable_hybrid_kv_cache_manager, hybrid_chunked_local),
-        ).validate()
-        requests = list(open_workload(workload, format, False, cfg.seed))
-        name = "the default workload" if workload is None else str(workload)
+        if cluster_run is not None:
+            requests, cfg, name = _replica_case(cluster_run, replica, workload, format)
+            if profile(cfg.vllm_version).version != theirs:
+                raise fail(f"{cluster_run} ran kvsim's rules for vLLM {cfg.vllm_version} but vLLM {installed} "
+                           "is installed: compare like with like")
+        else:
+            offload = offload_changes(kv_offloading_size, offload_eviction_policy, offload_store_threshold,
+                                      offload_blocks_per_chunk, offload_all)
+            admission = admission_changes(max_num_active_seqs, long_prefill_token_threshold_adaptive,
+                                          no_scheduler_reserve_full_isl, prefill_schedule_interval,
+                                          max_num_scheduled_tokens)
+            cfg = SimConfig(
+                gpu=gpu, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+                watermark=watermark, enable_prefix_caching=not no_prefix_caching, sliding_window=sliding_window,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
+                closed_loop_sessions=step_time is None, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
+                **admission, **retention_changes(prefix_cache_retention_interval),
+                **hardware_changes(model, None, tp), **hybrid_changes(disable_hybrid_kv_cache_manager, hybrid_chunked_local),
+            ).validate()
+            requests = list(open_workload(workload, format, False, cfg.seed))
+            name = "the default workload" if workload is None else str(workload)
         tokens, seqs = cfg.batch_limits()
         from kvsim.sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)
         layout = cost.layout
-        raised = f" (raised from {block_size} for Mamba state)" if cost.block_size != block_size else ""
+        raised = f" (raised from {cfg.block_size} for Mamba state)" if cost.block_size != cfg.block_size else ""
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, {cfg.model}, block size "
-                   f"{cost.block_size}{raised}, {num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
-                   + ("the cost model's clock" if step_time is None else f"a {step_time:g} s step grid")
-                   + (", async scheduling" if async_scheduling else "")
-                   + (f", a {sliding_window}-token sliding window" if sliding_window is not None else "")
+                   f"{cost.block_size}{raised}, {cfg.num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
+                   + ("the cost model's clock" if cfg.step_time is None else f"a {cfg.step_time:g} s step grid")
+                   + (", async scheduling" if cfg.async_scheduling else "")
+                   + (f", a {cfg.sliding_window}-token sliding window" if cfg.sliding_window is not None else "")
                    + (f", vLLM's hybrid KV-cache groups: {layout.describe()}" if layout is not None else "")
-                   + (f", {kv_offloading_size:g} GiB KV offloading" if kv_offloading_size is not None else ""))
-        if kv_offloading_size is not None and mode == "both":
+                   + (f", {cfg.kv_offloading_size:g} GiB KV offloading" if cfg.kv_offloading_size is not None else ""))
+        if cfg.kv_offloading_size is not None and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")
         elif any(r.n > 1 for r in requests) and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_SAMPLES.split(';')[0]}")
@@ -137,11 +153,32 @@ def conform(
                        err=True)
 
         diffs = run_conform(requests, cfg, mode, max_running, lambda d: typer.echo(d.format()), starting)
-    except (ConfigError, WorkloadError, ValueError) as e:
+    except (ConfigError, WorkloadError, ValueError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     if not all(d.ok for d in diffs):
         raise typer.Exit(1)
     typer.echo("identical")
+
+
+CLUSTER_RUN_OWN = ("workload", "mode", "format", "max_running", "random_seeds", "only_hybrid", "cluster_run", "replica")
+
+
+def _knobs_given(values: dict) -> list[str]:
+    """The configuration options given away from their defaults (a cluster run's folder sets them)."""
+    import inspect
+
+    params = inspect.signature(conform).parameters
+    return [n for n, p in params.items() if n not in CLUSTER_RUN_OWN and values[n] != p.default]
+
+
+def _replica_case(folder: Path, replica: int, workload: Path | None, format: str) -> tuple[list, Any, str]:
+    """One replica of a cluster run folder: the requests it received (from WORKLOAD, or the embedded
+    workload under the run's seed), the config it replays under alone, and its name for the header."""
+    from kvsim.sim.studies.cluster_folder import load_received, replica_config
+
+    cfg = replica_config(folder, replica).validate()
+    received = load_received(folder, replica, open_workload(workload, format, False, cfg.seed))
+    return list(received), cfg, f"replica {replica} of {folder} ({received.name})"
 
 
 def _seeds(text: str) -> range:

@@ -124,24 +124,51 @@ def header(result: RunResult) -> str:
     )
 
 
+FIGURES = ("requests", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput")
+
+
+def figure_cells(f: dict[str, Any]) -> list[str]:
+    """A run's or a replica's figures (`sim.cluster.run.REPLICA_FIGURES`, as a lone run's summary
+    has them too), formatted for the columns `FIGURES`."""
+    return [f"{f['requests']:,}", _pct(f["hit_rate"])] + [
+        "-" if f.get(k) is None else seconds(f[k]) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+    ] + ["-" if f.get("goodput_rps") is None else f"{f['goodput_rps']:.2f}/s"]
+
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as lines: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+            .rstrip() for r in rows]
+
+
+def _imbalance(section: dict[str, Any]) -> str:
+    imb, peak = section["imbalance_mean"], section["imbalance_peak"]
+    return "-" if imb is None else f"{imb:.2f} / {peak:.2f}"
+
+
 def cluster_table(section: dict[str, Any]) -> str:
     """A cluster's summary (`sim.cluster.run.cluster_summary`): a row a replica and one for all of
     them together (requests, hit rate, TTFT and TPOT p50/p99, goodput), then the load imbalance."""
-    def row(label: str, f: dict[str, Any]) -> list[str]:
-        return [label, f"{f['requests']:,}", _pct(f["hit_rate"])] + [
-            "-" if f[k] is None else seconds(f[k]) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
-        ] + ["-" if f["goodput_rps"] is None else f"{f['goodput_rps']:.2f}/s"]
-
-    rows = [["replica", "requests", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput"]]
-    rows += [row(str(i), f) for i, f in enumerate(section["per_replica"])] + [row("all", section["overall"])]
-    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
-    imb, peak = section["imbalance_mean"], section["imbalance_peak"]
+    rows = [["replica", *FIGURES]] + [[str(i), *figure_cells(f)] for i, f in enumerate(section["per_replica"])]
+    lines = aligned(rows + [["all", *figure_cells(section["overall"])]])
     lines.append(f"router {section['router']} over {section['replicas']} replicas; load imbalance (most in-flight "
-                 "requests on one replica over the mean, time-averaged / peak): "
-                 + ("-" if imb is None else f"{imb:.2f} / {peak:.2f}"))
+                 f"requests on one replica over the mean, time-averaged / peak): {_imbalance(section)}")
     return "\n".join(lines)
+
+
+def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """Runs side by side, a row each, lone runs and clusters alike (`kvsim compare` given a cluster
+    run folder): `runs` pairs a label with a lone run's summary or a cluster's section; a cluster's
+    row holds its figures over all replicas, with a row for each replica under it."""
+    rows = [["run", "replicas", *FIGURES, "imbalance"]]
+    for label, s in runs:
+        if "per_replica" not in s:
+            rows.append([label, "1", *figure_cells(s), "-"])
+            continue
+        rows.append([label, f"{s['replicas']} x {s['router']}", *figure_cells(s["overall"]), _imbalance(s)])
+        rows += [[f"  replica {i}", "", *figure_cells(f), ""] for i, f in enumerate(s["per_replica"])]
+    return "\n".join(aligned(rows))
 
 
 def reading(s: dict[str, Any], caching: bool = True) -> str:
@@ -242,14 +269,31 @@ def report(
 
 
 def compare(
-    run_dirs: Annotated[list[Path], typer.Argument(help="run folders to set side by side")],
-    plot: Annotated[Path | None, typer.Option("--plot", help="write an overlay plot (PNG) here")] = None,
+    run_dirs: Annotated[list[Path], typer.Argument(help="run folders to set side by side (a cluster's too: `kvsim run --replicas N`)")],
+    plot: Annotated[Path | None, typer.Option("--plot", help="write an overlay plot (PNG) here (lone runs only)")] = None,
 ) -> None:
-    """Side-by-side summary of several runs, and optionally an overlay plot."""
+    """Side-by-side summary of several runs, and optionally an overlay plot. Given a cluster run
+    folder, a row a run: each cluster's figures over all its replicas, and each replica's under it."""
+    from kvsim.sim.studies.cluster_folder import cluster_section, is_cluster_folder
+
+    labels = [d.name or str(d) for d in run_dirs]
+    try:
+        clusters = [d for d in run_dirs if is_cluster_folder(d)]
+    except (OSError, ValueError) as e:
+        raise fail(str(e)) from None
+    if clusters:
+        if plot is not None:
+            raise fail(f"--plot overlays lone runs; {clusters[0]} is a cluster run (its folder has cluster.png)")
+        try:
+            runs = [(label, cluster_section(d) if d in clusters else _open(d).summary)
+                    for label, d in zip(labels, run_dirs, strict=True)]
+        except (OSError, ValueError) as e:
+            raise fail(str(e)) from None
+        typer.echo(runs_table(runs))
+        return
     if plot is not None:
         check_output(plot)
     results = [_open(d) for d in run_dirs]
-    labels = [d.name or str(d) for d in run_dirs]
     typer.echo(format_table([r.summary for r in results], labels))
     if plot is not None:
         from kvsim.sim.studies.plots import plot_overlay

@@ -43,8 +43,7 @@ class ClusterResult:
         """The requests replica `replica` received, each arriving when it reached the replica and
         with no think time: replayed alone through `simulate` with `load` 1 (`replay_config`),
         it gives that replica's tables exactly."""
-        reqs = [dataclasses.replace(r, arrival=t, think_time=None) for t, r in self.requests_by_replica[replica]]
-        return Workload.from_list(reqs, f"{self.workload}-replica-{replica}")
+        return Workload.as_received(self.requests_by_replica[replica], f"{self.workload}-replica-{replica}")
 
     def replay_config(self) -> SimConfig:
         """The config a replica's `received_workload` replays under alone: this one with one replica
@@ -86,6 +85,14 @@ def simulate_cluster(
     summary = {**replicas[0].summary, "cluster": section} if cfg.replicas == 1 else {
         "workload": name, "model": cfg.model, "gpu": cfg.gpu, "cluster": section}
     return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received)
+
+
+def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:
+    """One simulated cluster for a search over replicas (in a worker process): `params` a
+    `SimConfig`'s dict, `workload` anything whose `open()` gives the requests (a study's
+    `WorkloadSpec`); returns the cluster section (`overall["slo_attainment"]` among it)."""
+    cfg = SimConfig.from_dict(params, source="point")
+    return simulate_cluster(workload.open(), cfg).summary["cluster"]
 
 
 def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:
@@ -135,9 +142,11 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
         figures = percentiles(requests.loc[done, col], col)
         overall.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"]})
     if cfg.slo_ttft is None and cfg.slo_tpot is None:
-        overall["goodput_rps"] = None
+        overall["goodput_rps"] = overall["slo_attainment"] = None
     else:
-        overall["goodput_rps"] = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum()) / span if span else 0.0
+        good = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum())
+        overall["goodput_rps"] = good / span if span else 0.0
+        overall["slo_attainment"] = good / len(requests) if len(requests) else 0.0
     overall["duration_s"] = span
     return {"replicas": cfg.replicas, "router": cfg.router, "router_metrics_interval": cfg.router_metrics_interval,
             "per_replica": per, "overall": overall, **imbalance(load)}

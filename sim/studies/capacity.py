@@ -6,7 +6,11 @@ request that is rejected or never finishes misses them. The workload's arrivals 
 (`SimConfig.load`: a request arriving at t arrives at t / load), so the rate is the workload's
 offered rate times the load; closed-loop session turns still wait their think time.
 
-The search assumes attainment falls as the load rises. It brackets the answer by doubling or
+The cluster's question (`replicas_for_rate`): at the workload's rate, the fewest replicas behind a
+router that meet the same targets; it assumes attainment does not fall as replicas are added,
+simulates the most replicas allowed first, then bisects 1..N (`workers` counts a round).
+
+The rate search assumes attainment falls as the load rises. It brackets the answer by doubling or
 halving the load from 1, then narrows the bracket [meets, misses] by evaluating `workers` loads
 per round, evenly spaced in log scale inside it, in parallel (a bisection when workers is 1),
 until the bracket is within `tolerance` (relative). Every evaluated load is kept, in order, so
@@ -183,3 +187,105 @@ def capacity(
     probes, best, above = search(evaluate, stats.mean_rate * cfg.load, attainment=attainment,
                                  tolerance=tolerance, workers=workers, on_probe=on_probe)
     return Capacity(slo_ttft, slo_tpot, attainment, cfg.tensor_parallel, probes, best, above, gpu_hourly_cost)
+
+
+@dataclass
+class ReplicaProbe:
+    """One simulated cluster: its replicas and the share of requests that met both targets."""
+
+    replicas: int
+    attainment: float
+    meets: bool
+    section: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass
+class Replicas:
+    """The cluster's answer for one router: the fewest replicas that met the targets (`best`, None
+    if even `max_replicas` missed), the most that missed below it (`below`), every probe in order."""
+
+    router: str
+    max_replicas: int
+    probes: list[ReplicaProbe]
+    best: ReplicaProbe | None
+    below: ReplicaProbe | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """One router's entry in `kvsim capacity --max-replicas --json`."""
+        best, below = self.best, self.below
+        return {"replicas": best.replicas if best else None, "attainment": best.attainment if best else None,
+                "replicas_below": below.replicas if below else None,
+                "attainment_below": below.attainment if below else None, "max_replicas": self.max_replicas,
+                "probes": [{"replicas": p.replicas, "attainment": p.attainment, "meets": p.meets}
+                           for p in self.probes]}
+
+
+def fewest_replicas(
+    evaluate: Callable[[list[int]], list[dict[str, Any]]],
+    max_replicas: int,
+    *,
+    attainment: float,
+    workers: int = 1,
+    on_probe: Callable[[ReplicaProbe], None] | None = None,
+) -> tuple[list[ReplicaProbe], ReplicaProbe | None, ReplicaProbe | None]:
+    """The fewest replicas in 1..`max_replicas` meeting `attainment`: `evaluate(counts)` simulates
+    each count and returns its cluster sections (`overall["slo_attainment"]`). `max_replicas` first;
+    then the bracket (most that missed, fewest that met) narrows by `workers` counts evenly inside
+    it a round (a bisection with one) until they are adjacent. Returns the probes, best and below."""
+    probes: list[ReplicaProbe] = []
+
+    def run(counts: list[int]) -> None:
+        for n, section in zip(counts, evaluate(counts), strict=True):
+            got = float(section["overall"]["slo_attainment"])
+            probes.append(ReplicaProbe(n, got, got >= attainment, section))
+            if on_probe is not None:
+                on_probe(probes[-1])
+
+    def bracket() -> tuple[int, ReplicaProbe | None]:
+        best = min((p for p in probes if p.meets), key=lambda p: p.replicas)
+        below = max((p for p in probes if not p.meets and p.replicas < best.replicas),
+                    key=lambda p: p.replicas, default=None)
+        return (below.replicas if below else 0), best
+
+    run([max_replicas])
+    if not probes[0].meets:
+        return probes, None, probes[0]
+    lo, best = bracket()
+    while best.replicas - lo > 1:
+        span = best.replicas - lo
+        run(sorted({lo + max(1, min(span - 1, round(span * (k + 1) / (workers + 1)))) for k in range(workers)}))
+        lo, best = bracket()
+    below = next((p for p in probes if p.replicas == lo), None)
+    return probes, best, below
+
+
+def replicas_for_rate(
+    workload: Any,
+    cfg: SimConfig,
+    point: Callable[[dict[str, Any], Any], dict[str, Any]],
+    *,
+    slo_ttft: float,
+    slo_tpot: float,
+    max_replicas: int,
+    attainment: float = 0.9,
+    workers: int = 1,
+    on_probe: Callable[[ReplicaProbe], None] | None = None,
+) -> Replicas:
+    """The fewest replicas of `cfg`'s engine behind `cfg.router` that meet the targets for
+    `attainment` of `workload`'s requests (a `sim.studies.sweep.WorkloadSpec`) at its rate times
+    `cfg.load`; `point(params, workload)` simulates one cluster (`sim.cluster.run.cluster_point`)."""
+    from kvsim.sim.studies.sweep import run_parallel
+
+    check_targets(slo_ttft, slo_tpot, attainment)
+    if isinstance(max_replicas, bool) or not isinstance(max_replicas, int) or max_replicas < 1:
+        raise ConfigError(f"max_replicas must be an integer >= 1, got {max_replicas!r}")
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    base = cfg.replace(slo_ttft=slo_ttft, slo_tpot=slo_tpot).to_dict()
+
+    def evaluate(counts: list[int]) -> list[dict[str, Any]]:
+        return run_parallel(point, [({**base, "replicas": n}, workload) for n in counts], workers)
+
+    probes, best, below = fewest_replicas(evaluate, max_replicas, attainment=attainment, workers=workers,
+                                          on_probe=on_probe)
+    return Replicas(cfg.router, max_replicas, probes, best, below)

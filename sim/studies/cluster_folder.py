@@ -6,18 +6,23 @@ The folder holds `config.json`, `summary.json` (its `cluster` section: `sim.clus
 replica's in-flight requests from each change on), `cluster.png`, and `replica-<i>/`, each a run
 folder as `kvsim run` writes one (`write_run`, without plots: `kvsim report` draws them). The result
 is read by its attributes (`sim.cluster.run.ClusterResult`), so this layer does not import it.
+Read back: the cluster section (`kvsim compare`), and one replica alone, its received requests and
+the config it replays under (`kvsim conform --cluster-run`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.studies.run_folder import staged_folder, write_run
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.studies.run_folder import load_run, read_summary, staged_folder, write_run
+from kvsim.workloads.request import Request, Workload
 
 RECEIVED = "received.parquet"
 LOAD = "load.parquet"
@@ -36,6 +41,62 @@ def write_cluster(result: Any, out_dir: str | Path, plots: bool = True) -> Path:
         if plots:
             plot_cluster(result, out / PLOT)
     return Path(out_dir)
+
+
+def is_cluster_folder(folder: str | Path) -> bool:
+    """Whether `folder` is a cluster run's folder (its summary.json has the cluster section)."""
+    d = Path(folder)
+    return (d / RECEIVED).is_file() and (d / "summary.json").is_file() and "cluster" in read_summary(d)
+
+
+def cluster_section(folder: str | Path) -> dict[str, Any]:
+    """A cluster run folder's `cluster` section (per replica and overall figures, imbalance); a
+    folder that is not one raises FileNotFoundError or ValueError naming it."""
+    d = Path(folder)
+    if not (d / RECEIVED).is_file():
+        raise FileNotFoundError(f"{d}: not a cluster run folder (no {RECEIVED}; `kvsim run --replicas N` writes one)")
+    section = read_summary(d).get("cluster")
+    if not isinstance(section, dict) or not isinstance(section.get("per_replica"), list):
+        raise ValueError(f"{d / 'summary.json'}: no cluster section (not a cluster run's summary)")
+    return section
+
+
+def replica_config(folder: str | Path, replica: int) -> SimConfig:
+    """The config replica `replica` of a cluster run folder replays under alone: its run folder's
+    (the cache size resolved), with one replica and load 1 (its arrivals are the times requests
+    reached it). A folder that is not a cluster run's, or a replica it lacks, raises naming it."""
+    d = Path(folder)
+    num_replicas = len(cluster_section(d)["per_replica"])
+    if not 0 <= replica < num_replicas:
+        raise ValueError(f"--replica {replica}: {d} has {num_replicas} replicas (0 to {num_replicas - 1})")
+    return load_run(d / f"replica-{replica}").config.replace(replicas=1, load=1.0)
+
+
+def load_received(folder: str | Path, replica: int, workload: Iterable[Request]) -> Workload:
+    """The requests replica `replica` of a cluster run folder received (`received.parquet`), each
+    taken by id from `workload`, the one the run was made with, as they reached it
+    (`Workload.as_received`): with `replica_config`, what `kvsim conform --cluster-run` compares
+    with vLLM. A request the workload lacks, or whose prompt length differs from the run's, raises."""
+    d = Path(folder)
+    run = load_run(d / f"replica-{replica}")
+    try:
+        got = pd.read_parquet(d / RECEIVED)
+    except ValueError:
+        raise ValueError(f"{d / RECEIVED}: not a parquet table (corrupt, or another format)") from None
+    got = got[got["replica"] == replica]
+    wanted = set(got["id"])
+    by_id = {r.id: r for r in workload if r.id in wanted}
+    prompts = dict(zip(run.requests["id"], run.requests["prompt_tokens"], strict=True))
+    name = getattr(workload, "name", "the workload")
+    for rid in got["id"]:
+        if rid not in by_id:
+            raise ValueError(f"request {rid!r}, which replica {replica} received, is not in {name}: give the "
+                             "workload the cluster run was made with")
+        if by_id[rid].prompt_len != prompts.get(rid):
+            raise ValueError(f"request {rid!r} has a {by_id[rid].prompt_len}-token prompt in {name} but "
+                             f"{prompts.get(rid)} in {d}: not the workload the cluster run was made with")
+    received = [(float(t), by_id[rid]) for t, rid in zip(got["arrival"], got["id"], strict=True)]
+    return Workload.as_received(received, f"{run.workload}-replica-{replica}")
 
 
 def hit_rate_by_time(requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

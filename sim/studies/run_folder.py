@@ -112,6 +112,15 @@ def _json_object(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """A run folder's summary.json (a lone run's or a cluster's); a folder without one, or a bad
+    one, raises FileNotFoundError or ValueError naming it."""
+    d = Path(run_dir)
+    if not (d / "summary.json").is_file():
+        raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
+    return _json_object(d / "summary.json")
+
+
 def _table(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)

@@ -65,3 +65,32 @@ def test_bad_router_scorers_are_one_error_line(tmp_path):
     assert r.output == ("error: router_scorers: expected name:weight with name one of prefix, kv-util, queue, "
                         "got 'hits:1'\n")
     assert not (tmp_path / "x").exists()
+
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
+SMALL = ["--num-gpu-blocks", "40", "--max-num-batched-tokens", "256", "--load", "4", "--slo-ttft", "0.1",
+         "--slo-tpot", "0.02", "--no-plots"]
+
+
+def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path) -> None:
+    """`kvsim compare` given a cluster run folder: a row a run, the cluster's over all its replicas
+    and a row each replica under it; --plot (lone runs' overlay) is refused in one line."""
+    trace = tmp_path / "mt48.jsonl"
+    trace.write_text("".join((GOLDEN / "multi-turn.jsonl").read_text().splitlines(keepends=True)[:48]))
+    for name, extra in (("lone", []), ("c3", ["--replicas", "3", "--router", "vllm-dp"])):
+        r = runner.invoke(app, ["run", str(trace), *SMALL, *extra, "-o", str(tmp_path / name)])
+        assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["compare", str(tmp_path / "lone"), str(tmp_path / "c3")])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == [
+        "run             replicas  requests  hit rate  TTFT p50  TTFT p99  TPOT p50  TPOT p99  goodput    imbalance",
+        "lone                   1        48    30.98%   13.0 ms    1.84 s    7.0 ms   12.7 ms   4.06/s            -",
+        "c3           3 x vllm-dp        48    40.78%    7.0 ms   25.9 ms    7.0 ms    7.1 ms   7.01/s  2.11 / 3.00",
+        "  replica 0                     16    47.34%    7.0 ms   15.9 ms    7.0 ms    7.0 ms   2.34/s",
+        "  replica 1                     19    40.14%    7.3 ms   31.1 ms    7.0 ms    7.0 ms   3.13/s",
+        "  replica 2                     13    34.50%    7.3 ms   12.3 ms    7.0 ms    7.1 ms   2.28/s",
+    ]
+    r = runner.invoke(app, ["compare", str(tmp_path / "lone"), str(tmp_path / "c3"), "--plot", str(tmp_path / "x.png")])
+    assert (r.exit_code, r.output.strip()) == (
+        2, f"error: --plot overlays lone runs; {tmp_path / 'c3'} is a cluster run (its folder has cluster.png)")
+    assert not (tmp_path / "x.png").exists()
