@@ -391,20 +391,22 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     from kvsim.sim.cluster.run import simulate_cluster
     from kvsim.sim.engine.config import ConfigError
     from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
+    from kvsim.sim.studies.run_folder import run_scratch
     from kvsim.workloads.errors import WorkloadError
 
-    try:
-        if bar is not None:
-            with bar:
-                result = simulate_cluster(wl, cfg, progress, cost_model=cost)
-        else:
-            result = simulate_cluster(wl, cfg, cost_model=cost)
-    except (ConfigError, WorkloadError) as e:
-        raise fail(str(e)) from None
-    try:
-        write_cluster(result, out_dir, plots=plots)
-    except OSError as e:
-        raise cannot_write(out_dir, e) from None
+    with run_scratch(out_dir) as scratch:  # each replica's steps stream there (flat memory), copied in whole
+        try:
+            if bar is not None:
+                with bar:
+                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, steps_dir=scratch)
+            else:
+                result = simulate_cluster(wl, cfg, cost_model=cost, steps_dir=scratch)
+        except (ConfigError, WorkloadError) as e:
+            raise fail(str(e)) from None
+        try:
+            write_cluster(result, out_dir, plots=plots)
+        except OSError as e:
+            raise cannot_write(out_dir, e) from None
     section = result.summary["cluster"]
     blocks = int(result.replicas[0].summary["num_gpu_blocks"])
     head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} on "

@@ -22,6 +22,7 @@ reach it after its own output at t, where a lone engine would queue it first.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import simpy
 from simpy.events import NORMAL, Event
@@ -107,7 +108,8 @@ class Cluster:
     the step that produced it ended: every batch due by a pick is applied to its index before it."""
 
     def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
-                 progress: Callable[[int], None] | None = None, router: Router | None = None):
+                 progress: Callable[[int], None] | None = None, router: Router | None = None,
+                 steps_files: list[Path] | None = None):
         self.env = env
         self.cfg = cfg
         n = len(managers)
@@ -126,7 +128,9 @@ class Cluster:
         self.inlets: list[ReplicaFront] = []
         engine_cfg = engine_config(cfg) if self.events is not None else cfg
         sink = self.events.send if self.events is not None else None
-        self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i)
+        # with `steps_files`, each replica's steps table streams into its file (memory stays flat)
+        self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i,
+                               steps_file=None if steps_files is None else steps_files[i])
                         for i, m in enumerate(managers)]
         env.process(self._close_after_source())
         if getattr(self.router, "reads_metrics", False):  # no snapshots where no router reads them

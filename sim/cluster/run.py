@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,10 +58,14 @@ def simulate_cluster(
     progress: Callable[[int], None] | None = None,
     *,
     cost_model: CostModel | None = None,
+    steps_dir: str | Path | None = None,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
-    `cfg.seed`). `progress(n)` is called as requests finish."""
+    `cfg.seed`). `progress(n)` is called as requests finish. With `steps_dir`, each replica's
+    steps table is written into it as the run goes (`steps-<i>.parquet`), so memory does not grow
+    with the replicas' steps; the result reads them back on demand (`kvsim run` streams them into
+    its scratch folder)."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
@@ -68,14 +73,16 @@ def simulate_cluster(
         cost_model = CostModel.from_config(cfg)
     managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
     env = simpy.Environment()
-    cluster = Cluster(env, workload, cfg, cost_model, managers, progress)
+    files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
+    cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files)
     with rare_collections():
         env.run()
     if progress is not None:
         progress(cluster.num_done)
     name = getattr(workload, "name", "workload")
     skipped = getattr(workload, "skipped", 0)
-    replicas = [engine_result(e, cfg, cost_model, name, skipped) for e in cluster.engines]
+    replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i])
+                for i, e in enumerate(cluster.engines)]
     rows = [(r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
     received = pd.DataFrame(rows, columns=["id", "arrival", "replica"]).astype(
         {"id": "string", "arrival": np.float64, "replica": np.int32})

@@ -57,6 +57,18 @@ def test_runs_are_deterministic_and_seeded(workload):
     assert list(c.received["replica"]) != list(a.received["replica"])
 
 
+def test_streamed_steps_give_the_same_tables(workload, tmp_path):
+    """With `steps_dir` each replica's steps stream into a file (flat memory for many replicas):
+    the tables and summaries are those of the run that keeps them in memory."""
+    cfg = CFG.replace(replicas=3, router="least-outstanding", num_gpu_blocks=200)
+    kept, streamed = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg, steps_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps-0.parquet", "steps-1.parquet", "steps-2.parquet"]
+    for a, b in zip(kept.replicas, streamed.replicas, strict=True):
+        pt.assert_frame_equal(a.steps, b.steps)
+        pt.assert_frame_equal(a.requests, b.requests)
+    assert kept.summary == streamed.summary
+
+
 def _chat(think: float) -> Workload:
     """Two sessions of three turns each, all given as arriving at 0 (closed loop places them)."""
     reqs = [make_request(f"{s}-{t}", 0.0, list(range(100 * t + 1)), 8, session=s,
