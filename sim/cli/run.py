@@ -398,9 +398,9 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
         try:
             if bar is not None:
                 with bar:
-                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, steps_dir=scratch)
+                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, steps_dir=scratch, keep_requests=False)
             else:
-                result = simulate_cluster(wl, cfg, cost_model=cost, steps_dir=scratch)
+                result = simulate_cluster(wl, cfg, cost_model=cost, steps_dir=scratch, keep_requests=False)
         except (ConfigError, WorkloadError) as e:
             raise fail(str(e)) from None
         try:

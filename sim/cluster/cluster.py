@@ -109,7 +109,7 @@ class Cluster:
 
     def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
                  progress: Callable[[int], None] | None = None, router: Router | None = None,
-                 steps_files: list[Path] | None = None):
+                 steps_files: list[Path] | None = None, keep_requests: bool = True):
         self.env = env
         self.cfg = cfg
         n = len(managers)
@@ -118,7 +118,9 @@ class Cluster:
         self.events = DelayedEvents(cfg.kv_event_delay) if getattr(self.router, "reads_events", False) else None
         self._rows: dict[str, tuple[int, int]] = {}  # request id -> (replica, its row in that engine's log)
         self.view.prefilled = self._prefilled
-        self.received: list[list[tuple[float, Request]]] = [[] for _ in range(n)]
+        # (time, the request, or its id without `keep_requests`: a long run then keeps no token arrays)
+        self.received: list[list[tuple[float, Request | str]]] = [[] for _ in range(n)]
+        self.keep_requests = keep_requests
         self.load_events: list[tuple[float, int, int]] = []
         self.progress = progress
         self.num_done = 0
@@ -152,7 +154,7 @@ class Cluster:
         if not 0 <= i < len(self.inlets):
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")
         self.view.dispatched[i] += 1
-        self.received[i].append((now, req))
+        self.received[i].append((now, req if self.keep_requests else req.id))
         self.load_events.append((now, i, 1))
         self._rows[req.id] = (i, len(self.engines[i].requests.ids))  # the row `hand` adds
         self.inlets[i].hand(req)

@@ -44,6 +44,9 @@ class ClusterResult:
         """The requests replica `replica` received, each arriving when it reached the replica and
         with no think time: replayed alone through `simulate` with `load` 1 (`replay_config`),
         it gives that replica's tables exactly."""
+        if not self.requests_by_replica:
+            raise ValueError("received_workload: this run kept no requests (simulate_cluster(keep_requests=False), "
+                             "as kvsim run runs it); `kvsim conform --cluster-run` rebuilds a replica's from the workload")
         return Workload.as_received(self.requests_by_replica[replica], f"{self.workload}-replica-{replica}")
 
     def replay_config(self) -> SimConfig:
@@ -59,13 +62,16 @@ def simulate_cluster(
     *,
     cost_model: CostModel | None = None,
     steps_dir: str | Path | None = None,
+    keep_requests: bool = True,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
     `cfg.seed`). `progress(n)` is called as requests finish. With `steps_dir`, each replica's
     steps table is written into it as the run goes (`steps-<i>.parquet`), so memory does not grow
     with the replicas' steps; the result reads them back on demand (`kvsim run` streams them into
-    its scratch folder)."""
+    its scratch folder). Without `keep_requests` the result keeps only each request's id and
+    arrival (`received`), not the requests (`received_workload` then refuses): a long run keeps no
+    token arrays alive."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
@@ -74,7 +80,8 @@ def simulate_cluster(
     managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
     env = simpy.Environment()
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
-    cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files)
+    cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files,
+                      keep_requests=keep_requests)
     with rare_collections():
         env.run()
     if progress is not None:
@@ -83,7 +90,7 @@ def simulate_cluster(
     skipped = getattr(workload, "skipped", 0)
     replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i])
                 for i, e in enumerate(cluster.engines)]
-    rows = [(r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
+    rows = [(r if type(r) is str else r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
     received = pd.DataFrame(rows, columns=["id", "arrival", "replica"]).astype(
         {"id": "string", "arrival": np.float64, "replica": np.int32})
     received = received.sort_values(["arrival", "replica"], kind="stable").reset_index(drop=True)
@@ -91,7 +98,7 @@ def simulate_cluster(
     section = cluster_summary(replicas, load, cfg)
     summary = {**replicas[0].summary, "cluster": section} if cfg.replicas == 1 else {
         "workload": name, "model": cfg.model, "gpu": cfg.gpu, "cluster": section}
-    return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received)
+    return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received if keep_requests else [])
 
 
 def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:

@@ -58,8 +58,9 @@ def test_runs_are_deterministic_and_seeded(workload):
 
 
 def test_streamed_steps_give_the_same_tables(workload, tmp_path):
-    """With `steps_dir` each replica's steps stream into a file (flat memory for many replicas):
-    the tables and summaries are those of the run that keeps them in memory."""
+    """With `steps_dir` each replica's steps stream into a file, and without `keep_requests` only
+    ids and arrivals are kept (flat memory for many replicas): the tables and summaries are those
+    of the run that keeps everything in memory."""
     cfg = CFG.replace(replicas=3, router="least-outstanding", num_gpu_blocks=200)
     kept, streamed = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg, steps_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps-0.parquet", "steps-1.parquet", "steps-2.parquet"]
@@ -67,6 +68,11 @@ def test_streamed_steps_give_the_same_tables(workload, tmp_path):
         pt.assert_frame_equal(a.steps, b.steps)
         pt.assert_frame_equal(a.requests, b.requests)
     assert kept.summary == streamed.summary
+    lean = simulate_cluster(workload, cfg, keep_requests=False)  # ids and arrivals, no requests kept
+    pt.assert_frame_equal(lean.received, kept.received)
+    assert lean.summary == kept.summary
+    with pytest.raises(ValueError, match=r"^received_workload: this run kept no requests"):
+        lean.received_workload(0)
 
 
 def _chat(think: float) -> Workload:
