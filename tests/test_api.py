@@ -134,6 +134,10 @@ def test_cache_replay_of_a_model_mixing_layer_kinds_runs_in_its_hybrid_groups():
     assert nxt["hit_tokens"] == 68_800
     curve = kvsim.curve(wl, capacities=[2100], model="gemma-3-27b")  # its replay mode too
     assert curve["hit_rate"].tolist() == [groups["hit_rate"]]
+    # fragmentation sampled as each request is freed, as for one group (the pool's id span: its
+    # seven groups' blocks; the last block's empty slots, the same as one group's)
+    assert curve[["mean_id_fragmentation", "mean_internal_fragmentation"]].values.tolist() == [
+        [1685.1133333333332, 6.816666666666666]]
 
 
 def test_kv_events_are_asked_for_by_their_knob(chat):

@@ -46,20 +46,24 @@ COLUMNS = (
 OFFLOAD_COLUMNS = ("offload_hit_tokens", "total_hit_rate")  # with KV offloading on
 
 
-class _SamplingManager(KVCacheManager):
-    """A block manager that samples fragmentation as each request is freed."""
+class FreeSampler:
+    """Samples a block manager's fragmentation as each request is freed (one group's or vLLM's
+    hybrid groups'): it stands in for the manager's `free`, sampling before the blocks go."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, m: Any):
+        self.m = m
         self.samples = 0
         self.id_frag_total = 0
         self.internal_frag_total = 0
+        self._free = m.free
+        m.free = self.free
 
     def free(self, seq: Sequence) -> None:
+        m = self.m
         self.samples += 1
-        self.id_frag_total += self.id_space_fragmentation()
-        self.internal_frag_total += self.internal_fragmentation([seq])
-        super().free(seq)
+        self.id_frag_total += m.id_space_fragmentation()
+        self.internal_frag_total += m.internal_fragmentation([seq])
+        self._free(seq)
 
 
 def check_points(capacities: list[int], policies: list[str], block_size: int, mode: str) -> None:
@@ -109,7 +113,7 @@ def replay_point(
 ) -> dict[str, Any]:
     """One point by cache-only replay (sequential, as `kvsim cache-replay`); over the host tier
     of `base`'s KV offloading, if on. A model `base` keeps in vLLM's hybrid KV-cache groups replays
-    in them (`replay_manager`), its fragmentation not sampled (NaN)."""
+    in them (`replay_manager`); fragmentation is sampled as each request is freed either way."""
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.engine.run import replay_manager
 
@@ -117,7 +121,8 @@ def replay_point(
         m = replay_manager(base.replace(eviction=policy, block_size=block_size, vllm_version=vllm_version), capacity)
         block_size = m.block_size
     else:
-        m = _SamplingManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
+        m = KVCacheManager(capacity, block_size, eviction=policy, vllm_version=vllm_version)
+    sampler = FreeSampler(m)
     offload = replay_offload(base.replace(block_size=block_size)) if base is not None else None
     blocks = {"hit": 0, "prompt": 0}
 
@@ -126,15 +131,15 @@ def replay_point(
         blocks["prompt"] += -(-rec.prompt_tokens // block_size)
 
     r = replay(workload.open(), m, 1, count, offload)
-    n = getattr(m, "samples", 0) or float("nan")
+    n = sampler.samples or float("nan")
     row = {
         "policy": policy,
         "capacity": capacity,
         "hit_rate": r.hit_rate,
         "block_hit_rate": blocks["hit"] / blocks["prompt"] if blocks["prompt"] else 0.0,
         "evicted_blocks": r.evicted_blocks,
-        "mean_id_fragmentation": getattr(m, "id_frag_total", 0) / n,
-        "mean_internal_fragmentation": getattr(m, "internal_frag_total", 0) / n,
+        "mean_id_fragmentation": sampler.id_frag_total / n,
+        "mean_internal_fragmentation": sampler.internal_frag_total / n,
         "requests": r.requests,
         "rejected": r.rejected,
     }
