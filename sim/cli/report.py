@@ -149,11 +149,17 @@ def _imbalance(section: dict[str, Any]) -> str:
 
 def cluster_table(section: dict[str, Any]) -> str:
     """A cluster's summary (`sim.cluster.run.cluster_summary`): a row a replica and one for all of
-    them together (requests, hit rate, TTFT and TPOT p50/p99, goodput), then the load imbalance."""
+    them together (requests, hit rate, TTFT and TPOT p50/p99, goodput), then the load imbalance and a
+    prefix-aware router's prediction against the hits."""
     rows = [["replica", *FIGURES]] + [[str(i), *figure_cells(f)] for i, f in enumerate(section["per_replica"])]
     lines = aligned(rows + [["all", *figure_cells(section["overall"])]])
     lines.append(f"router {section['router']} over {section['replicas']} replicas; load imbalance (most in-flight "
                  f"requests on one replica over the mean, time-averaged / peak): {_imbalance(section)}")
+    p = section.get("prediction")
+    if p:  # a prefix-aware router: what it expected each replica to hit, against the hits
+        lines.append(f"its prefix prediction: {p['expected_tokens']:,} prompt tokens expected to hit, "
+                     f"{p['hit_tokens']:,} hit; more expected than hit on {p['over']:,} of {p['requests']:,} "
+                     f"requests ({p['over_tokens']:,} tokens), fewer on {p['under']:,} ({p['under_tokens']:,})")
     return "\n".join(lines)
 
 

@@ -122,6 +122,7 @@ class Cluster:
         self.received: list[list[tuple[float, Request | str]]] = [[] for _ in range(n)]
         self.keep_requests = keep_requests
         self.load_events: list[tuple[float, int, int]] = []
+        self.expected: dict[str, int] = {}  # request id -> prompt tokens the router expected its replica to hit
         self.progress = progress
         self.num_done = 0
         # as a lone engine's (`Engine.__init__`): a fixed step time runs sessions open loop
@@ -153,6 +154,9 @@ class Cluster:
         i = self.router.pick(req, self.view)
         if not 0 <= i < len(self.inlets):
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")
+        expected = getattr(self.router, "expected_tokens", None)  # a prefix-aware router's belief
+        if expected is not None:
+            self.expected[req.id] = expected
         self.view.dispatched[i] += 1
         self.received[i].append((now, req if self.keep_requests else req.id))
         self.load_events.append((now, i, 1))

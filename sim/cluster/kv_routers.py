@@ -88,7 +88,11 @@ class LlmdPrecise:
         scores = self.scores(request, view)
         best = max(scores)
         tied = [i for i, s in enumerate(scores) if s == best]
-        return tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+        chosen = tied[0] if len(tied) == 1 else tied[self.rng.randrange(len(tied))]
+        # what it expects the replica to hit: the prompt's blocks its index says it holds from the first
+        self.expected_tokens = self.index.overlaps(block_keys(request.prompt, self.block_size))[chosen] \
+            * self.block_size
+        return chosen
 
 
 class Dynamo:
@@ -146,7 +150,9 @@ class Dynamo:
     def pick(self, request: Request, view: RouterView) -> int:
         logits, keys = self.logits(request, view)
         chosen = self._select(logits)
-        new_tokens = max(request.prompt_len - self.index.overlaps(keys)[chosen] * self.block_size, 0)
+        overlap = self.index.overlaps(keys)[chosen] * self.block_size
+        self.expected_tokens = overlap  # what it expects the replica to hit (its overlap)
+        new_tokens = max(request.prompt_len - overlap, 0)
         self.active[request.id] = (chosen, keys, new_tokens)
         self.prefill_tokens[chosen] += new_tokens
         held = self.blocks[chosen]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvsim.sim.cluster.approx_prefix import ApproxPrefixIndex
-from kvsim.sim.cluster.text import prompt_bytes
+from kvsim.sim.cluster.text import CHARS_PER_TOKEN, prompt_bytes
 from kvsim.sim.engine.config import ROUTER_SCORERS, SimConfig, parse_router_scorers
 from kvsim.workloads.request import Request
 
@@ -94,5 +94,8 @@ class LlmD:
         order = list(range(self.num_replicas))
         self.rng.shuffle(order)  # ShuffleScoredEndpoints, then the stable sort: the first best wins
         chosen = max(order, key=scores.__getitem__)
+        # what it expects the pod to hit: its matched blocks' tokens (four characters a token)
+        self.expected_tokens = min(self.index.match(hashes).get(chosen, 0) * self.index.block_chars // CHARS_PER_TOKEN,
+                                   request.prompt_len)
         self.index.add(hashes, chosen)
         return chosen

@@ -95,7 +95,7 @@ def simulate_cluster(
         {"id": "string", "arrival": np.float64, "replica": np.int32})
     received = received.sort_values(["arrival", "replica"], kind="stable").reset_index(drop=True)
     load = in_flight(cluster.load_events, cfg.replicas)
-    section = cluster_summary(replicas, load, cfg)
+    section = cluster_summary(replicas, load, cfg, cluster.expected)
     summary = {**replicas[0].summary, "cluster": section} if cfg.replicas == 1 else {
         "workload": name, "model": cfg.model, "gpu": cfg.gpu, "cluster": section}
     return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received if keep_requests else [])
@@ -140,9 +140,29 @@ def imbalance(load: pd.DataFrame) -> dict[str, float | None]:
     return {"imbalance_mean": float((ratio * dt[busy]).sum() / dt[busy].sum()), "imbalance_peak": float(ratio.max())}
 
 
-def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfig) -> dict[str, Any]:
+def prediction(requests: pd.DataFrame, expected: dict[str, int]) -> dict[str, int] | None:
+    """Where a prefix-aware router's belief met the cache: over the requests it routed that were
+    admitted, the prompt tokens it expected the chosen replica to hit (its index at the pick)
+    against those the replica hit at first admission; `over` counts the requests it expected more
+    of (`over_tokens` the tokens it expected and did not get), `under` those that hit more. None for
+    a router that expects nothing."""
+    if not expected:
+        return None
+    adm = requests.loc[requests["first_scheduled"].notna(), ["id", "hit_tokens"]]
+    exp = adm["id"].map(expected)
+    adm, exp = adm[exp.notna()], exp[exp.notna()].astype(np.int64)
+    hit = adm["hit_tokens"].astype(np.int64)
+    gap = exp - hit
+    return {"requests": len(adm), "expected_tokens": int(exp.sum()), "hit_tokens": int(hit.sum()),
+            "over": int((gap > 0).sum()), "over_tokens": int(gap.clip(lower=0).sum()),
+            "under": int((gap < 0).sum()), "under_tokens": int((-gap).clip(lower=0).sum())}
+
+
+def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfig,
+                    expected: dict[str, int] | None = None) -> dict[str, Any]:
     """The cluster section: router and replicas, each replica's figures (`REPLICA_FIGURES`), the
-    same figures over every replica's requests together, and the load imbalance."""
+    same figures over every replica's requests together, the load imbalance, and for a
+    prefix-aware router its `prediction` against the hits (`prediction`)."""
     per = [{k: r.summary[k] for k in REPLICA_FIGURES} for r in replicas]
     requests = pd.concat([r.requests for r in replicas], ignore_index=True)
     done = requests["status"] == "finished"
@@ -163,4 +183,5 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
         overall["slo_attainment"] = good / len(requests) if len(requests) else 0.0
     overall["duration_s"] = span
     return {"replicas": cfg.replicas, "router": cfg.router, "router_metrics_interval": cfg.router_metrics_interval,
-            "per_replica": per, "overall": overall, **imbalance(load)}
+            "per_replica": per, "overall": overall, **imbalance(load),
+            "prediction": prediction(requests, expected or {})}

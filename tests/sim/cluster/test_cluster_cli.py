@@ -94,3 +94,16 @@ def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path) -> None:
     assert (r.exit_code, r.output.strip()) == (
         2, f"error: --plot overlays lone runs; {tmp_path / 'c3'} is a cluster run (its folder has cluster.png)")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_prefix_aware_routers_prediction_is_printed(tmp_path):
+    """llm-d's approximate index against the replicas' hits on the default workload (3 replicas of
+    200 blocks): it expected more than it got on 29 requests and less on 55."""
+    r = runner.invoke(app, ["run", "--replicas", "3", "--router", "llm-d", "--num-gpu-blocks", "200", "--no-plots",
+                            "-o", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    assert ("its prefix prediction: 107,680 prompt tokens expected to hit, 106,064 hit; more expected than hit on "
+            "29 of 300 requests (7,408 tokens), fewer on 55 (5,792)\n") in r.output
+    section = json.loads((tmp_path / "c" / "summary.json").read_text())["cluster"]
+    assert section["prediction"] == {"requests": 300, "expected_tokens": 107680, "hit_tokens": 106064, "over": 29,
+                                     "over_tokens": 7408, "under": 55, "under_tokens": 5792}

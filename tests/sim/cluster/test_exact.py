@@ -162,3 +162,51 @@ def test_bad_cluster_settings_are_named(change, message):
     with pytest.raises(ConfigError) as e:
         SimConfig(**change).validate()
     assert str(e.value) == message
+
+
+def test_prediction_against_the_hits_by_hand():
+    """Three admitted requests (one not yet admitted, one the router expected nothing of): a, 32
+    expected and 16 hit (over by 16); b, 0 and 48 (under by 48); c, 64 and 64."""
+    import numpy as np
+    import pandas as pd
+
+    from kvsim.sim.cluster.run import prediction
+
+    requests = pd.DataFrame({"id": ["a", "b", "c", "d", "e"], "hit_tokens": [16, 48, 64, 0, 32],
+                             "first_scheduled": [0.1, 0.2, 0.3, np.nan, 0.4]})
+    got = prediction(requests, {"a": 32, "b": 0, "c": 64, "d": 16})
+    assert got == {"requests": 3, "expected_tokens": 96, "hit_tokens": 128, "over": 1, "over_tokens": 16,
+                   "under": 1, "under_tokens": 48}
+    assert prediction(requests, {}) is None
+
+
+@pytest.mark.parametrize("router", ["llm-d", "llm-d-precise", "dynamo", "round-robin"])
+def test_a_prefix_aware_routers_prediction_is_its_belief_at_each_pick(workload, router, monkeypatch):
+    """The cluster keeps what the router expected the chosen replica to hit at each pick (its
+    `expected_tokens`), and the section compares it with each request's hit; a router that
+    expects nothing has none."""
+    from kvsim.sim.cluster import routers
+    from kvsim.sim.cluster.run import prediction
+
+    seen: dict[str, int] = {}
+    cls = routers.ROUTERS[router]
+    pick = cls.pick
+
+    def spy(self, request, view):
+        chosen = pick(self, request, view)
+        if hasattr(self, "expected_tokens"):
+            seen[request.id] = self.expected_tokens
+        return chosen
+
+    monkeypatch.setattr(cls, "pick", spy)
+    run = simulate_cluster(workload, CFG.replace(replicas=3, router=router, num_gpu_blocks=200))
+    section = run.summary["cluster"]["prediction"]
+    if router == "round-robin":
+        assert section is None and seen == {}
+        return
+    import pandas as pd
+
+    requests = pd.concat([r.requests for r in run.replicas], ignore_index=True)
+    assert len(seen) == 300 and section == prediction(requests, seen)
+    assert section["requests"] == 300 and section["expected_tokens"] > 0
+    assert section["over"] + section["under"] <= 300
