@@ -272,9 +272,12 @@ class BlockPool:
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free set in this order:
         with `free_first`, uncached ones at the front, cached ones at the back."""
-        if self.free_first and not self._pins and not self.ops.enabled \
-                and (self.tracker is None or type(self.tracker) is IdSpan):
-            return self._free_lru(ordered) if self._lru is not None else self._free_counted(ordered)
+        if self._counted_frees():
+            if self._lru is not None:
+                self._free_lru([ordered])
+            else:
+                self._free_counted(ordered)
+            return
         freed = []  # reaching 0, in order
         first = []  # of those, the ones to reuse first (uncached, with free_first)
         later = []  # of those, the cached ones (to the back, with free_first)
@@ -309,20 +312,31 @@ class BlockPool:
             self.policy.free_first(first)
             self.policy.free(later)
 
+    def _counted_frees(self) -> bool:
+        """Whether a free may take the counted paths: `free_first`, no pins, ops only counted, no
+        tracker but an IdSpan (which needs only the number freed and the blocks given)."""
+        return self.free_first and not self._pins and not self.ops.enabled \
+            and (self.tracker is None or type(self.tracker) is IdSpan)
+
     def free_runs(self, runs: list[list[KVCacheBlock]]) -> list[int]:
         """`free_blocks` of each run in turn (several KV-cache groups' blocks let go together, as
         vLLM's coordinator frees them group by group); returns how many blocks of each run joined
-        the free set. Under exact LRU in one pass: each run's uncached blocks go on the free
-        queue's front stack after the run before it (so the last run's are reused first, as
-        separate calls would leave them), the cached ones to its back in run order."""
-        if not (self.free_first and self._lru is not None and not self._pins and not self.ops.enabled
-                and (self.tracker is None or type(self.tracker) is IdSpan)):
-            counts = []
-            for run in runs:
-                before = len(self.policy)
-                self.free_blocks(run)
-                counts.append(len(self.policy) - before)
-            return counts
+        the free set (under exact LRU in one pass, `_free_lru`)."""
+        if self._lru is not None and self._counted_frees():
+            return self._free_lru(runs)
+        counts = []
+        for run in runs:
+            before = len(self.policy)
+            self.free_blocks(run)
+            counts.append(len(self.policy) - before)
+        return counts
+
+    def _free_lru(self, runs: list[list[KVCacheBlock]]) -> list[int]:
+        """`_free_counted` of each run in turn under exact LRU, in one pass: the uncached blocks
+        reaching 0 are gathered for the queue's front stack (each run's after the run before it, the
+        first freed of a run ending first: so the last run's are reused first, as separate calls
+        leave them), the cached ones linked into one chain for its back in run order, as
+        `prepend_n` and `append_n` would put them. Returns how many of each run were freed."""
         null, tracker = self.null_block, self.tracker
         front: list[KVCacheBlock] = []
         l_head = l_tail = None
@@ -358,54 +372,13 @@ class BlockPool:
                 front += first
             if n and tracker is not None:
                 tracker.release(n, run)
-        if front:
+        if front:  # in front, each run's in its order (prepend_n)
             self._lru.push_front_reversed(front)
-        if nl:
+        if nl:  # at the back, in their order (append_n)
             self._lru.splice_back(l_head, l_tail, nl)
         self.num_cached_free += nl
         self.ops.counts["free"] += len(front) + nl
         return counts
-
-    def _free_lru(self, ordered: list[KVCacheBlock]) -> None:
-        """`_free_counted` under exact LRU in one pass: the uncached blocks reaching 0 are gathered
-        for the queue's front stack (pushed in one extend, the first freed ending first), the
-        cached ones linked into a chain for its back, as `prepend_n` and `append_n` would put them."""
-        null = self.null_block
-        first = []
-        l_head = l_tail = None
-        nl = 0
-        for b in ordered:
-            if b is null:
-                continue
-            rc = b.ref_cnt - 1
-            if rc:
-                if rc < 0:
-                    raise ValueError(f"double free of block {b.block_id}")
-                b.ref_cnt = rc
-                continue
-            b.ref_cnt = 0
-            if b.block_hash is None:
-                first.append(b)
-            else:
-                if l_tail is None:
-                    l_head = b
-                else:
-                    l_tail.next = b
-                    b.prev = l_tail
-                l_tail = b
-                nl += 1
-        nf = len(first)
-        if not nf and not nl:
-            return
-        if nf:  # in front, in their order (prepend_n)
-            first.reverse()
-            self._lru.push_front_reversed(first)
-        if nl:  # at the back, in their order (append_n)
-            self._lru.splice_back(l_head, l_tail, nl)
-        self.num_cached_free += nl
-        self.ops.counts["free"] += nf + nl
-        if self.tracker is not None:
-            self.tracker.release(nf + nl, ordered)
 
     def _free_counted(self, ordered: list[KVCacheBlock]) -> None:
         """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
