@@ -387,6 +387,13 @@ class HybridKVCacheManager(PoolView):
         takes a block in every group or in none; the windows' skipped blocks go back first, as in
         the general path; a Mamba group's new block is its running state (`MambaAlign.decoded`).
         False: the general path must decide (a sequence with no blocks yet)."""
+        got = self._decode(seq, watermark)
+        if got is not None and got is not False:
+            self.ops.counts["write"] += 1
+        return got
+
+    def _decode(self, seq: Sequence, watermark: bool) -> list[KVCacheBlock] | None | bool:
+        """`decode_slot` without counting its write (`decode_slot` counts it; quiet runs count them in bulk)."""
         sid, bs = seq.seq_id, self.block_size
         tables = self.tables
         first = tables[0].get(sid)
@@ -418,7 +425,6 @@ class HybridKVCacheManager(PoolView):
                     ops.emit_entry(sid, block, i, g)
                 ops.emit_write(sid, block, c, bs, g)
             ops.counts["write"] = counted
-        self.ops.counts["write"] += 1
         if self.enable_caching and (c + 1) % bs == 0 and c < seq.num_tokens:
             self._cache(seq, c + 1)
         return new
@@ -428,13 +434,10 @@ class HybridKVCacheManager(PoolView):
         their blocks unshared, the free blocks enough), no write counted: the caller counts them in
         bulk (`sim.engine.quiet`). `num_new` is ignored: a window's blocks let go between two takes
         are taken first, so the new blocks are taken one sequence at a time."""
-        counts = self.ops.counts
-        written = counts["write"]
         for seq in seqs:
-            got = self.decode_slot(seq)
+            got = self._decode(seq, False)
             if got is None or got is False:
                 raise AssertionError(f"{seq.seq_id}: decode_in_place with no block for its token")
-        counts["write"] = written
 
     def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
         """Return the blocks `seq`'s windows and Mamba states no longer need at `computed` tokens
