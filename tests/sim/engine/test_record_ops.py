@@ -73,6 +73,27 @@ def _per_block(ops: list[Op]) -> dict[tuple, list[Op]]:
     return dict(out)
 
 
+def _late_writes(monkeypatch: pytest.MonkeyPatch, manager_class: type) -> list[int]:
+    """The runs of late writes `manager_class.record_decodes` is asked to record (their lengths)."""
+    late: list[int] = []
+    record = manager_class.record_decodes
+
+    def counted(m, seq, pos, step, n):
+        late.append(n)
+        record(m, seq, pos, step, n)
+
+    monkeypatch.setattr(manager_class, "record_decodes", counted)
+    return late
+
+
+def same_stream(a: list[Op], b: list[Op]) -> None:
+    """Two op streams a replay cannot tell apart: ordered by step, every step the same ops (as a
+    multiset), every block seeing them in the same order."""
+    assert [op.step for op in a] == sorted(op.step for op in a)
+    assert _per_step(a) == _per_step(b)
+    assert _per_block(a) == _per_block(b)
+
+
 def _per_step(ops: list[Op]) -> dict[int, Counter]:
     out: dict[int, Counter] = defaultdict(Counter)
     for op in ops:
@@ -84,14 +105,7 @@ def _per_step(ops: list[Op]) -> dict[int, Counter]:
 def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Every step has the same ops (as a multiset) and every block sees them in the same order,
     with lazy decodes recorded late; the tables are those of a run that records nothing."""
-    late = []
-    record = KVCacheManager.record_decodes
-
-    def counted(m, seq, pos, step, n):
-        late.append(n)
-        record(m, seq, pos, step, n)
-
-    monkeypatch.setattr(KVCacheManager, "record_decodes", counted)
+    late = _late_writes(monkeypatch, KVCacheManager)
     cfg = _cfg(**CASES[case])
     fast = simulate(_workload(), cfg)
     assert sum(late) > 100 and max(late) > 1  # lazy decodes ran and were recorded in bulk
@@ -110,9 +124,7 @@ def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.Monkey
     assert fast.manager.ops.counts - Counter(table=10**9) == plain.manager.ops.counts  # tables: only recorded
     a, b = fast.manager.ops.records(), slow.manager.ops.records()
     assert len(a) == len(b) == fast.manager.ops.counts.total()
-    assert [op.step for op in a] == sorted(op.step for op in a)  # ordered by step
-    assert _per_step(a) == _per_step(b)
-    assert _per_block(a) == _per_block(b)
+    same_stream(a, b)
     assert fast.manager.ops.tokens.keys() == slow.manager.ops.tokens.keys()
     assert all((fast.manager.ops.tokens[k] == v).all() for k, v in slow.manager.ops.tokens.items())
 
@@ -161,14 +173,7 @@ def test_hybrid_groups_record_the_plain_ops_with_shortcuts(monkeypatch: pytest.M
     visiting every sequence; recording changes no table, and the write counts stay one group's."""
     from kvsim.kvcache.hybrid import HybridKVCacheManager
 
-    late = []
-    record = HybridKVCacheManager.record_decodes
-
-    def counted(m, seq, pos, step, n):
-        late.append(n)
-        record(m, seq, pos, step, n)
-
-    monkeypatch.setattr(HybridKVCacheManager, "record_decodes", counted)
+    late = _late_writes(monkeypatch, HybridKVCacheManager)
     cfg = SimConfig(model=model, tensor_parallel=tp, num_gpu_blocks=blocks, record_ops=True,
                     max_num_batched_tokens=256, max_num_seqs=8)
     fast = simulate(_hybrid_workload(), cfg)
@@ -183,6 +188,4 @@ def test_hybrid_groups_record_the_plain_ops_with_shortcuts(monkeypatch: pytest.M
     assert fast.manager.ops.counts - Counter(table=10**9) == plain.manager.ops.counts
     a, b = fast.manager.ops.records(), slow.manager.ops.records()
     assert {op.group for op in a} == set(range(fast.manager.num_groups))
-    assert [op.step for op in a] == sorted(op.step for op in a)
-    assert _per_step(a) == _per_step(b)
-    assert _per_block(a) == _per_block(b)
+    same_stream(a, b)
