@@ -182,6 +182,15 @@ class SimConfig:
     offload_fs_threads: int = 16  # vLLM's n_read_threads and n_write_threads
     offload_fs_gbps: float = 2.0  # GB/s one I/O thread reads or writes
     offload_fs_probe_s: float = 1e-5  # seconds the probe thread takes to check one file
+    # prefill/decode disaggregation, one replica standing alone in one role for every request (vLLM
+    # 0.33's NixlConnector, sim.engine.nixl): "decode" reads each prompt's KV from a prefill side,
+    # "prefill" runs each request to one token and holds its blocks until the decode side has read
+    # them (at most kv_lease_duration s); a read takes kv_transfer_latency s plus its bytes at
+    # kv_transfer_gbps GB/s a rank (BLIS's NIXL defaults); None: off
+    kv_transfer_role: str | None = None
+    kv_transfer_gbps: float = 25.0
+    kv_transfer_latency: float = 5e-5
+    kv_lease_duration: float = 30.0
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -246,6 +255,7 @@ class SimConfig:
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         self._validate_offloading()
+        self._validate_transfer()
         from kvsim.kvcache.profiles import profile
 
         try:
@@ -356,6 +366,28 @@ class SimConfig:
             if bad:
                 raise ConfigError(f"kv_offloading_size cannot be combined with {why}: kvsim models offloading "
                                   "under vLLM 0.33's scheduler (sync or async), full attention and recompute preemption")
+
+    def _validate_transfer(self) -> None:
+        role = self.kv_transfer_role
+        if not (math.isfinite(self.kv_transfer_gbps) and self.kv_transfer_gbps > 0):
+            raise ConfigError(f"kv_transfer_gbps must be a positive number of GB/s, got {self.kv_transfer_gbps}")
+        if not (math.isfinite(self.kv_transfer_latency) and self.kv_transfer_latency >= 0):
+            raise ConfigError(f"kv_transfer_latency must be >= 0 seconds, got {self.kv_transfer_latency}")
+        if not (math.isfinite(self.kv_lease_duration) and self.kv_lease_duration > 0):
+            raise ConfigError(f"kv_lease_duration must be a positive number of seconds, got {self.kv_lease_duration}")
+        if role is None:
+            return
+        if role not in ("decode", "prefill"):
+            raise ConfigError(f"kv_transfer_role must be 'decode' or 'prefill', got {role!r}")
+        for bad, why in ((self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
+                         (self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+                         (self.replicas > 1, "replicas (P/D pools are not modelled yet)"),
+                         (self.defrag_threshold is not None, "defragmentation"),
+                         (self.parallel_sampling != "fanout", "parallel_sampling 'fork'"),
+                         (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
+            if bad:
+                raise ConfigError(f"kv_transfer_role cannot be combined with {why}: kvsim models vLLM 0.33's NIXL "
+                                  "connector with its sync scheduler, recompute preemption and one connector")
 
     def _validate_fs(self) -> None:
         if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager

@@ -83,7 +83,8 @@ def step_row(t0: float, dt: float, sched: Scheduler, b: Batch, deltas: tuple[int
 
 
 def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, cost: CostModel) -> Scheduler:
-    """The scheduler `cfg` asks for, with its KV connector (offloading's, with `kv_offloading_size`);
+    """The scheduler `cfg` asks for, with its KV connector (offloading's, with `kv_offloading_size`; the
+    NIXL connector of P/D disaggregation, with `kv_transfer_role`);
     the scheduler builds its output mode (sync or async) and prefill rules from `cfg` itself."""
     connector = None
     if cfg.kv_offloading_size is not None:
@@ -94,6 +95,16 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
                               "modelled for full attention only")
         per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
         connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
+    elif cfg.kv_transfer_role is not None:
+        from kvsim.sim.engine.nixl import KVTransfer, NixlConnector
+
+        if manager.sliding_window is not None:
+            raise ConfigError(f"kv_transfer_role: {cfg.model} uses a sliding window; kvsim models vLLM's NIXL "
+                              "connector for full attention only (vLLM clips a window's blocks)")
+
+        transfer = KVTransfer(cost.kv_bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
+        connector = NixlConnector(manager, cfg.scheduling == "priority", transfer, cfg.kv_transfer_role,
+                                  cfg.kv_lease_duration)
     return Scheduler(cfg, manager, log, connector=connector)
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.offload.tier import HostTier
 from kvsim.kvcache.sequence import Sequence
+from kvsim.sim.engine.async_loads import AsyncLoads
 from kvsim.sim.engine.batch import Batch, Live
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.offload import Offloader
-from kvsim.sim.engine.wait_queue import WaitQueue
 
 
 class OffloadConnector:
@@ -37,10 +37,8 @@ class OffloadConnector:
         self._step_polls: dict[int, list[int]] | None = {} if overlapping else None
         self._step_loads: dict[int, list] = {}
         self.m = manager
-        self.holding = WaitQueue(priority)  # requests holding blocks for a load (vLLM kv_holding_waiting)
-        self._landed: set[str] = set()  # of those, the ones whose load is applied
-        self._loads: dict[str, tuple[int, int]] = {}  # a loading request's GPU hit and loaded tokens, for its log
-        self._inflight: dict[str, Live] = {}  # requests still prefilling (vLLM _inflight_prefills)
+        self.async_loads = AsyncLoads(manager, priority)  # the held requests and in-flight prefills
+        self.holding = self.async_loads.holding
         self._now = 0.0  # when the step being scheduled started
 
     @classmethod
@@ -66,6 +64,11 @@ class OffloadConnector:
         """Requests held for a load, or transfers in flight or waiting to start (vLLM's engine keeps
         stepping: `has_requests`, the connector's pending work)."""
         return bool(self.holding) or self.offload.pending()
+
+    def holds_finished(self) -> bool:
+        """Whether finished requests' blocks are held (never: a finish frees them, its stores read
+        them before they are reused)."""
+        return False
 
     def idle_until(self, now: float) -> float | None:
         """An empty step at `now`: poll and start transfers; the time to schedule again (now if a
@@ -103,10 +106,7 @@ class OffloadConnector:
         """Step `b` ended at `now` (a step without a forward: at its start), its output applied:
         requests whose prefill is done leave the in-flight set; the transfers its poll saw
         complete, and its loads start."""
-        for sid, live in list(self._inflight.items()):
-            seq = live.seq
-            if sid not in self._loads and seq.num_computed_tokens >= seq.num_tokens:
-                del self._inflight[sid]
+        self.async_loads.step_ended()
         if self._step_polls is None:
             self.offload.step_ended(b.start, now)
         else:
@@ -120,40 +120,27 @@ class OffloadConnector:
     def start_load(self, live: Live, hit: int, blocks: list, ext: int, *, watermark: bool, whole: bool) -> bool:
         """Give `live` blocks for its `hit` and `ext` loaded tokens and start the load (vLLM
         `allocate_slots` with external tokens, `update_state_after_alloc`); False: they do not fit."""
-        m, seq = self.m, live.seq
-        reserved = sum(m.blocks_to_finish(x.seq) for x in self._inflight.values())
-        new = m.allocate_for_load(seq, hit, blocks, ext, reserved=reserved, watermark=watermark, whole=whole)
+        seq = live.seq
+        new = self.async_loads.allocate(live, hit, blocks, ext, watermark=watermark, whole=whole)
         if new is None:
             return False
-        sid = seq.seq_id
         self.offload.start_load(seq, hit, ext, new)
-        self.offload.allocated(m.block_tables[sid])
-        seq.num_computed_tokens = hit + ext
-        self._loads[sid] = (hit, ext)
-        self._inflight[sid] = live
+        self.offload.allocated(self.m.block_tables[seq.seq_id])
         return True
 
     def landed(self, seq: Sequence) -> int | None:
         """A held request's computed tokens once its load is applied (its loaded blocks cached; a full
         hit recomputes its last token, whose logits are needed), or None: not yet."""
-        sid = seq.seq_id
-        if sid not in self._landed:
-            off = self.offload
-            if sid not in off.loaded:
-                return None
-            off.loaded.discard(sid)
-            self._landed.add(sid)
-            self.m.cache_blocks(seq, seq.num_computed_tokens)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.num_computed_tokens -= 1
-        return seq.num_computed_tokens
+        sid, loaded = seq.seq_id, self.offload.loaded
+        applied = sid in loaded
+        loaded.discard(sid)
+        return self.async_loads.land(seq, applied)
 
     def admitted(self, live: Live, hit: int, n: int, first: bool) -> int:
         """`live` was admitted with `hit` computed and `n` scheduled; returns the tokens of the hit that
         came from the tier at its (sample's) first admission (the log counts only the GPU hit)."""
         sid = live.seq.seq_id
-        self._landed.discard(sid)
-        loaded = self._loads.pop(sid, None)
+        loaded = self.async_loads.admitted(live, hit, n)
         off = self.offload
         tier_tokens = 0
         if loaded is not None and first:
@@ -161,25 +148,22 @@ class OffloadConnector:
             off.hit_tokens += loaded[1]
             off.fs_hit_tokens += off.fs_loaded.get(sid, 0)
         off.fs_loaded.pop(sid, None)
-        if hit + n < live.seq.num_tokens:
-            self._inflight[sid] = live
-        else:
-            self._inflight.pop(sid, None)
         return tier_tokens
 
     # ------------------------------------------------------------- leaving
     def preempted(self, live: Live) -> None:
         """`live` is preempted in the step being scheduled: its stores are flushed."""
-        self._inflight.pop(live.seq.seq_id, None)
+        self.async_loads.leaving(live.seq.seq_id)
         self.offload.preempted(live.seq, self._now)
 
-    def retiring(self, live: Live, offers: bool) -> None:
-        """`live` is done, its blocks not yet freed; `offers`: it finished (or was truncated) and its
-        last chunks are offered next step."""
+    def retiring(self, live: Live, offers: bool, now: float) -> bool:
+        """`live` is done at `now`, its blocks not yet freed; `offers`: it finished (or was truncated)
+        and its last chunks are offered next step. Returns False: its blocks are freed now."""
         seq = live.seq
-        self._inflight.pop(seq.seq_id, None)
+        self.async_loads.leaving(seq.seq_id)
         if offers and self.m.holds_blocks(seq.seq_id):
             self.offload.finished(seq)
+        return False
 
 
 def _tiered(cfg: SimConfig, chunks: int, chunk_bytes: int):

@@ -96,7 +96,9 @@ HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defrag
                   # vLLM 0.33's OffloadingConnector supports the hybrid manager (SupportsHMA,
                   # offloading_connector.py), so vLLM keeps the groups with it on; kvsim not yet
                   ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"),
-                  ("async_scheduling", "async scheduling"))
+                  ("async_scheduling", "async scheduling"),
+                  # vLLM's NIXL connector moves each group's blocks (sliding windows clipped, Mamba its state)
+                  ("kv_transfer_role", "P/D disaggregation (vLLM's NIXL connector transfers each group)"))
 
 
 def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
@@ -199,7 +201,12 @@ def simulate(
     env = simpy.Environment()
     batches: list[EventBatch] | None = [] if cfg.kv_events and kv_events is None else None
     sink = batches.append if batches is not None else kv_events
-    engine = Engine(env, workload, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
+    requests = workload
+    if cfg.kv_transfer_role == "prefill":  # the proxy asks the prefill side for one token
+        from kvsim.sim.engine.nixl import with_max_tokens_one
+
+        requests = map(with_max_tokens_one, workload)
+    engine = Engine(env, requests, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
     with rare_collections():
         env.run()
     return engine_result(engine, cfg, cost_model, getattr(workload, "name", "workload"),
@@ -218,9 +225,9 @@ def engine_result(engine: Engine, cfg: SimConfig, cost_model: CostModel, name: s
         steps = StepFile(steps_file)
     requests = engine.requests.frame()
     counters = {"skipped_lines": skipped}
-    offload = engine.sched.connector  # KV offloading's, or None
-    if offload is not None:
-        counters.update(offload.totals())
+    connector = engine.sched.connector  # KV offloading's, the NIXL connector, or None
+    if connector is not None:
+        counters.update(connector.totals())
     summary = summarize(
         steps,
         requests,
@@ -231,7 +238,7 @@ def engine_result(engine: Engine, cfg: SimConfig, cost_model: CostModel, name: s
         counters=counters,
         fanned_out=cfg.parallel_sampling == "fanout",
     )
-    if offload is not None:  # GPU and tier hits at first admissions, over their prompt tokens
+    if cfg.kv_offloading_size is not None:  # GPU and tier hits at first admissions, over their prompt tokens
         prompt = summary["prompt_tokens"]
         summary["total_hit_rate"] = (summary["hit_tokens"] + summary["offload_hit_tokens"]) / prompt if prompt else 0.0
     summary = {"workload": name, "model": cfg.model, "gpu": cfg.gpu, **summary}

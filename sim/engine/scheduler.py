@@ -424,7 +424,8 @@ class Scheduler:
             if got is None:
                 # NOTE: requests holding blocks for a load (popped into skipped_holding meanwhile)
                 # hold them as running ones do: vLLM waits for them, nothing "never fits"
-                if held or skipped_holding or (holding and len(holding) > (queue is holding)) or self._deferred:
+                if held or skipped_holding or (holding and len(holding) > (queue is holding)) or self._deferred \
+                        or (conn is not None and conn.holds_finished()):
                     if held and blocks is not None:  # FCFS head of line: wait for blocks to free
                         self.fast.block_head(live, blocks, hit, n)
                     break
@@ -552,9 +553,8 @@ class Scheduler:
         self._finished = True
         self.prefill.forget(live)
         if seq is not None:
-            if self.connector is not None:
-                self.connector.retiring(live, status in (FINISHED, TRUNCATED))
-            if self.m.holds_blocks(seq.seq_id):
+            held = self.connector is not None and self.connector.retiring(live, status in (FINISHED, TRUNCATED), now)
+            if not held and self.m.holds_blocks(seq.seq_id):
                 self._free(live)
             log.output_tokens[row] += (1 if row in self._open else live.req.n) * seq.num_output_tokens
         if status > log.status[row]:

@@ -1,0 +1,116 @@
+"""P/D disaggregation's NIXL connector, one replica in one role (sim/engine/nixl.py), hand-worked.
+
+Rules pinned (vLLM 0.33.0):
+- decode side: vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py
+  `NixlPullConnectorScheduler.get_num_new_matched_tokens` (the prompt less the local hit, async) and
+  `update_state_after_alloc` (once: the remote flag is cleared); vllm/v1/core/sched/scheduler.py
+  `Scheduler.schedule` (the whole prompt allocated up front, WAITING_FOR_REMOTE_KVS) and
+  `_update_waiting_for_remote_kv` (the blocks cached, the last prompt token recomputed);
+- prefill side: pull_scheduler.py `request_finished` (`delay_free_blocks` for a length-capped
+  request, the lease `kv_lease_duration` from base_scheduler.py, 30 s), scheduler.py
+  `_update_from_kv_xfer_finished` (the blocks freed once the send is done);
+- timing: vllm/v1/worker/kv_connector_model_runner_mixin.py `_get_kv_connector_output` (reads posted
+  after the forward's launch, the results polled as the step is launched).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.sim.engine.catalog import ConfigError
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Request, Workload
+
+BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16: 32 layers x 8 KV heads x 128 x K and V x 2 bytes x 16
+
+
+def _requests(arrivals: list[float], prompt: int = 100, output: int = 5) -> Workload:
+    return Workload.from_list([Request(id=f"r{i}", arrival=t, prompt_len=prompt, output_len=output,
+                                       _prompt=np.arange(i * 1000, i * 1000 + prompt, dtype=np.int32))
+                               for i, t in enumerate(arrivals)])
+
+
+def _run(role: str | None, arrivals: list[float], **kw):
+    cfg = SimConfig(model="llama-3-8b", kv_transfer_role=role, block_size=16, **({"num_gpu_blocks": 64} | kw))
+    return simulate(_requests(arrivals), cfg.validate())
+
+
+def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
+    t = KVTransfer(BLOCK_BYTES, gbps=25.0, latency_s=5e-5)
+    assert t.seconds(7) == pytest.approx(5e-5 + 7 * BLOCK_BYTES / 25e9, rel=1e-15)
+    assert t.seconds(0) == 5e-5
+
+
+def test_decode_side_reads_the_whole_prompt_then_recomputes_its_last_token():
+    r = _run("decode", [0.0])
+    read = KVTransfer(BLOCK_BYTES).seconds(7)  # 100 tokens: 7 blocks, none cached locally
+    steps = r.steps
+    rq = r.requests.set_index("id")
+    # the empty step at 0 posts the read; the engine steps again when it is done, and applies it
+    assert rq.at["r0", "first_scheduled"] == pytest.approx(read, abs=1e-12)
+    assert steps["time"].iloc[0] == pytest.approx(read, abs=1e-12)
+    assert (steps["prefill_tokens"].iloc[0], steps["context_tokens"].iloc[0]) == (1, 100)  # one token recomputed
+    assert rq.at["r0", "hit_tokens"] == 0  # the log counts local hits only
+    assert (r.summary["read_blocks"], r.summary["read_tokens"], r.summary["read_bytes"]) == (7, 100, 7 * BLOCK_BYTES)
+    assert r.summary["finished"] == 1 and rq.at["r0", "output_tokens"] == 5
+
+
+def test_a_read_posted_in_a_step_is_seen_by_the_first_step_starting_after_it_and_applied_at_its_end():
+    r = _run("decode", [0.0, 0.01])
+    steps, rq = r.steps, r.requests.set_index("id")
+    t = steps["time"].to_numpy()
+    read = KVTransfer(BLOCK_BYTES).seconds(7)
+    posted = int(np.searchsorted(t, 0.01))  # r1 arrives during a step; the next step admits it
+    assert t[posted] + read <= t[posted + 1]  # done before the next step starts: that step's poll sees it
+    assert rq.at["r1", "first_scheduled"] == t[posted + 2]  # applied as it ends, promoted by the schedule after
+    # a 29 ms read: the engine waits for r0's, wakes for r1's arrival at 0.01 and posts r1's read in
+    # that empty step; r1's read is seen by the first step starting once it is done, then promoted
+    slow = _run("decode", [0.0, 0.01], kv_transfer_gbps=0.5)
+    st, sq = slow.steps["time"].to_numpy(), slow.requests.set_index("id")
+    read = KVTransfer(BLOCK_BYTES, gbps=0.5).seconds(7)
+    assert sq.at["r0", "first_scheduled"] == pytest.approx(read, abs=1e-12)
+    seen = int(np.searchsorted(st, 0.01 + read))
+    assert st[seen - 1] < 0.01 + read <= st[seen]
+    assert sq.at["r1", "first_scheduled"] == st[seen + 1]
+
+
+def test_prefill_side_runs_one_token_and_holds_its_blocks_until_read():
+    # 10 blocks: r0 holds 7 until the decode side has read them, so r1 (7 blocks) waits for the release
+    r = _run("prefill", [0.0, 0.001], num_gpu_blocks=11)
+    rq = r.requests.set_index("id")
+    read = KVTransfer(BLOCK_BYTES).seconds(7)
+    assert list(rq["output_tokens"]) == [1, 1]
+    assert rq.at["r0", "finish"] == rq.at["r0", "first_token"]
+    release = rq.at["r0", "finish"] + read
+    assert rq.at["r1", "first_scheduled"] == pytest.approx(release, abs=1e-12)  # the empty step at the release
+    # r0's prompt blocks are cached when freed: r1 shares none (distinct tokens), so 7 blocks x the hold
+    assert r.summary["held_block_seconds"] == pytest.approx(7 * read + 7 * read, rel=1e-12)
+
+
+def test_prefill_side_hold_is_bounded_by_the_lease():
+    r = _run("prefill", [0.0, 0.001], num_gpu_blocks=11, kv_transfer_gbps=1e-6, kv_lease_duration=0.5)
+    rq = r.requests.set_index("id")
+    assert rq.at["r1", "first_scheduled"] == pytest.approx(rq.at["r0", "finish"] + 0.5, abs=1e-12)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"kv_transfer_role": "both"}, "kv_transfer_role must be"),
+    ({"kv_transfer_role": "decode", "async_scheduling": True}, "async_scheduling"),
+    ({"kv_transfer_role": "decode", "kv_offloading_size": 1.0}, "kv_offloading_size"),
+    ({"kv_transfer_role": "prefill", "replicas": 2}, "replicas"),
+    ({"kv_transfer_gbps": 0.0}, "kv_transfer_gbps"),
+    ({"kv_transfer_latency": -1.0}, "kv_transfer_latency"),
+    ({"kv_lease_duration": 0.0}, "kv_lease_duration"),
+])
+def test_bad_settings_are_refused_in_one_line(kw, field):
+    with pytest.raises(ConfigError, match=field) as e:
+        SimConfig(model="llama-3-8b", **kw).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_windowed_models_are_refused():
+    with pytest.raises(ConfigError, match="sliding window|P/D disaggregation"):
+        simulate(_requests([0.0]), SimConfig(model="mistral-7b", kv_transfer_role="decode").validate())
