@@ -74,29 +74,74 @@ def with_max_tokens_one(req: Request) -> Request:
     return replace(req, output_len=1, output=None)
 
 
-class NixlConnector:
-    """The NIXL connector as the scheduler sees it, one role for every request (module docstring)."""
+class LoneTransport:
+    """The other side of a replica standing alone in one role for every request (`kv_transfer_role`):
+    a decode side's reads take `KVTransfer.seconds` from their post; a prefill side is read by a decode
+    side that reads as soon as the request finishes (the lease bounding the hold)."""
 
-    def __init__(self, manager: KVCacheManager, priority: bool, transfer: KVTransfer, role: str,
-                 lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, transfer: KVTransfer, role: str, lease_s: float = DEFAULT_LEASE_S):
         if role not in ROLES:
             raise ValueError(f"kv_transfer_role must be one of {', '.join(ROLES)}, got {role!r}")
-        self.m = manager
         self.transfer = transfer
         self.role = role
         self.lease_s = lease_s
+        self._ends: dict[str, float] = {}
+
+    def remote_prefill(self, rid: str) -> bool:
+        """Whether request `rid`'s prompt was computed by a prefill replica (vLLM `do_remote_prefill`)."""
+        return self.role == "decode"
+
+    def remote_decode(self, rid: str) -> bool:
+        """Whether request `rid` is a prefill replica's, read by a decode replica (`do_remote_decode`)."""
+        return self.role == "prefill"
+
+    def post(self, rid: str, blocks: int, at: float) -> None:
+        """The decode side posts its read of `blocks` blocks at `at`."""
+        self._ends[rid] = at + self.transfer.seconds(blocks)
+
+    def read_end(self, rid: str, now: float) -> float | None:
+        """When `rid`'s read ends, if known for good by `now`."""
+        return self._ends.get(rid)
+
+    def read_eta(self, rid: str) -> float:
+        """When `rid`'s read would end as things stand."""
+        return self._ends[rid]
+
+    def read_seen(self, rid: str) -> None:
+        """The decode side applied `rid`'s read."""
+        del self._ends[rid]
+
+    def dropped(self, rid: str, now: float) -> None:
+        """The decode side dropped `rid` before reading it."""
+
+    def release_at(self, rid: str, finished: float, blocks: int, now: float) -> float | None:
+        """When the prefill side hears that `rid` (finished at `finished`, `blocks` prompt blocks) was
+        read, or its lease ended; None: not known yet."""
+        return finished + min(self.transfer.seconds(blocks), self.lease_s)
+
+    def release_bound(self, rid: str, finished: float) -> float:
+        """A time by which the prefill side must look again (the lease's end)."""
+        return finished + self.lease_s
+
+
+class NixlConnector:
+    """The NIXL connector as the scheduler sees it, over a transport that says which requests are
+    remote and when their reads end (`LoneTransport`; a P/D cluster's, `sim.cluster.pd`)."""
+
+    def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int):
+        self.m = manager
+        self.transport = transport
+        self.bytes_per_block = bytes_per_block
         self.async_loads = AsyncLoads(manager, priority)
         self.holding = self.async_loads.holding
         self._remote_done: set[str] = set()  # decode side: requests whose remote prompt was allocated
         self._planned: list[tuple[str, int]] = []  # this step's reads: (request, blocks)
-        self._reads: dict[str, float] = {}  # reads in flight: request -> when done
+        self._reads: set[str] = set()  # reads in flight
         self._applied: set[str] = set()  # reads applied, until the request is promoted
-        self._held: dict[str, tuple[Live, float]] = {}  # prefill side: finished requests -> release time
-        self._now = 0.0
+        self._held: dict[str, tuple[Live, float, int]] = {}  # prefill side: request -> (live, finished, prompt blocks)
         self.read_blocks = 0
         self.read_tokens = 0
         self.held_block_seconds = 0.0  # prefill side: blocks held after finishing x seconds held
-        self._held_blocks: dict[str, tuple[int, float]] = {}
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:
@@ -115,18 +160,22 @@ class NixlConnector:
         self._start_planned(now)
         if self._poll_apply(now, now):
             return now
-        times = [*self._reads.values(), *(t for _, t in self._held.values())]
+        t = self.transport
+        times = [t.read_eta(rid) for rid in self._reads]
+        for rid, (_, finished, blocks) in self._held.items():
+            at = t.release_at(rid, finished, blocks, now)
+            times.append(at if at is not None else t.release_bound(rid, finished))
         return min(times, default=None)
 
     def totals(self) -> dict[str, int | float]:
         """The run's transfer figures for its summary."""
         return {"read_blocks": self.read_blocks, "read_tokens": self.read_tokens,
-                "read_bytes": self.read_blocks * self.transfer.bytes_per_block,
+                "read_bytes": self.read_blocks * self.bytes_per_block,
                 "held_block_seconds": self.held_block_seconds}
 
     # ------------------------------------------------------------- the step
     def begin_step(self, now: float) -> None:
-        self._now = now
+        pass
 
     def end_step(self, b: Batch, now: float) -> None:
         """The schedule is chosen at `now`: its reads are posted as its forward is launched."""
@@ -136,28 +185,30 @@ class NixlConnector:
         """Reads start with the step (see the module docstring), not at its end."""
 
     def step_ended(self, b: Batch, now: float) -> None:
-        """Step `b` (started `b.start`) ended at `now`: apply what its poll saw; free the held
-        requests whose read was done."""
+        """Step `b` (started `b.start`) ended at `now`: apply what its poll saw."""
         self.async_loads.step_ended()
         self._poll_apply(b.start, now)
 
     def _start_planned(self, at: float) -> None:
-        for sid, blocks in self._planned:
-            self._reads[sid] = at + self.transfer.seconds(blocks)
+        for rid, blocks in self._planned:
+            self.transport.post(rid, blocks, at)
+            self._reads.add(rid)
         self._planned.clear()
 
     def _poll_apply(self, poll: float, now: float) -> bool:
-        """Apply the reads and releases done by `poll` at `now` (the release frees blocks, in the
-        order the requests finished); whether anything was applied."""
-        done = [sid for sid, t in self._reads.items() if t <= poll]
-        for sid in done:
-            del self._reads[sid]
-            self._applied.add(sid)
-        released = [sid for sid, (_, t) in self._held.items() if t <= poll]
-        for sid in released:
-            live, _ = self._held.pop(sid)
-            blocks, since = self._held_blocks.pop(sid)
-            self.held_block_seconds += blocks * (now - since)
+        """Apply the reads and releases known by `now` to be done by `poll` (a release frees the
+        request's blocks, the held requests in the order they finished); whether any was."""
+        t = self.transport
+        done = [rid for rid in self._reads if (end := t.read_end(rid, now)) is not None and end <= poll]
+        for rid in done:
+            self._reads.discard(rid)
+            t.read_seen(rid)
+            self._applied.add(rid)
+        released = [rid for rid, (_, finished, blocks) in self._held.items()
+                    if (at := t.release_at(rid, finished, blocks, now)) is not None and at <= poll]
+        for rid in released:
+            live, finished, _ = self._held.pop(rid)
+            self.held_block_seconds += len(self.m.block_tables[rid]) * (now - finished)
             self.m.free(live.seq)
         return bool(done or released)
 
@@ -165,7 +216,8 @@ class NixlConnector:
     def lookup(self, seq: Sequence, hit: int) -> int:
         """The prompt tokens past the local `hit` to read from the prefill side (vLLM
         `get_num_new_matched_tokens`): the whole prompt less the local hit, once; 0 afterwards."""
-        if self.role != "decode" or seq.seq_id in self._remote_done:
+        rid = seq.seq_id
+        if rid in self._remote_done or not self.transport.remote_prefill(rid):
             return 0
         return max(seq.num_prompt_tokens - hit, 0)
 
@@ -175,18 +227,18 @@ class NixlConnector:
         new = self.async_loads.allocate(live, hit, blocks, ext, watermark=watermark, whole=whole)
         if new is None:
             return False
-        sid = live.seq.seq_id
-        self._remote_done.add(sid)
-        self._planned.append((sid, len(new)))
+        rid = live.seq.seq_id
+        self._remote_done.add(rid)
+        self._planned.append((rid, len(new)))
         self.read_blocks += len(new)
         self.read_tokens += ext
         return True
 
     def landed(self, seq: Sequence) -> int | None:
         """A held request's computed tokens once its read is applied, or None: not yet."""
-        sid = seq.seq_id
-        applied = sid in self._applied
-        self._applied.discard(sid)
+        rid = seq.seq_id
+        applied = rid in self._applied
+        self._applied.discard(rid)
         return self.async_loads.land(seq, applied)
 
     def admitted(self, live: Live, hit: int, n: int, first: bool) -> int:
@@ -201,14 +253,15 @@ class NixlConnector:
 
     def retiring(self, live: Live, offers: bool, now: float) -> bool:
         """`live` is done at `now`; True if its blocks are held (the prefill side's finished request,
-        read by the decode side later: vLLM `request_finished` returns `delay_free_blocks`). Standing
-        alone, the decode side reads the prompt's blocks at once; the lease bounds the hold."""
+        read by the decode side later: vLLM `request_finished` returns `delay_free_blocks`). A decode
+        side's request dropped before its read lets the prefill side go."""
         seq = live.seq
-        sid = seq.seq_id
-        self.async_loads.leaving(sid)
-        if self.role != "prefill" or not offers or not self.m.holds_blocks(sid):
+        rid = seq.seq_id
+        self.async_loads.leaving(rid)
+        t = self.transport
+        if t.remote_prefill(rid) and rid not in self._remote_done:
+            t.dropped(rid, now)
+        if not t.remote_decode(rid) or not offers or not self.m.holds_blocks(rid):
             return False
-        read = self.transfer.seconds(cdiv(seq.num_prompt_tokens, self.m.block_size))
-        self._held[sid] = (live, now + min(read, self.lease_s))
-        self._held_blocks[sid] = (len(self.m.block_tables[sid]), now)
+        self._held[rid] = (live, now, cdiv(seq.num_prompt_tokens, self.m.block_size))
         return True
