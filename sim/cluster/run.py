@@ -109,6 +109,28 @@ def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:
     return simulate_cluster(workload.open(), cfg).summary["cluster"]
 
 
+# the cluster section's overall figures a sweep records a cluster point by, under the names the
+# one-engine summary gives the same figures (`sim.engine.metrics.summarize`), so a grid that mixes
+# one replica and several compares them in the same columns
+SWEEP_FIGURES = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+                 "goodput_rps", "slo_attainment", "duration_s")
+
+
+def sweep_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """A cluster run's summary as one flat record of a sweep point (scalars only, one table
+    column each): what ran (workload, model, GPU, replicas, router), the overall figures
+    (`SWEEP_FIGURES`, plus `throughput_rps`: finished requests over the span, as one engine's),
+    and the load imbalance (`imbalance_mean`, `imbalance_peak`)."""
+    section = summary["cluster"]
+    overall = section["overall"]
+    span = overall["duration_s"]
+    return {"workload": summary["workload"], "model": summary["model"], "gpu": summary["gpu"],
+            "replicas": section["replicas"], "router": section["router"],
+            **{k: overall[k] for k in SWEEP_FIGURES},
+            "throughput_rps": overall["finished"] / span if span else 0.0,
+            "imbalance_mean": section["imbalance_mean"], "imbalance_peak": section["imbalance_peak"]}
+
+
 def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:
     """Each replica's in-flight requests (dispatched, not yet finished) from each change on: a row
     per distinct time (`time`, then `replica_<i>`), the counts after every change at that time."""
