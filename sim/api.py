@@ -256,14 +256,30 @@ def curve(workload: WorkloadLike = None, *, capacities: Iterable[int], policies:
                           mode=mode, workers=workers, base=base, on_point=on_point)
 
 
+def sweep_point(params: dict[str, Any], workload: WorkloadSpec) -> dict[str, Any]:
+    """One sweep point's record (in a worker process, local or on Ray): a cluster's flat figures
+    where `params` has `replicas` > 1 (`sim.cluster.run.sweep_figures`), else one engine's summary
+    exactly as `sim.studies.sweep.simulate_point` gives it. Here, not in studies, since studies
+    does not import the cluster: `kvsim sweep` and `sweep` pass it in as their point function."""
+    from kvsim.sim.studies.sweep import config_of, simulate_point
+
+    if params.get("replicas", 1) == 1:
+        return simulate_point(params, workload)
+    from kvsim.sim.cluster.run import simulate_cluster, sweep_figures
+
+    cfg = config_of(params, "point")
+    return sweep_figures(simulate_cluster(workload.open(), cfg, keep_requests=False).summary)
+
+
 def sweep(workload: WorkloadLike = None, *, grid: Mapping[str, Iterable[Any]] | None = None,
           points: Iterable[Mapping[str, Any]] | None = None, workers: int = 1,
           on_point: Callable[[dict[str, Any]], None] | None = None, **knobs: Any) -> pd.DataFrame:
     """Simulate every point over the fixed `knobs`, on `workers` processes: the combinations of
     `grid` (knob -> values), or the knob dicts of `points` (for points that are not a product).
-    One row per point, in order: its own values, then its summary."""
+    One row per point, in order: its own values, then its summary (a cluster's figures where
+    `replicas` > 1: `sweep_point`)."""
     from kvsim.sim.engine.cost_model import CostModel
-    from kvsim.sim.studies.sweep import run_parallel, simulate_point
+    from kvsim.sim.studies.sweep import run_parallel
 
     if (grid is None) == (points is None):
         raise ConfigError("sweep takes a grid or a list of points (one of the two)")
@@ -286,7 +302,7 @@ def sweep(workload: WorkloadLike = None, *, grid: Mapping[str, Iterable[Any]] | 
             params["num_gpu_blocks"] = sized.num_gpu_blocks
         items.append((params, spec))
     done = (lambda item, s: on_point({**item[0], **s})) if on_point else None
-    rows = run_parallel(simulate_point, items, workers, done)
+    rows = run_parallel(sweep_point, items, workers, done)
     return pd.DataFrame([{**p, **{k: v for k, v in s.items() if k not in p}} for p, s in zip(chosen, rows, strict=True)])
 
 

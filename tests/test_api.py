@@ -12,6 +12,7 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+import pandas as pd
 import pytest
 
 import kvsim
@@ -105,6 +106,15 @@ def test_a_sweep_takes_points_that_are_not_a_product(chat):
         kvsim.sweep(chat)
     with pytest.raises(kvsim.ConfigError, match=r"^sweep point \{'block_size': 12\}: block_size must be a positive"):
         kvsim.sweep(chat, grid={"block_size": [16, 12]})
+
+
+def test_a_sweep_over_replicas_simulates_the_clusters(chat):
+    df = kvsim.sweep(chat, grid={"replicas": [1, 2], "router": ["session-affinity"]}, num_gpu_blocks=64)
+    lone = kvsim.simulate(chat, num_gpu_blocks=64).summary
+    section = kvsim.simulate_cluster(chat, num_gpu_blocks=64, replicas=2, router="session-affinity").summary["cluster"]
+    assert df["hit_rate"].tolist() == [lone["hit_rate"], section["overall"]["hit_rate"]]
+    assert df.loc[1, "imbalance_mean"] == section["imbalance_mean"] and pd.isna(df.loc[0, "imbalance_mean"])
+    assert df.loc[0, "evictions"] == lone["evictions"]
 
 
 def test_workload_stats_give_the_ideal_hit_rate(chat):

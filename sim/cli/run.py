@@ -304,7 +304,7 @@ def run(
     router_balance_rel: Annotated[float | None, typer.Option("--router-balance-rel", help="...and max exceeds min times this [default: 1.5]")] = None,
     router_tree_size: Annotated[int | None, typer.Option("--router-tree-size", help="sglang-cache-aware: characters its radix tree keeps per replica [default: 2**26]")] = None,
     router_eviction_interval: Annotated[float | None, typer.Option("--router-eviction-interval", help="sglang-cache-aware: seconds between its tree's evictions [default: 120]")] = None,
-    kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared); every step is then simulated in full")] = None,
+    kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); every step is then simulated in full")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
 ) -> None:
@@ -337,7 +337,7 @@ def run(
     if kv_events is not None:
         check_output(kv_events)
     if cfg.replicas > 1:
-        return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress)
+        return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress, kv_events)
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
@@ -385,8 +385,10 @@ def run(
     typer.echo("\n".join(lines))
 
 
-def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any) -> None:
-    """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table."""
+def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any,
+                kv_events: Path | None = None) -> None:
+    """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table; with
+    `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step)."""
     from kvsim.sim.cli.report import cluster_table
     from kvsim.sim.cluster.run import simulate_cluster
     from kvsim.sim.engine.config import ConfigError
@@ -394,13 +396,19 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     from kvsim.sim.studies.run_folder import run_scratch
     from kvsim.workloads.errors import WorkloadError
 
-    with run_scratch(out_dir) as scratch:  # each replica's steps stream there (flat memory), copied in whole
+    # each replica's steps stream into the scratch folder (flat memory), copied in whole; the KV
+    # events into a file beside theirs, renamed into place only if the whole run is written
+    with run_scratch(out_dir) as scratch, ExitStack() as stack:
+        streams: dict[str, Any] = {"steps_dir": scratch, "keep_requests": False}
+        if kv_events is not None:
+            sink = stack.enter_context(open(stack.enter_context(staged_file(kv_events)), "w"))
+            streams["kv_events"] = lambda batch: sink.write(batch.json_line())
         try:
             if bar is not None:
                 with bar:
-                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, steps_dir=scratch, keep_requests=False)
+                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, **streams)
             else:
-                result = simulate_cluster(wl, cfg, cost_model=cost, steps_dir=scratch, keep_requests=False)
+                result = simulate_cluster(wl, cfg, cost_model=cost, **streams)
         except (ConfigError, WorkloadError) as e:
             raise fail(str(e)) from None
         try:

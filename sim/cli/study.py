@@ -42,6 +42,7 @@ def sweep(
     ] = None,
 ) -> None:
     """Run every point of a parameter grid; finished points are kept, so a rerun resumes."""
+    from kvsim.sim.api import sweep_point
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.studies.sweep import check_params, load_sweep, run_sweep
     from kvsim.workloads.errors import WorkloadError
@@ -61,17 +62,15 @@ def sweep(
         def report(pt, rec, skipped: bool) -> None:
             done[0] += 1
             s = rec["summary"]
-            note = (
-                "already done"
-                if skipped
-                else (
-                    f"hit rate {s.get('hit_rate', 0):.2%}, {s.get('throughput_rps', 0):.2f} req/s"
-                )
-            )
+            note = "already done" if skipped else (
+                f"hit rate {s.get('hit_rate', 0):.2%}, {s.get('throughput_rps', 0):.2f} req/s")
+            if not skipped and "imbalance_mean" in s:  # a cluster's point
+                imb = s["imbalance_mean"]
+                note += f", imbalance {imb:.2f}" if imb is not None else ""
             typer.echo(f"[{done[0]}/{total}] {pt.id}: {note}")
 
         t0 = time.perf_counter()
-        table = run_sweep(sw, out_dir, workers, ray, report)
+        table = run_sweep(sw, out_dir, workers, ray, report, point_fn=sweep_point)
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
     typer.echo(

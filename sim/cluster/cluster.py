@@ -27,6 +27,8 @@ from pathlib import Path
 import simpy
 from simpy.events import NORMAL, Event
 
+from kvsim.kvcache.events import EventBatch
+from kvsim.sim.cluster.event_stream import EventStream
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.routers import EngineMetrics, Router, RouterView, make_router
 from kvsim.sim.engine.config import EVENT_ROUTERS, SimConfig
@@ -105,11 +107,14 @@ class Cluster:
     `load_events` the (time, replica, +1 or -1) changes of each replica's in-flight count as the
     router counts it (dispatched, then finished or dropped). A router that reads KV events
     (`reads_events`, with an `index`) gets each replica's batch `cfg.kv_event_delay` seconds after
-    the step that produced it ended: every batch due by a pick is applied to its index before it."""
+    the step that produced it ended: every batch due by a pick is applied to its index before it.
+    With `cfg.kv_events`, the same batches reach `kv_events` in the order (ts, replica, step)
+    (`event_stream`, closed when the run ends)."""
 
     def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
                  progress: Callable[[int], None] | None = None, router: Router | None = None,
-                 steps_files: list[Path] | None = None, keep_requests: bool = True):
+                 steps_files: list[Path] | None = None, keep_requests: bool = True,
+                 kv_events: Callable[[EventBatch], None] | None = None):
         self.env = env
         self.cfg = cfg
         n = len(managers)
@@ -130,7 +135,9 @@ class Cluster:
         self.front = Frontend(env, workload, self._route, load=cfg.load, closed_loop=closed)
         self.inlets: list[ReplicaFront] = []
         engine_cfg = engine_config(cfg) if self.events is not None else cfg
-        sink = self.events.send if self.events is not None else None
+        # one stream of every replica's batches: to the router, and to `kv_events` in order
+        self.event_stream = EventStream(env, self.events.send if self.events is not None else None, kv_events)
+        sink = self.event_stream.send if self.events is not None or kv_events is not None else None
         # with `steps_files`, each replica's steps table streams into its file (memory stays flat)
         self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i,
                                steps_file=None if steps_files is None else steps_files[i])

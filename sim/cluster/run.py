@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.metrics import meets_slo, percentiles, prefix_hits
@@ -63,6 +64,7 @@ def simulate_cluster(
     cost_model: CostModel | None = None,
     steps_dir: str | Path | None = None,
     keep_requests: bool = True,
+    kv_events: Callable[[EventBatch], None] | None = None,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
@@ -71,7 +73,9 @@ def simulate_cluster(
     with the replicas' steps; the result reads them back on demand (`kvsim run` streams them into
     its scratch folder). Without `keep_requests` the result keeps only each request's id and
     arrival (`received`), not the requests (`received_workload` then refuses): a long run keeps no
-    token arrays alive."""
+    token arrays alive. With `cfg.kv_events`, every replica's KV-event batches are handed to
+    `kv_events` in the order (ts, replica, step) (`sim.cluster.event_stream`), or kept on each
+    replica's result (`replicas[i].kv_events`, no sink given)."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
@@ -80,16 +84,23 @@ def simulate_cluster(
     managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
     env = simpy.Environment()
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
+    kept: list[list[EventBatch]] | None = None
+    if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
+        kept = [[] for _ in range(cfg.replicas)]
+
+        def kv_events(batch: EventBatch) -> None:
+            kept[batch.replica].append(batch)
     cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files,
-                      keep_requests=keep_requests)
+                      keep_requests=keep_requests, kv_events=kv_events if cfg.kv_events else None)
     with rare_collections():
         env.run()
+    cluster.event_stream.close()
     if progress is not None:
         progress(cluster.num_done)
     name = getattr(workload, "name", "workload")
     skipped = getattr(workload, "skipped", 0)
-    replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i])
-                for i, e in enumerate(cluster.engines)]
+    replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i],
+                              None if kept is None else kept[i]) for i, e in enumerate(cluster.engines)]
     rows = [(r if type(r) is str else r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
     received = pd.DataFrame(rows, columns=["id", "arrival", "replica"]).astype(
         {"id": "string", "arrival": np.float64, "replica": np.int32})
@@ -107,6 +118,28 @@ def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:
     `WorkloadSpec`); returns the cluster section (`overall["slo_attainment"]` among it)."""
     cfg = SimConfig.from_dict(params, source="point")
     return simulate_cluster(workload.open(), cfg).summary["cluster"]
+
+
+# the cluster section's overall figures a sweep records a cluster point by, under the names the
+# one-engine summary gives the same figures (`sim.engine.metrics.summarize`), so a grid that mixes
+# one replica and several compares them in the same columns
+SWEEP_FIGURES = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+                 "goodput_rps", "slo_attainment", "duration_s")
+
+
+def sweep_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """A cluster run's summary as one flat record of a sweep point (scalars only, one table
+    column each): what ran (workload, model, GPU, replicas, router), the overall figures
+    (`SWEEP_FIGURES`, plus `throughput_rps`: finished requests over the span, as one engine's),
+    and the load imbalance (`imbalance_mean`, `imbalance_peak`)."""
+    section = summary["cluster"]
+    overall = section["overall"]
+    span = overall["duration_s"]
+    return {"workload": summary["workload"], "model": summary["model"], "gpu": summary["gpu"],
+            "replicas": section["replicas"], "router": section["router"],
+            **{k: overall[k] for k in SWEEP_FIGURES},
+            "throughput_rps": overall["finished"] / span if span else 0.0,
+            "imbalance_mean": section["imbalance_mean"], "imbalance_peak": section["imbalance_peak"]}
 
 
 def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:

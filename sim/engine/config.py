@@ -320,9 +320,6 @@ class SimConfig:
                 raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
         if self.router_temperature and self.router != "dynamo":
             raise ConfigError(f"router_temperature: only dynamo samples by temperature, not {self.router}")
-        if self.replicas > 1 and self.kv_events:
-            raise ConfigError("kv_events: a cluster's replicas do not write their KV events to a file yet (the llm-d-precise "
-                              "and dynamo routers read them without it); run with replicas 1")
 
     def _validate_router_options(self) -> None:
         if self.router_scorers is not None:
