@@ -21,6 +21,7 @@ reach it after its own output at t, where a lone engine would queue it first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class ReplicaFront:
         self.cluster.finished(self.index, req, now)
 
     def idle(self) -> bool:
-        return self.cluster.front.idle()
+        return self.cluster.idle()
 
     def upto(self, t: float):
         """Let every normal event at or before `t` happen before the engine goes on at `t` (one
@@ -91,6 +92,23 @@ class ReplicaFront:
         env = self.env
         if env.peek() <= t:
             yield _Late(env, max(t - env.now, 0.0))
+
+    def idle_wait(self, t0: float, until: float):
+        """An empty step at `t0`, the connector's next transfer due at `until`: as a lone engine's
+        front end (the next event before `until` may bring work), unless the cluster pokes its idle
+        replicas when their work may change (`pokes_idle`, a P/D cluster: two idle replicas at the
+        same time would otherwise wake each other for ever): then sleep until `until` or a poke, and
+        let the normal events at the time woken happen first. Returns the clock."""
+        env = self.env
+        if not getattr(self.cluster, "pokes_idle", False):
+            clock = min(until, max(env.peek(), t0))
+            yield from self.upto(clock)
+            return clock
+        self._wake = env.event()
+        yield self._wake if until == math.inf else self._wake | _Late(env, until - env.now)
+        self._wake = None
+        yield _Late(env, 0.0)
+        return env.now
 
     def wait(self):
         """Sleep until the router hands this replica a request, or the cluster is idle."""
@@ -190,6 +208,10 @@ class Cluster:
             self.progress(self.num_done)
         if self.front.idle():
             self._close()
+
+    def idle(self) -> bool:
+        """No request will reach any replica again (every request was routed at its release)."""
+        return self.front.idle()
 
     def _close(self) -> None:
         """No request will reach any replica again: wake the sleeping ones so they end."""

@@ -77,6 +77,14 @@ class SharedLink:
         """When read `key` ends, if settled (its last byte moved by the link's time); else None."""
         return self._done.get(key)
 
+    def eta(self, key: object) -> float:
+        """When read `key` ends: settled, or as things stand (its bytes left at its current rate)."""
+        done = self._done.get(key)
+        if done is not None:
+            return done
+        r = self._active[key]
+        return self._time + r.left / r.rate + self.latency_s
+
     def next_end(self) -> float | None:
         """When the next read in flight would end at the current rates (None: none in flight)."""
         ends = [self._time + r.left / r.rate + self.latency_s for r in self._active.values() if r.rate > 0]

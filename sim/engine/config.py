@@ -191,6 +191,13 @@ class SimConfig:
     kv_transfer_gbps: float = 25.0
     kv_transfer_latency: float = 5e-5
     kv_lease_duration: float = 30.0
+    # a P/D cluster (sim.cluster.pd): prefill_replicas engines run prompts, decode_replicas decode,
+    # each pool behind its own `router`; pd_decider (sim.cluster.deciders.DECIDERS) says which
+    # prompts go to the prefill pool (pd_threshold: llm-d's nonCachedTokens); 0 and 0: off
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    pd_decider: str = "always"
+    pd_threshold: int = 16
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -372,6 +379,7 @@ class SimConfig:
             raise ConfigError(f"kv_transfer_latency must be >= 0 seconds, got {self.kv_transfer_latency}")
         if not (math.isfinite(self.kv_lease_duration) and self.kv_lease_duration > 0):
             raise ConfigError(f"kv_lease_duration must be a positive number of seconds, got {self.kv_lease_duration}")
+        self._validate_pd()
         if role is None:
             return
         if role not in ("decode", "prefill"):
@@ -385,6 +393,28 @@ class SimConfig:
             if bad:
                 raise ConfigError(f"kv_transfer_role cannot be combined with {why}: kvsim models vLLM 0.33's NIXL "
                                   "connector with its sync scheduler, recompute preemption and one connector")
+
+    def _validate_pd(self) -> None:
+        p, d = self.prefill_replicas, self.decode_replicas
+        for name, v in (("prefill_replicas", p), ("decode_replicas", d), ("pd_threshold", self.pd_threshold)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        if not p and not d:
+            return
+        if not (p and d):
+            raise ConfigError(f"a P/D cluster needs both pools: prefill_replicas {p}, decode_replicas {d}")
+        if self.pd_decider not in ("never", "always", "llm-d", "dynamo"):
+            raise ConfigError(f"pd_decider must be one of never, always, llm-d, dynamo, got {self.pd_decider!r}")
+        for bad, why in ((self.replicas > 1, "replicas (an aggregated cluster)"),
+                         (self.kv_transfer_role is not None, "kv_transfer_role (a lone replica's role)"),
+                         (self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
+                         (self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+                         (self.record_ops, "record_ops"), (self.kv_events, "kv_events"),
+                         (self.parallel_sampling != "fanout", "parallel_sampling 'fork'"),
+                         (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
+            if bad:
+                raise ConfigError(f"prefill_replicas cannot be combined with {why}: kvsim models a P/D cluster of "
+                                  "vLLM 0.33 replicas with the NIXL connector, sync scheduling and recompute preemption")
 
     def _validate_fs(self) -> None:
         if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager

@@ -119,6 +119,13 @@ class Frontend:
         while env.peek() <= t:
             yield env.timeout(max(t - env.now, 0.0))
 
+    def idle_wait(self, t0: float, until: float):
+        """An empty step at `t0` whose connector's next transfer is due at `until` (> t0): go on at
+        `until`, or at the next event before it (an arrival may bring work); returns the clock."""
+        clock = min(until, max(self.env.peek(), t0))
+        yield from self.upto(clock)
+        return clock
+
     def wait(self):
         """Sleep until the next request reaches the engine (a SimPy generator: `yield from`)."""
         self._wake = self.env.event()

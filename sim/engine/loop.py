@@ -24,7 +24,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import simpy
 
@@ -82,12 +82,13 @@ def step_row(t0: float, dt: float, sched: Scheduler, b: Batch, deltas: tuple[int
     )  # fmt: skip
 
 
-def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, cost: CostModel) -> Scheduler:
+def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, cost: CostModel,
+                    connector: Any = None) -> Scheduler:
     """The scheduler `cfg` asks for, with its KV connector (offloading's, with `kv_offloading_size`; the
     NIXL connector of P/D disaggregation, with `kv_transfer_role`);
-    the scheduler builds its output mode (sync or async) and prefill rules from `cfg` itself."""
-    connector = None
-    if cfg.kv_offloading_size is not None:
+    the scheduler builds its output mode (sync or async) and prefill rules from `cfg` itself. A
+    `connector` given (a P/D cluster's replica, `sim.cluster.pd`) is used as it is."""
+    if connector is None and cfg.kv_offloading_size is not None:
         from kvsim.sim.engine.offload_connector import OffloadConnector
 
         if manager.sliding_window is not None:
@@ -95,7 +96,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
                               "modelled for full attention only")
         per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
         connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
-    elif cfg.kv_transfer_role is not None:
+    elif connector is None and cfg.kv_transfer_role is not None:
         from kvsim.sim.engine.nixl import KVTransfer, LoneTransport, NixlConnector
 
         if manager.sliding_window is not None:
@@ -123,6 +124,7 @@ class Engine:
         front: Callable[[Callable[[Request], None]], Frontend] | None = None,
         kv_events: Callable[[EventBatch], None] | None = None,
         replica: int = 0,
+        connector: Any = None,
     ):
         self.env = env
         self.cfg = cfg
@@ -132,7 +134,7 @@ class Engine:
         self.steps = StepLog(steps_file)  # with a file: streamed into it
         # vLLM's hybrid KV-cache groups: the blocks each holds after each step (blocks.png)
         self.group_usage = GroupUsage(manager.num_groups) if getattr(manager, "num_groups", 1) > 1 else None
-        self.sched = build_scheduler(cfg, manager, self.requests, cost)
+        self.sched = build_scheduler(cfg, manager, self.requests, cost, connector)
         # NOTE: a fixed step time is for step-by-step comparison with vLLM, which sees every
         # request at its arrival time: open loop
         closed = cfg.closed_loop_sessions and cfg.step_time is None
@@ -270,8 +272,7 @@ class Engine:
                     if grid:  # an empty step takes its slot; none polls before the transfer ends
                         clock = start + 1 if until <= t0 else max(grid_index(min(until, env.peek()), S), start + 1)
                     elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it
-                        clock = min(until, max(env.peek(), t0))
-                        yield from self.front.upto(clock)
+                        clock = yield from self.front.idle_wait(t0, until)
                     continue
                 else:
                     empties += 1

@@ -123,6 +123,9 @@ class LoneTransport:
         """A time by which the prefill side must look again (the lease's end)."""
         return finished + self.lease_s
 
+    def freed(self, rid: str, now: float) -> None:
+        """The prefill side freed `rid`'s held blocks at `now`."""
+
 
 class NixlConnector:
     """The NIXL connector as the scheduler sees it, over a transport that says which requests are
@@ -210,6 +213,7 @@ class NixlConnector:
             live, finished, _ = self._held.pop(rid)
             self.held_block_seconds += len(self.m.block_tables[rid]) * (now - finished)
             self.m.free(live.seq)
+            t.freed(rid, now)
         return bool(done or released)
 
     # ------------------------------------------------------------- admission (decode side)

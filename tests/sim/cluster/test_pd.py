@@ -1,0 +1,124 @@
+"""A P/D cluster (sim/cluster/pd.py): one request's path through both pools worked by hand, the
+link shared by concurrent reads, the deciders in place, and a cluster that never disaggregates
+behaving as the aggregated cluster of its decode pool.
+
+Protocol pinned (vLLM 0.33.0): nixl/pull_scheduler.py `request_finished` (the prefill side holds its
+blocks until the read), `get_num_new_matched_tokens` (the decode side reads the prompt less its local
+hit), scheduler.py `_update_waiting_for_remote_kv`; polls as in tests/sim/engine/test_nixl.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.sim.cluster.pd import simulate_pd
+from kvsim.sim.cluster.run import simulate_cluster
+from kvsim.sim.engine.catalog import ConfigError
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.workloads.request import Request, Workload
+
+BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16
+READ7 = KVTransfer(BLOCK_BYTES).seconds(7)  # a 100-token prompt: 7 blocks
+
+
+def _workload(arrivals, prompts=None, prompt=100, output=5) -> Workload:
+    reqs = []
+    for i, t in enumerate(arrivals):
+        toks = prompts[i] if prompts is not None else np.arange(i * 1000, i * 1000 + prompt, dtype=np.int32)
+        reqs.append(Request(id=f"r{i}", arrival=t, prompt_len=len(toks), output_len=output, _prompt=toks))
+    return Workload.from_list(reqs)
+
+
+def _cfg(**kw) -> SimConfig:
+    return SimConfig(model="llama-3-8b", block_size=16, **({"num_gpu_blocks": 64, "prefill_replicas": 1,
+                                                            "decode_replicas": 1} | kw)).validate()
+
+
+def test_one_requests_path_through_both_pools_by_hand():
+    r = simulate_pd(_workload([0.0, 0.01, 0.02]), _cfg())
+    p = r.paths.set_index("id")
+    prefill_steps = r.replicas[0].steps
+    decode_steps = r.replicas[1].steps
+    # r0: prefilled alone (one step, its one token), then read at once by the idle decode replica,
+    # which promotes it when the read ends; the prefill replica, idle, frees its blocks then too
+    first_end = prefill_steps["time"].iloc[0] + prefill_steps["duration"].iloc[0]
+    assert p.at["r0", "prefill_done"] == first_end
+    assert p.at["r0", "read_post"] == first_end
+    assert p.at["r0", "read_end"] == pytest.approx(first_end + READ7, abs=1e-12)
+    assert p.at["r0", "decode_start"] == p.at["r0", "read_end"] == p.at["r0", "released"]
+    assert list(r.replicas[0].requests["output_tokens"]) == [1, 1, 1]  # the prefill side's max_tokens 1
+    # r1 reaches the decode replica while it decodes r0: admitted (its read posted) at the next step's
+    # start; seen by the first step starting once the read ended, promoted when that step ends
+    dt = decode_steps["time"].to_numpy()
+    ends = dt + decode_steps["duration"].to_numpy()
+    k = int(np.searchsorted(dt, p.at["r1", "prefill_done"]))
+    assert p.at["r1", "read_post"] == dt[k]
+    assert p.at["r1", "read_end"] == pytest.approx(dt[k] + READ7, abs=1e-12)
+    seen = int(np.searchsorted(dt, p.at["r1", "read_end"]))
+    assert p.at["r1", "decode_start"] == ends[seen]
+    # the prefill replica runs r2 meanwhile (0.02 to its step's end): it polls r1's release only
+    # when that step ends, then frees r1's blocks
+    assert p.at["r1", "released"] == p.at["r2", "prefill_done"]
+    # TTFT's parts add up
+    for rid in ("r0", "r1", "r2"):
+        parts = p.loc[rid, ["prefill_queue", "prefill", "decode_queue", "transfer", "promotion"]].sum()
+        first = p.at[rid, "first_token"] - p.at[rid, "decode_start"]
+        assert p.at[rid, "ttft"] == pytest.approx(parts + first, abs=1e-12)
+    s = r.summary["pd"]
+    assert (s["requests"], s["finished"], s["remote"], s["read_bytes"]) == (3, 3, 3, 21 * BLOCK_BYTES)
+
+
+def test_two_reads_from_one_prefill_replica_share_its_nic():
+    # both prompts prefill in one step on the one prefill replica and go to two idle decode replicas:
+    # their reads start together through the prefill NIC, each at half its bandwidth
+    r = simulate_pd(_workload([0.0, 0.0]), _cfg(decode_replicas=2))
+    p = r.paths.set_index("id")
+    assert p.at["r0", "read_post"] == p.at["r1", "read_post"]
+    shared = 5e-5 + 2 * 7 * BLOCK_BYTES / 25e9
+    assert p.at["r0", "transfer"] == pytest.approx(shared, rel=1e-12)
+    assert p.at["r1", "transfer"] == pytest.approx(shared, rel=1e-12)
+    assert sorted(p["decode_replica"]) == [1, 2]
+
+
+def test_never_disaggregating_is_the_aggregated_cluster_of_the_decode_pool():
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 50, int(n), dtype=np.int32) for n in rng.integers(20, 300, 40)]
+    wl = lambda: _workload(sorted(rng.uniform(0, 0.5, 40)), prompts)  # noqa: E731
+    arrivals_wl = wl()
+    reqs = list(arrivals_wl)
+    agg = simulate_cluster(Workload.from_list(reqs), SimConfig(model="llama-3-8b", block_size=16, num_gpu_blocks=64,
+                                                               replicas=2, router="round-robin").validate())
+    pdr = simulate_pd(Workload.from_list(reqs), _cfg(decode_replicas=2, pd_decider="never"))
+    assert not pdr.paths["remote"].any()
+    cols = ["id", "arrival", "first_scheduled", "first_token", "finish", "hit_tokens", "output_tokens", "status"]
+    for i in range(2):
+        assert agg.replicas[i].requests[cols].equals(pdr.replicas[1 + i].requests[cols])
+    assert len(pdr.replicas[0].requests) == 0
+
+
+def test_llmd_decider_keeps_prompts_the_decode_replica_holds_local():
+    # llm-d routing and decider: a first prompt is not cached anywhere (disaggregated); the same
+    # prompt again goes to the decode replica that holds it (prefix scorer), whose non-cached suffix
+    # (< 16 tokens) keeps it local
+    base = np.arange(160, dtype=np.int32)
+    r = simulate_pd(_workload([0.0, 1.0], [base, base]), _cfg(router="llm-d", pd_decider="llm-d"))
+    p = r.paths.set_index("id")
+    assert p.at["r0", "remote"] and not p.at["r1", "remote"]
+    assert p.at["r1", "cached_tokens"] == 160
+    # behind a router with no prefix index llm-d never disaggregates (computeNonCachedTokens not ok)
+    rr = simulate_pd(_workload([0.0, 1.0], [base, base]), _cfg(router="round-robin", pd_decider="llm-d"))
+    assert not rr.paths["remote"].any()
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"prefill_replicas": 1, "decode_replicas": 0}, "needs both pools"),
+    ({"pd_decider": "maybe"}, "pd_decider must be"),
+    ({"replicas": 2}, "replicas"),
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"prefill_replicas": -1}, "prefill_replicas must be"),
+])
+def test_bad_pd_settings_are_refused_in_one_line(kw, field):
+    with pytest.raises(ConfigError, match=field) as e:
+        SimConfig(model="llama-3-8b", **({"prefill_replicas": 1, "decode_replicas": 1} | kw)).validate()
+    assert "\n" not in str(e.value)
