@@ -61,17 +61,17 @@ def test_runs_are_deterministic_and_seeded(workload):
 
 def test_streamed_steps_give_the_same_tables(workload, tmp_path, monkeypatch):
     """With `steps_dir` each replica's steps stream into a file, `STEP_SEGMENT` rows a row group
-    (here 50), and without `keep_requests` only ids and arrivals are kept (flat memory for many
+    (here 48), and without `keep_requests` only ids and arrivals are kept (flat memory for many
     replicas): the tables and summaries are those of the run that keeps everything in memory."""
-    monkeypatch.setattr(cluster_module, "STEP_SEGMENT", 50)
+    monkeypatch.setattr(cluster_module, "STEP_SEGMENT", 48)
     cfg = CFG.replace(replicas=3, router="least-outstanding", num_gpu_blocks=200)
     kept, streamed = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg, steps_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps-0.parquet", "steps-1.parquet", "steps-2.parquet"]
     for i, replica in enumerate(kept.replicas):
         groups = pq.ParquetFile(tmp_path / f"steps-{i}.parquet").metadata
         rows = [groups.row_group(g).num_rows for g in range(groups.num_row_groups)]
-        full, rest = divmod(replica.num_steps, 50)
-        assert full >= 2 and rows == [50] * full + ([rest] if rest else [])
+        full, rest = divmod(replica.num_steps, 48)
+        assert full >= 2 and rows == [48] * full + ([rest] if rest else [])
     for a, b in zip(kept.replicas, streamed.replicas, strict=True):
         pt.assert_frame_equal(a.steps, b.steps)
         pt.assert_frame_equal(a.requests, b.requests)
