@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -13,7 +13,10 @@ With `--only curve`, issue 4's 10-capacity `kvsim curve` on the Mooncake trace w
 workers (target <= 120 s) instead. With `--only hybrid`, issue 37's: `kvsim run` of the Mooncake
 trace on gpt-oss-20b and on gemma-3-27b in vLLM's hybrid KV-cache groups against the same run in
 one group (`--disable-hybrid-kv-cache-manager`: the dense model of the same size), alternated run by
-run: target <= 2x, the ratio of the medians.
+run: target <= 2x, the ratio of the medians. With `--only cluster`, issue 38's: 64 replicas
+(round-robin) on the Azure trace tiled 8 times with `--load 8` against 8 replicas on the trace
+(the Azure case's knobs, `--no-plots`), alternated run by run: target <= 9x, the ratio of the
+medians, each with its peak memory.
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -37,6 +40,7 @@ TRACES = Path(os.environ.get("KVSIM_TRACES", Path(__file__).resolve().parents[2]
 AZURE_KNOBS = ["--model", "llama-3-70b", "--tp", "2", "--gpu", "a100-80g", "--block-size", "16",
                "--num-gpu-blocks", "1643", "--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
 TILES = 10
+CLUSTER_TILES = 8  # the cluster case: copies of the trace, and replicas (and rate) over the 8-replica run
 CAPACITIES = "1000,2000,5000,10000,20000,30000,50000,70000,100000,150000"
 STAMP = "%Y-%m-%d %H:%M:%S"
 
@@ -86,7 +90,7 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -98,6 +102,8 @@ def main() -> None:
     sha = commit()
     if args.only == "hybrid":
         return hybrid(mooncake, plots, args.runs, sha)
+    if args.only == "cluster":
+        return cluster(azure, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -154,6 +160,30 @@ def hybrid(mooncake: Path, plots: list[str], runs: int, sha: str) -> None:
                               "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                               "x_one_group": round(ratio, 2), "target": "x_one_group <= 2", "met": ratio <= 2}),
                   flush=True)
+
+
+def cluster(azure: Path, runs: int, sha: str) -> None:
+    """Issue 38's target: 64 replicas on the Azure trace tiled 8x at 8x the rate, at most 9x the
+    8-replica run of the trace (each replica sees the same rate: the cost should grow linearly)."""
+    knobs = [*AZURE_KNOBS, "--no-plots", "--router", "round-robin"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tiled = Path(tmp) / f"azure_x{CLUSTER_TILES}.csv"
+        tile_azure(azure, tiled, CLUSTER_TILES)
+        argv = {"8 replicas": ["run", str(azure), *knobs, "--replicas", "8"],
+                "64 replicas": ["run", str(tiled), *knobs, "--replicas", "64", "--load", str(CLUSTER_TILES)]}
+        walls: dict[str, list[float]] = {k: [] for k in argv}
+        peaks: dict[str, list[float]] = {k: [] for k in argv}
+        for i in range(runs):  # alternated, so a drift in the machine's speed hits both
+            for name, args in argv.items():
+                wall, peak = measure([*args, "--out", f"{tmp}/{name.split()[0]}-{i}"])
+                walls[name].append(wall)
+                peaks[name].append(peak)
+        ratio = statistics.median(walls["64 replicas"]) / statistics.median(walls["8 replicas"])
+        print(json.dumps({"case": "cluster", "commit": sha,
+                          "commands": {k: " ".join(["kvsim", *v]) for k, v in argv.items()}, "runs": runs,
+                          "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
+                          "peak_mb": {k: round(max(v)) for k, v in peaks.items()}, "x_8_replicas": round(ratio, 2),
+                          "target": "x_8_replicas <= 9", "met": ratio <= 9}), flush=True)
 
 
 if __name__ == "__main__":

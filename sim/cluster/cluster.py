@@ -31,6 +31,7 @@ from simpy.events import NORMAL, Event
 from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.event_stream import EventStream
 from kvsim.sim.cluster.kv_index import DelayedEvents
+from kvsim.sim.cluster.load import LoadChanges
 from kvsim.sim.cluster.routers import EngineMetrics, Router, RouterView, make_router
 from kvsim.sim.engine.config import EVENT_ROUTERS, SimConfig
 from kvsim.sim.engine.frontend import Frontend
@@ -38,6 +39,9 @@ from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.workloads.request import Request
 
 LATE = NORMAL + 1  # after every normal event at the same time
+# rows a replica's streamed step log holds before writing them (a lone engine's: 65,536, ~13 MB, which
+# 64 replicas would hold each until the end; this one ~1.3 MB, its last quarter as tuples)
+STEP_SEGMENT = 4096
 
 
 class _Late(Event):
@@ -122,8 +126,8 @@ class Cluster:
     router `cfg.router` names, or `router`).
 
     `received[i]` lists the requests replica i was handed with the time each reached it;
-    `load_events` the (time, replica, +1 or -1) changes of each replica's in-flight count as the
-    router counts it (dispatched, then finished or dropped). A router that reads KV events
+    `load_events` (`sim.cluster.load.LoadChanges`) the (time, replica, +1 or -1) changes of each
+    replica's in-flight count as the router counts it (dispatched, then finished or dropped). A router that reads KV events
     (`reads_events`, with an `index`) gets each replica's batch `cfg.kv_event_delay` seconds after
     the step that produced it ended: every batch due by a pick is applied to its index before it.
     With `cfg.kv_events`, the same batches reach `kv_events` in the order (ts, replica, step)
@@ -144,7 +148,7 @@ class Cluster:
         # (time, the request, or its id without `keep_requests`: a long run then keeps no token arrays)
         self.received: list[list[tuple[float, Request | str]]] = [[] for _ in range(n)]
         self.keep_requests = keep_requests
-        self.load_events: list[tuple[float, int, int]] = []
+        self.load_events = LoadChanges()
         self.expected: dict[str, int] = {}  # request id -> prompt tokens the router expected its replica to hit
         self.progress = progress
         self.num_done = 0
@@ -158,7 +162,7 @@ class Cluster:
         sink = self.event_stream.send if self.events is not None or kv_events is not None else None
         # with `steps_files`, each replica's steps table streams into its file (memory stays flat)
         self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i,
-                               steps_file=None if steps_files is None else steps_files[i])
+                               steps_file=None if steps_files is None else steps_files[i], steps_segment=STEP_SEGMENT)
                         for i, m in enumerate(managers)]
         env.process(self._close_after_source())
         if getattr(self.router, "reads_metrics", False):  # no snapshots where no router reads them
@@ -184,7 +188,7 @@ class Cluster:
             self.expected[req.id] = expected
         self.view.dispatched[i] += 1
         self.received[i].append((now, req if self.keep_requests else req.id))
-        self.load_events.append((now, i, 1))
+        self.load_events.add(now, i, 1)
         self._rows[req.id] = (i, len(self.engines[i].requests.ids))  # the row `hand` adds
         self.inlets[i].hand(req)
 
@@ -201,7 +205,7 @@ class Cluster:
         self.view.finished[replica] += 1
         if hasattr(self.router, "finished"):
             self.router.finished(req, replica)
-        self.load_events.append((now, replica, -1))
+        self.load_events.add(now, replica, -1)
         self.front.done(req, now)
         self.num_done += 1
         if self.progress is not None and self.num_done % PROGRESS_EVERY == 0:

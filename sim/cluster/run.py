@@ -15,6 +15,7 @@ import simpy
 
 from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config
+from kvsim.sim.cluster.load import imbalance, in_flight
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.metrics import meets_slo, percentiles, prefix_hits
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
@@ -140,37 +141,6 @@ def sweep_figures(summary: dict[str, Any]) -> dict[str, Any]:
             **{k: overall[k] for k in SWEEP_FIGURES},
             "throughput_rps": overall["finished"] / span if span else 0.0,
             "imbalance_mean": section["imbalance_mean"], "imbalance_peak": section["imbalance_peak"]}
-
-
-def in_flight(events: list[tuple[float, int, int]], num_replicas: int) -> pd.DataFrame:
-    """Each replica's in-flight requests (dispatched, not yet finished) from each change on: a row
-    per distinct time (`time`, then `replica_<i>`), the counts after every change at that time."""
-    if not events:
-        return pd.DataFrame({"time": np.zeros(0), **{f"replica_{i}": np.zeros(0, np.int64) for i in range(num_replicas)}})
-    ev = sorted(events, key=lambda e: e[0])  # stable: same-time changes keep their order
-    times = np.array([e[0] for e in ev])
-    deltas = np.zeros((len(ev), num_replicas), np.int64)
-    deltas[np.arange(len(ev)), [e[1] for e in ev]] = [e[2] for e in ev]
-    counts = deltas.cumsum(axis=0)
-    last = np.r_[times[1:] != times[:-1], True]  # the row after the last change at each time
-    return pd.DataFrame({"time": times[last], **{f"replica_{i}": counts[last, i] for i in range(num_replicas)}})
-
-
-def imbalance(load: pd.DataFrame) -> dict[str, float | None]:
-    """Load imbalance over the run: at each moment, the most in-flight requests on one replica over
-    the mean per replica; `imbalance_mean` its time average over the moments any request is in
-    flight, `imbalance_peak` its largest value (1.0: perfectly even; N: all on one of N)."""
-    counts = load.drop(columns="time").to_numpy(np.float64)
-    if len(counts) < 2:
-        return {"imbalance_mean": None, "imbalance_peak": None}
-    dt = np.diff(load["time"].to_numpy())
-    counts = counts[:-1]
-    mean = counts.mean(axis=1)
-    busy = (mean > 0) & (dt > 0)
-    if not busy.any():
-        return {"imbalance_mean": None, "imbalance_peak": None}
-    ratio = counts[busy].max(axis=1) / mean[busy]
-    return {"imbalance_mean": float((ratio * dt[busy]).sum() / dt[busy].sum()), "imbalance_peak": float(ratio.max())}
 
 
 def prediction(requests: pd.DataFrame, expected: dict[str, int]) -> dict[str, int] | None:

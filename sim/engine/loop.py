@@ -125,13 +125,14 @@ class Engine:
         kv_events: Callable[[EventBatch], None] | None = None,
         replica: int = 0,
         connector: Any = None,
+        steps_segment: int | None = None,
     ):
         self.env = env
         self.cfg = cfg
         self.cost = cost
         self.m = manager
         self.requests = RequestLog()
-        self.steps = StepLog(steps_file)  # with a file: streamed into it
+        self.steps = StepLog(steps_file, steps_segment)  # with a file: streamed into it, a segment at a time
         # vLLM's hybrid KV-cache groups: the blocks each holds after each step (blocks.png)
         self.group_usage = GroupUsage(manager.num_groups) if getattr(manager, "num_groups", 1) > 1 else None
         self.sched = build_scheduler(cfg, manager, self.requests, cost, connector)

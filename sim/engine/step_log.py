@@ -19,14 +19,19 @@ class StepLog:
     one array a column in its own dtype (exact: these counts pass through float64
     unchanged): appending a tuple is ~50x cheaper than 25 array stores. With a `path`,
     each full segment is written to that parquet file as a row group and dropped, so a
-    long run's memory does not grow with its steps (`close` writes the rest).
+    long run's memory does not grow with its steps (`close` writes the rest). `segment`
+    overrides SEGMENT, and packs every quarter of it (at most CHUNK rows): a cluster's replicas
+    stream in smaller row groups, so what each holds before writing stays small
+    (`sim.cluster.cluster.STEP_SEGMENT`; a row waiting as a tuple takes ~480 bytes, packed 200).
     """
 
     CHUNK = 4096
     SEGMENT = 16 * CHUNK
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, segment: int | None = None) -> None:
         self.path = None if path is None else Path(path)
+        self.segment = self.SEGMENT if segment is None else segment
+        self.chunk = self.CHUNK if segment is None else min(self.CHUNK, max(segment // 4, 1))
         self._writer = None
         self._rows: list[tuple] = []
         self._full: list[list[np.ndarray]] = [[] for _ in STEP_FIELDS]  # a column's full segments (in memory)
@@ -35,13 +40,13 @@ class StepLog:
         self._done = 0  # rows in the full segments
 
     def _segment(self) -> list[np.ndarray]:
-        return [np.empty(self.SEGMENT, dt) for dt in STEP_COLUMNS.values()]
+        return [np.empty(self.segment, dt) for dt in STEP_COLUMNS.values()]
 
     def record(self, values: tuple) -> None:
         """Append one step; `values` in STEP_FIELDS order."""
         rows = self._rows
         rows.append(values)
-        if len(rows) == self.CHUNK:
+        if len(rows) == self.chunk:
             self._pack()
 
     def _pack(self) -> None:

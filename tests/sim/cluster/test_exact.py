@@ -3,11 +3,13 @@ received requests, replayed alone, give that replica's tables; sessions are rout
 and a router sees engine metrics only as of the latest snapshot."""
 
 import pandas.testing as pt
+import pyarrow.parquet as pq
 import pytest
 
 from kvsim.sim.api import default_workload
+from kvsim.sim.cluster import cluster as cluster_module
 from kvsim.sim.cluster.routers import RoundRobin
-from kvsim.sim.cluster.run import imbalance, in_flight, simulate_cluster
+from kvsim.sim.cluster.run import simulate_cluster
 from kvsim.sim.engine.config import ROUTER_NAMES, ConfigError, SimConfig
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Workload, make_request
@@ -57,13 +59,19 @@ def test_runs_are_deterministic_and_seeded(workload):
     assert list(c.received["replica"]) != list(a.received["replica"])
 
 
-def test_streamed_steps_give_the_same_tables(workload, tmp_path):
-    """With `steps_dir` each replica's steps stream into a file, and without `keep_requests` only
-    ids and arrivals are kept (flat memory for many replicas): the tables and summaries are those
-    of the run that keeps everything in memory."""
+def test_streamed_steps_give_the_same_tables(workload, tmp_path, monkeypatch):
+    """With `steps_dir` each replica's steps stream into a file, `STEP_SEGMENT` rows a row group
+    (here 48), and without `keep_requests` only ids and arrivals are kept (flat memory for many
+    replicas): the tables and summaries are those of the run that keeps everything in memory."""
+    monkeypatch.setattr(cluster_module, "STEP_SEGMENT", 48)
     cfg = CFG.replace(replicas=3, router="least-outstanding", num_gpu_blocks=200)
     kept, streamed = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg, steps_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps-0.parquet", "steps-1.parquet", "steps-2.parquet"]
+    for i, replica in enumerate(kept.replicas):
+        groups = pq.ParquetFile(tmp_path / f"steps-{i}.parquet").metadata
+        rows = [groups.row_group(g).num_rows for g in range(groups.num_row_groups)]
+        full, rest = divmod(replica.num_steps, 48)
+        assert full >= 2 and rows == [48] * full + ([rest] if rest else [])
     for a, b in zip(kept.replicas, streamed.replicas, strict=True):
         pt.assert_frame_equal(a.steps, b.steps)
         pt.assert_frame_equal(a.requests, b.requests)
@@ -135,14 +143,6 @@ def test_a_router_sees_engine_metrics_only_as_of_the_last_snapshot():
     # at 1.05 it sees r0, r1 and r2 (the snapshot at 1.0), at 2.5 the same three (2.0's)
     assert spy.seen == [("r0", 0.0, 0), ("r1", 0.0, 0), ("r2", 0.0, 0), ("r3", 1.0, 3), ("r4", 2.0, 4)]
     assert cluster.view.finished == [5]
-
-
-def test_in_flight_and_imbalance_by_hand():
-    events = [(0.0, 0, 1), (0.0, 1, 1), (1.0, 0, 1), (2.0, 0, -1), (2.0, 0, -1), (3.0, 1, -1)]
-    load = in_flight(events, 2)
-    assert load.to_dict("list") == {"time": [0.0, 1.0, 2.0, 3.0], "replica_0": [1, 2, 0, 0], "replica_1": [1, 1, 1, 0]}
-    # [0, 1): 1 / 1; [1, 2): 2 / 1.5; [2, 3): 1 / 0.5
-    assert imbalance(load) == {"imbalance_mean": (1 + 4 / 3 + 2) / 3, "imbalance_peak": 2.0}
 
 
 @pytest.mark.parametrize(("change", "message"), [

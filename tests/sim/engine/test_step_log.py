@@ -75,3 +75,19 @@ def test_a_streamed_run_equals_one_in_memory(tmp_path: Path) -> None:
     out = write_run(streamed, tmp_path / "run", plots=False)
     assert streamed.steps_table == out / "steps.parquet"
     pd.testing.assert_frame_equal(load_run(out).steps, mem.steps)
+
+
+def test_a_given_segment_sets_the_row_groups_and_packs_a_quarter_of_it_at_a_time(tmp_path: Path) -> None:
+    """A cluster's replicas stream in small row groups (`segment`): 20 rows, segments of 8 packed
+    2 rows at a time, are 3 row groups (8 + 8 + 4), the same table as in memory."""
+    log = StepLog(tmp_path / "steps.parquet", segment=8)
+    assert (log.segment, log.chunk) == (8, 2)
+    assert (StepLog().segment, StepLog().chunk) == (65_536, 4096)
+    for r in rows(20):
+        log.record(r)
+    mem = SmallLog()
+    for r in rows(20):
+        mem.record(r)
+    pd.testing.assert_frame_equal(log.frame(), mem.frame())
+    meta = pq.ParquetFile(log.path).metadata
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [8, 8, 4]
