@@ -22,7 +22,7 @@ from kvsim.sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
 
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
 SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "preemptions", "hit_tokens")
-MODES = ("manager", "scheduler", "both")
+MODES = ("manager", "scheduler", "both", "events")
 MANAGER_NO_OFFLOADING = ("manager mode replays the cache without a scheduler and does not cover KV "
                          "offloading; use --mode scheduler")
 MANAGER_NO_SAMPLES = ("manager mode drives one sequence per request and does not cover parallel sampling "
@@ -290,8 +290,8 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
 
 
 def compare_events(requests: list, cfg: SimConfig) -> Diff:
-    """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync, with
-    `--kv-events-config` on; with KV offloading, its driver with the OffloadingConnector, whose CPU
+    """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync or async, with
+    `--kv-events-config` on; a batch is named by the step it was scheduled for; with KV offloading, its driver with the OffloadingConnector, whose CPU
     tier's events follow the GPU pool's in each batch): each step's events must agree in kind, order,
     medium, group, block size, token ids, and hashes named by the prefix they end (the two hash
     functions differ), except that a run of the CPU tier's stored events is compared in a canonical
@@ -302,9 +302,8 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
     from kvsim.sim.conform.vllm_setup import token_ids
     from kvsim.sim.engine.run import simulate
 
-    if cfg.step_time is None or cfg.async_scheduling or not cfg.enable_prefix_caching:
-        raise ConfigError("KV events are compared on the step grid (--step-time), with sync scheduling and "
-                          "prefix caching on")
+    if cfg.step_time is None or not cfg.enable_prefix_caching:
+        raise ConfigError("KV events are compared on the step grid (--step-time), with prefix caching on")
     if any(r.n > 1 for r in requests):
         raise ConfigError("KV events are compared for requests of one sample (n = 1)")
     check_workload(requests)
@@ -323,9 +322,9 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
         from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
 
         off, args = _offload_args(cfg, args)
-        vllm_run_offload(requests, offloading=off, **args, kv_events=published)
+        vllm_run_offload(requests, offloading=off, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
     else:
-        vllm_run_scheduler(requests, **args, kv_events=published)
+        vllm_run_scheduler(requests, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
     theirs: dict[int, list[dict]] = {}
     for step, events in published:
         theirs.setdefault(step, []).extend(events)
@@ -407,7 +406,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
             on_diff: Callable[[Diff], None] | None = None,
             on_start: Callable[[str], None] | None = None) -> list[Diff]:
     """Run the chosen modes; `cfg` must have a step time and give the block count. With KV
-    offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode)."""
+    offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode).
+    "events": the KV-event streams instead (`compare_events`)."""
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_workload(requests)
@@ -420,6 +420,14 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
     if samples and cfg.parallel_sampling != "fanout":
         raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
+    if mode == "events":
+        if on_start:
+            on_start("events")
+        d = compare_events(requests, cfg)
+        diffs.append(d)
+        if on_diff:
+            on_diff(d)
+        return diffs
     if mode in ("manager", "both") and not offloading and not samples:
         from kvsim.sim.engine.cost_model import CostModel
 

@@ -161,7 +161,7 @@ def run_offload_scheduler(
     """vLLM's Scheduler (AsyncScheduler with `async_scheduling`, behind EngineCore's batch queue) with
     the OffloadingConnector and the fake worker, one step per `step_time`; records in workload order,
     as `sim.conform.vllm_scheduler.run_scheduler`'s plus `offload_hit_tokens` (vLLM's external hit
-    at first admission; kvsim logs only the total). `kv_events` (sync only): as `run_scheduler`'s,
+    at first admission; kvsim logs only the total). `kv_events`: as `run_scheduler`'s,
     with `--kv-events-config` on, so the batches also carry the connector's events (the CPU tier's,
     `OffloadingConnectorScheduler.take_events`, appended by `Scheduler.update_from_output`)."""
     reqs, tokens, recs, max_model_len = prepare(
@@ -181,8 +181,8 @@ def run_offload_scheduler(
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
         worker = run.worker = offloading.worker(sched)
         if kv_events is not None:
-            if async_scheduling or not enable_prefix_caching:
-                raise ValueError("KV events are compared with sync scheduling and prefix caching on")
+            if not enable_prefix_caching:
+                raise ValueError("KV events are compared with prefix caching on")
             sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
         if async_scheduling:
             if not sched.defer_block_free:

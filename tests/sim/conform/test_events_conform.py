@@ -9,14 +9,17 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from kvsim.kvcache.events import HostEventLog, KVEventLog
+from kvsim.sim.cli.app import app
 from kvsim.sim.conform.check import _canonical, compare_events
 from kvsim.sim.conform.random_cases import random_case
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.cost_model import CostModel
 from kvsim.sim.engine.offload_connector import OffloadConnector
 from kvsim.sim.engine.run import simulate
+from kvsim.workloads.jsonl import write_jsonl
 from kvsim.workloads.request import make_request
 from kvsim.workloads.traces import load_workload
 from tests.sim.conform.test_conform_offload import LINK, _shared_prefix_workload, _toks
@@ -112,6 +115,14 @@ def _by_medium(requests: list, cfg: SimConfig) -> Counter:
 
 
 @needs_vllm
+def test_async_scheduling_matches_vllms_events() -> None:
+    """vLLM's AsyncScheduler behind EngineCore's two-deep batch queue: schedule k + 1 comes before
+    update_from_output of k, so a batch's events include the next schedule's evictions, in both."""
+    wl, cfg = _storm()
+    assert compare_events(wl, cfg.replace(async_scheduling=True)).format() == "events    353 steps, 0 differ"
+
+
+@needs_vllm
 @pytest.mark.parametrize(("name", "steps", "kinds"), [
     ("tier-too-small", 33, {("BlockStored", "GPU"): 28, ("BlockRemoved", "GPU"): 42, ("BlockStored", "CPU"): 16,
                             ("BlockRemoved", "CPU"): 9}),
@@ -134,13 +145,26 @@ def test_offloading_the_cpu_tiers_events_match_vllms(name: str, steps: int, kind
 
 
 @needs_vllm
-@pytest.mark.parametrize(("seed", "steps"), [(115, 135), (238, 364), (281, 69), (548, 49)])
-def test_offloading_random_cases_match_vllms_events(seed: int, steps: int) -> None:
-    """`kvsim conform --random`'s offloading cases that run sync on the step grid with prefix caching
-    (seeds 0-599: 23 such, all 0 differ, 16 of them with CPU-tier events; four quick ones of those)."""
+@pytest.mark.parametrize(("name", "steps"), [("tier-too-small", 34), ("preemptions", 206), ("two-blocks-a-chunk", 41),
+                                             ("empty-steps", 54)])
+def test_offloading_under_async_scheduling_matches_vllms_events(name: str, steps: int) -> None:
+    """As vLLM serves offloading by default (async scheduling): the connector's events are taken at
+    each batch's `update_from_output`, after the next batch's schedule."""
+    requests, cfg = _offload_cases()[name]
+    assert compare_events(requests, cfg.replace(async_scheduling=True)).format() == f"events    {steps:,} steps, 0 differ"
+
+
+@needs_vllm
+@pytest.mark.parametrize(("seed", "steps", "asynchronous"), [
+    (115, 135, False), (238, 364, False), (281, 69, False), (548, 49, False), (22, 166, True), (554, 58, True)])
+def test_offloading_random_cases_match_vllms_events(seed: int, steps: int, asynchronous: bool) -> None:
+    """`kvsim conform --random`'s offloading cases that run on the step grid with prefix caching and
+    one sample a request (seeds 0-599: 49 such, 23 sync and 26 async, all 0 differ); quick ones with
+    CPU-tier events."""
     case = random_case(seed)
     cfg = case.cfg
-    assert (cfg.kv_offloading_size is not None, cfg.step_time is not None, cfg.async_scheduling) == (True, True, False)
+    assert (cfg.kv_offloading_size is not None, cfg.step_time is not None, cfg.async_scheduling) == \
+        (True, True, asynchronous)
     assert _by_medium(case.requests, cfg)[("BlockStored", "CPU")] > 0
     assert compare_events(case.requests, cfg).format() == f"events    {steps:,} steps, 0 differ"
 
@@ -177,3 +201,17 @@ def test_a_file_tier_with_kv_events_is_refused() -> None:
     _, cfg = _offload_cases()["empty-steps"]
     with pytest.raises(ConfigError, match="kv_events: the host tier's KV events with a file tier"):
         simulate([make_request("a", 0.0, _toks(0, 32), 1)], cfg.replace(kv_events=True, offload_fs=True))
+
+
+@needs_vllm
+def test_kvsim_conform_mode_events_compares_the_streams_with_offloading(tmp_path: Path) -> None:
+    requests, cfg = _offload_cases()["tier-too-small"]
+    path = tmp_path / "w.jsonl"
+    write_jsonl(requests, path)
+    r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--num-gpu-blocks", "9",
+                                 "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
+                                 "--step-time", repr(cfg.step_time), "--kv-offloading-size", repr(cfg.kv_offloading_size)])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[1:] == ["events    33 steps, 0 differ", "identical"]
+    r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--kv-offloading-size", "0.03125"])
+    assert r.exit_code == 2 and "KV events are compared on the step grid (--step-time)" in r.stderr
