@@ -9,6 +9,15 @@ blocks left out, the hash of the block before the range as parent, the range's t
 scheduler does in `update_from_output`, into an `EventBatch` stamped with the step's time and the
 replica.
 
+With KV offloading the host tier queues its own (`HostEventLog`), where vLLM's CPU offloading
+manager queues its `OffloadingEvent`s (vllm/v1/kv_offload/cpu/manager.py: the chunks evicted by
+`prepare_store`, the chunks made ready by `complete_store`), in the payload its connector turns
+them into by default (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py,
+`OffloadingEventsTracker._placeholder_stored`, `_take_removed_event`: "self-describing" payloads are
+opt-in): medium "CPU", the chunk's key (the hash of its last block) as the one hash, no parent, no
+token ids, block size 0. The engine appends them after the GPU pool's, as vLLM's
+`Scheduler.update_from_output` appends `connector.take_events()`.
+
 A hash is kvsim's block key (`kvcache.hashing`), not vLLM's sha256 bytes: equal for equal
 prefixes across replicas of one run (the hash needs no seed), different from vLLM's. A hybrid
 group's salt (`groups.group_salt`) never reaches an event: it carries the group-free key and
@@ -86,6 +95,31 @@ class EventBatch:
     def json_line(self) -> str:
         """The batch as one line of JSON (`kvsim run --kv-events`)."""
         return json.dumps(self.as_dict(), separators=(",", ":")) + "\n"
+
+
+class HostEventLog:
+    """The host tier's events since they were last taken, as vLLM 0.33's `OffloadingConnector`
+    publishes its CPU tier's by default (see the module docstring)."""
+
+    def __init__(self, medium: str = MEDIUM_CPU):
+        self.queue: list[KVEvent] = []
+        self.medium = medium
+
+    def stored(self, keys: Sequence[int]) -> None:
+        """Chunks whose stores completed: one `BlockStored` a chunk, in `keys`' order (vLLM's
+        `_take_stored_event`, one placeholder a key)."""
+        self.queue.extend(BlockStored([key], None, [], 0, self.medium) for key in keys)
+
+    def removed(self, keys: Sequence[int]) -> None:
+        """Chunks one `prepare_store` evicted, in eviction order: one `BlockRemoved` carrying them all
+        (vLLM's `_take_removed_event`, one event a group)."""
+        if keys:
+            self.queue.append(BlockRemoved(list(keys), self.medium))
+
+    def take(self) -> list[KVEvent]:
+        """The queued events, oldest first; the queue starts again empty."""
+        events, self.queue = self.queue, []
+        return events
 
 
 class KVEventLog:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvsim.kvcache.events import HostEventLog, KVEvent
 from kvsim.kvcache.offload import make_policy
 
 MISS, HIT, PENDING = 0, 1, 2  # lookup results; vLLM's LookupResult.HIT_PENDING is PENDING
@@ -81,7 +82,7 @@ class HostTier:
     """The offloaded chunks in host memory, their slots, and the policy that picks victims."""
 
     def __init__(self, num_chunks: int, policy: str = "lru", *, store_threshold: int = 0,
-                 max_tracker_size: int = 64_000) -> None:
+                 max_tracker_size: int = 64_000, kv_events: bool = False) -> None:
         if num_chunks < 0:
             raise ValueError(f"num_chunks must be at least 0, got {num_chunks}")
         self.num_chunks = num_chunks
@@ -99,6 +100,8 @@ class HostTier:
         self.num_evictions = 0  # chunks evicted to make room
         self.num_skipped = 0  # store candidates below the threshold (vLLM's stores_skipped)
         self.num_alloc_failures = 0  # prepare_store calls that returned None
+        # vLLM's KV events of this tier (its `enable_events`: `--kv-events-config` on), or None
+        self.events = HostEventLog() if kv_events else None
 
     @property
     def num_free(self) -> int:
@@ -207,6 +210,8 @@ class HostTier:
             for key in evicted:
                 del self._ref[key]
                 self._free.append(self._slot.pop(key))
+            if self.events is not None:
+                self.events.removed(evicted)
 
         slots = self._allocate(len(new))
         position_of = dict(zip(keys, positions, strict=True))
@@ -229,7 +234,9 @@ class HostTier:
 
     def complete_store(self, keys: Sequence[int], success: bool = True) -> None:
         """The stores of `keys` finished: still-pending chunks become ready, or on failure leave
-        the tier and free their slots. Keys not pending are ignored."""
+        the tier and free their slots. Keys not pending are ignored. The chunks made ready are a
+        stored event (a failure publishes nothing: vLLM's event for it is `metadata_only`)."""
+        ready: list[int] = []
         for key in keys:
             if self._ref.get(key, 0) >= 0:
                 continue
@@ -238,10 +245,13 @@ class HostTier:
                 self._ref[key] = 0
                 self._num_evictable += 1
                 self.policy.mark_evictable(key)
+                ready.append(key)
             else:
                 del self._ref[key]
                 self.policy.remove(key)
                 self._free.append(self._slot.pop(key))
+        if ready and self.events is not None:
+            self.events.stored(ready)
 
     def prepare_load(self, req: str, keys: Sequence[int], positions: Sequence[int]) -> list[int]:
         """Pin ready chunks for a load to the GPU and return their slots; the request reused them."""
@@ -285,6 +295,11 @@ class HostTier:
             return
         order = sorted(acc.seen, key=acc.seen.__getitem__)
         self.policy.on_request_finished(req, order, acc.inserted - acc.reused, acc.reused)
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last take (vLLM's `CPUOffloadingManager.take_events`);
+        none when events are off."""
+        return self.events.take() if self.events is not None else []
 
     def reset(self) -> None:
         """Drop every chunk, pinned or pending, and every request's accesses (vLLM's `reset_cache`).

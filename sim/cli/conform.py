@@ -35,7 +35,7 @@ from kvsim.sim.cli.options import (
 
 def conform(
     workload: Annotated[Path | None, typer.Argument(help="workload file (any `kvsim workload` format); default: the embedded workload")] = None,
-    mode: Annotated[str, typer.Option("--mode", "-m", help="manager | scheduler | both")] = "both",
+    mode: Annotated[str, typer.Option("--mode", "-m", help="manager | scheduler | both | events (the KV-event streams, step by step: step grid, prefix caching, n = 1)")] = "both",
     format: Annotated[str, typer.Option("--format", "-f", help="workload format (auto by default)")] = "auto",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
     num_gpu_blocks: Annotated[int, typer.Option(help="KV blocks, block 0 (the null block) included")] = 2000,

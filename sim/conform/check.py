@@ -22,7 +22,7 @@ from kvsim.sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
 
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
 SCHEDULER_FIELDS = ("first_scheduled_step", "first_token_step", "finish_step", "preemptions", "hit_tokens")
-MODES = ("manager", "scheduler", "both")
+MODES = ("manager", "scheduler", "both", "events")
 MANAGER_NO_OFFLOADING = ("manager mode replays the cache without a scheduler and does not cover KV "
                          "offloading; use --mode scheduler")
 MANAGER_NO_SAMPLES = ("manager mode drives one sequence per request and does not cover parallel sampling "
@@ -242,14 +242,11 @@ def scheduler_extra(cfg: SimConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in SCHEDULER_KNOBS if getattr(cfg, k) != getattr(default, k)}
 
 
-def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
-    """The scheduler mode with KV offloading: kvsim's engine against vLLM's Scheduler and its
-    OffloadingConnector, whose worker is faked with kvsim's transfer timing. Besides the
-    per-request fields, the tokens loaded from the tier at first admissions must agree in total
-    (kvsim's request log does not keep them per request)."""
+def _offload_args(cfg: SimConfig, args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """kvsim's host tier and link as vLLM's offloading driver takes them (`vllm_offload.Offloading`),
+    and the scheduler `args` without the knobs offloading does not take (full attention only)."""
     from kvsim.kvcache.offload.size import num_host_chunks
     from kvsim.sim.conform.vllm_offload import Offloading
-    from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
     from kvsim.sim.engine.cost_model import CostModel
 
     cost = CostModel.from_config(cfg)
@@ -257,9 +254,19 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
                              cfg.offload_blocks_per_chunk)
     off = Offloading(chunks, cfg.offload_eviction_policy, cfg.offload_store_threshold, cfg.offload_blocks_per_chunk,
                      cfg.offload_prompt_only, (cost.op_cost_s["load"], cost.op_cost_s["store"]))
-    args = _scheduler_args(cfg)
-    # offloading: full attention only
-    del args["sliding_window"], args["prefix_cache_retention_interval"], args["layers"], args["mamba_checkpoints"]
+    dropped = ("sliding_window", "prefix_cache_retention_interval", "layers", "mamba_checkpoints")
+    return off, {k: v for k, v in args.items() if k not in dropped}
+
+
+def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
+    """The scheduler mode with KV offloading: kvsim's engine against vLLM's Scheduler and its
+    OffloadingConnector, whose worker is faked with kvsim's transfer timing. Besides the
+    per-request fields, the tokens loaded from the tier at first admissions must agree in total
+    (kvsim's request log does not keep them per request)."""
+    from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
+
+    off, args = _offload_args(cfg, _scheduler_args(cfg))
+    chunks = off.num_chunks
     if cfg.step_time is None:  # the cost clock
         from kvsim.sim.conform.vllm_timed import run_timed
 
@@ -283,18 +290,20 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
 
 
 def compare_events(requests: list, cfg: SimConfig) -> Diff:
-    """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync, with
-    `--kv-events-config` on): each step's events must agree in kind, order, group, block size,
-    token ids, and hashes named by the prefix they end (the two hash functions differ). A step
-    counts once however many of its events differ; `first` names its first differing event."""
+    """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync or async, with
+    `--kv-events-config` on; a batch is named by the step it was scheduled for; with KV offloading, its driver with the OffloadingConnector, whose CPU
+    tier's events follow the GPU pool's in each batch): each step's events must agree in kind, order,
+    medium, group, block size, token ids, and hashes named by the prefix they end (the two hash
+    functions differ), except that a run of the CPU tier's stored events is compared in a canonical
+    order (`_canonical`). A step counts once however many of its events differ; `first` names its
+    first differing event."""
     from kvsim.kvcache.sequence import Sequence
     from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
     from kvsim.sim.conform.vllm_setup import token_ids
     from kvsim.sim.engine.run import simulate
 
-    if cfg.step_time is None or cfg.async_scheduling or not cfg.enable_prefix_caching:
-        raise ConfigError("KV events are compared on the step grid (--step-time), with sync scheduling and "
-                          "prefix caching on")
+    if cfg.step_time is None or not cfg.enable_prefix_caching:
+        raise ConfigError("KV events are compared on the step grid (--step-time), with prefix caching on")
     if any(r.n > 1 for r in requests):
         raise ConfigError("KV events are compared for requests of one sample (n = 1)")
     check_workload(requests)
@@ -309,14 +318,20 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
     for batch in simulate(requests, cfg.replace(kv_events=True)).kv_events:
         ours.setdefault(batch.step, []).extend(_named(e.as_dict(), names) for e in batch.events)
     published: list[tuple[int, list[dict]]] = []
-    vllm_run_scheduler(requests, **args, kv_events=published)
+    if cfg.kv_offloading_size is not None:
+        from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
+
+        off, args = _offload_args(cfg, args)
+        vllm_run_offload(requests, offloading=off, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
+    else:
+        vllm_run_scheduler(requests, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
     theirs: dict[int, list[dict]] = {}
     for step, events in published:
         theirs.setdefault(step, []).extend(events)
     steps = sorted(set(ours) | set(theirs))
     differing, first = 0, None
     for step in steps:
-        a, b = ours.get(step, []), theirs.get(step, [])
+        a, b = _canonical(ours.get(step, [])), _canonical(theirs.get(step, []))
         if a == b:
             continue
         differing += 1
@@ -324,6 +339,24 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
             i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             first = (step, f"event {i}", _shown(a[i]) if i < len(a) else None, _shown(b[i]) if i < len(b) else None)
     return Diff("events", len(steps), differing, first, unit="step")
+
+
+def _canonical(events: list[dict]) -> list[dict]:
+    """`events` with each run of consecutive CPU-tier `BlockStored`s sorted by hash: vLLM completes a
+    store job's chunks in the order of a set of bytes (offloading/scheduler.py `_build_store_jobs`:
+    `keys=set(keys_to_store)`, handed to `CPUOffloadingManager.complete_store`), which follows
+    PYTHONHASHSEED, so only the run's contents are vLLM's to compare."""
+    out: list[dict] = []
+    run: list[dict] = []
+    for e in [*events, None]:
+        if e is not None and e["type"] == "BlockStored" and e["medium"] == "CPU":
+            run.append(e)
+            continue
+        out += sorted(run, key=repr)
+        run = []
+        if e is not None:
+            out.append(e)
+    return out
 
 
 def _named(event: dict, names: dict[int, tuple[int, ...]]) -> dict:
@@ -373,7 +406,8 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
             on_diff: Callable[[Diff], None] | None = None,
             on_start: Callable[[str], None] | None = None) -> list[Diff]:
     """Run the chosen modes; `cfg` must have a step time and give the block count. With KV
-    offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode)."""
+    offloading or parallel sampling only the scheduler mode runs ("both" skips the manager mode).
+    "events": the KV-event streams instead (`compare_events`)."""
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     check_workload(requests)
@@ -386,6 +420,14 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
     if samples and cfg.parallel_sampling != "fanout":
         raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
+    if mode == "events":
+        if on_start:
+            on_start("events")
+        d = compare_events(requests, cfg)
+        diffs.append(d)
+        if on_diff:
+            on_diff(d)
+        return diffs
     if mode in ("manager", "both") and not offloading and not samples:
         from kvsim.sim.engine.cost_model import CostModel
 

@@ -30,7 +30,9 @@ from kvsim.kvcache.offload.size import PAGE_BYTES
 from kvsim.sim.conform.vllm_scheduler import (
     Request,
     _build_scheduler,
+    _EventSink,
     _SchedRun,
+    prefixes,
     prepare,
 )
 from kvsim.sim.conform.vllm_setup import stand_in_spec
@@ -154,12 +156,14 @@ def run_offload_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs", max_model_len: int | None = None,
-    scheduler_extra: dict[str, Any] | None = None, async_scheduling: bool = False,
+    scheduler_extra: dict[str, Any] | None = None, async_scheduling: bool = False, kv_events: list | None = None,
 ) -> list[dict]:
     """vLLM's Scheduler (AsyncScheduler with `async_scheduling`, behind EngineCore's batch queue) with
     the OffloadingConnector and the fake worker, one step per `step_time`; records in workload order,
     as `sim.conform.vllm_scheduler.run_scheduler`'s plus `offload_hit_tokens` (vLLM's external hit
-    at first admission; kvsim logs only the total)."""
+    at first admission; kvsim logs only the total). `kv_events`: as `run_scheduler`'s,
+    with `--kv-events-config` on, so the batches also carry the connector's events (the CPU tier's,
+    `OffloadingConnectorScheduler.take_events`, appended by `Scheduler.update_from_output`)."""
     reqs, tokens, recs, max_model_len = prepare(
         requests, step_time=step_time, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
@@ -173,9 +177,13 @@ def run_offload_scheduler(
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, offloading=built_with,
-            scheduler_extra=scheduler_extra, async_scheduling=async_scheduling)
+            scheduler_extra=scheduler_extra, async_scheduling=async_scheduling, kv_events=kv_events is not None)
         run = _OffloadRun(sched, reqs, tokens, hasher, recs, step_time)
         worker = run.worker = offloading.worker(sched)
+        if kv_events is not None:
+            if not enable_prefix_caching:
+                raise ValueError("KV events are compared with prefix caching on")
+            sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
         if async_scheduling:
             if not sched.defer_block_free:
                 raise RuntimeError("expected vLLM to defer block frees with async scheduling and a KV connector")

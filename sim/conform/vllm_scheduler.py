@@ -101,7 +101,8 @@ def run_scheduler(
 ) -> list[dict]:
     """Run vLLM's Scheduler with a fake runner, one step per `step_time`; records in workload order.
     `scheduler_extra`: more SchedulerConfig fields (vLLM 0.31+'s max_num_active_seqs, ...).
-    `kv_events` (sync only): a list that gets each published KV-event batch as (step, events), every
+    `kv_events`: a list that gets each published KV-event batch as (step, events) (async: the step the
+    batch whose output is applied was scheduled for, a slot, or the start of one without tokens), every
     event a dict in vLLM's field names, each block hash replaced by the tokens of the prefix it
     ends (`_EventSink`), so that they compare with kvsim's, whose hash function differs.
 
@@ -149,8 +150,8 @@ def run_scheduler(
             layers=layers, mamba_checkpoints=mamba_checkpoints, kv_events=kv_events is not None)
         run = _SchedRun(sched, reqs, tokens, hasher, recs, step_time)
         if kv_events is not None:
-            if async_scheduling or hasher is None:
-                raise ValueError("KV events are compared with sync scheduling and prefix caching on")
+            if hasher is None:
+                raise ValueError("KV events are compared with prefix caching on")
             sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
         if async_scheduling:
             run.run_async(queue_size, num_gpu_blocks, block_size)
@@ -202,7 +203,7 @@ class _SchedRun:
         self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
         self.nxt = 0
         self.live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
-        self.step = 0  # the step whose output is being applied (sync)
+        self.step = 0  # the step whose output is being applied
 
     def _handed(self, out, start: float):
         """Step `out` is handed to the KV connector's worker at `start`: the connector output its
@@ -282,8 +283,8 @@ class _SchedRun:
         from vllm.v1.outputs import ModelRunnerOutput
 
         sched, live, recs = self.sched, self.live, self.recs
-        # (scheduler output, fake runner output, slot or None for a batch without tokens)
-        queue: deque[tuple[Any, Any, int | None]] = deque()
+        # (scheduler output, fake runner output, slot or None for a batch without tokens, its step)
+        queue: deque[tuple[Any, Any, int | None, int]] = deque()
         clock = 0  # the engine's time, in steps (always on the grid)
         free_slot = 0  # first slot the device has not been given yet
         empties = 0  # consecutive batches scheduled without tokens
@@ -308,14 +309,14 @@ class _SchedRun:
                     empties += 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
-                    if all(s is None for _, _, s in queue):
+                    if all(s is None for _, _, s, _ in queue):
                         clock += 1  # nothing executing: the engine spins for a step
-                queue.appendleft((out, mro, slot))
+                queue.appendleft((out, mro, slot, start))
                 if len(queue) < queue_size and (executed or sched.has_requests()):
                     continue
             elif not queue:
                 continue
-            out, mro, slot = queue.pop()
+            out, mro, slot, self.step = queue.pop()  # (the step KV events are published under, as kvsim's)
             if slot is not None:
                 clock = max(clock, slot + 1)  # block until the batch's slot ends
             self.apply_async(out, mro, slot)

@@ -173,8 +173,12 @@ class Engine:
 
     def _take_events(self, now: float, step: int) -> None:
         """The KV events the step queued, handed on as one batch if there are any (vLLM's
-        `Scheduler.update_from_output` takes them once a step and publishes a non-empty batch)."""
+        `Scheduler.update_from_output` takes them once a step, the GPU pool's and then its KV
+        connector's, and publishes a non-empty batch)."""
         events = self.m.take_events()
+        connector = self.sched.connector
+        if connector is not None:
+            events += connector.take_events()
         if events:
             self.kv_events(EventBatch(now, self.replica, step, events))
 
@@ -270,6 +274,8 @@ class Engine:
                     until = sched.idle_until(t0) if sched.has_work() else t0
                     if until is None:
                         raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {step})")
+                    if self.kv_events is not None:  # vLLM applies an empty step's output too
+                        self._take_events(t0, step)
                     if grid:  # an empty step takes its slot; none polls before the transfer ends
                         clock = start + 1 if until <= t0 else max(grid_index(min(until, env.peek()), S), start + 1)
                     elif until > t0:  # nothing landed: wait for the transfer, or an arrival before it

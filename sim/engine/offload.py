@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvsim.kvcache.events import KVEvent
 from kvsim.kvcache.offload.fs_pool import FsJob
 from kvsim.kvcache.offload.tier import HostTier
 from kvsim.kvcache.offload.tiered import TieredTier
@@ -333,6 +334,11 @@ class Offloader:
         st.jobs.discard(j)
         if st.finished and not st.jobs and st.seq.seq_id not in self._finished:
             del self.reqs[job.sid]
+
+    def take_events(self) -> list[KVEvent]:
+        """The host tier's KV events since the last take (vLLM's `OffloadingConnectorScheduler.take_events`,
+        which drains its manager's); none when events are off."""
+        return self.tier.take_events()
 
     def totals(self) -> dict[str, int | float]:
         """The run's offloading figures for its summary."""

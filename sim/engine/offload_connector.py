@@ -17,12 +17,13 @@ a class with these methods and `holding`, built in `sim.engine.loop.build_schedu
 
 from __future__ import annotations
 
+from kvsim.kvcache.events import KVEvent
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.offload.tier import HostTier
 from kvsim.kvcache.sequence import Sequence
 from kvsim.sim.engine.async_loads import AsyncLoads
 from kvsim.sim.engine.batch import Batch, Live
-from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.offload import Offloader
 
 
@@ -50,9 +51,13 @@ class OffloadConnector:
         world = cfg.tensor_parallel
         chunks = num_host_chunks(cfg.kv_offloading_size, bytes_per_block, world, cfg.offload_blocks_per_chunk)
         if cfg.offload_fs:
+            if cfg.kv_events:
+                raise ConfigError("kv_events: the host tier's KV events with a file tier below it (offload_fs) "
+                                  "are not modelled; run without one of the two")
             tier = _tiered(cfg, chunks, bytes_per_block * world * cfg.offload_blocks_per_chunk)
         else:
-            tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold)
+            tier = HostTier(chunks, cfg.offload_eviction_policy, store_threshold=cfg.offload_store_threshold,
+                            kv_events=cfg.kv_events)
         off = Offloader(tier, cfg.block_size, blocks_per_chunk=cfg.offload_blocks_per_chunk,
                         prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
                         bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
@@ -81,6 +86,11 @@ class OffloadConnector:
 
     def totals(self) -> dict[str, int | float]:
         return self.offload.totals()
+
+    def take_events(self) -> list[KVEvent]:
+        """The host tier's KV events since the last take (vLLM's `OffloadingConnector.take_events`),
+        which the engine appends to the GPU pool's each step."""
+        return self.offload.take_events()
 
     # ------------------------------------------------------------- the step
     def begin_step(self, now: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvsim.kvcache.events import BlockRemoved, BlockStored
 from kvsim.kvcache.offload import OFFLOAD_POLICIES, HostARC, HostLRU, make_policy
 from kvsim.kvcache.offload.size import num_host_chunks
 from kvsim.kvcache.offload.tier import HIT, MISS, PENDING, HostTier, StoreOutput
@@ -314,3 +315,27 @@ def test_policy_names():
     assert make_policy("arc", 4).capacity == 4
     with pytest.raises(ValueError, match="unknown offload eviction policy 'lfu'; choose from lru, arc"):
         make_policy("lfu", 4)
+
+
+def test_kv_events_as_the_connector_publishes_the_cpu_tiers_by_default():
+    """cpu/manager.py CPUOffloadingManager.prepare_store (one removed event of the chunks it evicts)
+    and complete_store (one stored event of the chunks made ready; a failure's is metadata_only and
+    never published), as vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py
+    OffloadingEventsTracker translates them without self-describing payloads: `_placeholder_stored`,
+    a BlockStored a chunk with its key's hash alone (no parent, no tokens, block size 0), and
+    `_take_removed_event`, one BlockRemoved of all the keys; medium "CPU"."""
+    t = HostTier(2, kv_events=True)
+    store(t, "A", [1, 2], complete=False)
+    assert t.take_events() == []  # nothing published while the stores are in flight
+    t.complete_store([2, 1])
+    assert t.take_events() == [BlockStored([2], None, [], 0, "CPU"), BlockStored([1], None, [], 0, "CPU")]
+    t.request_finished("A")  # tail first: 2 is the oldest
+    assert store(t, "B", [3, 4], complete=False) == StoreOutput([3, 4], [0, 1], [2, 1])
+    t.complete_store([3], success=False)
+    assert t.take_events() == [BlockRemoved([2, 1], "CPU")]  # in eviction order
+    t.complete_store([4])
+    assert t.take_events() == [BlockStored([4], None, [], 0, "CPU")]
+    assert t.take_events() == []
+    off = HostTier(2)
+    store(off, "A", [1, 2])
+    assert (off.events, off.take_events()) == (None, [])

@@ -121,6 +121,28 @@ def test_kv_events_are_written_a_json_line_a_step(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r" / "config.json").read_text())["kv_events"] is True
 
 
+def test_kv_events_with_offloading_carry_the_cpu_tiers_after_the_gpus(tmp_path: Path) -> None:
+    from kvsim.kvcache.hashing import block_keys
+
+    wl = tmp_path / "two.jsonl"
+    write_jsonl([req("a", 0, list(range(40)), 2), req("b", 5, list(range(40)), 2)], wl)
+    events = tmp_path / "events.jsonl"
+    args = ["run", str(wl), "--num-gpu-blocks", "64", "--block-size", "16", "--step-time", "1", "--no-plots",
+            "--out", str(tmp_path / "r"), "--kv-events", str(events), "--kv-offloading-size", "0.03125"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    keys = block_keys(list(range(40)), 16)
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    # a's 2 prompt chunks are offered at step 0, copied from step 1's start and applied in the empty
+    # step 2 (vLLM's CPU manager's complete_store): a placeholder BlockStored a chunk, medium CPU
+    assert [(line["step"], line["ts"]) for line in lines] == [(0, 1.0), (2, 2.0)]
+    assert lines[1]["events"] == [{"type": "BlockStored", "block_hashes": [k], "parent_block_hash": None, "token_ids": [],
+                                   "block_size": 0, "medium": "CPU", "group_idx": 0} for k in keys]
+    r = runner.invoke(app, [*args, "--offload-fs", "--out", str(tmp_path / "r2")])
+    assert r.exit_code == 2 and r.stderr == ("error: kv_events: the host tier's KV events with a file tier below it "
+                                             "(offload_fs) are not modelled; run without one of the two\n")
+
+
 def test_kv_events_to_an_unwritable_path_or_a_failed_run_leave_no_file(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "--no-plots", "--out", str(tmp_path / "r"), "--kv-events", str(tmp_path / "no" / "e")])
     assert r.exit_code == 2 and r.stderr == f"error: {tmp_path / 'no' / 'e'}: cannot write there ({tmp_path / 'no'} does not exist)\n"

@@ -14,7 +14,7 @@ from kvsim.kvcache.hashing import block_keys
 from kvsim.sim.api import default_workload
 from kvsim.sim.cluster.cluster import Cluster
 from kvsim.sim.cluster.kv_index import DelayedEvents, PrefixIndex
-from kvsim.sim.cluster.kv_routers import Dynamo, LlmdPrecise
+from kvsim.sim.cluster.kv_routers import MEDIUM_WEIGHTS, Dynamo, LlmdPrecise
 from kvsim.sim.cluster.routers import EngineMetrics, RouterView
 from kvsim.sim.cluster.run import simulate_cluster
 from kvsim.sim.engine.config import ConfigError, SimConfig, parse_router_scorers
@@ -87,6 +87,27 @@ def test_the_router_sees_a_step_events_only_kv_event_delay_after_the_step():
     assert spy.seen == [("r0", 0.0, []), ("r1", 0.125, []), ("r2", 0.374, []), ("r3", 0.375, [0])]
     # the engine's event hashes are the router's block keys of the prompt: 4 full blocks cached
     assert all(spy.index.holders[k] == {0: {"gpu"}} for k in KEYS)
+
+
+def test_the_index_holds_the_cpu_tiers_blocks_and_llm_d_weighs_them_0_8():
+    # With KV offloading each replica also publishes its CPU tier's events (kvcache/events.py
+    # HostEventLog, vLLM's OffloadingConnector). r0's 4 prompt blocks are cached (step 0) and stored
+    # to the tier, a block a step on the link (BlockStored CPU at step 5); x's 7 blocks evict 3 of
+    # them from the 8-block GPU cache (step 8). At r1's pick the index holds block 0 on both
+    # mediums and blocks 1-3 on the CPU only: llm-d's LongestPrefixScorer counts 1 + 3 x 0.8
+    link = CostModel.from_config(SimConfig()).op_cost_s["store"]
+    chunk = CostModel.from_config(SimConfig()).kv_bytes_per_block
+    cfg = SimConfig(num_gpu_blocks=9, replicas=2, router="llm-d-precise", step_time=link, kv_event_delay=0.0,
+                    kv_offloading_size=16 * chunk / (1 << 30), max_num_batched_tokens=256).validate()
+    reqs = [make_request("r0", 0.0, PROMPT, 1), make_request("x", 8 * link, list(range(5000, 5112)), 1),
+            make_request("r1", 20 * link, PROMPT, 1)]
+    env = simpy.Environment()
+    cost = CostModel.from_config(cfg)
+    spy = IndexSpy()
+    Cluster(env, reqs, cfg, cost, [make_manager(cfg.replace(kv_events=True), cost) for _ in range(2)], router=spy)
+    env.run()
+    assert [spy.index.holders[k] for k in KEYS] == [{0: {"gpu", "cpu"}}] + [{0: {"cpu"}}] * 3
+    assert spy.index.weighted_prefix(KEYS, MEDIUM_WEIGHTS) == {0: 1.0 + 0.8 + 0.8 + 0.8}
 
 
 def view_with(waiting, usage):

@@ -4,17 +4,26 @@ each block hash named by the prefix it ends (the two hash functions differ)."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from kvsim.kvcache.events import KVEventLog
-from kvsim.sim.conform.check import compare_events
+from kvsim.kvcache.events import HostEventLog, KVEventLog
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform.check import _canonical, compare_events
+from kvsim.sim.conform.random_cases import random_case
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.offload_connector import OffloadConnector
 from kvsim.sim.engine.run import simulate
+from kvsim.workloads.jsonl import write_jsonl
+from kvsim.workloads.request import make_request
 from kvsim.workloads.traces import load_workload
+from tests.sim.conform.test_conform_offload import LINK, _shared_prefix_workload, _toks
+from tests.sim.conform.test_conform_offload import _cfg as _offload_cfg
 from tests.sim.conform.test_hybrid_conform import _cfg, _turns
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
@@ -77,3 +86,132 @@ def test_events_are_compared_on_the_step_grid_only() -> None:
     wl, cfg = _storm(5)
     with pytest.raises(ConfigError, match="step grid"):
         compare_events(wl, cfg.replace(step_time=None))
+
+
+def _offload_cases() -> dict[str, tuple[list, SimConfig]]:
+    """Workloads of test_conform_offload.py on the step grid, sync: a 3-chunk tier that evicts and
+    fails stores, recompute preemptions under pressure, two blocks a chunk with pending chunks, and
+    a finished request's offer retried in a step that schedules nothing."""
+    rng = random.Random(1)
+    heads = [_toks(10_000 * (i + 1), 16 * n) for i, n in enumerate((2, 4, 2, 1))]
+    small = _offload_cfg(3, 1.0)
+    return {
+        "tier-too-small": ([make_request(f"r{i}", i * 2 * small.step_time, rng.choice(heads) + _toks(100_000 * (i + 1),
+                                         rng.randint(0, 20)), rng.randint(1, 6)) for i in range(24)], small),
+        "preemptions": (_shared_prefix_workload(2, out=(20, 80), gap=5e-5),
+                        _offload_cfg(8, 1.4, num_gpu_blocks=20, max_num_batched_tokens=128)),
+        "two-blocks-a-chunk": (_shared_prefix_workload(25, gap=2e-5, out=(1, 4), blocks=(3, 9)),
+                               _offload_cfg(16, LINK / 1e-5, offload_blocks_per_chunk=2, num_gpu_blocks=20,
+                                            max_num_batched_tokens=128)),
+        "empty-steps": (_shared_prefix_workload(125, gap=3e-5, out=(1, 3)),
+                        _offload_cfg(6, LINK / 1e-5, offload_prompt_only=False, num_gpu_blocks=20,
+                                     max_num_batched_tokens=128)),
+    }
+
+
+def _by_medium(requests: list, cfg: SimConfig) -> Counter:
+    res = simulate(requests, cfg.replace(kv_events=True))
+    return Counter((type(e).__name__, e.medium) for b in res.kv_events for e in b.events)
+
+
+@needs_vllm
+def test_async_scheduling_matches_vllms_events() -> None:
+    """vLLM's AsyncScheduler behind EngineCore's two-deep batch queue: schedule k + 1 comes before
+    update_from_output of k, so a batch's events include the next schedule's evictions, in both."""
+    wl, cfg = _storm()
+    assert compare_events(wl, cfg.replace(async_scheduling=True)).format() == "events    353 steps, 0 differ"
+
+
+@needs_vllm
+@pytest.mark.parametrize(("name", "steps", "kinds"), [
+    ("tier-too-small", 33, {("BlockStored", "GPU"): 28, ("BlockRemoved", "GPU"): 42, ("BlockStored", "CPU"): 16,
+                            ("BlockRemoved", "CPU"): 9}),
+    ("preemptions", 266, {("BlockStored", "GPU"): 188, ("BlockRemoved", "GPU"): 237, ("BlockStored", "CPU"): 102,
+                          ("BlockRemoved", "CPU"): 41}),
+    ("two-blocks-a-chunk", 47, {("BlockStored", "GPU"): 53, ("BlockRemoved", "GPU"): 160, ("BlockStored", "CPU"): 67,
+                                ("BlockRemoved", "CPU"): 34}),
+    ("empty-steps", 45, {("BlockStored", "GPU"): 36, ("BlockRemoved", "GPU"): 70, ("BlockStored", "CPU"): 47,
+                         ("BlockRemoved", "CPU"): 17}),
+])
+def test_offloading_the_cpu_tiers_events_match_vllms(name: str, steps: int, kinds: dict) -> None:
+    """vLLM's Scheduler with its OffloadingConnector and `--kv-events-config` on publishes the CPU
+    tier's events after the GPU pool's in each batch (vllm/v1/core/sched/scheduler.py
+    `update_from_output`: `kv_cache_manager.take_events()`, then `connector.take_events()`), a
+    removal where `CPUOffloadingManager.prepare_store` evicts (the schedule) and a store where
+    `complete_store` is called (the step's output, `_update_connector_output`), empty steps too."""
+    requests, cfg = _offload_cases()[name]
+    assert _by_medium(requests, cfg) == Counter(kinds)
+    assert compare_events(requests, cfg).format() == f"events    {steps:,} steps, 0 differ"
+
+
+@needs_vllm
+@pytest.mark.parametrize(("name", "steps"), [("tier-too-small", 34), ("preemptions", 206), ("two-blocks-a-chunk", 41),
+                                             ("empty-steps", 54)])
+def test_offloading_under_async_scheduling_matches_vllms_events(name: str, steps: int) -> None:
+    """As vLLM serves offloading by default (async scheduling): the connector's events are taken at
+    each batch's `update_from_output`, after the next batch's schedule."""
+    requests, cfg = _offload_cases()[name]
+    assert compare_events(requests, cfg.replace(async_scheduling=True)).format() == f"events    {steps:,} steps, 0 differ"
+
+
+@needs_vllm
+@pytest.mark.parametrize(("seed", "steps", "asynchronous"), [
+    (115, 135, False), (238, 364, False), (281, 69, False), (548, 49, False), (22, 166, True), (554, 58, True)])
+def test_offloading_random_cases_match_vllms_events(seed: int, steps: int, asynchronous: bool) -> None:
+    """`kvsim conform --random`'s offloading cases that run on the step grid with prefix caching and
+    one sample a request (seeds 0-599: 49 such, 23 sync and 26 async, all 0 differ); quick ones with
+    CPU-tier events."""
+    case = random_case(seed)
+    cfg = case.cfg
+    assert (cfg.kv_offloading_size is not None, cfg.step_time is not None, cfg.async_scheduling) == \
+        (True, True, asynchronous)
+    assert _by_medium(case.requests, cfg)[("BlockStored", "CPU")] > 0
+    assert compare_events(case.requests, cfg).format() == f"events    {steps:,} steps, 0 differ"
+
+
+@needs_vllm
+def test_missing_or_misordered_cpu_events_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative controls: no host-tier events, or a removal's keys out of eviction order, differ."""
+    requests, cfg = _offload_cases()["tier-too-small"]
+    with monkeypatch.context() as m:
+        m.setattr(OffloadConnector, "take_events", lambda self: [])
+        d = compare_events(requests, cfg)
+        assert not d.ok and d.first[2] is None and d.first[3]["medium"] == "CPU"
+    removed = HostEventLog.removed
+    monkeypatch.setattr(HostEventLog, "removed", lambda self, keys: removed(self, list(reversed(keys))))
+    d = compare_events(requests, cfg)
+    assert not d.ok and d.first[2]["type"] == d.first[3]["type"] == "BlockRemoved"
+
+
+def test_a_run_of_cpu_stores_compares_as_a_set_but_nothing_else_does() -> None:
+    """vLLM completes a store job's chunks in a set's order (offloading/scheduler.py `_build_store_jobs`:
+    `keys=set(keys_to_store)`), which follows PYTHONHASHSEED: such a run is sorted; GPU events and
+    removals keep their order."""
+    def ev(kind: str, medium: str, h: int) -> dict:
+        return {"type": kind, "block_hashes": [h], "medium": medium}
+
+    a = [ev("BlockStored", "GPU", 2), ev("BlockStored", "GPU", 1), ev("BlockStored", "CPU", 5),
+         ev("BlockStored", "CPU", 3), ev("BlockRemoved", "CPU", 9), ev("BlockStored", "CPU", 4)]
+    assert _canonical(a) == [a[0], a[1], a[3], a[2], a[4], a[5]]
+    assert _canonical([a[1], a[0]]) == [a[1], a[0]]
+    assert _canonical([a[5], a[4]]) == [a[5], a[4]]
+
+
+def test_a_file_tier_with_kv_events_is_refused() -> None:
+    _, cfg = _offload_cases()["empty-steps"]
+    with pytest.raises(ConfigError, match="kv_events: the host tier's KV events with a file tier"):
+        simulate([make_request("a", 0.0, _toks(0, 32), 1)], cfg.replace(kv_events=True, offload_fs=True))
+
+
+@needs_vllm
+def test_kvsim_conform_mode_events_compares_the_streams_with_offloading(tmp_path: Path) -> None:
+    requests, cfg = _offload_cases()["tier-too-small"]
+    path = tmp_path / "w.jsonl"
+    write_jsonl(requests, path)
+    r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--num-gpu-blocks", "9",
+                                 "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
+                                 "--step-time", repr(cfg.step_time), "--kv-offloading-size", repr(cfg.kv_offloading_size)])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[1:] == ["events    33 steps, 0 differ", "identical"]
+    r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--kv-offloading-size", "0.03125"])
+    assert r.exit_code == 2 and "KV events are compared on the step grid (--step-time)" in r.stderr
