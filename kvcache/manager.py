@@ -260,6 +260,10 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         if idx < len(blocks):
             if nc % bs and blocks[idx].ref_cnt > 1:
                 return False
+            if watermark and self.pool.num_free_blocks < self.watermark_blocks:
+                # NOTE: vllm/v1/core/kv_cache_manager.py allocate_slots asks a waiting request for the
+                # watermark even when it needs no new block (a load landed: its last token is recomputed)
+                return None
             new = []
         elif idx == len(blocks):
             free = self.pool.num_free_blocks

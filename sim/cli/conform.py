@@ -12,7 +12,11 @@ from kvsim.sim.cli.common import fail, open_workload
 from kvsim.sim.cli.options import (
     DisableHybrid,
     HybridChunkedLocal,
+    KvLeaseDuration,
     KvOffloadingSize,
+    KvTransferGbps,
+    KvTransferLatency,
+    KvTransferRole,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
     MaxNumScheduledTokens,
@@ -30,6 +34,7 @@ from kvsim.sim.cli.options import (
     hybrid_changes,
     offload_changes,
     retention_changes,
+    transfer_changes,
 )
 
 
@@ -68,8 +73,13 @@ def conform(
     offload_store_threshold: OffloadStoreThreshold = None,
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
+    kv_transfer_role: KvTransferRole = None,
+    kv_transfer_gbps: KvTransferGbps = None,
+    kv_transfer_latency: KvTransferLatency = None,
+    kv_lease_duration: KvLeaseDuration = None,
     random_seeds: Annotated[str | None, typer.Option("--random", help="START:STOP: instead, one random workload and configuration a seed (sim.conform.random_cases)")] = None,
     only_hybrid: Annotated[bool, typer.Option("--only-hybrid", help="with --random: only the seeds whose case is a model in vLLM's hybrid KV-cache groups")] = False,
+    pd: Annotated[bool, typer.Option("--pd", help="with --random: every case stands alone as one side of P/D disaggregation (the seed's case less the knobs the NIXL connector does not take)")] = False,
     cluster_run: Annotated[Path | None, typer.Option("--cluster-run", help="instead, one replica of this cluster run folder (`kvsim run --replicas N`): the requests it received, at the times they reached it, under the run's config; WORKLOAD is the one the run was made with")] = None,
     replica: Annotated[int | None, typer.Option("--replica", help="with --cluster-run: which replica (0 to N-1)")] = None,
 ) -> None:
@@ -98,7 +108,7 @@ def conform(
         raise fail(missing)
     installed = vllm_setup.vllm_version()
     if seeds is not None:
-        _random(seeds, mode, only_hybrid)
+        _random(seeds, mode, only_hybrid, pd)
         return
     try:
         from kvsim.kvcache.profiles import profile
@@ -125,6 +135,7 @@ def conform(
                 enable_chunked_prefill=not no_chunked_prefill, scheduling=scheduling, step_time=step_time,
                 closed_loop_sessions=step_time is None, vllm_version=theirs, async_scheduling=async_scheduling, **offload,
                 **admission, **retention_changes(prefix_cache_retention_interval),
+                **transfer_changes(kv_transfer_role, kv_transfer_gbps, kv_transfer_latency, kv_lease_duration),
                 **hardware_changes(model, None, tp), **hybrid_changes(disable_hybrid_kv_cache_manager, hybrid_chunked_local),
             ).validate()
             requests = list(open_workload(workload, format, False, cfg.seed))
@@ -141,8 +152,12 @@ def conform(
                    + (", async scheduling" if cfg.async_scheduling else "")
                    + (f", a {cfg.sliding_window}-token sliding window" if cfg.sliding_window is not None else "")
                    + (f", vLLM's hybrid KV-cache groups: {layout.describe()}" if layout is not None else "")
-                   + (f", {cfg.kv_offloading_size:g} GiB KV offloading" if cfg.kv_offloading_size is not None else ""))
-        if cfg.kv_offloading_size is not None and mode == "both":
+                   + (f", {cfg.kv_offloading_size:g} GiB KV offloading" if cfg.kv_offloading_size is not None else "")
+                   + (f", P/D {cfg.kv_transfer_role} side (vLLM's NixlConnector, reads at {cfg.kv_transfer_gbps:g} GB/s)"
+                      if cfg.kv_transfer_role is not None else ""))
+        if cfg.kv_transfer_role is not None and mode == "both":
+            typer.echo("manager   skipped: the manager mode has no scheduler and no KV connector")
+        elif cfg.kv_offloading_size is not None and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_OFFLOADING.split(';')[0]}")
         elif any(r.n > 1 for r in requests) and mode == "both":
             typer.echo(f"manager   skipped: {MANAGER_NO_SAMPLES.split(';')[0]}")
@@ -160,7 +175,8 @@ def conform(
     typer.echo("identical")
 
 
-CLUSTER_RUN_OWN = ("workload", "mode", "format", "max_running", "random_seeds", "only_hybrid", "cluster_run", "replica")
+CLUSTER_RUN_OWN = ("workload", "mode", "format", "max_running", "random_seeds", "only_hybrid", "pd", "cluster_run",
+                   "replica")
 
 
 def _knobs_given(values: dict) -> list[str]:
@@ -193,11 +209,12 @@ def _seeds(text: str) -> range:
     return seeds
 
 
-def _random(seeds: range, mode: str, only_hybrid: bool = False) -> None:
+def _random(seeds: range, mode: str, only_hybrid: bool = False, pd: bool = False) -> None:
     """Conform one random case a seed, a line each; the seeds that differ or fail, and how to rerun
     one. Only kvsim's refusal of a case (its ConfigError, raised outside vLLM and the vLLM drivers
     `sim.conform.vllm_*`) is a skip; any other error fails its seed, in vLLM (or a driver) or in kvsim.
-    `only_hybrid`: the seeds whose case is not a model in hybrid groups are passed over, uncounted."""
+    `only_hybrid`: the seeds whose case is not a model in hybrid groups are passed over, uncounted;
+    `pd`: each seed's P/D case (`random_case(seed, pd=True)`)."""
     from kvsim.sim.conform.check import conform as run_conform
     from kvsim.sim.conform.random_cases import HYBRID_MODELS, random_case
     from kvsim.sim.engine.config import ConfigError
@@ -216,7 +233,7 @@ def _random(seeds: range, mode: str, only_hybrid: bool = False) -> None:
     for seed in seeds:
         case = None
         try:
-            case = random_case(seed)
+            case = random_case(seed, pd)
             if only_hybrid and case.cfg.model not in HYBRID_MODELS:
                 passed_over += 1
                 continue
@@ -239,7 +256,8 @@ def _random(seeds: range, mode: str, only_hybrid: bool = False) -> None:
                + (f", {skipped} skipped" if skipped else "")
                + (f" ({passed_over} seeds without hybrid groups passed over)" if passed_over else ""))
     for seed in sorted(differ + failed):
-        typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}" + (" --only-hybrid" if only_hybrid else ""))
+        typer.echo(f"  rerun: kvsim conform --random {seed}:{seed + 1} --mode {mode}" + (" --only-hybrid" if only_hybrid else "")
+                   + (" --pd" if pd else ""))
     if differ or failed:
         raise typer.Exit(1)
 

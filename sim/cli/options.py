@@ -46,6 +46,22 @@ PrefillScheduleInterval = Annotated[int | None, typer.Option(
 MaxNumScheduledTokens = Annotated[int | None, typer.Option(
     help="a step's token budget, at most max_num_batched_tokens (default: the latter)")]
 
+KvTransferRole = Annotated[str | None, typer.Option(
+    help="P/D disaggregation, this replica standing alone in one role with vLLM's NixlConnector: decode (each "
+         "prompt's KV read from a prefill side) | prefill (one token a request, its blocks held until read)")]
+KvTransferGbps = Annotated[float | None, typer.Option(help="GB/s a GPU's NIC reads KV at (P/D) [default: 25]")]
+KvTransferLatency = Annotated[float | None, typer.Option(help="seconds each KV read takes besides its bytes (P/D) [default: 5e-05]")]
+KvLeaseDuration = Annotated[float | None, typer.Option(
+    help="seconds the prefill side holds a finished request's blocks at most (vLLM's kv_lease_duration) [default: 30]")]
+
+
+def transfer_changes(kv_transfer_role: str | None, kv_transfer_gbps: float | None, kv_transfer_latency: float | None,
+                     kv_lease_duration: float | None) -> dict[str, Any]:
+    """The `SimConfig` fields the P/D options given set (`SimConfig.validate` checks them)."""
+    given = {"kv_transfer_role": kv_transfer_role, "kv_transfer_gbps": kv_transfer_gbps,
+             "kv_transfer_latency": kv_transfer_latency, "kv_lease_duration": kv_lease_duration}
+    return {k: v for k, v in given.items() if v is not None}
+
 
 def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bool,
                       no_reserve_full_isl: bool, prefill_schedule_interval: int | None = None,

@@ -26,7 +26,11 @@ from kvsim.sim.cli.options import (
     Eviction,
     Gpu,
     HybridChunkedLocal,
+    KvLeaseDuration,
     KvOffloadingSize,
+    KvTransferGbps,
+    KvTransferLatency,
+    KvTransferRole,
     LongPrefillAdaptive,
     MaxNumActiveSeqs,
     MaxNumScheduledTokens,
@@ -49,6 +53,7 @@ from kvsim.sim.cli.options import (
     hybrid_changes,
     offload_changes,
     retention_changes,
+    transfer_changes,
 )
 from kvsim.sim.cli.report import compare, format_summary, report
 from kvsim.workloads.names import FORMATS
@@ -84,7 +89,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     if d["prefix_cache_retention_interval"] == 0:  # likewise
         del d["prefix_cache_retention_interval"]
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
-              "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS):
+              "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS,
+              "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -233,6 +239,8 @@ def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
     changes.update(offload_changes(g("kv_offloading_size"), g("offload_eviction_policy"), g("offload_store_threshold"),
                                    g("offload_blocks_per_chunk"), bool(g("offload_all"))))
     changes.update(fs_changes(bool(g("offload_fs")), g("offload_fs_size"), g("offload_fs_gbps"), g("offload_fs_threads")))
+    changes.update(transfer_changes(g("kv_transfer_role"), g("kv_transfer_gbps"), g("kv_transfer_latency"),
+                                    g("kv_lease_duration")))
     changes.update(admission_changes(g("max_num_active_seqs"), bool(g("long_prefill_token_threshold_adaptive")),
                                      bool(g("no_scheduler_reserve_full_isl")), g("prefill_schedule_interval"),
                                      g("max_num_scheduled_tokens")))
@@ -290,6 +298,10 @@ def run(
     offload_fs_size: OffloadFsSize = None,
     offload_fs_gbps: OffloadFsGbps = None,
     offload_fs_threads: OffloadFsThreads = None,
+    kv_transfer_role: KvTransferRole = None,
+    kv_transfer_gbps: KvTransferGbps = None,
+    kv_transfer_latency: KvTransferLatency = None,
+    kv_lease_duration: KvLeaseDuration = None,
     record_ops: Annotated[bool, typer.Option("--record-ops", help="write the block-op stream (ops.parquet)")] = False,
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload, and a cluster's router)")] = None,

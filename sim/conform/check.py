@@ -183,12 +183,15 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         return run_offload_scheduler(requests, cfg)
     ours = kvsim_scheduler(requests, cfg)
     if cfg.step_time is None:
+        from kvsim.sim.conform.vllm_nixl import Nixl
         from kvsim.sim.conform.vllm_timed import run_timed
+        from kvsim.sim.engine.cost_model import CostModel
 
         args = _scheduler_args(cfg)
         del args["step_time"]
+        nixl = Nixl.from_config(cfg, CostModel.from_config(cfg).kv_bytes_per_block)  # P/D's connector, or None
         theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
-                           load=cfg.load, closed_loop=cfg.closed_loop_sessions)
+                           load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
     else:
         from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
@@ -417,6 +420,9 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         raise ConfigError(MANAGER_NO_OFFLOADING)
     if samples and mode == "manager":
         raise ConfigError(MANAGER_NO_SAMPLES)
+    if cfg.kv_transfer_role is not None and (mode == "manager" or cfg.step_time is not None):
+        raise ConfigError("kv_transfer_role is conformed in the scheduler mode on the cost clock (no --step-time): "
+                          "vLLM's NIXL connector with a fake worker timed as kvsim's")
     if samples and cfg.parallel_sampling != "fanout":
         raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
@@ -428,7 +434,7 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
         if on_diff:
             on_diff(d)
         return diffs
-    if mode in ("manager", "both") and not offloading and not samples:
+    if mode in ("manager", "both") and not offloading and not samples and cfg.kv_transfer_role is None:
         from kvsim.sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)

@@ -8,7 +8,9 @@ sampling, vLLM 0.31+'s admission knobs, 0.33's prefill cadence, the clock: a fix
 the cost model's step times with closed-loop sessions), with a cache sized from the workload's longest
 request so every request fits and memory pressure ranges from preemption storms to none. A
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
-speed; half of them under async scheduling, as `vllm serve` runs it by default). The same seed always gives the same case.
+speed; half of them under async scheduling, as `vllm serve` runs it by default). A third of the
+cost-clock cases P/D disaggregation's NIXL connector can take stand alone as its decode or prefill
+side (read bandwidth, latency and lease). The same seed always gives the same case.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class Case:
             knobs += [f"offloading {c.kv_offloading_size:g} GiB ({bpc} block{'s' if bpc > 1 else ''} a chunk, "
                       f"{c.offload_eviction_policy}, threshold {c.offload_store_threshold}"
                       + (", decode chunks too" if not c.offload_prompt_only else "") + ")"]
+        if c.kv_transfer_role is not None:
+            knobs += [f"P/D {c.kv_transfer_role} side ({c.kv_transfer_gbps:g} GB/s, {c.kv_transfer_latency:g} s latency, "
+                      f"lease {c.kv_lease_duration:g} s)"]
         samples = sum(r.n > 1 for r in self.requests)
         knobs += [f"{samples} with n > 1"] if samples else []
         return f"seed {self.seed}: {self.kind}, {len(self.requests)} requests, " + ", ".join(knobs)
@@ -77,8 +82,10 @@ def _shape(r: random.Random, kind: str) -> dict[str, object]:
     return {}
 
 
-def random_case(seed: int) -> Case:
-    """The case of `seed` (see the module docstring)."""
+def random_case(seed: int, pd: bool = False) -> Case:
+    """The case of `seed` (see the module docstring); `pd`: the same draws, less the knobs kvsim's NIXL
+    connector does not take (async scheduling, offloading, a window, a hybrid model, n > 1, the grid),
+    standing alone as one side of P/D disaggregation."""
     r = random.Random(seed)
     kind = r.choice(KINDS)
     requests = list(build_workload(kind, r.choice([20, 40, 80]), r.choice([2.0, 10.0, 50.0]), "poisson", 1.0,
@@ -91,16 +98,16 @@ def random_case(seed: int) -> Case:
         "max_num_batched_tokens": r.choice([64, 256, 512, 2048]), "max_num_seqs": r.choice([2, 4, 16, 64]),
         "watermark": r.choice([0.0, 0.0, 0.01, 0.05]), "long_prefill_token_threshold": r.choice([0, 0, 32, 200]),
         "enable_prefix_caching": r.random() < 0.85, "enable_chunked_prefill": r.random() < 0.85,
-        "scheduling": r.choice(["fcfs", "fcfs", "fcfs", "priority"]), "async_scheduling": r.random() < 0.25,
+        "scheduling": r.choice(["fcfs", "fcfs", "fcfs", "priority"]), "async_scheduling": r.random() < 0.25 and not pd,
     }
     if not kw["enable_chunked_prefill"]:  # vLLM needs the budget to hold the longest request
         kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], longest)
         kw["long_prefill_token_threshold"] = 0
-    if r.random() < 1 / 3:
+    if r.random() < 1 / 3 and not pd:
         kw.update(_offloading(r, bs, kw["num_gpu_blocks"], longest))
     max_running = r.choice([1, 1, 4, 16])
     # drawn last, so the knobs above are what they were before windows were drawn
-    if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.3:
+    if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.3 and not pd:
         kw["sliding_window"] = r.choice([8, 17, 64, 500])
     if kw["scheduling"] == "priority":  # the generators give every request priority 0
         requests = [replace(q, priority=r.choice([0, 0, 1, 2])) for q in requests]
@@ -112,15 +119,17 @@ def random_case(seed: int) -> Case:
         kw["long_prefill_token_threshold"] = min(kw["long_prefill_token_threshold"], kw["max_model_len"])
         if not kw["enable_chunked_prefill"]:
             kw["max_num_batched_tokens"] = max(kw["max_num_batched_tokens"], kw["max_model_len"])
-    if r.random() < 0.2:  # parallel sampling
+    if r.random() < 0.2 and not pd:  # parallel sampling
         requests = [replace(q, n=r.choice([2, 3])) if r.random() < 0.5 else q for q in requests]
     kw.update(_admission(r, kw))
     kw.update(_cadence(r))
     kw.update(_step_budget(r, kw))
-    kw.update(_clock(r, kw))
+    kw.update(_clock(r, kw, pd))
     if kw.get("sliding_window") is not None:  # drawn last: vLLM's retention interval, its default 0 most often
         kw["prefix_cache_retention_interval"] = r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
-    kw.update(_hybrid(r, kw, bs))
+    if not pd:
+        kw.update(_hybrid(r, kw, bs))
+    kw.update(_disaggregation(r, kw, requests, pd))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
@@ -156,6 +165,19 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, objec
     return out
 
 
+def _disaggregation(r: random.Random, kw: dict[str, object], requests: list[Request], pd: bool) -> dict[str, object]:
+    """A third of the cases kvsim's NIXL connector and its conformance take (the cost clock, sync
+    scheduling, full attention, one sample a request, no offloading) stand alone as one side of P/D
+    disaggregation, with reads of a 2 MiB block taking 0.08 to 8 ms and, at times, a lease shorter
+    than a read (drawn last, so the knobs above are what they were); a `pd` case always."""
+    if (kw.get("step_time", 0.05) is not None or kw["async_scheduling"] or "kv_offloading_size" in kw
+            or kw.get("sliding_window") is not None or "model" in kw or any(q.n > 1 for q in requests)
+            or (r.random() >= 1 / 3 and not pd)):
+        return {}
+    return {"kv_transfer_role": r.choice(["decode", "prefill"]), "kv_transfer_gbps": r.choice([25.0, 2.5, 0.25]),
+            "kv_transfer_latency": r.choice([5e-5, 5e-5, 1e-3]), "kv_lease_duration": r.choice([30.0, 30.0, 0.01, 0.1])}
+
+
 def _admission(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
     """vLLM 0.31+'s admission knobs (drawn last, so the knobs before them are what they were)."""
     out: dict[str, object] = {}
@@ -183,12 +205,12 @@ def _step_budget(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
                                                   max(1, hi // 4)])}
 
 
-def _clock(r: random.Random, kw: dict[str, object]) -> dict[str, object]:
+def _clock(r: random.Random, kw: dict[str, object], pd: bool = False) -> dict[str, object]:
     """Two cases in three run on the cost model's clock, as a default `kvsim run`: each step as long
     as its batch costs, the speed shortcuts on, closed-loop sessions (drawn last, for the same
     reason; an offloading case's link is then the GPU's, its transfers taking their real time);
-    the others on the fixed grid."""
-    if r.random() >= 2 / 3:
+    the others on the fixed grid (a `pd` case: always the cost clock)."""
+    if r.random() >= 2 / 3 and not pd:
         return {}
     return {"step_time": None, "closed_loop_sessions": True}
 

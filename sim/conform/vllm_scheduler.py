@@ -33,14 +33,16 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                      watermark: float, scheduling: str, async_scheduling: bool = False,
                      offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
                      scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
-                     layers: Any = None, mamba_checkpoints: bool = False, kv_events: bool = False):
+                     layers: Any = None, mamba_checkpoints: bool = False, kv_events: bool = False,
+                     kv_transfer: dict[str, Any] | None = None):
     """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec); `layers`:
     instead, a model's layers mixing kinds, in vLLM's hybrid KV-cache groups (`vllm_setup.layer_specs`);
     `scheduler_extra`: more SchedulerConfig fields (max_num_active_seqs, ...); `mamba_checkpoints`:
     the model's Mamba-state layers export prefill checkpoints (`vllm_setup.mamba_spec`); `kv_events`:
-    its block pool queues KV events (`vllm_setup.stand_in_config`).
+    its block pool queues KV events; `kv_transfer`: with the NixlConnector and that extra config
+    (both `vllm_setup.stand_in_config`).
 
     Returns (scheduler, block hasher, vllm_config.max_concurrent_batches: 2 with async scheduling).
     """
@@ -64,7 +66,8 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
                                                  "kv_offloading_backend": "native"}
     vllm_config = stand_in_config(tmp, max_model_len=max_model_len, scheduler=scheduler_config, cache={
         "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
-        "prefix_cache_retention_interval": prefix_cache_retention_interval, **offload_kw}, kv_events=kv_events)
+        "prefix_cache_retention_interval": prefix_cache_retention_interval, **offload_kw}, kv_events=kv_events,
+        kv_transfer=kv_transfer)
     if offloading is not None:  # the connector reads these when the Scheduler builds it
         vllm_config.kv_transfer_config.kv_connector_extra_config.update(offloading[1])
     # What EngineCore does once it has sized the KV cache (here: given, not profiled).
@@ -83,7 +86,7 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     )
     # EngineCore hashes blocks for prefix caching or for a KV connector (vllm/v1/engine/core.py)
     hasher = block_hasher(hash_bs, vllm_config.cache_config.prefix_caching_hash_algo) \
-        if enable_prefix_caching or offloading is not None else None
+        if enable_prefix_caching or offloading is not None or kv_transfer is not None else None
     queue_size = vllm_config.max_concurrent_batches
     if queue_size != (2 if async_scheduling else 1):  # the drivers' batch queues: one in flight, or two
         raise RuntimeError(f"expected vLLM's batch queue of {2 if async_scheduling else 1}, got {queue_size}")

@@ -82,18 +82,22 @@ STAND_IN = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
 
 
 def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], scheduler: Any = None,
-                    kv_events: bool = False):
+                    kv_events: bool = False, kv_transfer: dict[str, Any] | None = None):
     """The VllmConfig `vllm serve` builds for the stand-in model written into `tmp`: vLLM's config
     objects with every default vLLM's own, `cache` the CacheConfig fields given on the command
     line (block size, prefix caching, ...), `scheduler` a SchedulerConfig (None: the default);
     `kv_events`: as `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "null"}'`
-    (the block pool queues KV events; the caller takes over the publisher)."""
+    (the block pool queues KV events; the caller takes over the publisher); `kv_transfer`: as
+    `--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": kv_transfer}'`, P/D disaggregation's connector (its engine id vLLM's
+    random one)."""
     import json
 
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVEventsConfig,
+        KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
         VllmConfig,
@@ -106,8 +110,10 @@ def stand_in_config(tmp: str, *, max_model_len: int, cache: dict[str, Any], sche
     if scheduler is None:
         scheduler = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False)
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+    transfer = None if kv_transfer is None else KVTransferConfig(
+        kv_connector="NixlConnector", kv_role="kv_both", kv_connector_extra_config=dict(kv_transfer))
     return VllmConfig(model_config=model_config, cache_config=CacheConfig(**cache), scheduler_config=scheduler,
-                      device_config=DeviceConfig(device="cpu"), kv_events_config=events)
+                      device_config=DeviceConfig(device="cpu"), kv_events_config=events, kv_transfer_config=transfer)
 
 
 def stand_in_spec(block_size: int, sliding_window: int | None = None, chunk: int | None = None):
@@ -207,11 +213,15 @@ def block_hasher(block_size: int, hash_algo: str):
     return get_request_block_hasher(block_size, hash_fn)
 
 
-def vllm_request(req: Request, tokens: list[int], hasher, *, arrival: float = 0.0):
+def vllm_request(req: Request, tokens: list[int], hasher, *, arrival: float = 0.0,
+                 kv_transfer_params: dict[str, Any] | None = None):
+    """vLLM's Request for kvsim's `req`; `kv_transfer_params`: what a P/D proxy sends with it (the
+    OpenAI server puts them in the sampling params' extra_args, where vLLM's Request reads them)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request as VllmRequest
 
-    params = SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(max_tokens=max(req.output_len, 1), ignore_eos=True, extra_args=extra)
     return VllmRequest(
         request_id=req.id, prompt_token_ids=tokens[: req.prompt_len], sampling_params=params,
         pooling_params=None, arrival_time=arrival, priority=req.priority, block_hasher=hasher,

@@ -48,17 +48,19 @@ def run_timed(
     max_model_len: int | None = None, scheduler_extra: dict[str, Any] | None = None,
     load: float = 1.0, closed_loop: bool = True, offloading: Offloading | None = None,
     prefix_cache_retention_interval: int | None = 0, layers: Any = None, mamba_checkpoints: bool = False,
+    nixl: Any = None,
 ) -> list[dict]:
     """Run vLLM's Scheduler (AsyncScheduler if `async_scheduling`) on the cost clock; one record
     per request in workload order (fanned-out samples as their own requests), as
     `sim.conform.vllm_scheduler.run_scheduler` gives them. `offloading`: with its
     OffloadingConnector and the fake worker of `sim.conform.vllm_offload` (records gain
-    `offload_hit_tokens`)."""
+    `offload_hit_tokens`); `nixl` (a `sim.conform.vllm_nixl.Nixl`): with P/D disaggregation's
+    NixlConnector in one role, the requests as its proxy sends them, and its fake worker."""
     import simpy
 
     from kvsim.sim.engine.frontend import Frontend
 
-    parents = list(requests)
+    parents = list(requests) if nixl is None else nixl.requests(requests)
     samples = [s for r in parents for s in fan_out(r)]
     reqs, tokens, recs, max_model_len = prepare(
         samples, step_time=None, scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
@@ -74,11 +76,15 @@ def run_timed(
             long_prefill_token_threshold=long_prefill_token_threshold, watermark=watermark,
             scheduling=scheduling, async_scheduling=async_scheduling, sliding_window=sliding_window,
             prefix_cache_retention_interval=prefix_cache_retention_interval, scheduler_extra=scheduler_extra,
-            layers=layers, mamba_checkpoints=mamba_checkpoints, **offload_kw)
+            layers=layers, mamba_checkpoints=mamba_checkpoints,
+            kv_transfer=None if nixl is None else nixl.extra_config(), **offload_kw)
         env = simpy.Environment()
-        run = _TimedRun(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
+        run_class = _TimedRun if nixl is None else nixl.run_class
+        run = run_class(sched, reqs, tokens, hasher, recs, env, step_seconds, (num_gpu_blocks, block_size))
         if offloading is not None:
             run.worker = offloading.worker(sched)
+        if nixl is not None:
+            run.worker = nixl.worker(sched, block_size)
         front = Frontend(env, parents, run.admit, load=load, closed_loop=closed_loop)
         run.front = front
         env.process(run.run(queue_size))
@@ -117,7 +123,7 @@ class _TimedRun(_OffloadRun):
         self.parent: dict[str, Request] = {}  # sample id -> the request it came from
         self.open: dict[str, int] = {}  # request id -> samples not yet finished
         self.front = None
-        self.worker: FakeWorker | None = None  # with offloading (`_handed`, `_ended`: sim.conform.vllm_offload)
+        self.worker: FakeWorker | None = None  # with a connector (`_handed`, `_ended`: sim.conform.vllm_offload)
 
     def admit(self, req: Request) -> None:
         """`req` reaches the engine now: its samples are added to vLLM, stamped with the time."""
@@ -125,10 +131,15 @@ class _TimedRun(_OffloadRun):
         self.open[req.id] = len(kids)
         for s in kids:
             i = self.index[s.id]
-            vreq = vllm_request(s, self.tokens[i], self.hasher, arrival=self.env.now)
+            vreq = vllm_request(s, self.tokens[i], self.hasher, arrival=self.env.now,
+                                kv_transfer_params=self._transfer_params(s))
             self.live[s.id] = (vreq, self.tokens[i])
             self.parent[s.id] = req
             self.sched.add_request(vreq)
+
+    def _transfer_params(self, req: Request) -> dict[str, Any] | None:
+        """The kv_transfer_params `req` comes with (none: no P/D proxy; sim.conform.vllm_nixl's)."""
+        return None
 
     def _finished(self, ids: Iterable[str], step: int, now: float) -> None:
         """Of the samples `ids` (in batch order), those whose last token step `step` sampled are done

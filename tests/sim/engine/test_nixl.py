@@ -114,3 +114,17 @@ def test_bad_settings_are_refused_in_one_line(kw, field):
 def test_windowed_models_are_refused():
     with pytest.raises(ConfigError, match="sliding window|P/D disaggregation"):
         simulate(_requests([0.0]), SimConfig(model="mistral-7b", kv_transfer_role="decode").validate())
+
+
+def test_a_landed_request_needing_no_block_still_waits_for_the_watermark():
+    # vllm/v1/core/kv_cache_manager.py `KVCacheManager.allocate_slots`: a WAITING request, while others
+    # run, needs its new blocks plus the watermark free, even when it needs no new block (a landed read
+    # whose last prompt token is recomputed in a block it holds; vllm/v1/core/sched/scheduler.py
+    # `_update_waiting_for_remote_kv`). 16 usable blocks, watermark int(0.2 x 17) = 3: both prompts
+    # (7 blocks each) are allocated at 0 with nothing running and land together; r0 is promoted first,
+    # then r1 finds 2 blocks free < 3 and waits until r0 finishes (step 4) and frees its blocks
+    r = _run("decode", [0.0, 0.0], num_gpu_blocks=17, watermark=0.2, scheduler_reserve_full_isl=False)
+    rq = r.requests.set_index("id")
+    assert (rq.at["r0", "first_scheduled_step"], rq.at["r0", "finish_step"]) == (0, 4)
+    assert (rq.at["r1", "first_scheduled_step"], rq.at["r1", "finish_step"]) == (5, 9)
+    assert list(r.steps["prefill_tokens"][:6]) == [1, 0, 0, 0, 0, 1]  # each recomputes its last prompt token

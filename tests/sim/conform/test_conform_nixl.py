@@ -1,0 +1,173 @@
+"""`kvsim conform --kv-transfer-role`: kvsim's NIXL connector (sim/engine/nixl.py) against vLLM 0.33's
+real Scheduler with its NixlConnector's scheduler side (vllm/distributed/kv_transfer/kv_connector/v1/
+nixl/pull_scheduler.py `NixlPullConnectorScheduler`) and a fake worker timed as kvsim times the reads
+(sim/conform/vllm_nixl.py), request by request, on the cost clock. Workloads: multi-turn and
+shared-prefix prompts (local hits on the decode side), a 40-block pool (admission waits on blocks,
+decode-side preemptions, the prefill side's held blocks delay others), reads at 0.25 GB/s (8 ms a
+2 MiB block, spanning steps of 7 ms), a lease shorter than the reads. Skipped where vLLM is not
+installed (`bash .ci/install_vllm_cpu.sh`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvsim.sim.cli.app import app
+from kvsim.sim.conform.check import conform
+from kvsim.sim.conform.vllm_nixl import Nixl, NixlWorker
+from kvsim.sim.engine.config import ConfigError, SimConfig
+from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.run import simulate
+from kvsim.workloads.request import Request
+from kvsim.workloads.traces import load_workload
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
+needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
+
+
+def _cfg(role: str, blocks: int = 2000, gbps: float = 25.0, **kw) -> SimConfig:
+    return SimConfig(block_size=16, step_time=None, closed_loop_sessions=True, num_gpu_blocks=blocks,
+                     max_num_batched_tokens=512, max_num_seqs=16, kv_transfer_role=role, kv_transfer_gbps=gbps,
+                     **kw).validate()
+
+
+def _same(reqs: list, cfg: SimConfig) -> dict:
+    """kvsim and vLLM agree on every request; kvsim's summary, to show what was exercised."""
+    d = conform(reqs, cfg, "scheduler")[0]
+    assert d.ok, d.format()
+    assert d.requests == len(reqs)
+    return simulate(reqs, cfg).summary
+
+
+@needs_vllm
+def test_vllm_builds_its_own_nixl_pull_scheduler_side_without_a_listener():
+    import tempfile
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+
+    from kvsim.sim.conform.vllm_scheduler import _build_scheduler
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sched, hasher, queue = _build_scheduler(
+            tmp, block_size=16, num_gpu_blocks=40, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16,
+            enable_chunked_prefill=True, enable_prefix_caching=True, long_prefill_token_threshold=0, watermark=0.0,
+            scheduling="fcfs", kv_transfer={"kv_lease_duration": 0.5})
+        side = sched.connector.connector_scheduler
+        assert type(sched.connector) is NixlPullConnector and type(side) is NixlPullConnectorScheduler
+        config = sched.vllm_config.kv_transfer_config
+        assert (config.kv_connector, config.kv_role, side._kv_lease_duration) == ("NixlConnector", "kv_both", 0.5)
+        assert side.kv_recompute_threshold == 64 and not side.use_host_buffer  # vLLM's defaults
+        assert side._nixl_handshake_listener_t is None  # no side channel: no worker handed it metadata
+        assert hasher is not None and queue == 1 and not sched.defer_block_free
+        worker = Nixl("decode", KVTransfer(1), 0.5).worker(sched, 16)
+        assert worker.busy_until(0.0) is None
+
+
+@needs_vllm
+@pytest.mark.parametrize("name, blocks, gbps, read, hit, preemptions", [
+    ("multi-turn.jsonl", 2000, 25.0, 326, 17744, 0),  # every turn's earlier context hit locally
+    ("multi-turn.jsonl", 40, 0.25, 1043, 6272, 13),  # a tight pool: loads wait for blocks, running ones preempted
+    ("shared-prefix.jsonl", 40, 0.25, 1091, 10368, 1),
+])
+def test_decode_side_matches_vllm(name, blocks, gbps, read, hit, preemptions):
+    s = _same(list(load_workload(GOLDEN / name)), _cfg("decode", blocks, gbps))
+    assert (s["read_blocks"], s["hit_tokens"], s["preemptions"]) == (read, hit, preemptions)
+
+
+@needs_vllm
+def test_prefill_side_matches_vllm_while_held_blocks_delay_others():
+    reqs = list(load_workload(GOLDEN / "multi-turn.jsonl"))
+    fast, slow = _cfg("prefill", 40, 1e6), _cfg("prefill", 40, 0.25)
+    first = {c.kv_transfer_gbps: simulate(reqs, c).requests.set_index("id")["first_scheduled"].sort_index().to_numpy()
+             for c in (fast, slow)}
+    assert int((first[0.25] > first[1e6]).sum()) > 0  # the slow reads' holds keep later requests waiting
+    s = _same(reqs, slow)
+    assert (s["read_blocks"], s["hit_tokens"], s["output_tokens"]) == (0, 9248, 120)
+    assert s["held_block_seconds"] == pytest.approx(176.72180409185944, rel=1e-9)
+
+
+@needs_vllm
+def test_prefill_side_lease_shorter_than_the_reads_matches_vllm():
+    s = _same(list(load_workload(GOLDEN / "shared-prefix.jsonl")), _cfg("prefill", 40, 0.25, kv_lease_duration=0.01))
+    assert s["held_block_seconds"] > 0
+
+
+@needs_vllm
+def test_the_watermark_a_landed_request_waits_for_matches_vllm():
+    # tests/sim/engine/test_nixl.py's hand-worked case, against vLLM's allocate_slots
+    reqs = [Request(id=f"r{i}", arrival=0.0, prompt_len=100, output_len=5,
+                    _prompt=np.arange(i * 1000, i * 1000 + 100, dtype=np.int32)) for i in range(2)]
+    cfg = SimConfig(kv_transfer_role="decode", block_size=16, num_gpu_blocks=17, watermark=0.2,
+                    scheduler_reserve_full_isl=False).validate()
+    _same(reqs, cfg)
+
+
+@needs_vllm
+def test_a_worker_timed_otherwise_differs(monkeypatch: pytest.MonkeyPatch):
+    # the negative control: vLLM's fake worker reading at half kvsim's speed moves admissions
+    build = Nixl.from_config.__func__
+
+    def slower(cls, cfg, bytes_per_block):
+        nixl = build(cls, cfg, bytes_per_block)
+        return Nixl(nixl.role, KVTransfer(2 * bytes_per_block, nixl.transfer.gbps, nixl.transfer.latency_s),
+                    nixl.lease_s)
+
+    monkeypatch.setattr(Nixl, "from_config", classmethod(slower))
+    d = conform(list(load_workload(GOLDEN / "multi-turn.jsonl")), _cfg("decode", 40, 0.25), "scheduler")[0]
+    assert d.differing > 0
+
+
+def test_sends_are_reported_in_the_order_vllm_finished_them():
+    # vLLM hands finished_sending as a set, freed in its iteration order (scheduler.py
+    # `_update_from_kv_xfer_finished`); the fake worker hands them in finish order, as kvsim frees them
+    blocks = {"b": 3, "a": 1}
+    kv = SimpleNamespace(get_block_ids_for_computed_tokens=lambda rid, n: ([0] * blocks[rid],))
+    sched = SimpleNamespace(requests={rid: SimpleNamespace(num_computed_tokens=16) for rid in blocks},
+                            kv_cache_manager=kv)
+    worker = NixlWorker(Nixl("prefill", KVTransfer(10**9, gbps=1.0, latency_s=0.0), lease_s=2.5), sched, 16)
+    worker.finished_at.update(b=0.0, a=1.0)  # b finished first; reads of 3 s (capped at 2.5) and 1 s
+    meta = SimpleNamespace(reqs_to_recv={}, reqs_to_send={"b": 0.0, "a": 0.0})
+    assert worker.poll(meta, 1.5) == ({}, {})
+    assert worker.busy_until(1.5) == 2.0
+    recving, sending = worker.poll(SimpleNamespace(reqs_to_recv={}, reqs_to_send={}), 2.5)
+    assert (list(recving), list(sending)) == ([], ["b", "a"])
+
+
+def test_parallel_sampling_and_the_grid_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="n = 2") as e:
+        Nixl("decode", KVTransfer(1), 30.0).requests([Request(id="r0", arrival=0.0, prompt_len=4, output_len=2, n=2)])
+    assert "\n" not in str(e.value)
+    r = CliRunner().invoke(app, ["conform", str(GOLDEN / "multi-turn.jsonl"), "--kv-transfer-role", "decode",
+                                 "--step-time", "0.01"])
+    assert r.exit_code == 2 and r.output.splitlines()[-1] == (
+        "error: kv_transfer_role is conformed in the scheduler mode on the cost clock (no --step-time): vLLM's NIXL "
+        "connector with a fake worker timed as kvsim's")
+
+
+@needs_vllm
+def test_cli_conforms_both_roles():
+    for role in ("decode", "prefill"):
+        r = CliRunner().invoke(app, ["conform", str(GOLDEN / "shared-prefix.jsonl"), "--kv-transfer-role", role,
+                                     "--num-gpu-blocks", "40", "--kv-transfer-gbps", "0.25"])
+        assert r.exit_code == 0, r.output
+        assert r.stdout.splitlines()[1:] == ["manager   skipped: the manager mode has no scheduler and no KV connector",
+                                             "scheduler 150 requests, 0 differ", "identical"]
+        assert f"P/D {role} side (vLLM's NixlConnector, reads at 0.25 GB/s)" in r.stdout.splitlines()[0]
+
+
+@needs_vllm
+def test_random_pd_cases_match_vllm():
+    r = CliRunner().invoke(app, ["conform", "--random", "0:3", "--pd", "--mode", "scheduler"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert [line.split(",")[-1].split(":")[-1] for line in lines[:3]] == [" identical"] * 3
+    assert "P/D prefill side" in lines[0] and "P/D decode side" in lines[1] and lines[-1] == "3 cases, 0 differ"
+
