@@ -90,7 +90,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
         del d["prefix_cache_retention_interval"]
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
               "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS,
-              "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration"):
+              "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration",
+              "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -170,7 +171,8 @@ PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_uti
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
-               "router_metrics_interval", *ROUTER_OPTIONS)
+               "router_metrics_interval", *ROUTER_OPTIONS, "prefill_replicas", "decode_replicas", "pd_decider",
+               "pd_threshold")
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
@@ -316,6 +318,10 @@ def run(
     router_balance_rel: Annotated[float | None, typer.Option("--router-balance-rel", help="...and max exceeds min times this [default: 1.5]")] = None,
     router_tree_size: Annotated[int | None, typer.Option("--router-tree-size", help="sglang-cache-aware: characters its radix tree keeps per replica [default: 2**26]")] = None,
     router_eviction_interval: Annotated[float | None, typer.Option("--router-eviction-interval", help="sglang-cache-aware: seconds between its tree's evictions [default: 120]")] = None,
+    prefill_replicas: Annotated[int | None, typer.Option("--prefill-replicas", help="a P/D cluster: this many prefill replicas (vLLM's NIXL connector), with --decode-replicas, each pool behind --router [default: 0, off]")] = None,
+    decode_replicas: Annotated[int | None, typer.Option("--decode-replicas", help="a P/D cluster: this many decode replicas [default: 0, off]")] = None,
+    pd_decider: Annotated[str | None, typer.Option("--pd-decider", help="never|always|llm-d (prefix-based-pd-decider)|dynamo (IslBounding): which prompts go to the prefill pool [default: always]")] = None,
+    pd_threshold: Annotated[int | None, typer.Option("--pd-threshold", help="llm-d's nonCachedTokens: disaggregate when at least this many prompt tokens are not cached on the decode replica [default: 16]")] = None,
     kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); every step is then simulated in full")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
@@ -350,6 +356,8 @@ def run(
         check_output(kv_events)
     if cfg.replicas > 1:
         return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress, kv_events)
+    if cfg.prefill_replicas:
+        return run_pd(wl, cfg, cost, out_dir, plots, bar, progress)
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
 
     # the plots' helpers load matplotlib while the simulation runs (spawned before it grows)
@@ -435,6 +443,48 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     lines = [head, cluster_table(section),
              "", f"run folder: {out_dir} (replica-<i>/: each replica's run folder; received.parquet: the requests "
              "each replica received)"]
+    if plots:
+        lines.append(f"plot:       {out_dir / PLOT}")
+    typer.echo("\n".join(lines))
+
+
+def run_pd(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any) -> None:
+    """`kvsim run --prefill-replicas P --decode-replicas D`: simulate the P/D cluster, write its
+    folder, print its figures."""
+    from kvsim.sim.cluster.pd import simulate_pd
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.sim.studies.pd_folder import PLOT, write_pd
+    from kvsim.workloads.errors import WorkloadError
+
+    try:
+        if bar is not None:
+            with bar:
+                result = simulate_pd(wl, cfg, progress, cost_model=cost)
+        else:
+            result = simulate_pd(wl, cfg, cost_model=cost)
+    except (ConfigError, WorkloadError) as e:
+        raise fail(str(e)) from None
+    try:
+        write_pd(result, out_dir, plots=plots)
+    except OSError as e:
+        raise cannot_write(out_dir, e) from None
+    s = result.summary["pd"]
+    ms = lambda v: "-" if v is None else f"{v * 1e3:,.1f} ms"  # noqa: E731
+    lines = [f"{result.workload} ({s['requests']:,} requests): {s['prefill_replicas']} prefill + "
+             f"{s['decode_replicas']} decode replicas of {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, router "
+             f"{s['router']}, decider {s['decider']}, link {cfg.kv_transfer_gbps:g} GB/s a rank",
+             f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
+             f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
+             f"p99 {ms(s['tpot_p99'])}",
+             "  mean TTFT parts (disaggregated): " + ", ".join(
+                 f"{k.replace('_', ' ')} {ms(s[k + '_mean'])}" for k in
+                 ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")),
+             f"  prefill side: blocks held {s['held_block_seconds']:,.1f} block-seconds, hold mean {ms(s['hold_mean'])}"]
+    if s["goodput_rps"] is not None:
+        lines.append(f"  goodput {s['goodput_rps']:.3f} req/s ({s['goodput_rps_per_gpu']:.3f} per GPU), "
+                     f"SLO attainment {s['slo_attainment']:.1%}")
+    lines += ["", f"run folder: {out_dir} (replica-<i>/: each replica's run folder, prefill first; paths.parquet: "
+              "each request's way through the pools)"]
     if plots:
         lines.append(f"plot:       {out_dir / PLOT}")
     typer.echo("\n".join(lines))

@@ -63,6 +63,7 @@ class Path:
     cached_tokens: int | None = None  # what the decider was told the decode replica holds
     prefill_done: float = NAN  # the prefill replica's token (the request reaches its decode replica)
     read_post: float = NAN
+    read_bytes: int = 0  # one rank's bytes of the blocks read (past the decode replica's local hit)
     read_end: float = NAN
     released: float = NAN  # the prefill replica freed its held blocks (it polled once the read ended)
     rows: dict[int, int] = field(default_factory=dict)  # replica -> the request's row in its log
@@ -84,7 +85,8 @@ class ClusterTransport:
     def post(self, rid: str, blocks: int, at: float) -> None:
         path = self.pd.paths[rid]
         path.read_post = at
-        self.pd.link.start(rid, path.prefill, self.replica, blocks * self.pd.bytes_per_block, at)
+        path.read_bytes = blocks * self.pd.bytes_per_block
+        self.pd.link.start(rid, path.prefill, self.replica, path.read_bytes, at)
         self.pd.poke_idle()  # every read's end may move
 
     def read_end(self, rid: str, now: float) -> float | None:
@@ -318,7 +320,7 @@ class PDCluster:
                 "id": rid, "arrival": p.arrival, "remote": p.prefill >= 0, "prefill_replica": p.prefill,
                 "decode_replica": p.decode, "cached_tokens": p.cached_tokens,
                 "prefill_start": plog.first_scheduled[pr] if plog is not None else NAN,
-                "prefill_done": p.prefill_done, "read_post": p.read_post, "read_end": p.read_end,
+                "prefill_done": p.prefill_done, "read_post": p.read_post, "read_end": p.read_end, "read_bytes": p.read_bytes,
                 "released": p.released,
                 "decode_start": d.first_scheduled[dr] if d is not None else NAN,
                 "first_token": d.first_token[dr] if d is not None else NAN,

@@ -122,3 +122,30 @@ def test_bad_pd_settings_are_refused_in_one_line(kw, field):
     with pytest.raises(ConfigError, match=field) as e:
         SimConfig(model="llama-3-8b", **({"prefill_replicas": 1, "decode_replicas": 1} | kw)).validate()
     assert "\n" not in str(e.value)
+
+
+def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli.app import app
+    from kvsim.workloads.jsonl import write_jsonl
+
+    trace = tmp_path / "t.jsonl"
+    write_jsonl(list(_workload([0.0, 0.01, 0.02])), trace)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["run", str(trace), "--model", "llama-3-8b", "--num-gpu-blocks", "64",
+                                 "--prefill-replicas", "1", "--decode-replicas", "1", "--slo-ttft", "1",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "1 prefill + 1 decode replicas of llama-3-8b" in r.output
+    assert "finished 3, disaggregated 3" in r.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["pd"]["requests"], summary["pd"]["remote"], summary["pd"]["slo_attainment"]) == (3, 3, 1.0)
+    paths = pd.read_parquet(out / "paths.parquet")
+    assert list(paths["id"]) == ["r0", "r1", "r2"] and paths["read_bytes"].tolist() == [7 * BLOCK_BYTES] * 3
+    assert (out / "pd.png").is_file() and (out / "replica-0" / "summary.json").is_file()
+    bad = CliRunner().invoke(app, ["run", str(trace), "--prefill-replicas", "1", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "needs both pools" in bad.output and not (tmp_path / "x").exists()

@@ -1,0 +1,68 @@
+"""A P/D cluster run's folder (`kvsim run --prefill-replicas P --decode-replicas D`): the summary with
+its `pd` section, each request's way through the pools, the plot, and one run folder a replica.
+
+The folder holds `config.json`, `summary.json`, `paths.parquet` (a row a request: its replicas, the
+times of its way and TTFT's parts: `sim.cluster.pd.PDCluster.paths_frame`), `pd.png` and
+`replica-<i>/` (prefill replicas first), each a run folder as `kvsim run` writes one (`write_run`,
+without plots). The result is read by its attributes (`sim.cluster.pd.PDResult`): studies do not
+import the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvsim.sim.studies.run_folder import staged_folder, write_run
+
+PATHS = "paths.parquet"
+PLOT = "pd.png"
+PARTS = ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")
+
+
+def write_pd(result: Any, out_dir: str | Path, plots: bool = True) -> Path:
+    """Write a P/D cluster run's folder (see the module docstring), whole or not at all."""
+    with staged_folder(out_dir) as out:
+        (out / "config.json").write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        result.paths.to_parquet(out / PATHS, index=False)
+        for i, replica in enumerate(result.replicas):
+            write_run(replica, out / f"replica-{i}", plots=False)
+        if plots:
+            plot_pd(result, out / PLOT)
+    return Path(out_dir)
+
+
+def plot_pd(result: Any, path: Path) -> None:
+    """Two panels: the disaggregated requests' mean TTFT split into its parts, and the read times
+    against the bytes read (the link's sharing shows as spread above the one-read line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = result.paths
+    remote = paths[paths["remote"] & (paths["status"] == "finished")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    start = 0.0
+    for part in PARTS:
+        value = float(remote[part].mean()) if len(remote) else 0.0
+        left.barh(["mean TTFT"], [value * 1e3], left=[start * 1e3], label=part.replace("_", " "))
+        start += value
+    first = float((remote["first_token"] - remote["decode_start"]).mean()) if len(remote) else 0.0
+    left.barh(["mean TTFT"], [first * 1e3], left=[start * 1e3], label="first decode step")
+    left.set_xlabel("ms")
+    left.set_title(f"TTFT of {len(remote):,} disaggregated requests")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)
+    if len(remote):
+        right.scatter(remote["read_bytes"] / 1e6, remote["transfer"] * 1e3, s=6)
+    right.set_xlabel("MB read (one rank)")
+    right.set_ylabel("transfer (ms)")
+    right.set_title("reads")
+    s = result.summary["pd"]
+    fig.suptitle(f"{s['prefill_replicas']} prefill + {s['decode_replicas']} decode replicas, router {s['router']}, "
+                 f"decider {s['decider']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
