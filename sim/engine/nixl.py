@@ -129,10 +129,18 @@ class LoneTransport:
 
 class NixlConnector:
     """The NIXL connector as the scheduler sees it, over a transport that says which requests are
-    remote and when their reads end (`LoneTransport`; a P/D cluster's, `sim.cluster.pd`)."""
+    remote and when their reads end (`LoneTransport`; a P/D cluster's, `sim.cluster.pd`).
+
+    It reads no running sequence between admissions (its reads start, and its holds end, at step
+    boundaries, by request id), so the scheduler keeps its exact speed shortcuts with it
+    (`allows_shortcuts`; lazy decodes, the blocked head), and hands it the shortcuts' free
+    (`free_seq`: a held request's lazily filled blocks are cached as it is freed)."""
+
+    allows_shortcuts = True
 
     def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int):
         self.m = manager
+        self.free_seq = manager.free
         self.transport = transport
         self.bytes_per_block = bytes_per_block
         self.async_loads = AsyncLoads(manager, priority)
@@ -212,7 +220,7 @@ class NixlConnector:
         for rid in released:
             live, finished, _ = self._held.pop(rid)
             self.held_block_seconds += len(self.m.block_tables[rid]) * (now - finished)
-            self.m.free(live.seq)
+            self.free_seq(live.seq)
             t.freed(rid, now)
         return bool(done or released)
 

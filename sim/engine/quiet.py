@@ -26,7 +26,9 @@ the step. Arrivals join WAITING behind its head, so the verdict is kept while th
 
 Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
-priority scheduling; the async and offloading schedulers).
+priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
+while it has nothing in flight (no read, no held request: each step would poll them) and ends at a
+finish it holds; a request that reaches the engine meanwhile is a new head, decided again.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ class QuietRuns:
         sched, m = self.sched, self.m
         env, step_time, record, drain = self.env, self.cost.step_time, self.steps.record, self.drain
         running, waiting = sched.running, sched.waiting
+        conn = sched.connector  # (the loop enters only while it has no transfer in flight)
         usable = m.num_usable_blocks
         count = m.op_counts.get
         if sched.swapped or sched.done:
@@ -294,7 +297,7 @@ class QuietRuns:
             # same (arrivals join behind)
             if finishing:  # freed blocks and a smaller batch: the admission is decided again
                 n_run -= len(finishing)
-                if not n_run:
+                if not n_run or (conn is not None and conn.has_work()):  # (a finish the connector holds)
                     break
                 head = waiting.peek() if waiting else None
                 ok, watch, evicts = self._admission(n_run)

@@ -82,9 +82,13 @@ class Scheduler:
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
         # (KV events: every step's block calls as vLLM makes them, so no shortcut)
-        on = cfg.shortcuts and not cfg.kv_events and self.output.shortcuts and connector is None
+        # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them)
+        on = cfg.shortcuts and not cfg.kv_events and self.output.shortcuts and \
+            (connector is None or getattr(connector, "allows_shortcuts", False))
         self.fast = Shortcuts(manager, on, self.lookahead, self.priority,
                               whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)
+        if connector is not None and on:
+            connector.free_seq = self.fast.free  # its held blocks go back as a finished request's do
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []
         self._joined = 0  # lives that joined RUNNING so far (their `order`)
