@@ -233,7 +233,7 @@ def _random(seeds: range, mode: str, only_hybrid: bool = False, pd: bool = False
     for seed in seeds:
         case = None
         try:
-            case = random_case(seed, pd)
+            case = random_case(seed, pd=pd)
             if only_hybrid and case.cfg.model not in HYBRID_MODELS:
                 passed_over += 1
                 continue

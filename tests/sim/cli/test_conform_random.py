@@ -50,7 +50,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> dict[int, random_cases.Case]:
     """vLLM 'installed'; each seed's case and check.conform's outcome from OUTCOMES."""
     cases = {seed: _case(seed) for seed in OUTCOMES}
 
-    def random_case(seed: int) -> random_cases.Case:
+    def random_case(seed: int, pd: bool = False) -> random_cases.Case:
         if seed not in cases:
             raise ConfigError(f"max_num_batched_tokens (8) must be >= max_num_seqs (16), seed {seed}")
         return cases[seed]
@@ -104,7 +104,7 @@ def test_a_config_vllm_refuses_fails_its_seed(monkeypatch: pytest.MonkeyPatch):
     # kvsim takes a long-prefill cap above max_model_len; vLLM's SchedulerConfig refuses it
     # (random_cases never draws one): once skipped as a ValueError, now a failure
     case = _case(3, max_model_len=100, long_prefill_token_threshold=200)
-    monkeypatch.setattr(random_cases, "random_case", lambda seed: case)
+    monkeypatch.setattr(random_cases, "random_case", lambda seed, pd=False: case)
     r = CliRunner().invoke(app, ["conform", "--random", "3:4", "--mode", "scheduler"])
     assert r.exit_code == 1
     lines = r.output.splitlines()
