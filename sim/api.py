@@ -257,12 +257,17 @@ def curve(workload: WorkloadLike = None, *, capacities: Iterable[int], policies:
 
 
 def sweep_point(params: dict[str, Any], workload: WorkloadSpec) -> dict[str, Any]:
-    """One sweep point's record (in a worker process, local or on Ray): a cluster's flat figures
-    where `params` has `replicas` > 1 (`sim.cluster.run.sweep_figures`), else one engine's summary
+    """One sweep point's record (in a worker process, local or on Ray): a P/D cluster's flat figures
+    where `params` has `prefill_replicas` (`sim.cluster.pd.pd_figures`), a cluster's where it has
+    `replicas` > 1 (`sim.cluster.run.sweep_figures`), else one engine's summary
     exactly as `sim.studies.sweep.simulate_point` gives it. Here, not in studies, since studies
     does not import the cluster: `kvsim sweep` and `sweep` pass it in as their point function."""
     from kvsim.sim.studies.sweep import config_of, simulate_point
 
+    if params.get("prefill_replicas", 0):
+        from kvsim.sim.cluster.pd import pd_figures, simulate_pd
+
+        return pd_figures(simulate_pd(workload.open(), config_of(params, "point")).summary)
     if params.get("replicas", 1) == 1:
         return simulate_point(params, workload)
     from kvsim.sim.cluster.run import simulate_cluster, sweep_figures

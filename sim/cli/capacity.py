@@ -39,7 +39,7 @@ def _capacity(
     """The highest arrival rate (the workload's arrivals rescaled) at which the configuration
     meets both targets for ATTAINMENT of the requests (DistServe's goodput), by bisection over
     simulated runs; per GPU, and with --gpu-hourly-cost what a million output tokens cost."""
-    from kvsim.sim.api import default_cache
+    from kvsim.sim.api import default_cache, sweep_point
     from kvsim.sim.cli.run import knob_changes
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.engine.cost_model import CostModel
@@ -55,9 +55,6 @@ def _capacity(
         if knobs.get("replicas") is not None:
             raise fail("--max-replicas searches the replicas: give no --replicas")
         routers = (knobs.pop("router") or "round-robin").split(",")
-    elif knobs.get("replicas") not in (None, 1):
-        raise fail(f"--replicas {knobs['replicas']}: the rate search runs one engine; --max-replicas N asks how "
-                   "many replicas the workload's rate needs")
     changes = knob_changes(knobs)
     try:
         cfg = SimConfig().replace(**changes).validate()
@@ -72,7 +69,9 @@ def _capacity(
         return _replicas(spec, cfg, routers, name, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
                          max_replicas=max_replicas, workers=workers, as_json=as_json)
     if not as_json:
-        typer.echo(f"capacity of {name}: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
+        fleet = (f"{cfg.prefill_replicas} prefill + {cfg.decode_replicas} decode replicas (decider {cfg.pd_decider}) of "
+                 if cfg.prefill_replicas else f"{cfg.replicas} replicas behind {cfg.router} of " if cfg.replicas > 1 else "")
+        typer.echo(f"capacity of {name}: {fleet}{cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
                    f"{cfg.num_gpu_blocks or 'derived'} blocks, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
 
@@ -83,7 +82,7 @@ def _capacity(
 
     try:
         c = capacity(spec, cfg, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment, workers=workers,
-                     tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=shown)
+                     tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=shown, point=sweep_point)
     except (ConfigError, WorkloadError) as e:
         raise fail(str(e)) from None
     out = c.as_dict()

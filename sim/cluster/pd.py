@@ -420,3 +420,18 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
     paths = cluster.paths_frame()
     return PDResult(cfg, name, replicas, paths, {"workload": name, "model": cfg.model, "gpu": cfg.gpu,
                                                  "pd": pd_summary(paths, replicas, cfg)})
+
+
+# the P/D section's figures a sweep or a rate search records a P/D point by, under the names one
+# engine's summary gives the same figures
+PD_FIGURES = ("requests", "finished", "remote", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_rps",
+              "slo_attainment", "duration_s", "gpus", "goodput_rps_per_gpu", "transfer_mean", "hold_mean",
+              "read_bytes")
+
+
+def pd_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """A P/D run's summary as one flat record (scalars only): what ran and `PD_FIGURES`."""
+    section = summary["pd"]
+    return {"workload": summary["workload"], "model": summary["model"], "gpu": summary["gpu"],
+            "prefill_replicas": section["prefill_replicas"], "decode_replicas": section["decode_replicas"],
+            "router": section["router"], "decider": section["decider"], **{k: section[k] for k in PD_FIGURES}}

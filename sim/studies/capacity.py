@@ -162,9 +162,13 @@ def capacity(
     tolerance: float = DEFAULT_TOLERANCE,
     gpu_hourly_cost: float | None = None,
     on_probe: Callable[[Probe, float | None, float | None], None] | None = None,
+    point: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None,
 ) -> Capacity:
     """The highest rate of `workload` (a `sim.studies.sweep.WorkloadSpec`) at which `cfg` meets
-    the targets for `attainment` of the requests; see the module docstring."""
+    the targets for `attainment` of the requests; see the module docstring. `point(params,
+    workload)` simulates one load and returns a record with `slo_attainment` (default: one engine,
+    `simulate_point`; a cluster's or a P/D cluster's from the caller, `kvsim.sim.api.sweep_point`,
+    since studies does not import the cluster). The GPUs are every replica's (`gpus_of`)."""
     from kvsim.sim.studies.sweep import run_parallel, simulate_point
     from kvsim.workloads.stats import describe
 
@@ -182,11 +186,18 @@ def capacity(
 
     def evaluate(loads: list[float]) -> list[dict[str, Any]]:
         items = [({**base, "load": base["load"] * load}, workload) for load in loads]
-        return run_parallel(simulate_point, items, workers)
+        return run_parallel(point or simulate_point, items, workers)
 
     probes, best, above = search(evaluate, stats.mean_rate * cfg.load, attainment=attainment,
                                  tolerance=tolerance, workers=workers, on_probe=on_probe)
-    return Capacity(slo_ttft, slo_tpot, attainment, cfg.tensor_parallel, probes, best, above, gpu_hourly_cost)
+    return Capacity(slo_ttft, slo_tpot, attainment, gpus_of(cfg), probes, best, above, gpu_hourly_cost)
+
+
+def gpus_of(cfg: SimConfig) -> int:
+    """The GPUs a configuration runs on: its tensor-parallel ranks times its replicas (a P/D
+    cluster's prefill and decode replicas together)."""
+    replicas = cfg.prefill_replicas + cfg.decode_replicas if cfg.prefill_replicas else cfg.replicas
+    return cfg.tensor_parallel * replicas
 
 
 @dataclass

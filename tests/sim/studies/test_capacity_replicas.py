@@ -142,8 +142,6 @@ def test_capacity_max_replicas_none_enough_exits_1(trace: Path):
 @pytest.mark.parametrize(("args", "want"), [
     (["--max-replicas", "0"], "error: --max-replicas must be >= 1, got 0"),
     (["--max-replicas", "4", "--replicas", "2"], "error: --max-replicas searches the replicas: give no --replicas"),
-    (["--replicas", "2"], "error: --replicas 2: the rate search runs one engine; --max-replicas N asks how many "
-                          "replicas the workload's rate needs"),
     (["--max-replicas", "4", "--router", "round-robin,nope"],
      "error: router must be one of round-robin, random, least-outstanding, vllm-dp, vllm-dp-legacy, "
      "session-affinity, llm-d-precise, dynamo, llm-d, sglang-cache-aware, got 'nope'"),
