@@ -21,7 +21,7 @@ from typing import Any
 # package on its way to `kvsim.sim.cli`, pulls in no numpy, pandas or simpy.
 __all__ = [
     "ConfigError", "Run", "SimConfig", "Workload", "WorkloadError", "cache_replay", "capacity", "config", "conform",
-    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "simulate_cluster", "sweep",
+    "curve", "default_workload", "generate_workload", "load_workload", "simulate", "simulate_cluster", "simulate_pd", "sweep",
     "workload_stats",
 ]  # fmt: skip
 try:

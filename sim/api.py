@@ -224,6 +224,23 @@ def simulate_cluster(workload: WorkloadLike = None, *, progress: Callable[[int],
     return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost)
 
 
+def simulate_pd(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,
+                **knobs: Any) -> Any:
+    """Simulate `workload` through a P/D cluster, as `kvsim run --prefill-replicas P --decode-replicas
+    D`: `prefill_replicas` and `decode_replicas` engines with vLLM's NIXL connector, each pool behind
+    `router`, `pd_decider` choosing which prompts go to the prefill pool, reads over a link of
+    `kv_transfer_gbps` a rank. Returns a `kvsim.sim.cluster.pd.PDResult`: `summary` (its `pd` section),
+    `paths` (a row a request: its replicas and the times of its way), `replicas` (prefill pool first).
+    Deterministic for the same workload, knobs and seed."""
+    from kvsim.sim.cluster.pd import simulate_pd as run
+    from kvsim.sim.engine.cost_model import CostModel
+
+    cfg = config(**knobs)
+    cost = CostModel.from_config(cfg)
+    cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
+    return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost)
+
+
 def cache_replay(workload: WorkloadLike = None, *, num_blocks: int = 10_000, block_size: int = 16,
                  eviction: str = "lru", max_running: int = 1, **knobs: Any) -> dict[str, Any]:
     """Replay `workload` through the block manager alone (no scheduler, no clock), as
