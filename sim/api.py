@@ -335,14 +335,17 @@ def capacity(workload: WorkloadLike = None, *, slo_ttft: float, slo_tpot: float,
     the config the knobs describe meets both targets for `attainment` of the requests, found by
     bisection over simulated runs (`workers` at a time). Returns a `Capacity`: `.rate_rps`,
     `.rate_per_gpu`, `.best` and `.above` (the probes either side), `.probes`, `.as_dict()`, and
-    with `gpu_hourly_cost` (dollars), `.cost_per_million_output_tokens`."""
+    with `gpu_hourly_cost` (dollars), `.cost_per_million_output_tokens`. A fleet searches too: with
+    `replicas` > 1 a cluster, with `prefill_replicas` and `decode_replicas` a P/D cluster (`.gpus`
+    counts every replica's)."""
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.studies.capacity import capacity as search
 
     cfg = config(**knobs)
     cfg = default_cache(cfg, CostModel.from_config(cfg).num_gpu_blocks(cfg), workload is not None, knobs)
     return search(_spec(workload), cfg, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
-                  workers=workers, tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=on_probe)
+                  workers=workers, tolerance=tolerance, gpu_hourly_cost=gpu_hourly_cost, on_probe=on_probe,
+                  point=sweep_point)
 
 
 def conform(workload: WorkloadLike = None, *, mode: str = "both", max_running: int = 1,
