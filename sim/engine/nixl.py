@@ -178,6 +178,11 @@ class NixlConnector:
             times.append(at if at is not None else t.release_bound(rid, finished))
         return min(times, default=None)
 
+    def take_events(self) -> list:
+        """The connector's KV events: none (vLLM 0.33's NixlConnector keeps `KVConnectorBase_V1.take_events`,
+        which yields nothing)."""
+        return []
+
     def totals(self) -> dict[str, int | float]:
         """The run's transfer figures for its summary."""
         return {"read_blocks": self.read_blocks, "read_tokens": self.read_tokens,

@@ -166,3 +166,15 @@ def test_the_speed_shortcuts_change_nothing(decider):
     cols = [c for c in runs[0].paths.columns if c != "cached_tokens"]
     assert runs[0].paths[cols].equals(runs[1].paths[cols])
     assert runs[0].paths["status"].eq("finished").all()
+
+
+def test_dynamo_decides_from_the_hottest_decode_overlap_and_picks_decode_after_the_prefill():
+    # Dynamo's IslBounding: a first 100-token prompt has no overlap anywhere (ratio 1.0 >= 0.7):
+    # disaggregated, its decode replica picked once the prefill is done; the same prompt a second later
+    # overlaps 96 tokens on the replica that decoded it (KV events): eff_isl 4 < 2048 and 0.04 < 0.7, local
+    base = np.arange(100, dtype=np.int32)
+    r = simulate_pd(_workload([0.0, 1.0], [base, base]), _cfg(decode_replicas=2, router="dynamo", pd_decider="dynamo"))
+    p = r.paths.set_index("id")
+    assert p.at["r0", "remote"] and not p.at["r1", "remote"]
+    assert p.at["r0", "cached_tokens"] == 0 and p.at["r1", "cached_tokens"] == 96
+    assert p.at["r1", "decode_replica"] == p.at["r0", "decode_replica"]  # Dynamo's KV router follows the overlap
