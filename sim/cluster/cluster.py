@@ -72,14 +72,18 @@ class ReplicaFront:
         self.env = cluster.env
         self.admit = admit
         self._wake: simpy.Event | None = None
+        self._poked_at = 0.0  # the latest clock a poke came from
 
     def hand(self, req: Request) -> None:
         """The router picked this replica for `req`: it reaches the engine now."""
         self.admit(req)
         self.poke()
 
-    def poke(self) -> None:
-        """Wake the engine if it sleeps on `wait()`."""
+    def poke(self, at: float | None = None) -> None:
+        """Wake the engine if it sleeps on `wait()` or `idle_wait()`; `at`: the poker's clock, which
+        may run ahead of SimPy's (the woken engine goes on from there, not before)."""
+        if at is not None and at > self._poked_at:
+            self._poked_at = at
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
@@ -111,8 +115,9 @@ class ReplicaFront:
         self._wake = env.event()
         yield self._wake if until == math.inf else self._wake | _Late(env, until - env.now)
         self._wake = None
-        yield _Late(env, 0.0)
-        return env.now
+        t = min(max(env.now, self._poked_at), until)  # not before the clock of whoever woke it
+        yield _Late(env, t - env.now)
+        return t
 
     def wait(self):
         """Sleep until the router hands this replica a request, or the cluster is idle."""

@@ -46,6 +46,8 @@ class SharedLink:
         """A read of `nbytes` from replica `src` to `dst` starts at `at` (not before the last start)."""
         if key in self._active or key in self._done:
             raise ValueError(f"read {key!r} started twice")
+        if at < self._time:  # the link moved past `at` already: the reads' shares since then would be wrong
+            raise RuntimeError(f"read {key!r} starts at {at!r}, before the link's time {self._time!r}")
         self.advance(at)
         if nbytes <= 0:
             self._done[key] = at + self.latency_s

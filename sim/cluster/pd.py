@@ -87,7 +87,7 @@ class ClusterTransport:
         path.read_post = at
         path.read_bytes = blocks * self.pd.bytes_per_block
         self.pd.link.start(rid, path.prefill, self.replica, path.read_bytes, at)
-        self.pd.poke_idle()  # every read's end may move
+        self.pd.poke_idle(at)  # every read's end may move
 
     def read_end(self, rid: str, now: float) -> float | None:
         link = self.pd.link
@@ -108,7 +108,7 @@ class ClusterTransport:
 
     def dropped(self, rid: str, now: float) -> None:
         self.pd.unread[rid] = now
-        self.pd.poke_idle()  # its prefill replica lets it go
+        self.pd.poke_idle(now)  # its prefill replica lets it go
 
     def release_at(self, rid: str, finished: float, blocks: int, now: float) -> float | None:
         pd_ = self.pd
@@ -180,10 +180,10 @@ class PDCluster:
 
     pokes_idle = True  # idle replicas sleep until their transfer or a poke (`ReplicaFront.idle_wait`)
 
-    def poke_idle(self) -> None:
-        """Wake the replicas idling on transfers: the link's reads or a release changed."""
+    def poke_idle(self, at: float) -> None:
+        """Wake the replicas idling on transfers: the link's reads or a release changed at `at`."""
         for inlet in self.inlets:
-            inlet.poke()
+            inlet.poke(at)
 
     def _inlet(self, admit: Callable[[Request], None]) -> ReplicaFront:
         inlet = ReplicaFront(self, len(self.inlets), admit)
@@ -264,10 +264,7 @@ class PDCluster:
             log = self.engines[replica].requests
             path.prefill_done = now
             if log.status[path.rows[replica]] == 1:  # finished: its KV goes to the decode side
-                if path.decode < 0:
-                    path.decode, _ = self._pick(1, original)
-                self.remote_prefill[path.decode].add(req.id)
-                self._hand(path.decode, original)
+                self._at(now, lambda: self._to_decode(original))
                 return
             req = original  # dropped by the prefill replica: the request is done
         self._originals.pop(req.id, None)
@@ -282,6 +279,20 @@ class PDCluster:
         """No request will reach any replica again: every request released and none on its way (a
         prefilled request still goes to its decode replica)."""
         return self.front.idle() and not self._originals
+
+    def _at(self, t: float, action: Callable[[], None]) -> None:
+        """Do `action` at time `t` on SimPy's clock: a replica's clock runs ahead of it, and another
+        replica must not see what it hands on before then."""
+        event = self.env.timeout(max(t - self.env.now, 0.0))
+        event.callbacks.append(lambda _: action())
+
+    def _to_decode(self, req: Request) -> None:
+        """A prefilled request reaches its decode replica (picked now, Dynamo's order, if not yet)."""
+        path = self.paths[req.id]
+        if path.decode < 0:
+            path.decode, _ = self._pick(1, req)
+        self.remote_prefill[path.decode].add(req.id)
+        self._hand(path.decode, req)
 
     def _close(self) -> None:
         for inlet in self.inlets:
