@@ -151,8 +151,9 @@ def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
     assert bad.exit_code != 0 and "needs both pools" in bad.output and not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("decider", ["always", "llm-d"])
-def test_the_speed_shortcuts_change_nothing(decider):
+@pytest.mark.parametrize("router, decider", [("llm-d", "always"), ("llm-d", "llm-d"), ("dynamo", "dynamo"),
+                                             ("round-robin", "always")])
+def test_the_speed_shortcuts_change_nothing(router, decider):
     """Lazy decodes, the blocked head and quiet runs stay on with the NIXL connector (quiet runs only
     while nothing is in flight): every request's way is the same with them off."""
     rng = np.random.default_rng(11)
@@ -160,7 +161,7 @@ def test_the_speed_shortcuts_change_nothing(decider):
     prompts = [np.concatenate([shared, rng.integers(0, 50, int(n), dtype=np.int32)]) for n in rng.integers(10, 200, 60)]
     arrivals = sorted(rng.uniform(0, 0.4, 60))
     runs = [simulate_pd(_workload(arrivals, prompts, output=int(o)), _cfg(decode_replicas=2, num_gpu_blocks=48,
-                                                                         router="llm-d", pd_decider=decider,
+                                                                         router=router, pd_decider=decider,
                                                                          shortcuts=on))
             for on, o in ((True, 40), (False, 40))]
     cols = [c for c in runs[0].paths.columns if c != "cached_tokens"]
