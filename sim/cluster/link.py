@@ -40,15 +40,18 @@ class SharedLink:
         self.latency_s = latency_s
         self._active: dict[object, _Read] = {}
         self._done: dict[object, float] = {}  # read -> when it ends (drained + latency)
-        self._time = 0.0
+        self._time = 0.0  # the last event (a start or an end): the reads' bytes left are as of then
+        self._seen = 0.0  # the latest time anyone asked about: no read may start before it
 
     def start(self, key: object, src: int, dst: int, nbytes: float, at: float) -> None:
         """A read of `nbytes` from replica `src` to `dst` starts at `at` (not before the last start)."""
         if key in self._active or key in self._done:
             raise ValueError(f"read {key!r} started twice")
-        if at < self._time:  # the link moved past `at` already: the reads' shares since then would be wrong
-            raise RuntimeError(f"read {key!r} starts at {at!r}, before the link's time {self._time!r}")
+        if at < self._seen:  # the link was asked past `at` already: the reads' shares since then would be wrong
+            raise RuntimeError(f"read {key!r} starts at {at!r}, before the link's time {self._seen!r}")
         self.advance(at)
+        self._move(at - self._time)  # a start is an event: the reads in flight move on to it
+        self._time = at
         if nbytes <= 0:
             self._done[key] = at + self.latency_s
             return
@@ -56,9 +59,10 @@ class SharedLink:
         self._rates()
 
     def advance(self, t: float) -> None:
-        """Move every read on to `t`: reads draining meanwhile end in order, the rest speed up."""
-        if t < self._time:
-            return  # (a poll of the past: every end before now is already settled)
+        """Settle every read that drains by `t`, in order (the rest speed up at each end). The reads
+        move only from event to event (a start, an end), never to `t` itself: the ends depend on the
+        starts alone, not on when anyone looked (floats summed in one order)."""
+        self._seen = max(self._seen, t)
         while self._active:
             key, r = min(((k, r) for k, r in self._active.items() if r.rate > 0),
                          key=lambda kr: kr[1].left / kr[1].rate)
@@ -71,12 +75,9 @@ class SharedLink:
                 self._done[k] = self._time + self.latency_s
                 del self._active[k]
             self._rates()
-        if self._active:
-            self._move(t - self._time)
-        self._time = t
 
     def done_at(self, key: object) -> float | None:
-        """When read `key` ends, if settled (its last byte moved by the link's time); else None."""
+        """When read `key` ends, if settled (its last byte moved by the last `advance`); else None."""
         return self._done.get(key)
 
     def eta(self, key: object) -> float:
@@ -90,7 +91,7 @@ class SharedLink:
     def next_end(self) -> float | None:
         """When the next read in flight would end at the current rates (None: none in flight)."""
         ends = [self._time + r.left / r.rate + self.latency_s for r in self._active.values() if r.rate > 0]
-        settled = [t for t in self._done.values() if t > self._time]
+        settled = [t for t in self._done.values() if t > self._seen]
         return min(ends + settled, default=None)
 
     def forget(self, key: object) -> None:

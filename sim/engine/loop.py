@@ -241,8 +241,7 @@ class Engine:
                 clock = max(clock, grid_index(env.now, S) if grid else env.now)
                 continue
             if sched.has_requests():
-                # steps that only decode, in a loop of their own (not while a connector's transfers are in flight)
-                if quiet is not None and sched.running and (sched.connector is None or not sched.connector.has_work()):
+                if quiet is not None and sched.running:  # steps that only decode, in a loop of their own
                     clock, k, prev = yield from quiet.run(clock, k, prev)
                 start = max(free, clock)
                 step = start if grid else k

@@ -36,6 +36,7 @@ replica which requests are remote.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from kvsim.kvcache.manager import KVCacheManager, cdiv
@@ -171,12 +172,23 @@ class NixlConnector:
         self._start_planned(now)
         if self._poll_apply(now, now):
             return now
+        if not (self._reads or self._held):
+            return None
+        return self.next_change(now)  # (inf: a held request's read is not posted yet; a poke wakes it)
+
+    def next_change(self, now: float) -> float:
+        """The earliest time a poll could find a read or a release done, as things stand at `now`
+        (-inf while reads wait to be posted or landed requests to be promoted; inf with nothing in
+        flight): a quiet run of decode-only steps (`sim.engine.quiet`) stops before a step starting
+        then."""
+        if self._planned or self._applied:
+            return -math.inf
         t = self.transport
         times = [t.read_eta(rid) for rid in self._reads]
         for rid, (_, finished, blocks) in self._held.items():
             at = t.release_at(rid, finished, blocks, now)
             times.append(at if at is not None else t.release_bound(rid, finished))
-        return min(times, default=None)
+        return min(times, default=math.inf)
 
     def take_events(self) -> list:
         """The connector's KV events: none (vLLM 0.33's NixlConnector keeps `KVConnectorBase_V1.take_events`,

@@ -26,13 +26,15 @@ the step. Arrivals join WAITING behind its head, so the verdict is kept while th
 
 Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
-priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
-while it has nothing in flight (no read, no held request: each step would poll them) and ends at a
-finish it holds; a request that reaches the engine meanwhile is a new head, decided again.
+priority scheduling; the async and offloading schedulers). With the NIXL connector a run stops
+before a step whose poll could find a read or a held request's release done (`next_change`, taken
+again after every yield to SimPy, where other replicas' reads may move it, and after a finish the
+connector may hold); a request that reaches the engine meanwhile is a new head, decided again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -228,7 +230,8 @@ class QuietRuns:
         sched, m = self.sched, self.m
         env, step_time, record, drain = self.env, self.cost.step_time, self.steps.record, self.drain
         running, waiting = sched.running, sched.waiting
-        conn = sched.connector  # (the loop enters only while it has no transfer in flight)
+        conn = sched.connector  # the NIXL connector's: no step starts once a transfer may be done
+        until = conn.next_change(clock) if conn is not None else math.inf
         usable = m.num_usable_blocks
         count = m.op_counts.get
         if sched.swapped or sched.done:
@@ -244,6 +247,8 @@ class QuietRuns:
         fast = self.fast
         lazy = fast.lazy
         while ok:
+            if clock >= until:  # this step's poll could see a read or a release done: the general step
+                break
             kk = sched.steps_scheduled + 1
             if self.records:  # the step's ops stamped with its number, as the general step stamps them
                 m.set_step(k)
@@ -273,6 +278,8 @@ class QuietRuns:
             if arrived:
                 yield env.timeout(clock - env.now)
                 n_wait = len(waiting)
+                if conn is not None:  # other replicas' reads, or a finish it holds, may move it
+                    until = conn.next_change(clock)
             finishing = self.finishing
             if finishing:  # as `SyncOutput.update`: their blocks free once the step is done
                 sched.step = k
@@ -297,8 +304,10 @@ class QuietRuns:
             # same (arrivals join behind)
             if finishing:  # freed blocks and a smaller batch: the admission is decided again
                 n_run -= len(finishing)
-                if not n_run or (conn is not None and conn.has_work()):  # (a finish the connector holds)
+                if not n_run:
                     break
+                if conn is not None:  # other replicas' reads, or a finish it holds, may move it
+                    until = conn.next_change(clock)
                 head = waiting.peek() if waiting else None
                 ok, watch, evicts = self._admission(n_run)
             elif arrived and (waiting.peek() if waiting else None) is not head:

@@ -89,3 +89,24 @@ def test_bytes_are_conserved_and_no_nic_is_oversubscribed(reads):
             mine = [(s[0], link.done_at(i), s[3]) for i, s in starts.items() if nic_of(s) == nic]
             first, last = min(m[0] for m in mine), max(m[1] for m in mine)
             assert sum(m[2] for m in mine) <= (last - first) * GB + 1e-3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(3, 5), st.integers(1, 50), st.integers(0, 20)),
+                min_size=1, max_size=8),
+       st.lists(st.floats(0.0, 10.0), max_size=12))
+def test_ends_do_not_depend_on_when_anyone_looks(reads, looks):
+    """The reads move from event to event only, so polling the link at other times (as replicas do,
+    more or less often with the speed shortcuts on or off) changes no end, to the last bit."""
+    quiet, busy = SharedLink(gbps=25.0, latency_s=5e-5), SharedLink(gbps=25.0, latency_s=5e-5)
+    t = 0.0
+    pending = sorted(x / 100 for x in looks)
+    for i, (src, dst, size, gap) in enumerate(reads):
+        t += gap / 1000
+        while pending and pending[0] <= t:
+            busy.advance(pending.pop(0))
+        quiet.start(i, src, dst, size * 7 * 2**21, at=t)  # blocks of 2 MiB, a rank's
+        busy.start(i, src, dst, size * 7 * 2**21, at=t)
+    quiet.advance(1e6)
+    busy.advance(1e6)
+    assert [quiet.done_at(i) for i in range(len(reads))] == [busy.done_at(i) for i in range(len(reads))]
