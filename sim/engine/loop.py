@@ -241,7 +241,9 @@ class Engine:
                 clock = max(clock, grid_index(env.now, S) if grid else env.now)
                 continue
             if sched.has_requests():
-                if quiet is not None and sched.running:  # steps that only decode, in a loop of their own
+                # steps that only decode, in a loop of their own; with the NIXL connector only while it has
+                # nothing in flight (beside reads in flight they would skip what its holding queue does each step)
+                if quiet is not None and sched.running and (sched.connector is None or not sched.connector.has_work()):
                     clock, k, prev = yield from quiet.run(clock, k, prev)
                 start = max(free, clock)
                 step = start if grid else k

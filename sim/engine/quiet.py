@@ -26,10 +26,12 @@ the step. Arrivals join WAITING behind its head, so the verdict is kept while th
 
 Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
-priority scheduling; the async and offloading schedulers). With the NIXL connector a run stops
-before a step whose poll could find a read or a held request's release done (`next_change`, taken
-again after every yield to SimPy, where other replicas' reads may move it, and after a finish the
-connector may hold); a request that reaches the engine meanwhile is a new head, decided again.
+priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
+while the connector has nothing in flight (the engine loop's gate), and stops before a step whose
+poll could find a release done (`next_change`, after a finish the connector holds, or after a yield
+to SimPy); a request that reaches the engine meanwhile is a new head, decided again. (Beside reads
+in flight, runs were exact on the P/D cluster's paths but not against vLLM: `kvsim conform --random
+147:148 --pd` differed, the holding queue's per-step effects being skipped.)
 """
 
 from __future__ import annotations
