@@ -369,16 +369,8 @@ def run(
         # into a file beside theirs, renamed into place only if the whole run is written
         streams = {"ops_dir": scratch, "steps_file": scratch / "steps.parquet"}
         if kv_events is not None:
-            sink = stack.enter_context(open(stack.enter_context(staged_file(kv_events)), "w"))
-            streams["kv_events"] = lambda batch: sink.write(batch.json_line())
-        try:
-            if bar is not None:
-                with bar:
-                    result = simulate(wl, cfg, progress, cost_model=cost, **streams)
-            else:
-                result = simulate(wl, cfg, cost_model=cost, **streams)
-        except (ConfigError, WorkloadError) as e:
-            raise fail(str(e)) from None
+            streams["kv_events"] = _events_sink(stack, kv_events)
+        result = _simulated(simulate, wl, cfg, cost, bar, progress, **streams)
         s = result.summary
         if s["requests"] and not s["finished"] and s["rejected"] + s["truncated"] == s["requests"]:
             raise fail(
@@ -405,32 +397,44 @@ def run(
     typer.echo("\n".join(lines))
 
 
+def _simulated(simulate_fn: Any, wl: Any, cfg: SimConfig, cost: Any, bar: Any, progress: Any, **streams: Any) -> Any:
+    """`simulate_fn(wl, cfg, ...)` (one engine, a cluster or a P/D cluster) under the progress bar if
+    there is one; a bad config or workload found on the way is one line on the command line."""
+    from kvsim.sim.engine.config import ConfigError
+    from kvsim.workloads.errors import WorkloadError
+
+    try:
+        if bar is not None:
+            with bar:
+                return simulate_fn(wl, cfg, progress, cost_model=cost, **streams)
+        return simulate_fn(wl, cfg, cost_model=cost, **streams)
+    except (ConfigError, WorkloadError) as e:
+        raise fail(str(e)) from None
+
+
+def _events_sink(stack: ExitStack, path: Path) -> Any:
+    """A sink writing each KV-event batch as a JSON line into a file staged beside `path`, renamed
+    into place only if the run is written whole (`stack` closes it)."""
+    sink = stack.enter_context(open(stack.enter_context(staged_file(path)), "w"))
+    return lambda batch: sink.write(batch.json_line())
+
+
 def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any,
                 kv_events: Path | None = None) -> None:
     """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table; with
     `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step)."""
     from kvsim.sim.cli.report import cluster_table
     from kvsim.sim.cluster.run import simulate_cluster
-    from kvsim.sim.engine.config import ConfigError
     from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
     from kvsim.sim.studies.run_folder import run_scratch
-    from kvsim.workloads.errors import WorkloadError
 
     # each replica's steps stream into the scratch folder (flat memory), copied in whole; the KV
     # events into a file beside theirs, renamed into place only if the whole run is written
     with run_scratch(out_dir) as scratch, ExitStack() as stack:
         streams: dict[str, Any] = {"steps_dir": scratch, "keep_requests": False}
         if kv_events is not None:
-            sink = stack.enter_context(open(stack.enter_context(staged_file(kv_events)), "w"))
-            streams["kv_events"] = lambda batch: sink.write(batch.json_line())
-        try:
-            if bar is not None:
-                with bar:
-                    result = simulate_cluster(wl, cfg, progress, cost_model=cost, **streams)
-            else:
-                result = simulate_cluster(wl, cfg, cost_model=cost, **streams)
-        except (ConfigError, WorkloadError) as e:
-            raise fail(str(e)) from None
+            streams["kv_events"] = _events_sink(stack, kv_events)
+        result = _simulated(simulate_cluster, wl, cfg, cost, bar, progress, **streams)
         try:
             write_cluster(result, out_dir, plots=plots)
         except OSError as e:
@@ -452,18 +456,9 @@ def run_pd(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: 
     """`kvsim run --prefill-replicas P --decode-replicas D`: simulate the P/D cluster, write its
     folder, print its figures."""
     from kvsim.sim.cluster.pd import simulate_pd
-    from kvsim.sim.engine.config import ConfigError
     from kvsim.sim.studies.pd_folder import PLOT, write_pd
-    from kvsim.workloads.errors import WorkloadError
 
-    try:
-        if bar is not None:
-            with bar:
-                result = simulate_pd(wl, cfg, progress, cost_model=cost)
-        else:
-            result = simulate_pd(wl, cfg, cost_model=cost)
-    except (ConfigError, WorkloadError) as e:
-        raise fail(str(e)) from None
+    result = _simulated(simulate_pd, wl, cfg, cost, bar, progress)
     try:
         write_pd(result, out_dir, plots=plots)
     except OSError as e:

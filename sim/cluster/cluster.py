@@ -62,6 +62,14 @@ def engine_config(cfg: SimConfig) -> SimConfig:
     return cfg.replace(kv_events=True) if cfg.router in EVENT_ROUTERS else cfg
 
 
+def engine_metrics(engine: Engine) -> EngineMetrics:
+    """An engine's metrics now, as vLLM's SchedulerStats reports them (waiting, running, KV usage)."""
+    sched = engine.sched
+    m = sched.m
+    usable = m.num_usable_blocks
+    return EngineMetrics(len(sched.waiting), len(sched.running), 1.0 - m.num_free_blocks / usable if usable else 0.0)
+
+
 class ReplicaFront:
     """A replica's front end: the engine's arrivals are the router's hand-offs (`hand`), and it
     is idle when the cluster's front end is (no request will ever reach any replica again)."""
@@ -235,10 +243,7 @@ class Cluster:
 
     def metrics(self, replica: int) -> EngineMetrics:
         """Replica `replica`'s engine metrics now, as vLLM's SchedulerStats reports them."""
-        sched = self.engines[replica].sched
-        m = sched.m
-        usable = m.num_usable_blocks
-        return EngineMetrics(len(sched.waiting), len(sched.running), 1.0 - m.num_free_blocks / usable if usable else 0.0)
+        return engine_metrics(self.engines[replica])
 
     def _snapshots(self, interval: float):
         """The engine metrics the router sees, taken every `interval` seconds from time 0 until

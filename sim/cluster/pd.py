@@ -37,15 +37,15 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.hashing import block_keys
-from kvsim.sim.cluster.cluster import ReplicaFront, engine_config
+from kvsim.sim.cluster.cluster import ReplicaFront, engine_config, engine_metrics
 from kvsim.sim.cluster.deciders import DECODE_FIRST, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.link import SharedLink
-from kvsim.sim.cluster.routers import EngineMetrics, RouterView, make_router
+from kvsim.sim.cluster.routers import RouterView, make_router
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
-from kvsim.sim.engine.metrics import meets_slo, percentiles
+from kvsim.sim.engine.metrics import percentiles, slo_figures
 from kvsim.sim.engine.nixl import NixlConnector, with_max_tokens_one
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
@@ -310,7 +310,7 @@ class PDCluster:
         while True:
             for pool, view in enumerate(self.views):
                 first = self.num_prefill if pool else 0
-                view.metrics = tuple(_metrics(self.engines[first + i]) for i in range(view.num_replicas))
+                view.metrics = tuple(engine_metrics(self.engines[first + i]) for i in range(view.num_replicas))
                 view.metrics_time = env.now
                 view.snapshots += 1
             if self.idle() and not any(e.process.is_alive for e in self.engines):
@@ -356,13 +356,6 @@ class PDCluster:
 STATUS_NAMES = ("pending", "finished", "truncated", "rejected")
 
 
-def _metrics(engine: Engine) -> EngineMetrics:
-    sched = engine.sched
-    m = sched.m
-    usable = m.num_usable_blocks
-    return EngineMetrics(len(sched.waiting), len(sched.running), 1.0 - m.num_free_blocks / usable if usable else 0.0)
-
-
 def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict[str, Any]:
     """The P/D section: the pools, how many requests went remote, TTFT and its parts, TPOT, goodput
     under the SLOs, the prefill side's held blocks and the bytes read."""
@@ -376,13 +369,8 @@ def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict
                     f"{col}_mean": figures[f"{col}_mean"]})
     span = float(paths["finish"].max() - paths["arrival"].min()) if len(paths) else 0.0
     out["duration_s"] = span
-    if cfg.slo_ttft is None and cfg.slo_tpot is None:
-        out["goodput_rps"] = out["slo_attainment"] = None
-    else:
-        good = int(meets_slo(paths, cfg.slo_ttft, cfg.slo_tpot).sum())
-        out["goodput_rps"] = good / span if span else 0.0
-        out["slo_attainment"] = good / len(paths) if len(paths) else 0.0
-    gpus = (cfg.prefill_replicas + cfg.decode_replicas) * cfg.tensor_parallel
+    out.update(slo_figures(paths, cfg.slo_ttft, cfg.slo_tpot, span))
+    gpus = cfg.num_gpus()
     out["gpus"] = gpus
     out["goodput_rps_per_gpu"] = out["goodput_rps"] / gpus if out["goodput_rps"] is not None else None
     out["read_bytes"] = int(sum(r.summary.get("read_bytes", 0) for r in replicas))

@@ -17,7 +17,7 @@ from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config
 from kvsim.sim.cluster.load import imbalance, in_flight
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.metrics import meets_slo, percentiles, prefix_hits
+from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request, Workload
 
@@ -178,12 +178,7 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
     for col in ("ttft", "tpot"):
         figures = percentiles(requests.loc[done, col], col)
         overall.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"]})
-    if cfg.slo_ttft is None and cfg.slo_tpot is None:
-        overall["goodput_rps"] = overall["slo_attainment"] = None
-    else:
-        good = int(meets_slo(requests, cfg.slo_ttft, cfg.slo_tpot).sum())
-        overall["goodput_rps"] = good / span if span else 0.0
-        overall["slo_attainment"] = good / len(requests) if len(requests) else 0.0
+    overall.update(slo_figures(requests, cfg.slo_ttft, cfg.slo_tpot, span))
     overall["duration_s"] = span
     return {"replicas": cfg.replicas, "router": cfg.router, "router_metrics_interval": cfg.router_metrics_interval,
             "per_replica": per, "overall": overall, **imbalance(load),

@@ -426,33 +426,27 @@ def conform(requests: list, cfg: SimConfig, mode: str = "both", max_running: int
     if samples and cfg.parallel_sampling != "fanout":
         raise ConfigError("conform compares parallel sampling (n > 1) as vLLM 0.33 fans it out")
     diffs = []
-    if mode == "events":
+
+    def stage(name: str, compare: Callable[[], Diff]) -> None:  # one comparison, announced and reported
         if on_start:
-            on_start("events")
-        d = compare_events(requests, cfg)
+            on_start(name)
+        d = compare()
         diffs.append(d)
         if on_diff:
             on_diff(d)
+
+    if mode == "events":
+        stage("events", lambda: compare_events(requests, cfg))
         return diffs
     if mode in ("manager", "both") and not offloading and not samples and cfg.kv_transfer_role is None:
         from kvsim.sim.engine.cost_model import CostModel
 
         cost = CostModel.from_config(cfg)
-        if on_start:
-            on_start("manager")
-        d = run_manager(requests, block_size=cost.block_size, num_blocks=cost.num_gpu_blocks(cfg),
-                        max_running=max_running, enable_caching=cfg.enable_prefix_caching,
-                        vllm_version=cfg.vllm_version, sliding_window=cost.sliding_window,
-                        prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
-                        layers=hybrid_layers(cost), mamba_checkpoints=mamba_checkpoints(cost))
-        diffs.append(d)
-        if on_diff:
-            on_diff(d)
+        stage("manager", lambda: run_manager(
+            requests, block_size=cost.block_size, num_blocks=cost.num_gpu_blocks(cfg), max_running=max_running,
+            enable_caching=cfg.enable_prefix_caching, vllm_version=cfg.vllm_version,
+            sliding_window=cost.sliding_window, prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
+            layers=hybrid_layers(cost), mamba_checkpoints=mamba_checkpoints(cost)))
     if mode in ("scheduler", "both"):
-        if on_start:
-            on_start("scheduler")
-        d = run_scheduler(requests, cfg)
-        diffs.append(d)
-        if on_diff:
-            on_diff(d)
+        stage("scheduler", lambda: run_scheduler(requests, cfg))
     return diffs

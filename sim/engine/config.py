@@ -207,6 +207,12 @@ class SimConfig:
     slo_tpot: float | None = None
     seed: int = 0
 
+    def num_gpus(self) -> int:
+        """The GPUs this configuration runs on: its tensor-parallel ranks times its replicas (a P/D
+        cluster's prefill and decode replicas together)."""
+        replicas = self.prefill_replicas + self.decode_replicas if self.prefill_replicas else self.replicas
+        return self.tensor_parallel * replicas
+
     def validate(self) -> SimConfig:
         """Raise ConfigError for values no run could use."""
         check_block_size(self.block_size)

@@ -252,6 +252,17 @@ def meets_slo(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | 
     return ok
 
 
+def slo_figures(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None,
+                span: float) -> dict[str, float | None]:
+    """`goodput_rps` (requests meeting both SLOs over the `span` seconds) and `slo_attainment` (their
+    share of all requests); both None without targets (goodput is then not the throughput)."""
+    if slo_ttft is None and slo_tpot is None:
+        return {"goodput_rps": None, "slo_attainment": None}
+    good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
+    return {"goodput_rps": good / span if span else 0.0,
+            "slo_attainment": good / len(requests) if len(requests) else 0.0}
+
+
 def load_figures(steps: StepTable, requests: pd.DataFrame, served_rps: float) -> dict[str, Any]:
     """Offered against served. `offered_rps`: arrivals over their window, (n - 1) / (last - first)
     as `kvsim workload stats` counts it (None when all arrive at once); `served_rps`: finished
@@ -329,12 +340,7 @@ def summarize(
     for col in ("ttft", "tpot", "e2e", "queueing"):
         s.update(percentiles(requests.loc[done, col], col))  # a column at a time: no copy of the table
     s.update(load_figures(steps, requests, s["throughput_rps"]))
-    if slo_ttft is None and slo_tpot is None:  # no targets: no goodput (not the throughput)
-        s["goodput_rps"] = s["slo_attainment"] = None
-    else:
-        good = int(meets_slo(requests, slo_ttft, slo_tpot).sum())
-        s["goodput_rps"] = good / span if span else 0.0
-        s["slo_attainment"] = good / len(requests) if len(requests) else 0.0
+    s.update(slo_figures(requests, slo_ttft, slo_tpot, span))
     s["evictions"] = int(steps["evictions"].sum())
     s["preemptions_recompute"] = int(steps["preempt_recompute"].sum())
     s["preemptions_swap"] = int(steps["preempt_swap"].sum())

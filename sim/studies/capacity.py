@@ -168,7 +168,7 @@ def capacity(
     the targets for `attainment` of the requests; see the module docstring. `point(params,
     workload)` simulates one load and returns a record with `slo_attainment` (default: one engine,
     `simulate_point`; a cluster's or a P/D cluster's from the caller, `kvsim.sim.api.sweep_point`,
-    since studies does not import the cluster). The GPUs are every replica's (`gpus_of`)."""
+    since studies does not import the cluster). The GPUs are every replica's (`SimConfig.num_gpus`)."""
     from kvsim.sim.studies.sweep import run_parallel, simulate_point
     from kvsim.workloads.stats import describe
 
@@ -190,14 +190,7 @@ def capacity(
 
     probes, best, above = search(evaluate, stats.mean_rate * cfg.load, attainment=attainment,
                                  tolerance=tolerance, workers=workers, on_probe=on_probe)
-    return Capacity(slo_ttft, slo_tpot, attainment, gpus_of(cfg), probes, best, above, gpu_hourly_cost)
-
-
-def gpus_of(cfg: SimConfig) -> int:
-    """The GPUs a configuration runs on: its tensor-parallel ranks times its replicas (a P/D
-    cluster's prefill and decode replicas together)."""
-    replicas = cfg.prefill_replicas + cfg.decode_replicas if cfg.prefill_replicas else cfg.replicas
-    return cfg.tensor_parallel * replicas
+    return Capacity(slo_ttft, slo_tpot, attainment, cfg.num_gpus(), probes, best, above, gpu_hourly_cost)
 
 
 @dataclass

@@ -32,15 +32,21 @@ PLOT = "cluster.png"
 def write_cluster(result: Any, out_dir: str | Path, plots: bool = True) -> Path:
     """Write a cluster run's folder (see the module docstring), whole or not at all."""
     with staged_folder(out_dir) as out:
-        (out / "config.json").write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
-        (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        write_fleet(result, out)
         result.received.to_parquet(out / RECEIVED, index=False)
         result.load.to_parquet(out / LOAD, index=False)
-        for i, replica in enumerate(result.replicas):
-            write_run(replica, out / f"replica-{i}", plots=False)
         if plots:
             plot_cluster(result, out / PLOT)
     return Path(out_dir)
+
+
+def write_fleet(result: Any, out: Path) -> None:
+    """What every fleet's folder holds (a cluster's, a P/D cluster's): `config.json`, `summary.json`
+    and `replica-<i>/`, each replica's run folder without plots."""
+    (out / "config.json").write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
+    (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+    for i, replica in enumerate(result.replicas):
+        write_run(replica, out / f"replica-{i}", plots=False)
 
 
 def is_cluster_folder(folder: str | Path) -> bool:

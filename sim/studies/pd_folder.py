@@ -10,11 +10,11 @@ import the cluster.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from kvsim.sim.studies.run_folder import staged_folder, write_run
+from kvsim.sim.studies.cluster_folder import write_fleet
+from kvsim.sim.studies.run_folder import staged_folder
 
 PATHS = "paths.parquet"
 PLOT = "pd.png"
@@ -24,11 +24,8 @@ PARTS = ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")
 def write_pd(result: Any, out_dir: str | Path, plots: bool = True) -> Path:
     """Write a P/D cluster run's folder (see the module docstring), whole or not at all."""
     with staged_folder(out_dir) as out:
-        (out / "config.json").write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
-        (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        write_fleet(result, out)
         result.paths.to_parquet(out / PATHS, index=False)
-        for i, replica in enumerate(result.replicas):
-            write_run(replica, out / f"replica-{i}", plots=False)
         if plots:
             plot_pd(result, out / PLOT)
     return Path(out_dir)

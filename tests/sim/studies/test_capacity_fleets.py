@@ -15,7 +15,7 @@ from kvsim.sim.cli.app import app
 from kvsim.sim.cluster.pd import simulate_pd
 from kvsim.sim.cluster.run import simulate_cluster
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.studies.capacity import capacity, gpus_of
+from kvsim.sim.studies.capacity import capacity
 from kvsim.sim.studies.sweep import WorkloadSpec
 from kvsim.workloads.traces import load_workload
 
@@ -31,9 +31,9 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_gpus_count_every_replica():
-    assert gpus_of(SimConfig(tensor_parallel=2)) == 2
-    assert gpus_of(SimConfig(tensor_parallel=2, replicas=3)) == 6
-    assert gpus_of(SimConfig(tensor_parallel=2, prefill_replicas=1, decode_replicas=3)) == 8
+    assert SimConfig(tensor_parallel=2).num_gpus() == 2
+    assert SimConfig(tensor_parallel=2, replicas=3).num_gpus() == 6
+    assert SimConfig(tensor_parallel=2, prefill_replicas=1, decode_replicas=3).num_gpus() == 8
 
 
 @pytest.mark.parametrize("fleet", [{"replicas": 2, "router": "session-affinity"},
