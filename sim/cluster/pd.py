@@ -195,9 +195,9 @@ class PDCluster:
         """The replica (its cluster index) pool `pool`'s router picks for `req` now, and the prefix
         tokens the router expects it to hold (None: the router keeps no prefix index)."""
         router, view, events = self.routers[pool], self.views[pool], self.events[pool]
-        view.num_replicasow = self.env.now
+        view.now = self.env.now
         if events is not None:
-            for batch in events.due(view.num_replicasow):
+            for batch in events.due(view.now):
                 router.index.apply(batch)
         i = router.pick(req, view)
         if not 0 <= i < view.num_replicas:

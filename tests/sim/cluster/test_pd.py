@@ -179,3 +179,16 @@ def test_dynamo_decides_from_the_hottest_decode_overlap_and_picks_decode_after_t
     assert p.at["r0", "remote"] and not p.at["r1", "remote"]
     assert p.at["r0", "cached_tokens"] == 0 and p.at["r1", "cached_tokens"] == 96
     assert p.at["r1", "decode_replica"] == p.at["r0", "decode_replica"]  # Dynamo's KV router follows the overlap
+
+
+def test_each_pools_router_sees_the_time_of_its_pick(monkeypatch):
+    # a router that reads the view's clock (sglang's cache-aware router evicts by it) sees the time of
+    # the pick: the decode pick at the arrival (llm-d's order), the prefill pick right after it
+    from kvsim.sim.cluster import routers
+
+    seen = []
+    pick = routers.RoundRobin.pick
+    monkeypatch.setattr(routers.RoundRobin, "pick",
+                        lambda self, req, view: seen.append((req.id, view.now)) or pick(self, req, view))
+    simulate_pd(_workload([0.0, 0.25, 0.5]), _cfg(router="round-robin", pd_decider="always"))
+    assert seen == [("r0", 0.0), ("r0", 0.0), ("r1", 0.25), ("r1", 0.25), ("r2", 0.5), ("r2", 0.5)]
