@@ -91,7 +91,7 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
               "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS,
               "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration",
-              "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold"):
+              "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold", "prefill_pool", "decode_pool"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -172,7 +172,7 @@ PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_uti
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
                "router_metrics_interval", *ROUTER_OPTIONS, "prefill_replicas", "decode_replicas", "pd_decider",
-               "pd_threshold")
+               "pd_threshold", "prefill_pool", "decode_pool")
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
@@ -322,6 +322,8 @@ def run(
     decode_replicas: Annotated[int | None, typer.Option("--decode-replicas", help="a P/D cluster: this many decode replicas [default: 0, off]")] = None,
     pd_decider: Annotated[str | None, typer.Option("--pd-decider", help="never|always|llm-d (prefix-based-pd-decider)|dynamo (IslBounding): which prompts go to the prefill pool [default: always]")] = None,
     pd_threshold: Annotated[int | None, typer.Option("--pd-threshold", help="llm-d's nonCachedTokens: disaggregate when at least this many prompt tokens are not cached on the decode replica [default: 16]")] = None,
+    prefill_pool: Annotated[str | None, typer.Option("--prefill-pool", help="what the prefill pool sets apart, 'field=value,...' of gpu, tensor_parallel, num_gpu_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, max_num_scheduled_tokens, long_prefill_token_threshold, calibration (e.g. 'tensor_parallel=2,max_num_seqs=64')")] = None,
+    decode_pool: Annotated[str | None, typer.Option("--decode-pool", help="what the decode pool sets apart, as --prefill-pool")] = None,
     kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); every step is then simulated in full")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
@@ -465,9 +467,11 @@ def run_pd(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: 
         raise cannot_write(out_dir, e) from None
     s = result.summary["pd"]
     ms = lambda v: "-" if v is None else f"{v * 1e3:,.1f} ms"  # noqa: E731
-    lines = [f"{result.workload} ({s['requests']:,} requests): {s['prefill_replicas']} prefill + "
-             f"{s['decode_replicas']} decode replicas of {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, router "
-             f"{s['router']}, decider {s['decider']}, link {cfg.kv_transfer_gbps:g} GB/s a rank",
+    pools = s["pools"]
+    lines = [f"{result.workload} ({s['requests']:,} requests) on {cfg.model}: "
+             + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
+                          "blocks)" for name, p in pools.items())
+             + f" replicas, router {s['router']}, decider {s['decider']}, link {cfg.kv_transfer_gbps:g} GB/s a rank",
              f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
              f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
              f"p99 {ms(s['tpot_p99'])}",

@@ -2,10 +2,12 @@
 
 Each replica has one NIC a rank (its ranks read their own shares in parallel, so a transfer's bytes
 are one rank's and a NIC's bandwidth is one rank's, `gbps`). A read moves its bytes from the prefill
-replica's NIC to the decode replica's; concurrent reads through a NIC share it max-min fairly (the
-rates progressive filling gives: every read through the most loaded NIC gets an equal share, the
-others take what is left), recomputed whenever a read starts or ends, so a read's end moves as others
-come and go. A read ends `latency_s` after its last byte (BLIS models a transfer as a base latency
+replica's NIC to the decode replica's; when the pools' TP sizes differ, the two ends' ranks carry
+different bytes of it (`sim.engine.nixl_tp`), so a read counts its progress in the sending rank's
+bytes and puts `dst_per_src` bytes through the receiving NIC for each. Concurrent reads through a NIC
+share it max-min fairly in that progress (progressive filling: every unfixed read through the NIC
+whose equal share is smallest gets that share, the others take what is left; with equal TP sizes,
+equal bytes), recomputed whenever a read starts or ends, so a read's end moves as others come and go. A read ends `latency_s` after its last byte (BLIS models a transfer as a base latency
 plus bytes over bandwidth; with one read at a time this is exactly `KVTransfer.seconds`).
 
 Exactness over floats: completion times are computed event by event (the next read to drain at
@@ -25,8 +27,9 @@ _EPS_BYTES = 1e-6  # a read with less left than this has drained (float residue 
 class _Read:
     src: int
     dst: int
-    left: float  # bytes still to move
-    rate: float = 0.0  # bytes a second now
+    left: float  # bytes still to move (the sending rank's)
+    dst_per_src: float = 1.0  # the receiving rank's bytes for each byte sent
+    rate: float = 0.0  # bytes a second now (the sending rank's)
     drained: float | None = None  # when its last byte moved
 
 
@@ -43,8 +46,9 @@ class SharedLink:
         self._time = 0.0  # the last event (a start or an end): the reads' bytes left are as of then
         self._seen = 0.0  # the latest time anyone asked about: no read may start before it
 
-    def start(self, key: object, src: int, dst: int, nbytes: float, at: float) -> None:
-        """A read of `nbytes` from replica `src` to `dst` starts at `at` (not before the last start)."""
+    def start(self, key: object, src: int, dst: int, nbytes: float, at: float, dst_per_src: float = 1.0) -> None:
+        """A read of `nbytes` (a sending rank's) from replica `src` to `dst` starts at `at` (not before
+        the last start); a receiving rank takes `dst_per_src` bytes for each byte sent."""
         if key in self._active or key in self._done:
             raise ValueError(f"read {key!r} started twice")
         if at < self._seen:  # the link was asked past `at` already: the reads' shares since then would be wrong
@@ -55,7 +59,9 @@ class SharedLink:
         if nbytes <= 0:
             self._done[key] = at + self.latency_s
             return
-        self._active[key] = _Read(src, dst, float(nbytes))
+        if not dst_per_src > 0:
+            raise ValueError(f"read {key!r}: dst_per_src must be positive, got {dst_per_src}")
+        self._active[key] = _Read(src, dst, float(nbytes), float(dst_per_src))
         self._rates()
 
     def advance(self, t: float) -> None:
@@ -103,26 +109,27 @@ class SharedLink:
             r.left -= r.rate * dt
 
     def _rates(self) -> None:
-        """Max-min fair rates by progressive filling: the NIC with the smallest equal share fixes
-        the rate of every unfixed read through it; repeat with what is left."""
+        """Max-min fair rates by progressive filling: the NIC with the smallest equal share (its bytes
+        left over the unfixed reads' bytes per byte sent through it) fixes the rate of every unfixed
+        read through it; repeat with what is left."""
         reads = list(self._active.values())
         for r in reads:
             r.rate = 0.0
         cap: dict[tuple[str, int], float] = {}
-        users: dict[tuple[str, int], list[_Read]] = {}
+        users: dict[tuple[str, int], list[tuple[_Read, float]]] = {}
         for r in reads:
-            for nic in (("out", r.src), ("in", r.dst)):
+            for nic, weight in ((("out", r.src), 1.0), (("in", r.dst), r.dst_per_src)):
                 cap.setdefault(nic, self.bps)
-                users.setdefault(nic, []).append(r)
+                users.setdefault(nic, []).append((r, weight))
         fixed: set[int] = set()
         while len(fixed) < len(reads):
-            share, nic = min(((cap[n] / sum(1 for r in rs if id(r) not in fixed), n)
-                              for n, rs in users.items() if any(id(r) not in fixed for r in rs)),
+            share, nic = min(((cap[n] / sum(w for r, w in rs if id(r) not in fixed), n)
+                              for n, rs in users.items() if any(id(r) not in fixed for r, _ in rs)),
                              key=lambda sn: (sn[0], sn[1]))
-            for r in users[nic]:
+            for r, _ in users[nic]:
                 if id(r) in fixed:
                     continue
                 r.rate = share
                 fixed.add(id(r))
-                for other in (("out", r.src), ("in", r.dst)):
-                    cap[other] -= share
+                cap[("out", r.src)] -= share
+                cap[("in", r.dst)] -= share * r.dst_per_src

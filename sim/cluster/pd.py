@@ -47,6 +47,7 @@ from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.sim.engine.metrics import percentiles, slo_figures
 from kvsim.sim.engine.nixl import NixlConnector, with_max_tokens_one
+from kvsim.sim.engine.nixl_tp import rank_bytes
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
 
@@ -85,8 +86,10 @@ class ClusterTransport:
     def post(self, rid: str, blocks: int, at: float) -> None:
         path = self.pd.paths[rid]
         path.read_post = at
-        path.read_bytes = blocks * self.pd.bytes_per_block
-        self.pd.link.start(rid, path.prefill, self.replica, path.read_bytes, at)
+        per_rank = self.pd.rank_bytes
+        path.read_bytes = blocks * per_rank.receive
+        self.pd.link.start(rid, path.prefill, self.replica, blocks * per_rank.send, at,
+                           per_rank.receive / per_rank.send)
         self.pd.poke_idle(at)  # every read's end may move
 
     def read_end(self, rid: str, now: float) -> float | None:
@@ -134,24 +137,27 @@ class ClusterTransport:
 
 class PDCluster:
     """`cfg.prefill_replicas` prefill and `cfg.decode_replicas` decode engines over `managers` (that
-    many, prefill first), a router of `cfg.router` per pool and the decider `cfg.pd_decider`."""
+    many, prefill first), a router of `cfg.router` per pool and the decider `cfg.pd_decider`; each
+    pool's engines run under its own config (`SimConfig.pool_config`) and cost model (`costs`:
+    prefill, decode)."""
 
-    def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
-                 progress: Callable[[int], None] | None = None, steps_files: list | None = None):
+    def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, costs: tuple,
+                 managers: list, progress: Callable[[int], None] | None = None, steps_files: list | None = None):
         self.env = env
         self.cfg = cfg
         self.num_prefill = P = cfg.prefill_replicas
         D = cfg.decode_replicas
         if len(managers) != P + D:
             raise ValueError(f"{len(managers)} managers for {P} prefill and {D} decode replicas")
-        blocks = managers[0].num_blocks
-        self.routers = (make_router(cfg.router, P, cfg.seed, cfg, blocks),
-                        make_router(cfg.router, D, cfg.seed + 1, cfg, blocks))
+        self.routers = (make_router(cfg.router, P, cfg.seed, cfg, managers[0].num_blocks),
+                        make_router(cfg.router, D, cfg.seed + 1, cfg, managers[P].num_blocks))
         self.views = (RouterView(P), RouterView(D))
         self.views[0].prefilled = self._prefilled
         self.views[1].prefilled = self._prefilled
         self.link = SharedLink(cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
-        self.bytes_per_block = cost.kv_bytes_per_block
+        pools = (cfg.pool_config("prefill"), cfg.pool_config("decode"))
+        self.rank_bytes = rank_bytes(pools[0].tensor_parallel, costs[0].kv_bytes_per_block,
+                                     pools[1].tensor_parallel, costs[1].kv_bytes_per_block)
         self.remote_prefill: list[set[str]] = [set() for _ in range(P + D)]
         self.remote_decode: list[set[str]] = [set() for _ in range(P + D)]
         self.unread: dict[str, float] = {}
@@ -168,9 +174,9 @@ class PDCluster:
         priority = cfg.scheduling == "priority"
         for i, m in enumerate(managers):
             pool = 0 if i < P else 1
-            ev = self.events[pool]
+            ev, cost, pool_cfg = self.events[pool], costs[pool], pools[pool]
             conn = NixlConnector(m, priority, ClusterTransport(self, i), cost.kv_bytes_per_block)
-            self.engines.append(Engine(env, None, engine_config(cfg) if ev is not None else cfg, cost, m,
+            self.engines.append(Engine(env, None, engine_config(pool_cfg) if ev is not None else pool_cfg, cost, m,
                                        front=self._inlet, kv_events=ev.send if ev is not None else None,
                                        replica=i - P * pool, connector=conn,
                                        steps_file=None if steps_files is None else steps_files[i]))
@@ -361,6 +367,10 @@ def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict
     under the SLOs, the prefill side's held blocks and the bytes read."""
     done = paths["status"] == "finished"
     out: dict[str, Any] = {"prefill_replicas": cfg.prefill_replicas, "decode_replicas": cfg.decode_replicas,
+                           "pools": {name: {"gpu": c.gpu, "tensor_parallel": c.tensor_parallel,
+                                            "num_gpu_blocks": int(r.summary["num_gpu_blocks"])}
+                                     for name, c, r in (("prefill", cfg.pool_config("prefill"), replicas[0]),
+                                                        ("decode", cfg.pool_config("decode"), replicas[-1]))},
                            "router": cfg.router, "decider": cfg.pd_decider, "requests": len(paths),
                            "finished": int(done.sum()), "remote": int(paths["remote"].sum())}
     for col in ("ttft", "tpot", "prefill_queue", "prefill", "decode_queue", "transfer", "promotion", "hold"):
@@ -394,14 +404,17 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
                 cost_model: Any = None) -> PDResult:
     """Replay `workload` through the P/D cluster `cfg` describes (`prefill_replicas`, `decode_replicas`,
     `router` per pool, `pd_decider`, the link's `kv_transfer_gbps` and `kv_transfer_latency`);
-    deterministic for a given workload and config."""
-    cfg.validate()
-    if cost_model is None:
-        from kvsim.sim.engine.cost_model import CostModel
+    deterministic for a given workload and config. Each pool runs under its own config
+    (`SimConfig.pool_config`: `prefill_pool`, `decode_pool`); `cost_model` is taken for a pool that sets
+    nothing apart, and each other pool gets its own."""
+    from kvsim.sim.engine.cost_model import CostModel
 
-        cost_model = CostModel.from_config(cfg)
-    n = cfg.prefill_replicas + cfg.decode_replicas
-    managers = [make_manager(engine_config(cfg), cost_model) for _ in range(n)]
+    cfg.validate()
+    pools = (cfg.pool_config("prefill"), cfg.pool_config("decode"))
+    costs = tuple(cost_model if cost_model is not None and not own else CostModel.from_config(c)
+                  for c, own in zip(pools, (cfg.prefill_pool, cfg.decode_pool), strict=True))
+    counts = (cfg.prefill_replicas, cfg.decode_replicas)
+    managers = [make_manager(engine_config(pools[k]), costs[k]) for k in (0, 1) for _ in range(counts[k])]
     for m in managers:
         if m.sliding_window is not None or getattr(m, "num_groups", 1) > 1:
             from kvsim.sim.engine.catalog import ConfigError
@@ -409,13 +422,15 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
             raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has a sliding window or several groups; "
                               "kvsim models vLLM's NIXL connector for full attention only")
     env = simpy.Environment()
-    cluster = PDCluster(env, workload, cfg, cost_model, managers, progress)
+    cluster = PDCluster(env, workload, cfg, costs, managers, progress)
     with rare_collections():
         env.run()
     if progress is not None:
         progress(cluster.num_done)
     name = getattr(workload, "name", "workload")
-    replicas = [engine_result(e, cfg, cost_model, name, getattr(workload, "skipped", 0)) for e in cluster.engines]
+    skipped = getattr(workload, "skipped", 0)
+    replicas = [engine_result(e, pools[i >= cfg.prefill_replicas], costs[i >= cfg.prefill_replicas], name, skipped)
+                for i, e in enumerate(cluster.engines)]
     paths = cluster.paths_frame()
     return PDResult(cfg, name, replicas, paths, {"workload": name, "model": cfg.model, "gpu": cfg.gpu,
                                                  "pd": pd_summary(paths, replicas, cfg)})

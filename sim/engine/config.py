@@ -12,8 +12,8 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError", "SimConfig",
-           "check_block_size", "parse_router_scorers"]
+__all__ = ["KV_CACHE_DTYPES", "POOL_FIELDS", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError",
+           "SimConfig", "check_block_size", "parse_pool", "parse_router_scorers"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
 # 0.31+ options); `kvsim conform` hands vLLM those not at their defaults
@@ -78,6 +78,39 @@ def parse_router_scorers(text: str | None, router: str = "llm-d-precise") -> dic
             raise ConfigError(f"router_scorers: {name}'s weight must be a number >= 0, got {weight!r}")
         out[name] = value
     return out
+
+# what one pool of a P/D cluster may set apart from the other (`SimConfig.prefill_pool`, `decode_pool`):
+# its hardware and its engine's limits, each a SimConfig field of the same name (the model, the block
+# size and the cache's dtype stay the cluster's: vLLM's NIXL connector reads blocks as they are laid out)
+POOL_FIELDS = ("gpu", "tensor_parallel", "num_gpu_blocks", "gpu_memory_utilization", "max_num_batched_tokens",
+               "max_num_seqs", "max_num_scheduled_tokens", "long_prefill_token_threshold", "calibration")
+
+
+def parse_pool(text: str | None, name: str = "prefill_pool") -> dict[str, Any]:
+    """`field=value,...` (`SimConfig.prefill_pool` / `decode_pool`) as {field: value}, each value of its
+    SimConfig field's type (`none` for an optional field's None); None or '': no changes. A ConfigError
+    names the bad entry."""
+    out: dict[str, Any] = {}
+    if not text:
+        return out
+    types = {f.name: f.type for f in dataclasses.fields(SimConfig)}
+    for entry in text.split(","):
+        key, sep, value = (part.strip() for part in entry.partition("="))
+        if key not in POOL_FIELDS or not sep:
+            raise ConfigError(f"{name}: expected field=value with field one of {', '.join(POOL_FIELDS)}, "
+                              f"got {entry.strip()!r}")
+        if key in out:
+            raise ConfigError(f"{name}: {key} given twice")
+        kind = str(types[key])
+        if value.lower() == "none" and "None" in kind:
+            out[key] = None
+            continue
+        try:
+            out[key] = int(value) if kind.startswith("int") else float(value) if kind.startswith("float") else value
+        except ValueError:
+            raise ConfigError(f"{name}: {key} must be {kind.split(' ')[0]}, got {value!r}") from None
+    return out
+
 
 # config.json of a run in vLLM's hybrid KV-cache groups: each group's kind, window and block size,
 # what `kvsim gpu-replay` verifies its op stream by (`sim.studies.run_folder.write_run`)
@@ -198,6 +231,10 @@ class SimConfig:
     decode_replicas: int = 0
     pd_decider: str = "always"
     pd_threshold: int = 16
+    # what each pool sets apart from the rest of this config, 'field=value,...' (POOL_FIELDS: its GPU,
+    # TP, blocks and limits), e.g. 'tensor_parallel=4,max_num_seqs=512'; None: the config as it is
+    prefill_pool: str | None = None
+    decode_pool: str | None = None
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -209,9 +246,19 @@ class SimConfig:
 
     def num_gpus(self) -> int:
         """The GPUs this configuration runs on: its tensor-parallel ranks times its replicas (a P/D
-        cluster's prefill and decode replicas together)."""
-        replicas = self.prefill_replicas + self.decode_replicas if self.prefill_replicas else self.replicas
-        return self.tensor_parallel * replicas
+        cluster's prefill and decode replicas, each pool at its own TP)."""
+        if self.prefill_replicas:
+            return (self.prefill_replicas * self.pool_config("prefill").tensor_parallel
+                    + self.decode_replicas * self.pool_config("decode").tensor_parallel)
+        return self.tensor_parallel * self.replicas
+
+    def pool_config(self, pool: str) -> SimConfig:
+        """The config a P/D pool's engines run under ('prefill' or 'decode'): this one with the pool's
+        own fields (`prefill_pool`, `decode_pool`), and no pool fields left."""
+        if pool not in ("prefill", "decode"):
+            raise ValueError(f"pool must be 'prefill' or 'decode', got {pool!r}")
+        changes = parse_pool(getattr(self, f"{pool}_pool"), f"{pool}_pool")
+        return self.replace(**changes, prefill_pool=None, decode_pool=None)
 
     def validate(self) -> SimConfig:
         """Raise ConfigError for values no run could use."""
@@ -406,6 +453,9 @@ class SimConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
         if not p and not d:
+            for name in ("prefill_pool", "decode_pool"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} needs a P/D cluster (prefill_replicas and decode_replicas)")
             return
         if not (p and d):
             raise ConfigError(f"a P/D cluster needs both pools: prefill_replicas {p}, decode_replicas {d}")
@@ -421,6 +471,15 @@ class SimConfig:
             if bad:
                 raise ConfigError(f"prefill_replicas cannot be combined with {why}: kvsim models a P/D cluster of "
                                   "vLLM 0.33 replicas with the NIXL connector, sync scheduling and recompute preemption")
+        if self.prefill_pool or self.decode_pool:
+            from kvsim.sim.engine.nixl_tp import check_tp_pair
+
+            for pool in ("prefill", "decode"):
+                try:
+                    self.pool_config(pool).validate()
+                except ConfigError as e:
+                    raise ConfigError(f"{pool}_pool: {e}") from None
+            check_tp_pair(self.pool_config("prefill").tensor_parallel, self.pool_config("decode").tensor_parallel)
 
     def _validate_fs(self) -> None:
         if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager

@@ -138,14 +138,17 @@ def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", str(trace), "--model", "llama-3-8b", "--num-gpu-blocks", "64",
                                  "--prefill-replicas", "1", "--decode-replicas", "1", "--slo-ttft", "1",
-                                 "--out", str(out)])
+                                 "--decode-pool", "tensor_parallel=2", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert "1 prefill + 1 decode replicas of llama-3-8b" in r.output
+    assert ("on llama-3-8b: 1 prefill (h100-sxm x1, 64 blocks) + 1 decode (h100-sxm x2, 64 blocks) replicas"
+            in r.output)
     assert "finished 3, disaggregated 3" in r.output
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["pd"]["requests"], summary["pd"]["remote"], summary["pd"]["slo_attainment"]) == (3, 3, 1.0)
     paths = pd.read_parquet(out / "paths.parquet")
-    assert list(paths["id"]) == ["r0", "r1", "r2"] and paths["read_bytes"].tolist() == [7 * BLOCK_BYTES] * 3
+    # the decode rank's half of each block (TP 2)
+    assert list(paths["id"]) == ["r0", "r1", "r2"] and paths["read_bytes"].tolist() == [7 * BLOCK_BYTES // 2] * 3
+    assert json.loads((out / "config.json").read_text())["decode_pool"] == "tensor_parallel=2"
     assert (out / "pd.png").is_file() and (out / "replica-0" / "summary.json").is_file()
     bad = CliRunner().invoke(app, ["run", str(trace), "--prefill-replicas", "1", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "needs both pools" in bad.output and not (tmp_path / "x").exists()
