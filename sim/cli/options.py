@@ -4,6 +4,7 @@ alike: the model and hardware (`run`, `cache-replay`, `curve`), vLLM's admission
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -127,18 +128,23 @@ def hybrid_changes(disable: bool | None, chunked_local: bool) -> dict[str, Any]:
     return {**out, "hybrid_chunked_local": True} if chunked_local else out
 
 
-def retention_changes(value: str | None) -> dict[str, Any]:
-    """The SimConfig field `--prefix-cache-retention-interval` sets: a token count, or none (anything
-    else: exit 2 with the one-line error)."""
+def none_or_number(value: str | None, field: str, parse: Callable[[str], Any] = int, what: str = "a number of tokens") -> dict[str, Any]:
+    """The SimConfig `field` a none-or-number option sets (`--` + the field with dashes): `parse`d, or
+    None for 'none'; not given: no change; anything else: exit 2 with the one-line error."""
     from kvsim.sim.cli.common import fail
 
     if value is None:
         return {}
     text = value.strip().lower()
     if text == "none":
-        return {"prefix_cache_retention_interval": None}
+        return {field: None}
     try:
-        return {"prefix_cache_retention_interval": int(text)}
+        return {field: parse(text)}
     except ValueError:
-        raise fail(f"--prefix-cache-retention-interval: expected a number of tokens or none, got {value!r}") from None
+        raise fail(f"--{field.replace('_', '-')}: expected {what} or none, got {value!r}") from None
+
+
+def retention_changes(value: str | None) -> dict[str, Any]:
+    """The SimConfig field `--prefix-cache-retention-interval` sets: a token count, or none."""
+    return none_or_number(value, "prefix_cache_retention_interval")
 

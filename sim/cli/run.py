@@ -51,6 +51,7 @@ from kvsim.sim.cli.options import (
     fs_changes,
     hardware_changes,
     hybrid_changes,
+    none_or_number,
     offload_changes,
     retention_changes,
     transfer_changes,
@@ -91,7 +92,8 @@ def run_name(workload: str, cfg: SimConfig) -> str:
     for k in ("disable_hybrid_kv_cache_manager", "hybrid_chunked_local",  # likewise
               "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS,
               "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration",
-              "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold", "prefill_pool", "decode_pool"):
+              "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold", "prefill_pool", "decode_pool",
+              "pd_busy_threshold"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -247,6 +249,7 @@ def knob_changes(o: dict[str, Any]) -> dict[str, Any]:
                                      bool(g("no_scheduler_reserve_full_isl")), g("prefill_schedule_interval"),
                                      g("max_num_scheduled_tokens")))
     changes.update(retention_changes(g("prefix_cache_retention_interval")))
+    changes.update(none_or_number(g("pd_busy_threshold"), "pd_busy_threshold", float, "a number"))
     changes.update(hybrid_changes(g("disable_hybrid_kv_cache_manager"), bool(g("hybrid_chunked_local"))))
     changes.update(SWITCHES[k] for k in SWITCHES if g(k))
     return changes
@@ -320,7 +323,8 @@ def run(
     router_eviction_interval: Annotated[float | None, typer.Option("--router-eviction-interval", help="sglang-cache-aware: seconds between its tree's evictions [default: 120]")] = None,
     prefill_replicas: Annotated[int | None, typer.Option("--prefill-replicas", help="a P/D cluster: this many prefill replicas (vLLM's NIXL connector), with --decode-replicas, each pool behind --router [default: 0, off]")] = None,
     decode_replicas: Annotated[int | None, typer.Option("--decode-replicas", help="a P/D cluster: this many decode replicas [default: 0, off]")] = None,
-    pd_decider: Annotated[str | None, typer.Option("--pd-decider", help="never|always|llm-d (prefix-based-pd-decider)|dynamo (IslBounding): which prompts go to the prefill pool [default: always]")] = None,
+    pd_decider: Annotated[str | None, typer.Option("--pd-decider", help="never|always|llm-d (prefix-based-pd-decider)|dynamo (IslBounding)|dynamo-load (PrefillLoad)|dynamo-isl-or-load (IslOrLoad): which prompts go to the prefill pool [default: always]")] = None,
+    pd_busy_threshold: Annotated[str | None, typer.Option("--pd-busy-threshold", help="Dynamo's router_queue_threshold for dynamo-load: a prefill replica is busy past this many times its max_num_batched_tokens of active prefill tokens; 'none': no signal [default: 4.0]")] = None,
     pd_threshold: Annotated[int | None, typer.Option("--pd-threshold", help="llm-d's nonCachedTokens: disaggregate when at least this many prompt tokens are not cached on the decode replica [default: 16]")] = None,
     prefill_pool: Annotated[str | None, typer.Option("--prefill-pool", help="what the prefill pool sets apart, 'field=value,...' of gpu, tensor_parallel, num_gpu_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, max_num_scheduled_tokens, long_prefill_token_threshold, calibration (e.g. 'tensor_parallel=2,max_num_seqs=64')")] = None,
     decode_pool: Annotated[str | None, typer.Option("--decode-pool", help="what the decode pool sets apart, as --prefill-pool")] = None,

@@ -147,6 +147,11 @@ class Dynamo:
             out.append(self.overlap_weight * prefill_blocks + decode_blocks)
         return out, keys
 
+    def peek(self, request: Request, view: RouterView) -> int:
+        """The worker `pick` would choose now, nothing booked (Dynamo's advisory selection, which the
+        P/D load-aware deciders peek at; a tie drawn at random draws from the same generator)."""
+        return self._select(self.logits(request, view)[0])
+
     def pick(self, request: Request, view: RouterView) -> int:
         logits, keys = self.logits(request, view)
         chosen = self._select(logits)

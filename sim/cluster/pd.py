@@ -38,7 +38,7 @@ import simpy
 
 from kvsim.kvcache.hashing import block_keys
 from kvsim.sim.cluster.cluster import ReplicaFront, engine_config, engine_metrics
-from kvsim.sim.cluster.deciders import DECODE_FIRST, decide
+from kvsim.sim.cluster.deciders import DECODE_FIRST, NEEDS_PREFILL_BUSY, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.link import SharedLink
 from kvsim.sim.cluster.routers import RouterView, make_router
@@ -156,6 +156,7 @@ class PDCluster:
         self.views[1].prefilled = self._prefilled
         self.link = SharedLink(cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         pools = (cfg.pool_config("prefill"), cfg.pool_config("decode"))
+        self.prefill_token_capacity = pools[0].batch_limits()[0]  # a prefill replica's max_num_batched_tokens
         self.rank_bytes = rank_bytes(pools[0].tensor_parallel, costs[0].kv_bytes_per_block,
                                      pools[1].tensor_parallel, costs[1].kv_bytes_per_block)
         self.remote_prefill: list[set[str]] = [set() for _ in range(P + D)]
@@ -200,11 +201,7 @@ class PDCluster:
     def _pick(self, pool: int, req: Request) -> tuple[int, int | None]:
         """The replica (its cluster index) pool `pool`'s router picks for `req` now, and the prefix
         tokens the router expects it to hold (None: the router keeps no prefix index)."""
-        router, view, events = self.routers[pool], self.views[pool], self.events[pool]
-        view.now = self.env.now
-        if events is not None:
-            for batch in events.due(view.now):
-                router.index.apply(batch)
+        router, view = self._heard(pool)
         i = router.pick(req, view)
         if not 0 <= i < view.num_replicas:
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {view.num_replicas}")
@@ -220,7 +217,9 @@ class PDCluster:
             path.decode, path.cached_tokens = self._pick(1, req)
         else:
             path.cached_tokens = self._hottest_decode(req)
-        if not decide(cfg.pd_decider, req.prompt_len, path.cached_tokens, threshold=cfg.pd_threshold).disaggregate:
+        busy = self._prefill_busy(req) if cfg.pd_decider in NEEDS_PREFILL_BUSY else None
+        if not decide(cfg.pd_decider, req.prompt_len, path.cached_tokens, threshold=cfg.pd_threshold,
+                      prefill_busy=busy).disaggregate:
             if path.decode < 0:
                 path.decode, _ = self._pick(1, req)
             self._hand(path.decode, req)
@@ -228,6 +227,27 @@ class PDCluster:
         path.prefill, _ = self._pick(0, req)
         self.remote_decode[path.prefill].add(req.id)
         self._hand(path.prefill, with_max_tokens_one(req))
+
+    def _heard(self, pool: int) -> tuple[Any, RouterView]:
+        """Pool `pool`'s router and view as of now: the view's clock set, its index fed the KV events
+        due by now."""
+        router, view, events = self.routers[pool], self.views[pool], self.events[pool]
+        view.now = self.env.now
+        if events is not None:
+            for batch in events.due(view.now):
+                router.index.apply(batch)
+        return router, view
+
+    def _prefill_busy(self, req: Request) -> bool | None:
+        """Whether the prefill replica the prefill router would pick for `req` now is busy: its active
+        prefill tokens, as that router counts them, above `pd_busy_threshold` x its max_num_batched_tokens
+        (Dynamo's `peek_prefill_chosen_worker_busy`); None without a signal (no threshold, or a router
+        keeping no prefill-token count)."""
+        if self.cfg.pd_busy_threshold is None or not hasattr(self.routers[0], "peek"):
+            return None
+        router, view = self._heard(0)
+        i = router.peek(req, view)
+        return router.prefill_tokens[i] > self.cfg.pd_busy_threshold * self.prefill_token_capacity
 
     def _hottest_decode(self, req: Request) -> int | None:
         """The decode replicas' largest prefix overlap with `req`, as the decode router's KV-event index

@@ -36,6 +36,8 @@ def check_block_size(block_size: int) -> None:
 # the routers a cluster of replicas may run behind (`sim.cluster.routers.ROUTERS` implements each)
 ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-dp-legacy", "session-affinity",
                 "llm-d-precise", "dynamo", "llm-d", "sglang-cache-aware")
+# a P/D cluster's deciders (`sim.cluster.deciders.decide` implements each)
+PD_DECIDERS = ("never", "always", "llm-d", "dynamo", "dynamo-load", "dynamo-isl-or-load")
 # the routers fed by the replicas' KV events (sim.cluster.kv_routers)
 EVENT_ROUTERS = ("llm-d-precise", "dynamo")
 
@@ -231,6 +233,10 @@ class SimConfig:
     decode_replicas: int = 0
     pd_decider: str = "always"
     pd_threshold: int = 16
+    # Dynamo's router_queue_threshold for its load-aware deciders (dynamo-load, dynamo-isl-or-load): a
+    # prefill replica is busy past this many times its max_num_batched_tokens of active prefill tokens
+    # as the router counts them (4.0: Dynamo's Python KvRouterConfig); None: no signal, never busy
+    pd_busy_threshold: float | None = 4.0
     # what each pool sets apart from the rest of this config, 'field=value,...' (POOL_FIELDS: its GPU,
     # TP, blocks and limits), e.g. 'tensor_parallel=4,max_num_seqs=512'; None: the config as it is
     prefill_pool: str | None = None
@@ -459,8 +465,12 @@ class SimConfig:
             return
         if not (p and d):
             raise ConfigError(f"a P/D cluster needs both pools: prefill_replicas {p}, decode_replicas {d}")
-        if self.pd_decider not in ("never", "always", "llm-d", "dynamo"):
-            raise ConfigError(f"pd_decider must be one of never, always, llm-d, dynamo, got {self.pd_decider!r}")
+        if self.pd_decider not in PD_DECIDERS:
+            raise ConfigError(f"pd_decider must be one of {', '.join(PD_DECIDERS)}, got {self.pd_decider!r}")
+        busy = self.pd_busy_threshold
+        if busy is not None and (isinstance(busy, bool) or not isinstance(busy, int | float)
+                                 or not (math.isfinite(busy) and busy >= 0)):
+            raise ConfigError(f"pd_busy_threshold must be none or a number >= 0, got {busy!r}")
         for bad, why in ((self.replicas > 1, "replicas (an aggregated cluster)"),
                          (self.kv_transfer_role is not None, "kv_transfer_role (a lone replica's role)"),
                          (self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),

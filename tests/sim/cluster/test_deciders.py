@@ -63,3 +63,23 @@ def test_who_picks_first():
 def test_unknown_decider():
     with pytest.raises(ValueError, match="pd_decider must be one of"):
         decide("sometimes", 1, 0)
+
+
+@pytest.mark.parametrize("busy, remote", [(True, False), (False, True), (None, True)])
+def test_dynamo_prefill_load_policy(busy, remote):
+    # conditional_disagg.rs `PrefillLoadPolicy::should_bypass_remote_prefill`: bypass iff the peeked
+    # prefill worker is busy; no signal (None) is calm. The prompt and its overlap play no part.
+    assert decide("dynamo-load", 100_000, 0, prefill_busy=busy).disaggregate is remote
+    assert decide("dynamo-load", 10, 10, prefill_busy=busy).disaggregate is remote
+
+
+@pytest.mark.parametrize("prompt, cached, busy, remote", [
+    (1000, 14 * 64, False, False),   # ISL says local
+    (200, 0, True, False),           # load says local
+    (200, 0, False, True),           # neither
+    (200, 0, None, True),            # neither (no load signal)
+])
+def test_dynamo_isl_or_load_policy(prompt, cached, busy, remote):
+    # `IslOrLoadPolicy`: bypass iff IslBounding or PrefillLoad bypasses
+    assert decide("dynamo-isl-or-load", prompt, cached, prefill_busy=busy).disaggregate is remote
+    assert not DECODE_FIRST["dynamo-isl-or-load"] and not DECODE_FIRST["dynamo-load"]

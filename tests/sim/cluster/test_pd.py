@@ -195,3 +195,18 @@ def test_each_pools_router_sees_the_time_of_its_pick(monkeypatch):
                         lambda self, req, view: seen.append((req.id, view.now)) or pick(self, req, view))
     simulate_pd(_workload([0.0, 0.25, 0.5]), _cfg(router="round-robin", pd_decider="always"))
     assert seen == [("r0", 0.0), ("r0", 0.0), ("r1", 0.25), ("r1", 0.25), ("r2", 0.5), ("r2", 0.5)]
+
+
+def test_dynamo_load_keeps_a_prompt_local_while_its_prefill_replica_is_busy():
+    # Dynamo's PrefillLoad, busy = the prefill router's active prefill tokens on its peeked worker >
+    # pd_busy_threshold x max_num_batched_tokens (8,192 on an H100: 0.01 x 8192 = 81.92 tokens).
+    # r0 (100 tokens) finds the prefill replica calm and goes remote; r1, at the same time, finds r0's
+    # 100 tokens still counted (no first token yet): busy, so local; r2, a second later, calm again.
+    cfg = _cfg(router="dynamo", pd_decider="dynamo-load", pd_busy_threshold=0.01)
+    assert cfg.pool_config("prefill").batch_limits()[0] == 8192
+    r = simulate_pd(_workload([0.0, 0.0, 1.0]), cfg)
+    assert r.paths["remote"].tolist() == [True, False, True]
+    assert r.paths["status"].tolist() == ["finished"] * 3
+    # with no threshold there is no signal: calm, every prompt remote
+    calm = simulate_pd(_workload([0.0, 0.0, 1.0]), cfg.replace(pd_busy_threshold=None))
+    assert calm.paths["remote"].tolist() == [True, True, True]
