@@ -403,11 +403,11 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
     n = cfg.prefill_replicas + cfg.decode_replicas
     managers = [make_manager(engine_config(cfg), cost_model) for _ in range(n)]
     for m in managers:
-        if m.sliding_window is not None or getattr(m, "num_groups", 1) > 1:
+        if m.sliding_window is not None:
             from kvsim.sim.engine.catalog import ConfigError
 
-            raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has a sliding window or several groups; "
-                              "kvsim models vLLM's NIXL connector for full attention only")
+            raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has one group with a sliding window; kvsim "
+                              "models vLLM's NIXL connector over full attention or vLLM's hybrid groups")
     env = simpy.Environment()
     cluster = PDCluster(env, workload, cfg, cost_model, managers, progress)
     with rare_collections():
