@@ -28,6 +28,16 @@ with it; the worker's `get_transfer_results` is polled as the step is launched, 
 by the first step that starts once it is done and applied when that step ends (the schedule after it
 sees it). An empty step polls and applies at once. A read takes `KVTransfer.seconds` of its blocks.
 
+Hybrid models (vLLM's KV-cache groups; base_scheduler.py `_is_hma_required`): the decode side reads
+every group's blocks past its local hit, the blocks its load got (pull_scheduler.py
+`update_state_after_alloc`: `get_unhashed_block_ids_all_groups`, clipped by `get_exchange_clipped_blocks`
+to a window's last cdiv(window, block) + 1, which a load's window blocks never exceed:
+`kvcache.hybrid_loads`), each a pool block's bytes (pull_worker.py reads a group's block across every
+layer region); a finished request's windows first let go of the blocks they skip (scheduler.py
+`_connector_finished` calls `remove_skipped_blocks` before `request_finished`), then the prefill side
+holds the rest. Mamba state (its slot moved, the prompt backed off one token: `_prefill_backoff`) is
+refused (`sim.engine.run.make_hybrid_manager`).
+
 A lone replica plays one role for every request (`SimConfig.kv_transfer_role`); the decode side
 standing alone reads from a prefill side assumed idle, and the prefill side standing alone is read
 by a decode side that reads as soon as the request finishes. A cluster of pools (not yet) tells each
