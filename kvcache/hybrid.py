@@ -33,8 +33,9 @@ current scheduling step refused until the next (`new_step_starts`).
 With `record_ops`, every op is recorded with its group (`kvcache.ops`): each group's table
 entries (the null block where a window or Mamba group let a block go), its writes (a Mamba group's
 write is its state block's, `_record_allocation`), and frees and evictions with the group that
-held the block. Not modelled here (refused by the engine): forking, swapping, KV offloading,
-defragmentation; Mamba without prefix caching (vLLM's other cache mode); v2's `can_allocate`.
+held the block. Blocks for KV a connector loads: `kvcache.hybrid_loads`. Not modelled here (refused
+by the engine): forking, swapping, KV offloading, defragmentation; Mamba without prefix caching
+(vLLM's other cache mode); v2's `can_allocate`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kvsim.kvcache.groups import (
     leading_nulls,
     null_skipped,
 )
+from kvsim.kvcache.hybrid_loads import HybridLoads
 from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.mamba import MambaAlign
 from kvsim.kvcache.ops import OpLog
@@ -65,7 +67,7 @@ from kvsim.kvcache.sequence import Sequence
 Hit = tuple[list[KVCacheBlock], ...]  # one list of hit blocks a group
 
 
-class HybridKVCacheManager(PoolView):
+class HybridKVCacheManager(PoolView, HybridLoads):
     """Paged KV-cache block manager for several KV-cache groups over one pool (vLLM's hybrid manager).
 
     num_gpu_blocks: the shared pool's blocks as vLLM reports them (block 0, the null block, among
@@ -414,6 +416,8 @@ class HybridKVCacheManager(PoolView):
             if self.ops.enabled:  # (a recorded free or evict names its block's group)
                 for g, block in enumerate(new):
                     self._group_of[block.block_id] = g
+        elif watermark and pool.num_free_blocks < self.watermark_blocks:  # (a landed load's recomputed
+            return None  # token: vLLM keeps a waiting request's watermark free even with no block to take)
         for ma in self._mamba.values():
             ma.decoded(sid, len(first), bool(new))
         if self.ops.enabled:  # every group writes its block of position c (a Mamba group: its state)

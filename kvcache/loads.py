@@ -63,3 +63,7 @@ class Loads:
         """Blocks `seq` still needs to hold all its known tokens (vLLM `_request_remaining_blocks`)."""
         return self.num_blocks_to_allocate(seq, seq.num_tokens)
 
+    def num_held_blocks(self, seq_id: str) -> int:
+        """The blocks `seq_id` holds, null blocks (a window's skipped) not counted."""
+        null = self.pool.null_block
+        return sum(1 for b in self.req_blocks.get(seq_id, ()) if b is not null)

@@ -436,11 +436,11 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
     counts = (cfg.prefill_replicas, cfg.decode_replicas)
     managers = [make_manager(engine_config(pools[k]), costs[k]) for k in (0, 1) for _ in range(counts[k])]
     for m in managers:
-        if m.sliding_window is not None or getattr(m, "num_groups", 1) > 1:
+        if m.sliding_window is not None:
             from kvsim.sim.engine.catalog import ConfigError
 
-            raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has a sliding window or several groups; "
-                              "kvsim models vLLM's NIXL connector for full attention only")
+            raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has one group with a sliding window; kvsim "
+                              "models vLLM's NIXL connector over full attention or vLLM's hybrid groups")
     env = simpy.Environment()
     cluster = PDCluster(env, workload, cfg, costs, managers, progress)
     with rare_collections():

@@ -10,7 +10,9 @@ request so every request fits and memory pressure ranges from preemption storms 
 third of the seeds turn on KV offloading (tier size, chunk width, policy, store threshold, link
 speed; half of them under async scheduling, as `vllm serve` runs it by default). A third of the
 cost-clock cases P/D disaggregation's NIXL connector can take stand alone as its decode or prefill
-side (read bandwidth, latency and lease). The same seed always gives the same case.
+side (read bandwidth, latency and lease); with `--pd` every seed's case is one side, a third of them
+with a hybrid model (its attention and sliding-window groups; no Mamba state). The same seed always
+gives the same case.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def _shape(r: random.Random, kind: str) -> dict[str, object]:
 
 def random_case(seed: int, pd: bool = False) -> Case:
     """The case of `seed` (see the module docstring); `pd`: the same draws, less the knobs kvsim's NIXL
-    connector does not take (async scheduling, offloading, a window, a hybrid model, n > 1, the grid),
-    standing alone as one side of P/D disaggregation."""
+    connector does not take (async scheduling, offloading, a window of one group, Mamba state, n > 1,
+    the grid), standing alone as one side of P/D disaggregation, a third of them with a hybrid model."""
     r = random.Random(seed)
     kind = r.choice(KINDS)
     requests = list(build_workload(kind, r.choice([20, 40, 80]), r.choice([2.0, 10.0, 50.0]), "poisson", 1.0,
@@ -130,6 +132,8 @@ def random_case(seed: int, pd: bool = False) -> Case:
     if not pd:
         kw.update(_hybrid(r, kw, bs))
     kw.update(_disaggregation(r, kw, requests, pd))
+    if pd:  # drawn after its side, so a P/D case's knobs are what they were before hybrid P/D
+        kw.update(_hybrid(r, kw, bs, pd=True))
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 
@@ -139,17 +143,18 @@ HYBRID_MODELS = {  # a catalog model mixing layer kinds: its tensor-parallel deg
 MAMBA_MODELS = ("qwen3-next-80b-a3b",)  # (vLLM runs them with prefix caching and chunked prefill only)
 
 
-def _hybrid(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, object]:
+def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) -> dict[str, object]:
     """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading, async scheduling,
     or window of their own) take a catalog model mixing layer kinds, with its windows, its groups'
     blocks in one pool (as many times the blocks as it has groups) and a retention interval (drawn
-    last, so the knobs above are what they were)."""
+    last, so the knobs above are what they were); `pd`: a P/D side's, without Mamba state (which
+    kvsim's NIXL connector does not transfer yet)."""
     if "kv_offloading_size" in kw or kw["async_scheduling"] or "sliding_window" in kw or r.random() >= 1 / 3:
         return {}
     from kvsim.sim.engine.cost_model import CostModel
 
-    models = [m for m in sorted(HYBRID_MODELS)
-              if m not in MAMBA_MODELS or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"])]
+    models = [m for m in sorted(HYBRID_MODELS) if m not in MAMBA_MODELS
+              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"] and not pd)]
     model = r.choice(models)
     tp, extra = HYBRID_MODELS[model]
     out = {"model": model, "tensor_parallel": tp, **extra}

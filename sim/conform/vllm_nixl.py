@@ -126,14 +126,21 @@ class NixlWorker:
         requests' sends are timed; the reads and sends done by `start` (finished_recving,
         finished_sending), each in the order they were handed over."""
         transfer = self.nixl.transfer
-        for rid, req in meta.reqs_to_recv.items():
-            self.reads[rid] = start + transfer.seconds(len(req.local_block_ids[0]))
+        for rid, req in meta.reqs_to_recv.items():  # every group's blocks, each a pool block's bytes
+            self.reads[rid] = start + transfer.seconds(sum(map(len, req.local_block_ids)))
         for rid in meta.reqs_to_send:
-            vreq = self.sched.requests[rid]
-            # the blocks vLLM's _connector_finished handed request_finished: the decode side reads them
-            blocks = self.sched.kv_cache_manager.get_block_ids_for_computed_tokens(rid, vreq.num_computed_tokens)[0]
-            self.sends[rid] = self.finished_at.pop(rid) + min(transfer.seconds(len(blocks)), self.nixl.lease_s)
+            self.sends[rid] = self.finished_at.pop(rid) + min(transfer.seconds(self._offered(rid)), self.nixl.lease_s)
         return self._done(self.reads, start), self._done(self.sends, start)
+
+    def _offered(self, rid: str) -> int:
+        """The blocks the prefill side's `request_finished` offers for `rid` (the remote_block_ids it
+        returns: vLLM's block ids of the computed tokens, clipped by its own
+        `get_exchange_clipped_blocks`), null blocks not counted: the decode side reads them."""
+        manager = self.sched.kv_cache_manager
+        ids = manager.get_block_ids_for_computed_tokens(rid, self.sched.requests[rid].num_computed_tokens)
+        null = manager.block_pool.null_block.block_id
+        clipped = self.sched.connector.connector_scheduler.get_exchange_clipped_blocks(ids)
+        return sum(1 for group in clipped for b in group if b != null)
 
     @staticmethod
     def _done(inflight: dict[str, float], start: float) -> _OrderedIds:

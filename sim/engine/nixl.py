@@ -28,6 +28,16 @@ with it; the worker's `get_transfer_results` is polled as the step is launched, 
 by the first step that starts once it is done and applied when that step ends (the schedule after it
 sees it). An empty step polls and applies at once. A read takes `KVTransfer.seconds` of its blocks.
 
+Hybrid models (vLLM's KV-cache groups; base_scheduler.py `_is_hma_required`): the decode side reads
+every group's blocks past its local hit, the blocks its load got (pull_scheduler.py
+`update_state_after_alloc`: `get_unhashed_block_ids_all_groups`, clipped by `get_exchange_clipped_blocks`
+to a window's last cdiv(window, block) + 1, which a load's window blocks never exceed:
+`kvcache.hybrid_loads`), each a pool block's bytes (pull_worker.py reads a group's block across every
+layer region); a finished request's windows first let go of the blocks they skip (scheduler.py
+`_connector_finished` calls `remove_skipped_blocks` before `request_finished`), then the prefill side
+holds the rest. Mamba state (its slot moved, the prompt backed off one token: `_prefill_backoff`) is
+refused (`sim.engine.run.make_hybrid_manager`).
+
 A lone replica plays one role for every request (`SimConfig.kv_transfer_role`); the decode side
 standing alone reads from a prefill side assumed idle, and the prefill side standing alone is read
 by a decode side that reads as soon as the request finishes. A cluster of pools (not yet) tells each
@@ -39,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvsim.kvcache.manager import KVCacheManager, cdiv
+from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
 from kvsim.sim.engine.async_loads import AsyncLoads
 from kvsim.sim.engine.batch import Batch, Live
@@ -150,7 +160,7 @@ class NixlConnector:
         self._planned: list[tuple[str, int]] = []  # this step's reads: (request, blocks)
         self._reads: set[str] = set()  # reads in flight
         self._applied: set[str] = set()  # reads applied, until the request is promoted
-        self._held: dict[str, tuple[Live, float, int]] = {}  # prefill side: request -> (live, finished, prompt blocks)
+        self._held: dict[str, tuple[Live, float, int]] = {}  # prefill side: request -> (live, finished, blocks held)
         self.read_blocks = 0
         self.read_tokens = 0
         self.held_block_seconds = 0.0  # prefill side: blocks held after finishing x seconds held
@@ -235,8 +245,8 @@ class NixlConnector:
         released = [rid for rid, (_, finished, blocks) in self._held.items()
                     if (at := t.release_at(rid, finished, blocks, now)) is not None and at <= poll]
         for rid in released:
-            live, finished, _ = self._held.pop(rid)
-            self.held_block_seconds += len(self.m.block_tables[rid]) * (now - finished)
+            live, finished, blocks = self._held.pop(rid)
+            self.held_block_seconds += blocks * (now - finished)
             self.free_seq(live.seq)
             t.freed(rid, now)
         return bool(done or released)
@@ -290,7 +300,10 @@ class NixlConnector:
         t = self.transport
         if t.remote_prefill(rid) and rid not in self._remote_done:
             t.dropped(rid, now)
-        if not t.remote_decode(rid) or not offers or not self.m.holds_blocks(rid):
+        m = self.m
+        if m.num_groups > 1 and m.holds_blocks(rid):
+            m.remove_skipped_blocks(seq)  # (vLLM `Scheduler._connector_finished`, before request_finished)
+        if not t.remote_decode(rid) or not offers or not m.holds_blocks(rid):
             return False
-        self._held[rid] = (live, now, cdiv(seq.num_prompt_tokens, self.m.block_size))
+        self._held[rid] = (live, now, m.num_held_blocks(rid))
         return True

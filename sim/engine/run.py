@@ -96,9 +96,7 @@ HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defrag
                   # vLLM 0.33's OffloadingConnector supports the hybrid manager (SupportsHMA,
                   # offloading_connector.py), so vLLM keeps the groups with it on; kvsim not yet
                   ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"),
-                  ("async_scheduling", "async scheduling"),
-                  # vLLM's NIXL connector moves each group's blocks (sliding windows clipped, Mamba its state)
-                  ("kv_transfer_role", "P/D disaggregation (vLLM's NIXL connector transfers each group)"))
+                  ("async_scheduling", "async scheduling"))
 
 
 def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
@@ -117,6 +115,11 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         raise ConfigError(f"enable_prefix_caching false: {cfg.model}'s Mamba state without prefix caching is vLLM's "
                           "'none' cache mode (one state block a request), which kvsim does not model; kvsim models "
                           "the 'align' mode vLLM runs with prefix caching on")
+    if layout.has_mamba and (cfg.kv_transfer_role is not None or cfg.prefill_replicas):
+        raise ConfigError(f"{'kv_transfer_role' if cfg.kv_transfer_role is not None else 'prefill_replicas'}: "
+                          f"{cfg.model}'s Mamba state under P/D disaggregation (vLLM's NIXL connector moves its "
+                          "state slot and backs off one prompt token) is not modelled yet; kvsim transfers "
+                          "attention and sliding-window groups")
     for field, what in HYBRID_REFUSES:
         if getattr(cfg, field):
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "

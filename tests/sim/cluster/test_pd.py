@@ -69,6 +69,31 @@ def test_one_requests_path_through_both_pools_by_hand():
     assert (s["requests"], s["finished"], s["remote"], s["read_bytes"]) == (3, 3, 3, 21 * BLOCK_BYTES)
 
 
+def test_a_hybrid_requests_read_is_each_groups_blocks_past_the_hit_by_hand():
+    # gpt-oss-20b, block 16: a sliding-window group (128 tokens) and a full-attention one, 12 layers
+    # each; a pool block is 12 pages of 8 KV heads x 64 x K and V x 2 bytes x 16 tokens. A 1000-token
+    # prompt: full attention reads cdiv(1000, 16) = 63 blocks, the window 63 - (1000 - 128 + 1) // 16
+    # = 9 (vLLM's get_unhashed_block_ids_all_groups, clipped to cdiv(128, 16) + 1 = 9 by
+    # get_exchange_clipped_blocks): 72 blocks, each read across all 12 layers
+    block = 12 * 8 * 64 * 2 * 2 * 16
+    cfg = SimConfig(model="gpt-oss-20b", block_size=16, num_gpu_blocks=400, prefill_replicas=1, decode_replicas=1)
+    r = simulate_pd(_workload([0.0], prompt=1000), cfg.validate())
+    p = r.paths.set_index("id")
+    assert p.at["r0", "read_bytes"] == 72 * block == r.summary["pd"]["read_bytes"]
+    assert p.at["r0", "read_end"] == pytest.approx(p.at["r0", "read_post"] + KVTransfer(block).seconds(72), abs=1e-12)
+    assert p.at["r0", "released"] == p.at["r0", "read_end"]  # the prefill replica, idle, frees then
+    # it held its window's 9 blocks (the 54 out of the window went at its finish) and its 63
+    held = r.replicas[0].summary["held_block_seconds"]
+    assert held == pytest.approx(72 * (p.at["r0", "released"] - p.at["r0", "prefill_done"]), rel=1e-12)
+
+
+def test_mamba_state_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="prefill_replicas: .*Mamba state under P/D") as e:
+        simulate_pd(_workload([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, prefill_replicas=1,
+                                                decode_replicas=1).validate())
+    assert "\n" not in str(e.value)
+
+
 def test_two_reads_from_one_prefill_replica_share_its_nic():
     # both prompts prefill in one step on the one prefill replica and go to two idle decode replicas:
     # their reads start together through the prefill NIC, each at half its bandwidth

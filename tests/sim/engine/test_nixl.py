@@ -10,7 +10,12 @@ Rules pinned (vLLM 0.33.0):
   request, the lease `kv_lease_duration` from base_scheduler.py, 30 s), scheduler.py
   `_update_from_kv_xfer_finished` (the blocks freed once the send is done);
 - timing: vllm/v1/worker/kv_connector_model_runner_mixin.py `_get_kv_connector_output` (reads posted
-  after the forward's launch, the results polled as the step is launched).
+  after the forward's launch, the results polled as the step is launched);
+- hybrid groups: pull_scheduler.py `update_state_after_alloc` (each group's unhashed blocks,
+  `KVCacheBlocks.get_unhashed_block_ids_all_groups`, clipped by base_scheduler.py
+  `get_exchange_clipped_blocks`), pull_worker.py `_read_blocks` (each group's blocks read across every
+  region: a pool block's bytes each, base_worker.py `_compute_desc_ids`), scheduler.py
+  `_connector_finished` (a finished request's windows let go of their skipped blocks first).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request, Workload
 
 BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16: 32 layers x 8 KV heads x 128 x K and V x 2 bytes x 16
+# gpt-oss-20b, block 16: two groups of 12 layers (sliding window 128, full attention); a block of the
+# pool is one group's 12 pages: 12 layers x 8 KV heads x 64 x K and V x 2 bytes x 16 tokens
+GPT_OSS_BLOCK_BYTES = 12 * 8 * 64 * 2 * 2 * 16
 
 
 def _requests(arrivals: list[float], prompt: int = 100, output: int = 5) -> Workload:
@@ -108,6 +116,39 @@ def test_prefill_side_hold_is_bounded_by_the_lease():
 def test_bad_settings_are_refused_in_one_line(kw, field):
     with pytest.raises(ConfigError, match=field) as e:
         SimConfig(model="llama-3-8b", **kw).validate()
+    assert "\n" not in str(e.value)
+
+
+def _gpt_oss(role: str, arrivals: list[float], **kw):
+    cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role=role, block_size=16, **({"num_gpu_blocks": 400} | kw))
+    return simulate(_requests(arrivals, prompt=1000), cfg.validate())
+
+
+def test_hybrid_decode_side_reads_each_groups_blocks_the_window_only_its_last():
+    # 1000 tokens: full attention reads cdiv(1000, 16) = 63 blocks; the window (128) skips
+    # 1000 - 128 + 1 = 873 tokens = 54 whole blocks, so it reads 63 - 54 = 9: 72 blocks of the pool
+    r = _gpt_oss("decode", [0.0])
+    assert (r.summary["read_blocks"], r.summary["read_tokens"]) == (72, 1000)
+    assert r.summary["read_bytes"] == 72 * GPT_OSS_BLOCK_BYTES
+    rq = r.requests.set_index("id")
+    assert rq.at["r0", "first_scheduled"] == pytest.approx(KVTransfer(GPT_OSS_BLOCK_BYTES).seconds(72), abs=1e-12)
+    assert r.steps["prefill_tokens"].iloc[0] == 1 and rq.at["r0", "output_tokens"] == 5
+
+
+def test_hybrid_prefill_side_holds_every_groups_blocks_in_the_window_until_read():
+    # r0 finishes with 1000 computed: the window lets its 54 skipped blocks go, and 63 + 9 = 72 blocks
+    # are held until the (lone) decode side's read of those 72 ends
+    r = _gpt_oss("prefill", [0.0])
+    rq = r.requests.set_index("id")
+    read = KVTransfer(GPT_OSS_BLOCK_BYTES).seconds(72)
+    assert rq.at["r0", "output_tokens"] == 1
+    assert r.summary["held_block_seconds"] == pytest.approx(72 * read, rel=1e-12)
+
+
+def test_mamba_state_under_pd_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="Mamba state under P/D") as e:
+        simulate(_requests([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8,
+                                             kv_transfer_role="decode").validate())
     assert "\n" not in str(e.value)
 
 

@@ -1,0 +1,82 @@
+"""Slots for KV a connector loads into vLLM 0.33's hybrid groups (P/D disaggregation's decode side);
+mixed into `HybridKVCacheManager`, as `kvcache.loads` is into the one-group manager.
+
+A request whose prompt a prefill replica computed gets, at once, every group's blocks for its local
+hit plus the loaded tokens; nothing is cached until the load lands (vllm/v1/core/kv_cache_manager.py
+`allocate_slots` with `num_external_computed_tokens` and `delay_cache_blocks`). Each group counts
+the tokens it skips from the hit and the loaded tokens together
+(kv_cache_coordinator.py `allocate_new_computed_blocks`, single_type_kv_cache_manager.py
+`add_local_computed_blocks` then `allocate_external_computed_blocks`): a sliding window's table
+gets null blocks for what its window no longer reads, its hit blocks past them, and new blocks only
+for the loaded tokens inside the window; every group's hits are taken before any group's new blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.ops import OpLog
+
+
+class HybridLoads:
+    """The load methods of `HybridKVCacheManager` (mixed in)."""
+
+    # set by HybridKVCacheManager.__init__
+    block_size: int
+    pool: BlockPool
+    ops: OpLog
+    watermark_blocks: int
+    has_mamba: bool
+    null_block: KVCacheBlock
+    tables: tuple[dict[str, list[KVCacheBlock]], ...]
+    empty_hit: tuple[list[KVCacheBlock], ...]
+
+    def allocate_for_load(self, seq: Sequence, hit: int, hit_blocks: tuple[list[KVCacheBlock], ...], loaded: int, *,
+                          reserved: int = 0, watermark: bool = False, whole: bool = True) -> list[KVCacheBlock] | None:
+        """Every group's blocks for `seq`'s `hit` cached tokens (`hit_blocks`, a list a group) and the
+        next `loaded` tokens, none computed here; None (nothing changes) unless the whole sequence
+        fits the free blocks (each window at its admission cap, plus the watermark; not asked when
+        `whole` is False) and this allocation fits them less `reserved`. Returns the new blocks,
+        group by group: the load's destinations, which are what vLLM's NIXL connector reads
+        (`KVCacheBlocks.get_unhashed_block_ids_all_groups`: the request's blocks less hits and nulls)."""
+        if self.has_mamba:
+            raise ValueError("loads into Mamba groups are not modelled")
+        sid = seq.seq_id
+        if sid in self.tables[0]:
+            raise ValueError(f"{sid}: already holds blocks")
+        total = hit + loaded
+        hits = hit_blocks or self.empty_hit
+        free = self.pool.num_free_blocks
+        mark = self.watermark_blocks if watermark else 0
+        if whole and self.num_blocks_to_allocate(seq, seq.num_tokens, hits, num_computed=total, capped=True) \
+                + mark > free:
+            return None
+        if self.num_blocks_to_allocate(seq, total, hits, num_computed=total) + mark > free - reserved:
+            return None
+        self._add_hits(sid, hits, total)  # (every group's hits touched first, nulls for the skipped)
+        need = -(-total // self.block_size)
+        new: list[KVCacheBlock] = []
+        for g, tables in enumerate(self.tables):
+            table = tables[sid]
+            got = self.pool.get_new_blocks(max(0, need - len(table)))
+            table.extend(got)
+            new.extend(got)
+            self._hold(g, len(got))
+            if self.ops.enabled:
+                self.ops.emit_table(sid, table, 0, group=g)
+        return new
+
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """Free blocks `seq` still needs to hold all its known tokens, each window at its admission
+        cap (vLLM `Scheduler._request_remaining_blocks`, `apply_admission_cap=True`)."""
+        return self.num_blocks_to_allocate(seq, seq.num_tokens, capped=True)
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """The blocks `seq_id` holds over every group, null blocks not counted."""
+        null = self.null_block
+        return sum(1 for tables in self.tables for b in tables.get(seq_id, ()) if b is not null)
