@@ -22,7 +22,8 @@ works one through by hand):
    `NixlBaseConnectorScheduler.on_new_request`), so the lease never ends a hold here.
 
 Replicas 0..P-1 are the prefill pool and P..P+D-1 the decode pool; each pool's router sees its
-replicas by their index in the pool.
+replicas by their index in the pool. A decode replica also prefills what the decider keeps local:
+llm-d's `both` pods, which its decode filter passes and its prefill filter does not.
 """
 
 from __future__ import annotations
