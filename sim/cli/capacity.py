@@ -69,9 +69,13 @@ def _capacity(
         return _replicas(spec, cfg, routers, name, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
                          max_replicas=max_replicas, workers=workers, as_json=as_json)
     if not as_json:
-        fleet = (f"{cfg.prefill_replicas} prefill + {cfg.decode_replicas} decode replicas (decider {cfg.pd_decider}) of "
+        pools = " + ".join(f"{n} {pool} ({c.gpu} x{c.tensor_parallel})" for n, pool, c in (
+            (cfg.prefill_replicas, "prefill", cfg.pool_config("prefill")),
+            (cfg.decode_replicas, "decode", cfg.pool_config("decode")))) if cfg.prefill_replicas else ""
+        fleet = (f"{pools} replicas (decider {cfg.pd_decider}) of "
                  if cfg.prefill_replicas else f"{cfg.replicas} replicas behind {cfg.router} of " if cfg.replicas > 1 else "")
-        typer.echo(f"capacity of {name}: {fleet}{cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
+        hardware = "" if cfg.prefill_replicas else f" on {cfg.gpu} x{cfg.tensor_parallel}"
+        typer.echo(f"capacity of {name}: {fleet}{cfg.model}{hardware}, "
                    f"{cfg.num_gpu_blocks or 'derived'} blocks, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
 

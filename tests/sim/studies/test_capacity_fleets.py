@@ -62,3 +62,14 @@ def test_kvsim_capacity_on_a_fixed_cluster(trace: Path):
     lines = r.stdout.splitlines()
     assert lines[0].startswith(f"capacity of {trace}: 2 replicas behind session-affinity of llama-3-8b")
     assert "GPUs) with" in lines[-2] and "per GPU, 2 GPUs" in lines[-2]
+
+
+def test_kvsim_capacity_on_pools_apart_counts_each_pools_gpus(trace: Path):
+    r = runner.invoke(app, ["capacity", str(trace), "--slo-ttft", "0.05", "--slo-tpot", "0.01", "--prefill-replicas",
+                            "1", "--decode-replicas", "2", "--decode-pool", "tensor_parallel=2", "--num-gpu-blocks",
+                            "40", "--tolerance", "0.5", "-w", "1"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"capacity of {trace}: 1 prefill (h100-sxm x1) + 2 decode (h100-sxm x2) replicas "
+                               "(decider always) of llama-3-8b, 40 blocks")
+    assert "per GPU, 5 GPUs" in lines[-2]
