@@ -52,9 +52,19 @@ class Sink:
         if process:
             # SIGINT ignored from its first instruction (an ignored signal stays ignored across exec):
             # a Ctrl-C to the group while it still imports would otherwise print its own KeyboardInterrupt
-            self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           preexec_fn=_ignore_sigint if os.name == "posix" else None)
+            # SIGINT is held back in this process while it forks: a preexec_fn makes Python run its
+            # at-fork hooks, and a Ctrl-C landing in one (logging's `_releaseLock`) is printed as an
+            # ignored exception instead of interrupting; held back, it interrupts right after
+            held = hasattr(signal, "pthread_sigmask")
+            if held:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               preexec_fn=_ignore_sigint if os.name == "posix" else None)
+            finally:
+                if held:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         else:
             self._files = Files(folder)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
@@ -116,8 +126,10 @@ class Sink:
 
 
 def _ignore_sigint() -> None:
-    """Run in the op writer's child before it execs (POSIX)."""
+    """Run in the op writer's child before it execs (POSIX): SIGINT ignored, then no longer held back
+    (a Ctrl-C that came while it was held is dropped, being ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def serve(folder: Path, inbox, outbox) -> None:
