@@ -217,6 +217,17 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
     return removed
 
 
+def num_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int, null: KVCacheBlock) -> int:
+    """How many blocks `null_skipped(spec, blocks, num_computed, null)` would take out, without
+    taking them."""
+    end = min(spec.skipped_tokens(num_computed) // spec.block_size, len(blocks))
+    if end <= 0 or blocks[end - 1] is null:
+        return 0
+    if end >= 2 and blocks[end - 2] is null:  # a decode's: the last one only
+        return 1
+    return end - leading_nulls(blocks, end, null)
+
+
 def leading_nulls(blocks: list[KVCacheBlock], end: int, null: KVCacheBlock) -> int:
     """How many of `blocks[:end]` are the null block, where a table holds its nulls first (a window's
     or a chunk's: its hit's skipped blocks, then those let go): found by bisection."""

@@ -54,7 +54,9 @@ from kvsim.kvcache.groups import (
     group_salt,
     leading_nulls,
     null_skipped,
+    num_skipped,
 )
+from kvsim.kvcache.hit_watch import HitWatch
 from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.mamba import MambaAlign
 from kvsim.kvcache.ops import OpLog
@@ -147,8 +149,7 @@ class HybridKVCacheManager(PoolView):
         self.pool.group_of = self.ops.group_of = self._group_of = [0] * num_gpu_blocks
         self.pool.evicted_by_group = [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
-        self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
-        self._watch_added = False
+        self.hit_watch = HitWatch()  # a blocked head's lookup (`watch_hit`)
         self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
         # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
         merged: dict[GroupSpec, list[int]] = {}
@@ -545,17 +546,13 @@ class HybridKVCacheManager(PoolView):
             kept = ranges.get(memo)
             if kept is None:
                 kept = ranges[memo] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
-            go = self._group_of
             if self.events is not None:
                 self.events.stored(table, keys, kept, n_cached, n_full, seq.token_ids(n_cached * bs, n_full * bs).tolist(),
                                    bs, self.null_block, g)
             for a, b in kept:
-                self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
-                for i in range(a, b):  # (only a cached block can be evicted: its group is set here)
-                    go[table[i].block_id] = g
-                if self._watch and not self._watch_added:  # (a key cached in any group)
-                    watch = self._watch
-                    self._watch_added = any(keys[i] in watch for i in range(a, b))
+                # (only a cached block can be evicted: the pool sets its group here)
+                self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g], g)
+                self.hit_watch.caching(keys, a, b)
                 if g in self._mamba:  # hashed this step: not a hit before the next
                     self._mamba[g].cached_this_step.update(table[i].block_hash for i in range(a, b)
                                                            if table[i] is not self.null_block)
@@ -653,26 +650,35 @@ class HybridKVCacheManager(PoolView):
         return max(gate, chunk) + (self.watermark_blocks if watermark else 0) - self.pool.num_free_blocks
 
     def watch_hit(self, seq: Sequence, hits: Hit) -> None:
-        """Watch `seq`'s lookup: its hit stays what it was while no key of its prefix is added in any
-        group (`_cache` sees every key added) and no block of the hit is evicted. Keys outside the
-        hit going do not change it: a group's hit is its run of cached blocks (the first miss of full
-        attention, the rightmost run of a window), which a missing key elsewhere leaves as it is."""
+        """Watch `seq`'s lookup, which found `hits`: it stays what it was while no key of its prefix
+        is added in any group and no block of the hit is evicted (`kvcache.hit_watch`)."""
         bs, n = self.block_size, (seq.num_tokens - 1) // self.block_size
         keys = seq.hashes_upto(n * bs, bs)[:n] if self.enable_caching and n > 0 else []
-        self._watch = set(keys)  # unsalted: `_cache` compares a group's keys before its salt
-        self._watch_added = False
-        self._watch_evictions = self.pool.num_evictions
-        self._watch_hashes = [(b, b.block_hash) for table in hits for b in table if b is not self.null_block]
+        null = self.null_block
+        self.hit_watch.watch(keys, [b for table in hits for b in table if b is not null], self.pool.num_evictions)
 
     def hit_unchanged(self) -> bool:
         """Whether the watched lookup (`watch_hit`) would give the same blocks now."""
-        if self._watch_added:
-            return False
-        if self.pool.num_evictions != self._watch_evictions:
-            if any(b.block_hash != h for b, h in self._watch_hashes):
-                return False
-            self._watch_evictions = self.pool.num_evictions
-        return True
+        return self.hit_watch.unchanged(self.pool.num_evictions)
+
+    def caches_watched(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether caching `seq`'s full blocks within `num_tokens` may add a key of the watched lookup
+        (`watch_hit`) in some group: any key among the blocks not yet cached in every group."""
+        sid, bs = seq.seq_id, self.block_size
+        lo, n_full = min(counts.get(sid, 0) for counts in self.num_cached), num_tokens // bs
+        return lo < n_full and self.hit_watch.would_add(seq.hashes_upto(n_full * bs, bs)[lo:n_full])
+
+    def num_skipped_blocks(self, seq: Sequence) -> int:
+        """Blocks `remove_skipped_blocks(seq)` would take out of `seq`'s tables now, at most what it
+        returns to the free set (a block shared with another request stays in use): what a quiet
+        step's visit may give a blocked head (`sim.engine.quiet`). A Mamba group counts all its
+        blocks not null (a bound)."""
+        sid, c, null, n = seq.seq_id, seq.num_computed_tokens, self.null_block, 0
+        for g, spec, _, _, ma in self._skipping:
+            table = self.tables[g].get(sid)
+            if table:
+                n += len(table) - table.count(null) if ma is not None else num_skipped(spec, table, c, null)
+        return n
 
     def group_metrics(self) -> list[dict]:
         """One record a group: its blocks in use at most (distinct blocks some request references),
