@@ -53,8 +53,8 @@ from kvsim.kvcache.groups import (
     find_longest_cache_hit,
     group_salt,
     leading_nulls,
-    null_skipped,
-    num_skipped,
+    skipped_span,
+    take_span,
 )
 from kvsim.kvcache.hit_watch import HitWatch
 from kvsim.kvcache.id_span import IdSpan
@@ -174,7 +174,8 @@ class HybridKVCacheManager(PoolView):
         self.mamba_split = (bs, mamba_checkpoint_alignment) if self._mamba else None
         # the groups that let blocks go as a request advances, in group order (vLLM's coordinator calls
         # them so): a window or chunk (its kind, window) or a Mamba group (its bookkeeping)
-        self._skipping = tuple((g, spec, spec.kind == "sliding_window", spec.window, self._mamba.get(g))
+        # (and its spec's index: groups of one spec hold their null blocks alike, `skipped_span`)
+        self._skipping = tuple((g, self._spec_id[g], spec.kind == "sliding_window", spec.window, self._mamba.get(g))
                                for g, spec in enumerate(groups) if spec.kind != "full")
 
     @property
@@ -445,33 +446,40 @@ class HybridKVCacheManager(PoolView):
         (default: its computed tokens) to the pool, each group's last first (vLLM's
         `remove_skipped_blocks`, which `allocate_slots` runs first). A window whose last skipped
         block is null already has none to give."""
-        sid, bs = seq.seq_id, self.block_size
-        c = seq.num_computed_tokens if computed is None else computed
-        null, tables = self.null_block, self.tables
-        removed = []
-        recording = self.ops.enabled
-        for g, spec, sliding, window, ma in self._skipping:
+        sid, c = seq.seq_id, seq.num_computed_tokens if computed is None else computed
+        null, tables, recording, removed = self.null_block, self.tables, self.ops.enabled, []
+        spans = self._skipped_spans(sid, c)
+        for g, _, _, _, ma in self._skipping:
             if ma is not None:  # a Mamba group
                 if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
                     ma.checkpoints.pop(sid, None)
                 table = tables[g].get(sid)
-                if table:
-                    for blocks, entries in ma.skipped(sid, table, c):
-                        removed.append((g, blocks))
-                        for i in entries if recording else ():
-                            self.ops.emit_entry(sid, null.block_id, i, g)
-                continue
-            skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
-            if skipped >= bs:
-                table = tables[g].get(sid)
-                if table and table[min(skipped // bs, len(table)) - 1] is not null:
-                    blocks = null_skipped(spec, table, c, null)
+                for blocks, entries in ma.skipped(sid, table, c) if table else ():
                     removed.append((g, blocks))
-                    if recording:  # the entries it nulled: the last len(blocks) before `end`
-                        end = min(skipped // bs, len(table))
-                        self.ops.emit_table(sid, table, end - len(blocks), end, group=g)
+                    for i in entries if recording else ():
+                        self.ops.emit_entry(sid, null.block_id, i, g)
+                continue
+            if g in spans:
+                (lo, end), table = spans[g], tables[g][sid]
+                removed.append((g, take_span(table, lo, end, null)))
+                if recording:  # (the entries it nulled)
+                    self.ops.emit_table(sid, table, lo, end, group=g)
         if removed:
             self._release(removed)
+
+    def _skipped_spans(self, sid: str, c: int) -> dict[int, tuple[int, int]]:
+        """Each window or chunk group with blocks to let go at `c` computed tokens: the [lo, end) of
+        its table they fill (`groups.skipped_span`, found once a spec: its groups hold nulls alike)."""
+        bs, null, out, spans = self.block_size, self.null_block, {}, {}
+        for g, k, sliding, window, ma in self._skipping:
+            span = spans.get(k) if ma is None else (0, 0)
+            if span is None:
+                skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
+                table = self.tables[g].get(sid) if skipped >= bs else None
+                span = spans[k] = skipped_span(table, skipped // bs, null) if table else (0, 0)
+            if span[0] < span[1]:
+                out[g] = span
+        return out
 
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
         """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
@@ -654,8 +662,7 @@ class HybridKVCacheManager(PoolView):
         is added in any group and no block of the hit is evicted (`kvcache.hit_watch`)."""
         bs, n = self.block_size, (seq.num_tokens - 1) // self.block_size
         keys = seq.hashes_upto(n * bs, bs)[:n] if self.enable_caching and n > 0 else []
-        null = self.null_block
-        self.hit_watch.watch(keys, [b for table in hits for b in table if b is not null], self.pool.num_evictions)
+        self.hit_watch.watch(keys, [b for t in hits for b in t if b is not self.null_block], self.pool.num_evictions)
 
     def hit_unchanged(self) -> bool:
         """Whether the watched lookup (`watch_hit`) would give the same blocks now."""
@@ -669,16 +676,12 @@ class HybridKVCacheManager(PoolView):
         return lo < n_full and self.hit_watch.would_add(seq.hashes_upto(n_full * bs, bs)[lo:n_full])
 
     def num_skipped_blocks(self, seq: Sequence) -> int:
-        """Blocks `remove_skipped_blocks(seq)` would take out of `seq`'s tables now, at most what it
-        returns to the free set (a block shared with another request stays in use): what a quiet
-        step's visit may give a blocked head (`sim.engine.quiet`). A Mamba group counts all its
-        blocks not null (a bound)."""
-        sid, c, null, n = seq.seq_id, seq.num_computed_tokens, self.null_block, 0
-        for g, spec, _, _, ma in self._skipping:
-            table = self.tables[g].get(sid)
-            if table:
-                n += len(table) - table.count(null) if ma is not None else num_skipped(spec, table, c, null)
-        return n
+        """Blocks `remove_skipped_blocks(seq)` would take out now, at least what it frees: what a quiet step's
+        visit may give a blocked head (`sim.engine.quiet`); a Mamba group's blocks all count (a bound)."""
+        sid, null = seq.seq_id, self.null_block
+        n = sum(end - lo for lo, end in self._skipped_spans(sid, seq.num_computed_tokens).values())
+        states = [self.tables[g].get(sid) or [] for g in self._mamba]
+        return n + sum(len(t) - t.count(null) for t in states)
 
     def group_metrics(self) -> list[dict]:
         """One record a group: its blocks in use at most (distinct blocks some request references),
