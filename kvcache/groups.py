@@ -203,14 +203,27 @@ def null_skipped(spec: GroupSpec, blocks: list[KVCacheBlock], num_computed: int,
                  null: KVCacheBlock) -> list[KVCacheBlock]:
     """Put the null block in place of the blocks the group no longer reads, from the last of them
     back to the first one already null; returns the blocks taken out, last first
-    (`SingleTypeKVCacheManager.remove_skipped_blocks` / `_remove_blocks_in_range`). A window's or
-    chunk's table holds its null blocks first (its hit's skipped blocks, then those let go), so the
-    first one not null is found by bisection and the run replaced in one slice."""
-    end = min(spec.skipped_tokens(num_computed) // spec.block_size, len(blocks))
-    if end < 2 or blocks[end - 2] is not null:
-        lo = leading_nulls(blocks, end, null)
-    else:  # a decode's: at most the last one is let go (no bisection)
-        lo = end - 1 if blocks[end - 1] is not null else end
+    (`SingleTypeKVCacheManager.remove_skipped_blocks` / `_remove_blocks_in_range`)."""
+    lo, end = skipped_span(blocks, (spec.skipped_tokens(num_computed) // spec.block_size), null)
+    return take_span(blocks, lo, end, null)
+
+
+def skipped_span(blocks: list[KVCacheBlock], skipped_blocks: int, null: KVCacheBlock) -> tuple[int, int]:
+    """[lo, end): the blocks of a window's or chunk's table not null yet among its first
+    `skipped_blocks` (those it no longer reads). Such a table holds its null blocks first (its hit's
+    skipped blocks, then those let go), so the first one not null is found by bisection, or at once
+    where a decode lets go of the last one only. Groups of one spec hold their nulls alike, so one
+    span serves them all (`HybridKVCacheManager.remove_skipped_blocks`)."""
+    end = min(skipped_blocks, len(blocks))
+    if end <= 0 or blocks[end - 1] is null:
+        return end, end
+    if end >= 2 and blocks[end - 2] is null:
+        return end - 1, end
+    return leading_nulls(blocks, end, null), end
+
+
+def take_span(blocks: list[KVCacheBlock], lo: int, end: int, null: KVCacheBlock) -> list[KVCacheBlock]:
+    """Null `blocks[lo:end]` in one slice; returns the blocks taken out, last first."""
     removed = blocks[lo:end]
     removed.reverse()
     blocks[lo:end] = [null] * (end - lo)

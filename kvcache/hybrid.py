@@ -30,12 +30,10 @@ of its blocks as `kvcache.mamba` says: one running state block a request (two wh
 exports a checkpoint), earlier states let go as the request advances, and a hit hashed in the
 current scheduling step refused until the next (`new_step_starts`).
 
-With `record_ops`, every op is recorded with its group (`kvcache.ops`): each group's table
-entries (the null block where a window or Mamba group let a block go), its writes (a Mamba group's
-write is its state block's, `_record_allocation`), and frees and evictions with the group that
-held the block. Blocks for KV a connector loads: `kvcache.hybrid_loads`. Not modelled here (refused
-by the engine): forking, swapping, KV offloading, defragmentation; Mamba without prefix caching
-(vLLM's other cache mode); v2's `can_allocate`.
+With `record_ops`, every op carries its group (`kvcache.ops`): table entries (the null block where
+a window or Mamba group let a block go), writes (a Mamba group's: its state block's), frees and
+evictions. Loads: `kvcache.hybrid_loads`. Refused by the engine: forking, swapping, KV offloading,
+defragmentation; Mamba without prefix caching (vLLM's other cache mode); v2's `can_allocate`.
 """
 
 from __future__ import annotations
@@ -54,8 +52,10 @@ from kvsim.kvcache.groups import (
     find_longest_cache_hit,
     group_salt,
     leading_nulls,
-    null_skipped,
+    skipped_span,
+    take_span,
 )
+from kvsim.kvcache.hit_watch import HitWatch
 from kvsim.kvcache.hybrid_loads import HybridLoads
 from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.mamba import MambaAlign
@@ -138,9 +138,8 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         self.tables: tuple[dict[str, list[KVCacheBlock]], ...] = tuple({} for _ in groups)
         self.num_cached: tuple[dict[str, int], ...] = tuple({} for _ in groups)
         self.junctions: dict[str, int] = {}  # seq id -> its shared-prefix boundary, found at lookup
-        # per group, for the run's metrics: its blocks in use now and at most (distinct blocks some
-        # request references: a shared hit counts once), blocks a window let go of,
-        # and the hit tokens each group alone offered the requests that took a hit
+        # per group, for the run's metrics: its blocks in use now and at most (a shared hit counts once),
+        # blocks a window let go of, and the hit tokens each group alone offered the requests hitting
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
         # each block's group, for the evictions by group (set as a block is cached: only a cached block
@@ -149,8 +148,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         self.pool.group_of = self.ops.group_of = self._group_of = [0] * num_gpu_blocks
         self.pool.evicted_by_group = [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
-        self._watch: set[int] = set()  # a blocked head's keys, before any group's salt (`watch_hit`)
-        self._watch_added = False
+        self.hit_watch = HitWatch()  # a blocked head's lookup (`watch_hit`)
         self.block_tables = MappingProxyType(self.tables[0])  # the first group's tables (every live sequence)
         # vLLM's SpecGroups: equal specs looked up together, full attention first (its sort is stable)
         merged: dict[GroupSpec, list[int]] = {}
@@ -175,7 +173,8 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         self.mamba_split = (bs, mamba_checkpoint_alignment) if self._mamba else None
         # the groups that let blocks go as a request advances, in group order (vLLM's coordinator calls
         # them so): a window or chunk (its kind, window) or a Mamba group (its bookkeeping)
-        self._skipping = tuple((g, spec, spec.kind == "sliding_window", spec.window, self._mamba.get(g))
+        # (and its spec's index: groups of one spec hold their null blocks alike, `skipped_span`)
+        self._skipping = tuple((g, self._spec_id[g], spec.kind == "sliding_window", spec.window, self._mamba.get(g))
                                for g, spec in enumerate(groups) if spec.kind != "full")
 
     @property
@@ -448,33 +447,40 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         (default: its computed tokens) to the pool, each group's last first (vLLM's
         `remove_skipped_blocks`, which `allocate_slots` runs first). A window whose last skipped
         block is null already has none to give."""
-        sid, bs = seq.seq_id, self.block_size
-        c = seq.num_computed_tokens if computed is None else computed
-        null, tables = self.null_block, self.tables
-        removed = []
-        recording = self.ops.enabled
-        for g, spec, sliding, window, ma in self._skipping:
+        sid, c = seq.seq_id, seq.num_computed_tokens if computed is None else computed
+        null, tables, recording, removed = self.null_block, self.tables, self.ops.enabled, []
+        spans = self._skipped_spans(sid, c)
+        for g, _, _, _, ma in self._skipping:
             if ma is not None:  # a Mamba group
                 if computed is None:  # a decode's (the shortcuts'): a 1-token chunk exports no checkpoint
                     ma.checkpoints.pop(sid, None)
                 table = tables[g].get(sid)
-                if table:
-                    for blocks, entries in ma.skipped(sid, table, c):
-                        removed.append((g, blocks))
-                        for i in entries if recording else ():
-                            self.ops.emit_entry(sid, null.block_id, i, g)
-                continue
-            skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
-            if skipped >= bs:
-                table = tables[g].get(sid)
-                if table and table[min(skipped // bs, len(table)) - 1] is not null:
-                    blocks = null_skipped(spec, table, c, null)
+                for blocks, entries in ma.skipped(sid, table, c) if table else ():
                     removed.append((g, blocks))
-                    if recording:  # the entries it nulled: the last len(blocks) before `end`
-                        end = min(skipped // bs, len(table))
-                        self.ops.emit_table(sid, table, end - len(blocks), end, group=g)
+                    for i in entries if recording else ():
+                        self.ops.emit_entry(sid, null.block_id, i, g)
+                continue
+            if g in spans:
+                (lo, end), table = spans[g], tables[g][sid]
+                removed.append((g, take_span(table, lo, end, null)))
+                if recording:  # (the entries it nulled)
+                    self.ops.emit_table(sid, table, lo, end, group=g)
         if removed:
             self._release(removed)
+
+    def _skipped_spans(self, sid: str, c: int) -> dict[int, tuple[int, int]]:
+        """Each window or chunk group with blocks to let go at `c` computed tokens: the [lo, end) of
+        its table they fill (`groups.skipped_span`, found once a spec: its groups hold nulls alike)."""
+        bs, null, out, spans = self.block_size, self.null_block, {}, {}
+        for g, k, sliding, window, ma in self._skipping:
+            span = spans.get(k) if ma is None else (0, 0)
+            if span is None:
+                skipped = c - window + 1 if sliding else c // window * window  # GroupSpec.skipped_tokens
+                table = self.tables[g].get(sid) if skipped >= bs else None
+                span = spans[k] = skipped_span(table, skipped // bs, null) if table else (0, 0)
+            if span[0] < span[1]:
+                out[g] = span
+        return out
 
     def _release(self, removed: list[tuple[int, list[KVCacheBlock]]]) -> None:
         """Blocks the groups' windows no longer read back to the pool, group by group (as vLLM's
@@ -549,17 +555,13 @@ class HybridKVCacheManager(PoolView, HybridLoads):
             kept = ranges.get(memo)
             if kept is None:
                 kept = ranges[memo] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
-            go = self._group_of
             if self.events is not None:
                 self.events.stored(table, keys, kept, n_cached, n_full, seq.token_ids(n_cached * bs, n_full * bs).tolist(),
                                    bs, self.null_block, g)
             for a, b in kept:
-                self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g])
-                for i in range(a, b):  # (only a cached block can be evicted: its group is set here)
-                    go[table[i].block_id] = g
-                if self._watch and not self._watch_added:  # (a key cached in any group)
-                    watch = self._watch
-                    self._watch_added = any(keys[i] in watch for i in range(a, b))
+                # (only a cached block can be evicted: the pool sets its group here)
+                self.pool.cache_blocks(table, keys, a, b, chain, self.salts[g], g)
+                self.hit_watch.caching(keys, a, b)
                 if g in self._mamba:  # hashed this step: not a hit before the next
                     self._mamba[g].cached_this_step.update(table[i].block_hash for i in range(a, b)
                                                            if table[i] is not self.null_block)
@@ -657,26 +659,30 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         return max(gate, chunk) + (self.watermark_blocks if watermark else 0) - self.pool.num_free_blocks
 
     def watch_hit(self, seq: Sequence, hits: Hit) -> None:
-        """Watch `seq`'s lookup: its hit stays what it was while no key of its prefix is added in any
-        group (`_cache` sees every key added) and no block of the hit is evicted. Keys outside the
-        hit going do not change it: a group's hit is its run of cached blocks (the first miss of full
-        attention, the rightmost run of a window), which a missing key elsewhere leaves as it is."""
+        """Watch `seq`'s lookup, which found `hits`: it stays what it was while no key of its prefix
+        is added in any group and no block of the hit is evicted (`kvcache.hit_watch`)."""
         bs, n = self.block_size, (seq.num_tokens - 1) // self.block_size
         keys = seq.hashes_upto(n * bs, bs)[:n] if self.enable_caching and n > 0 else []
-        self._watch = set(keys)  # unsalted: `_cache` compares a group's keys before its salt
-        self._watch_added = False
-        self._watch_evictions = self.pool.num_evictions
-        self._watch_hashes = [(b, b.block_hash) for table in hits for b in table if b is not self.null_block]
+        self.hit_watch.watch(keys, [b for t in hits for b in t if b is not self.null_block], self.pool.num_evictions)
 
     def hit_unchanged(self) -> bool:
         """Whether the watched lookup (`watch_hit`) would give the same blocks now."""
-        if self._watch_added:
-            return False
-        if self.pool.num_evictions != self._watch_evictions:
-            if any(b.block_hash != h for b, h in self._watch_hashes):
-                return False
-            self._watch_evictions = self.pool.num_evictions
-        return True
+        return self.hit_watch.unchanged(self.pool.num_evictions)
+
+    def caches_watched(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether caching `seq`'s full blocks within `num_tokens` may add a key of the watched lookup
+        (`watch_hit`) in some group: any key among the blocks not yet cached in every group."""
+        sid, bs = seq.seq_id, self.block_size
+        lo, n_full = min(counts.get(sid, 0) for counts in self.num_cached), num_tokens // bs
+        return lo < n_full and self.hit_watch.would_add(seq.hashes_upto(n_full * bs, bs)[lo:n_full])
+
+    def num_skipped_blocks(self, seq: Sequence) -> int:
+        """Blocks `remove_skipped_blocks(seq)` would take out now, at least what it frees: what a quiet step's
+        visit may give a blocked head (`sim.engine.quiet`); a Mamba group's blocks all count (a bound)."""
+        sid, null = seq.seq_id, self.null_block
+        n = sum(end - lo for lo, end in self._skipped_spans(sid, seq.num_computed_tokens).values())
+        states = [self.tables[g].get(sid) or [] for g in self._mamba]
+        return n + sum(len(t) - t.count(null) for t in states)
 
     def group_metrics(self) -> list[dict]:
         """One record a group: its blocks in use at most (distinct blocks some request references),

@@ -23,6 +23,11 @@ empty, no room in RUNNING, or a blocked head): a blocked head stays blocked thro
 when the budget can cut its chunk, evict one of its hit blocks (with LRU the blocks taken are the
 front of the free queue; with another policy any eviction counts); either ends the run before
 the step. Arrivals join WAITING behind its head, so the verdict is kept while the head is the same.
+Over vLLM's hybrid groups a visit may let a window's blocks go (at a block's last slot, or anywhere
+at a first decode), so under a blocked head a step runs quiet only while the blocks its visits would
+take out (`num_skipped_blocks`, at least what they free) stay below what the head still lacks
+(`BlockedHead.margin`, counted from the frees since it blocked), none of them may cache a key of the
+head's prefix in any group (`caches_watched`), and its new blocks cannot evict a block of its hit.
 
 Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
@@ -111,9 +116,11 @@ class QuietRuns:
         fast = self.fast
         if not fast.head_blocked(live, min(budget, chunk or budget)):
             return False, None, False
+        self.blocked = True
+        if self.groups > 1:  # the manager watches the whole hit (`_visits`), evicted in any group
+            return True, None, True
         m, k = self.m, len(fast.blocked.hits)
         watch = seq.block_hashes[k] if m.enable_caching and k < (seq.num_tokens - 1) // self.bs else None
-        self.blocked = True
         return True, watch, budget < seq.num_tokens
 
     def _visits(self, k: int, watch: int | None, evicts: bool, free: int) -> bool:
@@ -128,14 +135,21 @@ class QuietRuns:
             active.sort(key=_order)
         if self.sched.max_tokens - lazy.n < len(active):
             return False
-        if self.groups > 1 and self.blocked and active:  # a visit may let a window's blocks go, which
-            return False  # may unblock the head: the general step decides
+        m = self.m
+        # vLLM's hybrid groups under a blocked head: a visit may let a window's blocks go, and fewer
+        # than its margin keep it blocked; a visit may cache a key of its hit in any group
+        windows = self.groups > 1 and self.blocked
+        let_go = 0
         bs, tables, allocs, per = self.bs, self.tables, 0, self.groups
         for live in active:
             seq = live.seq
             c = seq.num_computed_tokens
             if seq.num_tokens - c != 1 or c < seq.num_prompt_tokens:
                 return False
+            if windows:
+                let_go += m.num_skipped_blocks(seq)
+                if (c + 1) % bs == 0 and m.caches_watched(seq, c + 1):
+                    return False
             r, i = c % bs, c // bs
             blocks = tables[seq.seq_id]
             if r and r < bs - 1:  # mid-block: in place, unless shared (copy-on-write)
@@ -149,12 +163,17 @@ class QuietRuns:
                 return False
             if watch is not None and (c + 1) % bs == 0 and self._caches(seq, c + 1, watch):
                 return False
+        if let_go and let_go >= self.fast.blocked.margin():
+            return False
         self.allocs = allocs
         if not allocs:
             return True
         if allocs > free:
             return False
-        return not (evicts and self.m.num_cached_free_blocks and self._evicts_hit(allocs))
+        # (with windows the step's takes may follow its frees: the blocks they put at the front are
+        # uncached, those at the back are not reached, so the blocks taken from the queue as it is
+        # now are still among its first `allocs`)
+        return not (evicts and m.num_cached_free_blocks and self._evicts_hit(allocs))
 
     def _evicts_hit(self, n: int) -> bool:
         """True if taking `n` free blocks may evict one of the blocked head's hits. With LRU the
@@ -165,7 +184,9 @@ class QuietRuns:
         blocked = self.fast.blocked
         if self._hits[0] is not blocked:  # a new one: often the same head with the same hits again
             same = self._hits[1] == blocked.hits  # (compares blocks by identity: they define no __eq__)
-            self._hits = (blocked, blocked.hits, self._hits[2] if same else {id(b) for b in blocked.hits})
+            # (vLLM's hybrid groups: a hit is one list of blocks a group)
+            flat = [b for t in blocked.hits for b in t] if self.groups > 1 else blocked.hits
+            self._hits = (blocked, blocked.hits, self._hits[2] if same else {id(b) for b in flat})
         hits = self._hits[2]
         return any(id(b) in hits for b in self.m.next_free_blocks(n))
 
@@ -301,7 +322,8 @@ class QuietRuns:
             prev = (evicted, *prev[1:])
             k += 1
             self.taken += 1
-            # NOTE: a quiet step's decodes free nothing, cache no key the blocked head waits on and
+            # NOTE: a quiet step's decodes free nothing (over hybrid groups: fewer blocks than a
+            # blocked head lacks, checked step by step in `_visits`), cache no key the blocked head waits on and
             # evict none of its hits, so without a finish the verdict holds while the head is the
             # same (arrivals join behind)
             if finishing:  # freed blocks and a smaller batch: the admission is decided again

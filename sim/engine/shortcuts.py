@@ -166,6 +166,11 @@ class BlockedHead:
         need = m.num_blocks_to_allocate(live.seq, max(hit + n + lookahead, live.seq.num_tokens), blocks)
         self.deficit = need + (m.watermark_blocks if watermark else 0) - m.num_free_blocks
 
+    def margin(self) -> int:
+        """Blocks the head lacks at least now: it stays blocked while fewer than these are freed
+        (and its hit keeps its blocks)."""
+        return self.deficit - (self.m.op_counts["free"] - self.frees)
+
     def still(self, live: Live, budget: int, watermark: bool) -> bool:
         """True if allocating `live` now would certainly fail as it did."""
         # NOTE: the retry would ask for min(tokens left, budget) new tokens; with the
@@ -174,7 +179,7 @@ class BlockedHead:
             return False
         m, seq, k = self.m, live.seq, len(self.hits)
         counts = m.op_counts
-        if self.deficit - (counts["free"] - self.frees) <= 0:
+        if self.margin() <= 0:
             return False
         if m.num_groups > 1:
             return m.hit_unchanged()

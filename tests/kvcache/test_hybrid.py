@@ -265,3 +265,44 @@ def test_the_window_scan_that_skips_finds_the_hit_vllms_full_scan_finds(cached, 
     spec = GroupSpec("sliding_window", 4, 4 * window_blocks)  # needs cdiv(4w - 1, 4) = w blocks
     found, n = find_longest_cache_hit(spec, max_blocks * 4, _lookup(cached), 1, NULL)
     assert (_ids(found[0]), n) == _naive_window_hit(cached, max_blocks, window_blocks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 40), st.integers(1, 12), st.sampled_from([None, 0]),
+       st.booleans())
+def test_what_a_quiet_visit_may_let_go_or_cache_is_what_the_decode_then_does(shared, own, output, chunk, retention,
+                                                                             chunked_group):
+    """`num_skipped_blocks` (what `sim.engine.quiet` lets a blocked head gain from a visit) is
+    exactly the count `remove_skipped_blocks` then takes out of the tables, as a request prefills in
+    chunks of `chunk` tokens and decodes; and a block cached while `caches_watched` said no leaves a
+    watched lookup unchanged (`hit_unchanged`). Two identical window groups, full attention and
+    optionally a chunked-local group; the watched head shares `shared` tokens with the request's
+    prompt and answer (vllm/v1/core/single_type_kv_cache_manager.py `remove_skipped_blocks`)."""
+    groups = [SW8, SW8, FULL] + ([CHUNK8] if chunked_group else [])
+    m = HybridKVCacheManager(400, groups, prefix_cache_retention_interval=retention if not chunked_group else None)
+    prompt = list(range(shared // 2 + 1))
+    answer = list(range(500, 500 + output))
+    s = Sequence("s", np.asarray(prompt + list(range(200, 200 + own)), dtype=np.int64),
+                 output=np.asarray(answer, dtype=np.int64))
+    head_tokens = (prompt + list(range(200, 200 + own)) + answer)[:shared] + [999, 998, 997, 996, 995]
+    head = _seq("h", head_tokens)
+    hits, _ = m.get_computed_blocks(s)
+    assert m.allocate_slots(s, min(chunk, s.num_tokens), 0, hits) is not None
+    s.num_computed_tokens = min(chunk, s.num_tokens)
+    m.watch_hit(head, m.get_computed_blocks(head)[0])
+    for _ in range(s.num_prompt_tokens + output):
+        c = s.num_computed_tokens
+        if c >= s.num_prompt_tokens:
+            s.append_tokens(1)
+        n = min(chunk, s.num_tokens - c)
+        predicted = m.num_skipped_blocks(s)
+        watched = m.caches_watched(s, c + n)
+        unchanged = m.hit_unchanged()
+        before = sum(m.freed_behind)
+        assert m.allocate_slots(s, n) is not None
+        assert sum(m.freed_behind) - before == predicted
+        # groups of one spec hold their null blocks alike (one span serves both: `groups.skipped_span`)
+        assert [b.block_id == 0 for b in m.tables[0]["s"]] == [b.block_id == 0 for b in m.tables[1]["s"]]
+        if unchanged and not watched:
+            assert m.hit_unchanged()
+        s.num_computed_tokens = c + n
