@@ -26,9 +26,11 @@ Lazy decodes stay off where `allocate_slots` does more (a sliding window with on
 lookahead slots; `decode_shortcuts`), under priority scheduling and where a step's budget is below
 max_num_seqs. vLLM's hybrid groups keep them where every window is a multiple of the block size:
 a window then lets go of a block only on a block's last slot (a chunk on its first), which are
-visited, and a Mamba group of its previous state on a block's second slot, visited too; their blocks fill eagerly (not `fills`: a window may drop a block before a deferred
-caching). The blocked-head skip stays off with a window or several groups. The async scheduler
-takes neither (`Scheduler.has_shortcuts`).
+visited, and a Mamba group of its previous state on a block's second slot, visited too; their
+blocks fill eagerly (not `fills`: a window may drop a block before a deferred caching). The
+blocked-head skip stays off with one group's window; over vLLM's hybrid groups it uses the hybrid
+manager's own count of what the head lacks and a watch on its hit (`allocation_deficit`,
+`watch_hit`), with no lookahead slots. The async scheduler takes neither (`Scheduler.has_shortcuts`).
 """
 
 from __future__ import annotations
