@@ -116,7 +116,7 @@ class BlockPool:
         """Pop `n` blocks for writing; a popped cached block is evicted."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if self._on_evict is None and self.events is None:
+        if not self.ops.enabled and self._on_evict is None and self.events is None:
             if self._lru is not None:
                 return self._pop_counted(n)
             return self._take_counted(self.policy.pop_n(n))
@@ -149,7 +149,7 @@ class BlockPool:
     def _pop_counted(self, n: int) -> list[KVCacheBlock]:
         """`_take_counted(LRU.pop_n(n))` in one pass: the queue's front stack first, taken by
         slicing (the pool puts only uncached blocks there, so nothing is evicted), then its linked
-        part, block by block (with op records, its evictions recorded in that order)."""
+        part, block by block."""
         q = self._lru
         out = q.pop_stack(n)
         top = 0
@@ -166,7 +166,6 @@ class BlockPool:
         block = q.front()
         cached, evicted = self.cached, 0
         go, eg = self.group_of, self.evicted_by_group
-        gone = [] if self.ops.enabled else None  # (id, key) of each eviction, to record
         for _ in range(rest):
             b = block
             block = b.next
@@ -177,8 +176,6 @@ class BlockPool:
                     del cached[key]
                 else:
                     self._unshare(key, b)
-                if gone is not None:
-                    gone.append((b.block_id, key))
                 b.block_hash = None
                 evicted += 1
                 if go is not None:
@@ -188,16 +185,14 @@ class BlockPool:
                 top = b.block_id
             out.append(b)
         q.detach_front(block, rest)
-        self._taken(out, evicted, top, gone)
+        self._taken(out, evicted, top)
         return out
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """`get_new_blocks` when the policy has no eviction hook and no KV events are queued: the
-        same effects in one pass (each popped block's key dropped, and with op records its
-        eviction recorded, in pop order)."""
+        """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
+        same effects in one pass (each popped block's key dropped in pop order)."""
         cached, evicted, top = self.cached, 0, 0
         go, eg = self.group_of, self.evicted_by_group
-        gone = [] if self.ops.enabled else None  # (id, key) of each eviction, to record
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
@@ -207,8 +202,6 @@ class BlockPool:
                     del cached[key]
                 else:
                     self._unshare(key, b)
-                if gone is not None:
-                    gone.append((b.block_id, key))
                 b.block_hash = None
                 evicted += 1
                 if go is not None:
@@ -216,20 +209,14 @@ class BlockPool:
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
-        self._taken(blocks, evicted, top, gone)
+        self._taken(blocks, evicted, top)
         return blocks
 
-    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int,
-               gone: list[tuple[int, int]] | None = None) -> None:
-        """The one-pass takes' end: `evicted` of `blocks` were evictions, recorded as `evict` ops
-        where `gone` lists them (id, key), else counted; the tracker told (an IdSpan keeps just the
-        count and `top`, the highest id taken)."""
-        if gone:
-            ids, keys = zip(*gone, strict=True)
-            self.ops.emit_evicts(list(ids), list(keys))  # (counted there)
+    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int) -> None:
+        """The counted takes' end: `evicted` of `blocks` were evictions; the tracker told (an IdSpan
+        keeps just the count and `top`, the highest id taken)."""
         if evicted:
-            if not gone:
-                self.ops.counts["evict"] += evicted
+            self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
         tracker = self.tracker
@@ -326,10 +313,10 @@ class BlockPool:
             self.policy.free(later)
 
     def _counted_frees(self) -> bool:
-        """Whether a free may take the one-pass paths: `free_first`, no pins, no tracker but an
-        IdSpan (which needs only the number freed and the blocks given); with op records, they
-        record each block reaching 0 in the order given, as `free_blocks` does."""
-        return self.free_first and not self._pins and (self.tracker is None or type(self.tracker) is IdSpan)
+        """Whether a free may take the counted paths: `free_first`, no pins, ops only counted, no
+        tracker but an IdSpan (which needs only the number freed and the blocks given)."""
+        return self.free_first and not self._pins and not self.ops.enabled \
+            and (self.tracker is None or type(self.tracker) is IdSpan)
 
     def free_runs(self, runs: list[list[KVCacheBlock]]) -> list[int]:
         """`free_blocks` of each run in turn (several KV-cache groups' blocks let go together, as
@@ -351,7 +338,6 @@ class BlockPool:
         leave them), the cached ones linked into one chain for its back in run order, as
         `prepend_n` and `append_n` would put them. Returns how many of each run were freed."""
         null, tracker = self.null_block, self.tracker
-        freed: list[int] | None = [] if self.ops.enabled else None  # a run's ids reaching 0, to record
         front: list[KVCacheBlock] = []
         l_head = l_tail = None
         nl = 0
@@ -369,8 +355,6 @@ class BlockPool:
                     b.ref_cnt = rc
                     continue
                 b.ref_cnt = 0
-                if freed is not None:
-                    freed.append(b.block_id)
                 if b.block_hash is None:
                     first.append(b)
                 else:
@@ -383,9 +367,6 @@ class BlockPool:
                     nl += 1
             n = len(first) + nl - nl_before
             counts.append(n)
-            if freed:  # one `free_blocks` call's record
-                self.ops.emit_free(freed)
-                freed = []
             if first:
                 first.reverse()
                 front += first
@@ -396,16 +377,14 @@ class BlockPool:
         if nl:  # at the back, in their order (append_n)
             self._lru.splice_back(l_head, l_tail, nl)
         self.num_cached_free += nl
-        if freed is None:
-            self.ops.counts["free"] += len(front) + nl
+        self.ops.counts["free"] += len(front) + nl
         return counts
 
     def _free_counted(self, ordered: list[KVCacheBlock]) -> None:
-        """`free_blocks` with `free_first`, no pins and no tracker but an IdSpan: one pass that
-        builds just the two lists the policy needs, and a list of all freed blocks only to record
-        them (an IdSpan needs only their number and `ordered`)."""
+        """`free_blocks` with `free_first`, no pins, ops only counted and no tracker but an IdSpan:
+        one pass that builds just the two lists the policy needs, no list of all freed blocks
+        (an IdSpan needs only their number and `ordered`)."""
         null, first, later = self.null_block, [], []
-        freed: list[int] | None = [] if self.ops.enabled else None  # ids reaching 0, to record
         for b in ordered:
             if b is null:
                 continue
@@ -416,8 +395,6 @@ class BlockPool:
                 b.ref_cnt = rc
             else:
                 b.ref_cnt = 0
-                if freed is not None:
-                    freed.append(b.block_id)
                 if b.block_hash is None:
                     first.append(b)
                 else:
@@ -426,10 +403,7 @@ class BlockPool:
         if not n_freed:
             return
         self.num_cached_free += len(later)
-        if freed is not None:
-            self.ops.emit_free(freed)
-        else:
-            self.ops.counts["free"] += n_freed
+        self.ops.counts["free"] += n_freed
         if self.tracker is not None:
             self.tracker.release(n_freed, ordered)
         # NOTE: the same calls `free_blocks` makes: only `first`, only `later`, or both in this order
