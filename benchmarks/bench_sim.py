@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -16,7 +16,10 @@ one group (`--disable-hybrid-kv-cache-manager`: the dense model of the same size
 run: target <= 2x, the ratio of the medians. With `--only cluster`, issue 38's: 64 replicas
 (round-robin) on the Azure trace tiled 8 times with `--load 8` against 8 replicas on the trace
 (the Azure case's knobs, `--no-plots`), alternated run by run: target <= 9x, the ratio of the
-medians, each with its peak memory.
+medians, each with its peak memory. With `--only record-ops`, issue 38's other: the Azure case
+with `--record-ops` against the same run without (`--no-plots`), alternated run by run: targets
+<= 1.5x the wall time and <= 2x the CPU time (the op writer's child process included), the ratios
+of the medians.
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -63,8 +66,9 @@ def tile_azure(src: Path, dst: Path, copies: int) -> int:
     return copies * len(rows)
 
 
-def measure(argv: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak resident MB of one whole `kvsim` process."""
+def measure(argv: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak resident MB and CPU seconds (user + system, its waited-for children
+    included) of one whole `kvsim` process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvsim", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -73,7 +77,7 @@ def measure(argv: list[str]) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
         sys.exit(f"kvsim {' '.join(argv)} failed:\n{err}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def commit() -> str:
@@ -90,7 +94,7 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -104,6 +108,8 @@ def main() -> None:
         return hybrid(mooncake, plots, args.runs, sha)
     if args.only == "cluster":
         return cluster(azure, args.runs, sha)
+    if args.only == "record-ops":
+        return record_ops(azure, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -128,7 +134,7 @@ def main() -> None:
             runs = args.tiled_runs if name == "tiled" else args.runs
             walls, peaks = [], []
             for i in range(runs):
-                wall, peak = measure([*argv, "--out", str(tmp / f"{name}-{i}")])
+                wall, peak, _ = measure([*argv, "--out", str(tmp / f"{name}-{i}")])
                 walls.append(wall)
                 peaks.append(peak)
             wall, peak = statistics.median(walls), max(peaks)
@@ -175,7 +181,7 @@ def cluster(azure: Path, runs: int, sha: str) -> None:
         peaks: dict[str, list[float]] = {k: [] for k in argv}
         for i in range(runs):  # alternated, so a drift in the machine's speed hits both
             for name, args in argv.items():
-                wall, peak = measure([*args, "--out", f"{tmp}/{name.split()[0]}-{i}"])
+                wall, peak, _ = measure([*args, "--out", f"{tmp}/{name.split()[0]}-{i}"])
                 walls[name].append(wall)
                 peaks[name].append(peak)
         ratio = statistics.median(walls["64 replicas"]) / statistics.median(walls["8 replicas"])
@@ -184,6 +190,26 @@ def cluster(azure: Path, runs: int, sha: str) -> None:
                           "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                           "peak_mb": {k: round(max(v)) for k, v in peaks.items()}, "x_8_replicas": round(ratio, 2),
                           "target": "x_8_replicas <= 9", "met": ratio <= 9}), flush=True)
+
+
+def record_ops(azure: Path, runs: int, sha: str) -> None:
+    """Issue 38's target: `kvsim run --record-ops` of the Azure case at most 1.5x a plain run's wall
+    time and 2x its CPU time (the op writer's child included), the runs alternated."""
+    argv = ["run", str(azure), *AZURE_KNOBS, "--no-plots"]
+    figures: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in ("record-ops", "plain")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):  # alternated, so a drift in the machine's speed hits both
+            for name, extra in (("record-ops", ["--record-ops"]), ("plain", [])):
+                wall, _, cpu = measure([*argv, *extra, "--out", f"{tmp}/{name}-{i}"])
+                figures[name]["wall"].append(wall)
+                figures[name]["cpu"].append(cpu)
+    ratio = {k: statistics.median(figures["record-ops"][k]) / statistics.median(figures["plain"][k]) for k in ("wall", "cpu")}
+    print(json.dumps({"case": "record-ops", "commit": sha, "command": " ".join(["kvsim", *argv, "[--record-ops]"]),
+                      "runs": runs, "seconds": {k: {f: [round(x, 2) for x in v] for f, v in d.items()}
+                                                for k, d in figures.items()},
+                      "x_plain": {k: round(v, 2) for k, v in ratio.items()},
+                      "target": "x_plain wall <= 1.5, cpu <= 2", "met": ratio["wall"] <= 1.5 and ratio["cpu"] <= 2}),
+          flush=True)
 
 
 if __name__ == "__main__":
