@@ -1,6 +1,6 @@
 """Benchmark: kvsim against BLIS (github.com/inference-sim/inference-sim) on the same cluster (issue 38).
 
-    KVSIM_BLIS=/path/to/blis python benchmarks/bench_blis.py [--replicas 8 1] [--runs 5] [--traces DIR]
+    KVSIM_BLIS=/path/to/blis python benchmarks/bench_blis.py [--replicas 8 1] [--runs 5] [--latency-model roofline]
     KVSIM_BLIS=/path/to/blis python benchmarks/bench_blis.py --prepare DIR   # write inputs, print commands
 
 The Azure 2023 conversation trace on Llama-3-70B, TP 2, A100-80GB, block 16, 1,643 KV blocks a
@@ -13,8 +13,8 @@ replicas and at 1. Prints one JSON line per replica count, with the commit measu
 
 BLIS is never needed by tests or CI: without `KVSIM_BLIS` (or `--blis`) naming a built binary this
 prints why and exits 0. `benchmarks/build_blis.sh` builds one offline; the binary must sit in its
-source tree (it reads `defaults.yaml`, `hardware_config.json` and `model_configs/` from there), or
-`KVSIM_BLIS_DATA` must name that tree.
+source tree (it reads `defaults.yaml` and `hardware_config.json` from there; the model's config is
+written here), or `KVSIM_BLIS_DATA` must name that tree.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,8 +116,9 @@ def blis_paths(binary: Path) -> Path:
     return data
 
 
-def prepare(binary: Path, azure: Path, work: Path, replicas: int) -> dict[str, list[str]]:
-    """Write BLIS's inputs under `work` and return both commands for `replicas` replicas."""
+def prepare(binary: Path, azure: Path, work: Path, replicas: int, latency_model: str | None = None) -> dict[str, list[str]]:
+    """Write BLIS's inputs under `work` and return both commands for `replicas` replicas (BLIS with
+    `latency_model`, or its default)."""
     data = blis_paths(binary)
     work.mkdir(parents=True, exist_ok=True)
     models = work / "model_configs" / "llama-3-70b"
@@ -127,7 +129,8 @@ def prepare(binary: Path, azure: Path, work: Path, replicas: int) -> dict[str, l
     blis = [str(binary), "replay", "--trace-header", str(work / "azure.yaml"), "--trace-data", str(work / "azure.csv"),
             *BLIS_KNOBS, "--num-instances", str(replicas), "--max-model-len", str(MAX_MODEL_LEN),
             "--horizon", str(HORIZON_US), "--model-config-folder", str(models),
-            "--defaults-filepath", str(data / "defaults.yaml"), "--hardware-config", str(data / "hardware_config.json")]
+            "--defaults-filepath", str(data / "defaults.yaml"), "--hardware-config", str(data / "hardware_config.json"),
+            *(["--latency-model", latency_model] if latency_model else [])]
     kvsim = [sys.executable, "-m", "kvsim", "run", str(azure), *AZURE_KNOBS, "--no-plots",
              "--router", "round-robin", "--replicas", str(replicas), "--out", str(work / f"kvsim-{replicas}")]
     if replicas == 1:
@@ -160,6 +163,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[8, 1])
     ap.add_argument("--runs", type=int, default=5, help="alternated runs of each simulator per replica count")
     ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument("--latency-model", choices=["trained-physics", "roofline"],
+                    help="BLIS's step-time model (default: BLIS's own, trained-physics); kvsim has its cost model")
     ap.add_argument("--prepare", type=Path, help="only write the inputs into this folder and print the commands")
     args = ap.parse_args()
     if args.blis is None or not Path(args.blis).is_file():
@@ -170,7 +175,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.prepare or Path(tmp)
         for replicas in args.replicas:
-            argv = prepare(Path(args.blis), azure, work, replicas)
+            argv = prepare(Path(args.blis), azure, work, replicas, args.latency_model)
             if args.prepare:
                 print(json.dumps({"replicas": replicas, **{k: " ".join(v) for k, v in argv.items()}}))
                 continue
@@ -178,11 +183,12 @@ def main() -> None:
             done: dict[str, int] = {}
             for _ in range(args.runs):
                 for name, cmd in argv.items():
+                    shutil.rmtree(work / f"kvsim-{replicas}", ignore_errors=True)  # kvsim run refuses a used folder
                     wall, stdout = measure(cmd)
                     walls[name].append(wall)
                     done[name] = finished(name, stdout, work, replicas)
             ratio = statistics.median(walls["kvsim"]) / statistics.median(walls["blis"])
-            print(json.dumps({"case": f"{replicas} replicas", "commit": commit(), "runs": args.runs,
+            print(json.dumps({"case": f"{replicas} replica" + "s" * (replicas > 1), "commit": commit(), "runs": args.runs,
                               "commands": {k: " ".join(v) for k, v in argv.items()},
                               "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                               "finished": done, "x_blis": round(ratio, 2),

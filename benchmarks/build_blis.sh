@@ -7,7 +7,7 @@
 # `replace` directives; their own go.mod requirements are dropped, since main's go.mod
 # already lists every module the binary needs.
 #
-# Usage: MIRRORS=/dir/with/owner+name/repo benchmarks/build_blis.sh [OUT_BINARY]
+# Usage: MIRRORS=/dir/with/owner+name/repo benchmarks/build_blis.sh [OUT_BINARY]   (default $SRC/inference-sim/blis)
 #   MIRRORS  folder holding one git dir per repository, as $MIRRORS/<owner>+<name>/repo
 #   SRC      where sources are exported (default /tmp/blis-src)
 #   BLIS_REV BLIS revision (default HEAD of its mirror)
@@ -16,7 +16,7 @@ set -euo pipefail
 MIRRORS=${MIRRORS:-/work/.mirror}
 SRC=${SRC:-/tmp/blis-src}
 BLIS_REV=${BLIS_REV:-HEAD}
-OUT=${1:-$SRC/blis}
+OUT=${1:-$SRC/inference-sim/blis}  # beside defaults.yaml, where bench_blis.py looks
 GO=${GO:-go}
 
 # module path | mirror (owner+name) | revision (the version BLIS's go.mod pins, where tagged)
@@ -45,7 +45,8 @@ for dep in "${DEPS[@]}"; do
   IFS='|' read -r module mirror rev <<<"$dep"
   dest="$SRC/deps/$mirror"
   export_tree "$MIRRORS/$mirror/repo" "$rev" "$dest"
-  printf 'module %s\n\ngo 1.18\n' "$module" >"$dest/go.mod"   # requirements dropped
+  lang=$(sed -n 's/^go \([0-9.]*\).*/\1/p' "$dest/go.mod" 2>/dev/null | head -1 || true)
+  printf 'module %s\n\ngo %s\n' "$module" "${lang:-1.16}" >"$dest/go.mod"   # its language version kept, requirements dropped
   rm -f "$dest/go.sum"
   REPLACES+="replace $module => $dest"$'\n'
 done

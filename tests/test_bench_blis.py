@@ -89,6 +89,8 @@ def test_commands_carry_the_same_knobs_to_both_simulators(tmp_path):
                                     "--router", "round-robin", "--replicas", "8", "--out", str(tmp_path / "work/kvsim-8")]
     assert lone["kvsim"][1:] == ["-m", "kvsim", "run", str(azure), *bench_blis.AZURE_KNOBS, "--no-plots",
                                  "--out", str(tmp_path / "work/kvsim-1")]
+    roofline = bench_blis.prepare(binary, azure, tmp_path / "work", 8, "roofline")["blis"]
+    assert roofline == [*blis, "--latency-model", "roofline"]
     config = json.loads((tmp_path / "work/model_configs/llama-3-70b/config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"],
             config["intermediate_size"], config["vocab_size"]) == (80, 8192, 8, 28672, 128256)
