@@ -65,5 +65,8 @@ class Loads:
 
     def num_held_blocks(self, seq_id: str) -> int:
         """The blocks `seq_id` holds, null blocks (a window's skipped) not counted."""
+        blocks = self.req_blocks.get(seq_id, ())
+        if self.sliding_window is None:  # only a window puts null blocks in a table
+            return len(blocks)
         null = self.pool.null_block
-        return sum(1 for b in self.req_blocks.get(seq_id, ()) if b is not null)
+        return sum(1 for b in blocks if b is not null)
