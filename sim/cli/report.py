@@ -177,6 +177,48 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     return "\n".join(aligned(rows))
 
 
+def pd_lines(summary: dict[str, Any]) -> list[str]:
+    """A P/D run's figures in words, as `kvsim run` prints them and `kvsim report` again (its summary,
+    with the `pd` section)."""
+    s = summary["pd"]
+    ms = lambda v: "-" if v is None else f"{v * 1e3:,.1f} ms"  # noqa: E731
+    link = f", link {s['link_gbps']:g} GB/s a rank" if "link_gbps" in s else ""
+    lines = [f"{summary['workload']} ({s['requests']:,} requests) on {summary['model']}: "
+             + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
+                          "blocks)" for name, p in s["pools"].items())
+             + f" replicas, router {s['router']}, decider {s['decider']}{link}",
+             f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
+             f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
+             f"p99 {ms(s['tpot_p99'])}",
+             "  mean TTFT parts (disaggregated): " + ", ".join(
+                 f"{k.replace('_', ' ')} {ms(s[k + '_mean'])}" for k in
+                 ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")),
+             f"  prefill side: blocks held {s['held_block_seconds']:,.1f} block-seconds, hold mean {ms(s['hold_mean'])}"]
+    if s["goodput_rps"] is not None:
+        lines.append(f"  goodput {s['goodput_rps']:.3f} req/s ({s['goodput_rps_per_gpu']:.3f} per GPU), "
+                     f"SLO attainment {s['slo_attainment']:.1%}")
+    return lines
+
+
+PD_COLUMNS = ("run", "prefill", "decode", "router", "decider", "requests", "remote", "TTFT p50", "TTFT p99",
+              "TPOT p50", "TPOT p99", "transfer", "read", "goodput/GPU")
+
+
+def pd_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """P/D runs side by side (`kvsim compare` given P/D run folders): a row a run, `runs` pairing a
+    label with its `pd` section."""
+    rows = [list(PD_COLUMNS)]
+    for label, s in runs:
+        pools = s["pools"]
+        rows.append([label, *(f"{s[n + '_replicas']} x {pools[n]['gpu']} TP{pools[n]['tensor_parallel']}"
+                              for n in ("prefill", "decode")), s["router"], s["decider"], f"{s['requests']:,}",
+                     f"{s['remote']:,}", *("-" if s.get(k) is None else seconds(s[k]) for k in
+                                          ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "transfer_mean")),
+                     f"{s['read_bytes'] / 1e9:,.2f} GB",
+                     "-" if s.get("goodput_rps_per_gpu") is None else f"{s['goodput_rps_per_gpu']:.3f}/s"])
+    return "\n".join(aligned(rows))
+
+
 def reading(s: dict[str, Any], caching: bool = True) -> str:
     """The table in plain words: how much hit, whether the cache filled and evicted, preemptions."""
     if s.get("peak_block_usage") is None:
@@ -264,7 +306,19 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="a run folder written by `kvsim run`")],
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="regenerate the PNG plots")] = True,
 ) -> None:
-    """Print a run's summary table and regenerate its plots."""
+    """Print a run's summary table and regenerate its plots (a P/D run's figures and pd.png)."""
+    from kvsim.sim.studies.pd_folder import PLOT, is_pd_folder, load_pd, plot_pd
+
+    if is_pd_folder(run_dir):
+        try:
+            pd_run = load_pd(run_dir)
+        except (OSError, ValueError) as e:
+            raise fail(str(e)) from None
+        typer.echo("\n".join(pd_lines(pd_run.summary)))
+        if plots:
+            plot_pd(pd_run, run_dir / PLOT)
+            typer.echo(f"wrote {run_dir / PLOT}")
+        return
     result = _open(run_dir)
     typer.echo(format_summary(result))
     if plots:
@@ -275,18 +329,31 @@ def report(
 
 
 def compare(
-    run_dirs: Annotated[list[Path], typer.Argument(help="run folders to set side by side (a cluster's too: `kvsim run --replicas N`)")],
+    run_dirs: Annotated[list[Path], typer.Argument(help="run folders to set side by side (a cluster's too: `kvsim run --replicas N`; P/D runs with P/D runs)")],
     plot: Annotated[Path | None, typer.Option("--plot", help="write an overlay plot (PNG) here (lone runs only)")] = None,
 ) -> None:
     """Side-by-side summary of several runs, and optionally an overlay plot. Given a cluster run
     folder, a row a run: each cluster's figures over all its replicas, and each replica's under it."""
     from kvsim.sim.studies.cluster_folder import cluster_section, is_cluster_folder
+    from kvsim.sim.studies.pd_folder import is_pd_folder, load_pd
 
     labels = [d.name or str(d) for d in run_dirs]
     try:
         clusters = [d for d in run_dirs if is_cluster_folder(d)]
+        pds = [d for d in run_dirs if is_pd_folder(d)]
     except (OSError, ValueError) as e:
         raise fail(str(e)) from None
+    if pds:
+        if len(pds) < len(run_dirs):
+            other = next(d for d in run_dirs if d not in pds)
+            raise fail(f"{other}: not a P/D run folder; compare P/D runs with P/D runs ({pds[0]} is one)")
+        if plot is not None:
+            raise fail(f"--plot overlays lone runs; {pds[0]} is a P/D run (its folder has pd.png)")
+        try:
+            typer.echo(pd_table([(label, load_pd(d).summary["pd"]) for label, d in zip(labels, run_dirs, strict=True)]))
+        except (OSError, ValueError) as e:
+            raise fail(str(e)) from None
+        return
     if clusters:
         if plot is not None:
             raise fail(f"--plot overlays lone runs; {clusters[0]} is a cluster run (its folder has cluster.png)")

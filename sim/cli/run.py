@@ -56,7 +56,7 @@ from kvsim.sim.cli.options import (
     retention_changes,
     transfer_changes,
 )
-from kvsim.sim.cli.report import compare, format_summary, report
+from kvsim.sim.cli.report import compare, format_summary, pd_lines, report
 from kvsim.workloads.names import FORMATS
 
 if TYPE_CHECKING:
@@ -469,23 +469,7 @@ def run_pd(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: 
         write_pd(result, out_dir, plots=plots)
     except OSError as e:
         raise cannot_write(out_dir, e) from None
-    s = result.summary["pd"]
-    ms = lambda v: "-" if v is None else f"{v * 1e3:,.1f} ms"  # noqa: E731
-    pools = s["pools"]
-    lines = [f"{result.workload} ({s['requests']:,} requests) on {cfg.model}: "
-             + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
-                          "blocks)" for name, p in pools.items())
-             + f" replicas, router {s['router']}, decider {s['decider']}, link {cfg.kv_transfer_gbps:g} GB/s a rank",
-             f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
-             f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
-             f"p99 {ms(s['tpot_p99'])}",
-             "  mean TTFT parts (disaggregated): " + ", ".join(
-                 f"{k.replace('_', ' ')} {ms(s[k + '_mean'])}" for k in
-                 ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")),
-             f"  prefill side: blocks held {s['held_block_seconds']:,.1f} block-seconds, hold mean {ms(s['hold_mean'])}"]
-    if s["goodput_rps"] is not None:
-        lines.append(f"  goodput {s['goodput_rps']:.3f} req/s ({s['goodput_rps_per_gpu']:.3f} per GPU), "
-                     f"SLO attainment {s['slo_attainment']:.1%}")
+    lines = pd_lines(result.summary)
     lines += ["", f"run folder: {out_dir} (replica-<i>/: each replica's run folder, prefill first; paths.parquet: "
               "each request's way through the pools)"]
     if plots:

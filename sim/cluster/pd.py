@@ -392,7 +392,8 @@ def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict
                                             "num_gpu_blocks": int(r.summary["num_gpu_blocks"])}
                                      for name, c, r in (("prefill", cfg.pool_config("prefill"), replicas[0]),
                                                         ("decode", cfg.pool_config("decode"), replicas[-1]))},
-                           "router": cfg.router, "decider": cfg.pd_decider, "requests": len(paths),
+                           "router": cfg.router, "decider": cfg.pd_decider, "link_gbps": cfg.kv_transfer_gbps,
+                           "requests": len(paths),
                            "finished": int(done.sum()), "remote": int(paths["remote"].sum())}
     for col in ("ttft", "tpot", "prefill_queue", "prefill", "decode_queue", "transfer", "promotion", "hold"):
         figures = percentiles(paths.loc[done, col], col)

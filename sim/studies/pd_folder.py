@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsim.sim.studies.cluster_folder import write_fleet
-from kvsim.sim.studies.run_folder import staged_folder
+from kvsim.sim.studies.run_folder import read_summary, staged_folder
 
 PATHS = "paths.parquet"
 PLOT = "pd.png"
@@ -29,6 +29,29 @@ def write_pd(result: Any, out_dir: str | Path, plots: bool = True) -> Path:
         if plots:
             plot_pd(result, out / PLOT)
     return Path(out_dir)
+
+
+def is_pd_folder(folder: str | Path) -> bool:
+    """Whether `folder` is a P/D cluster run's folder (its paths table, and a summary with the pd section)."""
+    d = Path(folder)
+    return (d / PATHS).is_file() and (d / "summary.json").is_file() and "pd" in read_summary(d)
+
+
+def load_pd(folder: str | Path) -> Any:
+    """A P/D run folder's summary and paths table, read back (`.summary`, `.paths`: what `plot_pd` and
+    `kvsim report` read); a folder that is not one raises FileNotFoundError or ValueError naming it."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    d = Path(folder)
+    if not (d / PATHS).is_file():
+        raise FileNotFoundError(f"{d}: not a P/D run folder (no {PATHS}; `kvsim run --prefill-replicas P "
+                                "--decode-replicas D` writes one)")
+    summary = read_summary(d)
+    if not isinstance(summary.get("pd"), dict):
+        raise ValueError(f"{d / 'summary.json'}: no pd section (not a P/D run's summary)")
+    return SimpleNamespace(summary=summary, paths=pd.read_parquet(d / PATHS))
 
 
 def plot_pd(result: Any, path: Path) -> None:

@@ -175,6 +175,21 @@ def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
     assert list(paths["id"]) == ["r0", "r1", "r2"] and paths["read_bytes"].tolist() == [7 * BLOCK_BYTES // 2] * 3
     assert json.loads((out / "config.json").read_text())["decode_pool"] == "tensor_parallel=2"
     assert (out / "pd.png").is_file() and (out / "replica-0" / "summary.json").is_file()
+    # kvsim report prints the figures again; kvsim compare sets P/D runs side by side
+    again = CliRunner().invoke(app, ["report", str(out), "--no-plots"])
+    assert again.exit_code == 0, again.output
+    assert again.output.splitlines() == r.output.splitlines()[:len(again.output.splitlines())]
+    both = CliRunner().invoke(app, ["compare", str(out), str(out)])
+    assert both.exit_code == 0, both.output
+    header, row = both.output.splitlines()[:2]
+    assert header.split()[:6] == ["run", "prefill", "decode", "router", "decider", "requests"]
+    assert row.split()[:11] == ["run", "1", "x", "h100-sxm", "TP1", "1", "x", "h100-sxm", "TP2", "round-robin",
+                                "always"]
+    lone = tmp_path / "lone"
+    assert CliRunner().invoke(app, ["run", str(trace), "--num-gpu-blocks", "64", "--no-plots", "--out",
+                                    str(lone)]).exit_code == 0
+    mixed = CliRunner().invoke(app, ["compare", str(out), str(lone)])
+    assert mixed.exit_code != 0 and "not a P/D run folder; compare P/D runs with P/D runs" in mixed.output
     bad = CliRunner().invoke(app, ["run", str(trace), "--prefill-replicas", "1", "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "needs both pools" in bad.output and not (tmp_path / "x").exists()
 
