@@ -53,6 +53,13 @@ class Request:
             self._prompt = p
         return p
 
+    def sharing_prompt(self, **changes: Any) -> Request:
+        """A copy with `changes` that shares this request's prompt tokens: a lazy prompt is made once,
+        here, not again by the copy (a P/D cluster's prefill request and its decode request)."""
+        if callable(self._prompt):
+            self.prompt  # noqa: B018 - materialises the tokens both share
+        return replace(self, **changes)
+
 
 def make_request(
     id: str,

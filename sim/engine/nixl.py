@@ -47,7 +47,7 @@ replica which requests are remote.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
@@ -82,7 +82,7 @@ class KVTransfer:
 def with_max_tokens_one(req: Request) -> Request:
     """The request a P/D proxy sends the prefill side: the same prompt, one output token
     (vLLM's examples/online_serving/disaggregated_serving proxies and llm-d's sidecar set max_tokens 1)."""
-    return replace(req, output_len=1, output=None)
+    return req.sharing_prompt(output_len=1, output=None)
 
 
 class LoneTransport:

@@ -51,3 +51,12 @@ def test_jsonl_round_trip_keeps_every_field(tmp_path):
     ]
     assert back[0].output.tolist() == [7, 8] and back[1].output is None
     assert (back[1].n, back[1].priority, back[1].session, back[1].think_time) == (3, -2, "s", 1.25)
+
+
+def test_a_copy_sharing_the_prompt_makes_a_lazy_prompt_once():
+    calls = []
+    req = make_request("r", 0.0, lambda: calls.append(1) or np.arange(5), 3, prompt_len=5)
+    copy = req.sharing_prompt(output_len=1, output=None)
+    assert (copy.id, copy.output_len, req.output_len) == ("r", 1, 3)
+    assert copy.prompt is req.prompt and copy.prompt.tolist() == [0, 1, 2, 3, 4]
+    assert calls == [1]
