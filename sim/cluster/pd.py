@@ -47,7 +47,7 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.sim.engine.metrics import percentiles, slo_figures
-from kvsim.sim.engine.nixl import NixlConnector, with_max_tokens_one
+from kvsim.sim.engine.nixl import NixlConnector, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.nixl_tp import rank_bytes
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
@@ -174,10 +174,12 @@ class PDCluster:
         self.events = tuple(DelayedEvents(cfg.kv_event_delay) if on else None for on in reads)
         self.engines: list[Engine] = []
         priority = cfg.scheduling == "priority"
+        # each pool's `_prefill_backoff`, from its own model's layout
+        self.backoffs = tuple(prefill_backoff(c.layout is not None and c.layout.has_mamba) for c in costs)
         for i, m in enumerate(managers):
             pool = 0 if i < P else 1
             ev, cost, pool_cfg = self.events[pool], costs[pool], pools[pool]
-            conn = NixlConnector(m, priority, ClusterTransport(self, i), cost.kv_bytes_per_block)
+            conn = NixlConnector(m, priority, ClusterTransport(self, i), cost.kv_bytes_per_block, self.backoffs[pool])
             self.engines.append(Engine(env, None, engine_config(pool_cfg) if ev is not None else pool_cfg, cost, m,
                                        front=self._inlet, kv_events=ev.send if ev is not None else None,
                                        replica=i - P * pool, connector=conn,
@@ -227,7 +229,7 @@ class PDCluster:
             return
         path.prefill, _ = self._pick(0, req)
         self.remote_decode[path.prefill].add(req.id)
-        self._hand(path.prefill, with_max_tokens_one(req))
+        self._hand(path.prefill, with_max_tokens_one(req, self.backoffs[0]))
 
     def _heard(self, pool: int) -> tuple[Any, RouterView]:
         """Pool `pool`'s router and view as of now: the view's clock set, its index fed the KV events

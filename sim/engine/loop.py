@@ -97,7 +97,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
         per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
         connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
     elif connector is None and cfg.kv_transfer_role is not None:
-        from kvsim.sim.engine.nixl import KVTransfer, LoneTransport, NixlConnector
+        from kvsim.sim.engine.nixl import KVTransfer, LoneTransport, NixlConnector, prefill_backoff
 
         if manager.sliding_window is not None:
             raise ConfigError(f"kv_transfer_role: {cfg.model} uses a sliding window; kvsim models vLLM's NIXL "
@@ -105,7 +105,8 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
 
         transfer = KVTransfer(cost.kv_bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)
-        connector = NixlConnector(manager, cfg.scheduling == "priority", transport, cost.kv_bytes_per_block)
+        backoff = prefill_backoff(cost.layout is not None and cost.layout.has_mamba)
+        connector = NixlConnector(manager, cfg.scheduling == "priority", transport, cost.kv_bytes_per_block, backoff)
     return Scheduler(cfg, manager, log, connector=connector)
 
 

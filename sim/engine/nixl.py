@@ -35,8 +35,18 @@ to a window's last cdiv(window, block) + 1, which a load's window blocks never e
 `kvcache.hybrid_loads`), each a pool block's bytes (pull_worker.py reads a group's block across every
 layer region); a finished request's windows first let go of the blocks they skip (scheduler.py
 `_connector_finished` calls `remove_skipped_blocks` before `request_finished`), then the prefill side
-holds the rest. Mamba state (its slot moved, the prompt backed off one token: `_prefill_backoff`) is
-refused (`sim.engine.run.make_hybrid_manager`).
+holds the rest.
+
+Mamba state (vLLM's "align" mode): the prefill side drops the prompt's last token
+(base_scheduler.py `_prefill_backoff`, 1 with Mamba layers; `_truncate_request_for_prefill` from
+`on_new_request`: `with_max_tokens_one` with the backoff), so the decode side can compute the state
+after it; at the finish each Mamba group has let go of every state before its running one
+(`MambaManager.remove_skipped_blocks`), and the held blocks are what `request_finished` offers
+(`clip_ssm_state_blocks`: one state block a Mamba group). The decode side reads the prompt less the
+backoff (`lookup`); with Mamba it is refused (`sim.engine.run.make_hybrid_manager`): vLLM's NIXL
+connector asks for divergent local hits (connector.py `supports_divergent_local_hybrid_hits`), so
+its scheduler takes the full-attention group's hit with each group's own blocks
+(kv_cache_manager.py `get_computed_blocks_for_connector`), which kvsim's hybrid lookup does not do.
 
 A lone replica plays one role for every request (`SimConfig.kv_transfer_role`); the decode side
 standing alone reads from a prefill side assumed idle, and the prefill side standing alone is read
@@ -79,10 +89,22 @@ class KVTransfer:
         return self.latency_s + blocks * self.bytes_per_block / (self.gbps * 1e9)
 
 
-def with_max_tokens_one(req: Request) -> Request:
-    """The request a P/D proxy sends the prefill side: the same prompt, one output token
-    (vLLM's examples/online_serving/disaggregated_serving proxies and llm-d's sidecar set max_tokens 1)."""
-    return req.sharing_prompt(output_len=1, output=None)
+def prefill_backoff(has_mamba: bool) -> int:
+    """The trailing prompt tokens the prefill side leaves for the decode side to recompute: one with
+    Mamba state, whose decode side needs the state before the last prompt token (base_scheduler.py
+    `_prefill_backoff`; its bounded-replay and multi-token-prediction terms are 0 in kvsim's catalog)."""
+    return 1 if has_mamba else 0
+
+
+def with_max_tokens_one(req: Request, backoff: int = 0) -> Request:
+    """The request a P/D proxy sends the prefill side (one output token: vLLM's
+    examples/online_serving/disaggregated_serving proxies and llm-d's sidecar set max_tokens 1), as
+    the prefill side runs it: less its last `backoff` prompt tokens when the prompt is longer
+    (base_scheduler.py `_truncate_request_for_prefill`, from `on_new_request`)."""
+    if not backoff or req.prompt_len <= backoff:
+        return req.sharing_prompt(output_len=1, output=None)
+    keep = req.prompt_len - backoff
+    return req.sharing_prompt(prompt_len=keep, output_len=1, output=None, _prompt=req.prompt[:keep])
 
 
 class LoneTransport:
@@ -149,8 +171,10 @@ class NixlConnector:
 
     allows_shortcuts = True
 
-    def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int):
+    def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int,
+                 backoff: int = 0):
         self.m = manager
+        self.backoff = backoff  # (`prefill_backoff`: the prompt tokens the decode side recomputes)
         self.free_seq = manager.free
         self.transport = transport
         self.bytes_per_block = bytes_per_block
@@ -254,11 +278,15 @@ class NixlConnector:
     # ------------------------------------------------------------- admission (decode side)
     def lookup(self, seq: Sequence, hit: int) -> int:
         """The prompt tokens past the local `hit` to read from the prefill side (vLLM
-        `get_num_new_matched_tokens`): the whole prompt less the local hit, once; 0 afterwards."""
+        `get_num_new_matched_tokens`, `_get_remote_prefill_token_count`): the prompt less its
+        `backoff` tokens (when longer) less the local hit, once; 0 afterwards."""
         rid = seq.seq_id
         if rid in self._remote_done or not self.transport.remote_prefill(rid):
             return 0
-        return max(seq.num_prompt_tokens - hit, 0)
+        remote = seq.num_prompt_tokens
+        if self.backoff and remote > self.backoff:
+            remote -= self.backoff
+        return max(remote - hit, 0)
 
     def start_load(self, live: Live, hit: int, blocks: list, ext: int, *, watermark: bool, whole: bool) -> bool:
         """Give `live` blocks for its `hit` and `ext` remote tokens and plan its read (vLLM

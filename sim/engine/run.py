@@ -115,11 +115,12 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         raise ConfigError(f"enable_prefix_caching false: {cfg.model}'s Mamba state without prefix caching is vLLM's "
                           "'none' cache mode (one state block a request), which kvsim does not model; kvsim models "
                           "the 'align' mode vLLM runs with prefix caching on")
-    if layout.has_mamba and (cfg.kv_transfer_role is not None or cfg.prefill_replicas):
+    if layout.has_mamba and (cfg.kv_transfer_role == "decode" or cfg.prefill_replicas):
         raise ConfigError(f"{'kv_transfer_role' if cfg.kv_transfer_role is not None else 'prefill_replicas'}: "
-                          f"{cfg.model}'s Mamba state under P/D disaggregation (vLLM's NIXL connector moves its "
-                          "state slot and backs off one prompt token) is not modelled yet; kvsim transfers "
-                          "attention and sliding-window groups")
+                          f"{cfg.model}'s Mamba state on a P/D decode side is not modelled yet (vLLM's NIXL "
+                          "connector takes the full-attention group's local hit, each group's own blocks, and "
+                          "transfers the Mamba state: kv_cache_manager.py get_computed_blocks_for_connector); "
+                          "kvsim models its prefill side (kv_transfer_role prefill)")
     for field, what in HYBRID_REFUSES:
         if getattr(cfg, field):
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "
@@ -206,9 +207,10 @@ def simulate(
     sink = batches.append if batches is not None else kv_events
     requests = workload
     if cfg.kv_transfer_role == "prefill":  # the proxy asks the prefill side for one token
-        from kvsim.sim.engine.nixl import with_max_tokens_one
+        from kvsim.sim.engine.nixl import prefill_backoff, with_max_tokens_one
 
-        requests = map(with_max_tokens_one, workload)
+        backoff = prefill_backoff(cost_model.layout is not None and cost_model.layout.has_mamba)
+        requests = (with_max_tokens_one(req, backoff) for req in workload)
     engine = Engine(env, requests, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
     with rare_collections():
         env.run()

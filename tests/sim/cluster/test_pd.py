@@ -88,7 +88,7 @@ def test_a_hybrid_requests_read_is_each_groups_blocks_past_the_hit_by_hand():
 
 
 def test_mamba_state_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="prefill_replicas: .*Mamba state under P/D") as e:
+    with pytest.raises(ConfigError, match="prefill_replicas: .*Mamba state on a P/D decode side") as e:
         simulate_pd(_workload([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, prefill_replicas=1,
                                                 decode_replicas=1).validate())
     assert "\n" not in str(e.value)

@@ -207,3 +207,32 @@ def test_a_landed_hybrid_load_keeps_the_watermark_free():
     assert not case.cfg.scheduler_reserve_full_isl
     d = conform(case.requests, case.cfg, "scheduler")[0]
     assert d.ok, d.format()
+
+
+@needs_vllm
+def test_a_mamba_prefill_side_matches_vllm_and_differs_without_the_backoff(monkeypatch: pytest.MonkeyPatch):
+    """qwen3-next-80b-a3b's prefill side: vLLM truncates each prompt by one token
+    (base_scheduler.py `_prefill_backoff`, `_truncate_request_for_prefill` from `on_new_request`) and
+    holds each Mamba group's running state block with the attention blocks (`get_exchange_clipped_blocks`,
+    `clip_ssm_state_blocks`). `kvsim conform --random 36:37 --pd` (a few-shot pool of 48 blocks of 192
+    tokens on an A100) differed by a step before kvsim truncated the prompt."""
+    import kvsim.sim.engine.nixl as nixl
+    from kvsim.sim.conform.random_cases import random_case
+
+    case = random_case(36, pd=True)
+    assert (case.cfg.model, case.cfg.kv_transfer_role, case.cfg.gpu) == ("qwen3-next-80b-a3b", "prefill", "a100-80g")
+    d = conform(case.requests, case.cfg, "scheduler")[0]
+    assert d.ok and d.requests == 20, d.format()
+    monkeypatch.setattr(nixl, "prefill_backoff", lambda has_mamba: 0)  # the negative control: the whole prompt
+    d = conform(case.requests, case.cfg, "scheduler")[0]
+    assert d.differing == 1
+
+
+@needs_vllm
+def test_random_pd_cases_draw_mamba_state_on_the_prefill_side_only():
+    """The `--pd` draws put a Mamba model on the prefill side only (kvsim refuses its decode side)."""
+    from kvsim.sim.conform.random_cases import random_case
+
+    cases = [random_case(seed, pd=True).cfg for seed in range(60)]
+    mamba = [(c.kv_transfer_role, c.gpu) for c in cases if c.model == "qwen3-next-80b-a3b"]
+    assert mamba and {role for role, _ in mamba} == {"prefill"}

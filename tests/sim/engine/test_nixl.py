@@ -25,7 +25,7 @@ import pytest
 
 from kvsim.sim.engine.catalog import ConfigError
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.nixl import KVTransfer, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request, Workload
 
@@ -145,11 +145,67 @@ def test_hybrid_prefill_side_holds_every_groups_blocks_in_the_window_until_read(
     assert r.summary["held_block_seconds"] == pytest.approx(72 * read, rel=1e-12)
 
 
-def test_mamba_state_under_pd_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="Mamba state under P/D") as e:
+# qwen3-next-80b-a3b at TP 8 on an H100: block 192 (vLLM raises it so a Mamba state, 137,216 bytes a
+# layer, fits one page), three Mamba groups and one full-attention group of 12 layers each; a pool
+# block is one group's 12 pages: 12 layers x 1 KV head a rank x 256 x K and V x 2 bytes x 192 tokens
+QWEN3_NEXT_BLOCK_BYTES = 12 * 1 * 256 * 2 * 2 * 192
+
+
+def _qwen3_next(role: str, prompt: int, **kw):
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, kv_transfer_role=role, **({"num_gpu_blocks": 400} | kw))
+    req = Request(id="r0", arrival=0.0, prompt_len=prompt, output_len=5, _prompt=np.arange(prompt, dtype=np.int32))
+    return simulate(Workload.from_list([req]), cfg.validate())
+
+
+def test_mamba_prefill_side_computes_all_but_the_last_prompt_token_and_holds_one_state_block_a_group():
+    # vLLM base_scheduler.py `_prefill_backoff` (1 with Mamba state) and `_truncate_request_for_prefill`
+    # (from `on_new_request`): the prefill side drops the prompt's last token, so a 1000-token prompt
+    # computes 999 in one step and samples its one token. At its finish (scheduler.py
+    # `_connector_finished`) each Mamba group lets go of the states before its last
+    # (single_type_kv_cache_manager.py `MambaManager.remove_skipped_blocks`), and `request_finished`
+    # offers what `get_exchange_clipped_blocks` keeps (`clip_ssm_state_blocks`: the running state):
+    # cdiv(999, 192) = 6 attention blocks + 1 state block in each of 3 Mamba groups = 9 blocks of
+    # 2,359,296 bytes, held until the (lone) decode side's read of those 9 ends
+    assert QWEN3_NEXT_BLOCK_BYTES == 2_359_296
+    r = _qwen3_next("prefill", 1000)
+    rq = r.requests.set_index("id")
+    assert list(r.steps["prefill_tokens"]) == [999]
+    assert (rq.at["r0", "prompt_tokens"], rq.at["r0", "output_tokens"]) == (999, 1)
+    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES).seconds(9)
+    assert read == pytest.approx(5e-5 + 9 * QWEN3_NEXT_BLOCK_BYTES / 25e9, rel=1e-15)
+    assert r.summary["held_block_seconds"] == pytest.approx(9 * read, rel=1e-12)
+
+
+def test_mamba_prefill_side_keeps_a_one_token_prompt_whole():
+    # `_truncate_request_for_prefill` only when the prompt is longer than the backoff: one token is
+    # computed, 1 attention block + 3 state blocks held
+    r = _qwen3_next("prefill", 1)
+    assert list(r.steps["prefill_tokens"]) == [1]
+    assert r.summary["held_block_seconds"] == pytest.approx(4 * KVTransfer(QWEN3_NEXT_BLOCK_BYTES).seconds(4),
+                                                            rel=1e-12)
+
+
+def test_the_prefill_backoff_and_the_proxys_request():
+    # base_scheduler.py `_prefill_backoff`: 1 with Mamba layers (kvsim's catalog has no bounded replay
+    # or multi-token prediction); the truncated request keeps the first prompt_len - 1 token ids
+    assert (prefill_backoff(True), prefill_backoff(False)) == (1, 0)
+    req = Request(id="a", arrival=0.5, prompt_len=4, output_len=9, _prompt=np.array([7, 8, 9, 10], dtype=np.int32))
+    out = with_max_tokens_one(req, 1)
+    assert (out.id, out.arrival, out.prompt_len, out.output_len, list(out.prompt)) == ("a", 0.5, 3, 1, [7, 8, 9])
+    whole = with_max_tokens_one(req)
+    assert (whole.prompt_len, whole.output_len, list(whole.prompt)) == (4, 1, [7, 8, 9, 10])
+    one = Request(id="b", arrival=0.0, prompt_len=1, output_len=3, _prompt=np.array([5], dtype=np.int32))
+    assert with_max_tokens_one(one, 1).prompt_len == 1
+
+
+def test_mamba_state_on_the_decode_side_is_refused_in_one_line():
+    # vLLM's NIXL connector (connector.py `supports_divergent_local_hybrid_hits`) makes the scheduler
+    # take the full-attention group's local hit with each group's own blocks
+    # (kv_cache_manager.py `get_computed_blocks_for_connector`), which kvsim does not model yet
+    with pytest.raises(ConfigError, match="Mamba state on a P/D decode side") as e:
         simulate(_requests([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8,
                                              kv_transfer_role="decode").validate())
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "get_computed_blocks_for_connector" in str(e.value)
 
 
 def test_windowed_models_are_refused():
