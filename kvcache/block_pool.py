@@ -110,15 +110,19 @@ class BlockPool:
             return sum(1 for b in hits if b.ref_cnt == 0 and b is not null and not (pinned and pinned(b)))
         return list(map(_ref_cnt, hits)).count(0)
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop `n` blocks for writing; a popped cached block is evicted."""
+    def get_new_blocks(self, n: int, keys: list[int | None] | None = None) -> list[KVCacheBlock]:
+        """Pop `n` blocks for writing; a popped cached block is evicted. With `keys`, each popped
+        block's key (None: uncached) is appended to it and the evictions are neither recorded nor
+        counted as ops: the caller records each where its block is used (`decode_in_place`)."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if not self.ops.enabled and self._on_evict is None and self.events is None:
+        if keys is None and not self.ops.enabled and self._on_evict is None and self.events is None:
             if self._lru is not None:
                 return self._pop_counted(n)
             return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
+        if keys is not None:
+            keys += [b.block_hash for b in blocks]
         evicted = []
         for b in blocks:
             if b.ref_cnt:
@@ -127,7 +131,9 @@ class BlockPool:
                 evicted.append(b)
             b.ref_cnt = 1
         if evicted:
-            if self.ops.enabled:
+            if keys is not None:
+                pass  # recorded and counted by the caller
+            elif self.ops.enabled:
                 self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
             else:
                 self.ops.counts["evict"] += len(evicted)
