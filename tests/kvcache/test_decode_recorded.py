@@ -33,7 +33,7 @@ def _manager(policy: str, events: bool, cached: int, lengths: list[int], slack: 
     return m, running
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(policy=st.sampled_from(["lru", "fifo", "arc"]), events=st.booleans(), cached=st.integers(0, 6),
        lengths=st.lists(st.integers(1, 3 * BS), min_size=1, max_size=5), slack=st.integers(0, 3))
 def test_one_call_records_what_a_decode_slot_each_records(policy: str, events: bool, cached: int,
