@@ -29,7 +29,9 @@ take out (`num_skipped_blocks`, at least what they free) stay below what the hea
 (`BlockedHead.margin`, counted from the frees since it blocked), none of them may cache a key of the
 head's prefix in any group (`caches_watched`), and its new blocks cannot evict a block of its hit.
 
-Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
+With op records (one group) a step's recorded decodes go to the manager in one call (`decode_in_place`, the
+rows of a `decode_slot` each). Off with op records over hybrid groups, defragmentation, invariant checks, a
+fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
 priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
 while the connector has nothing in flight (the engine loop's gate), and stops before a step whose
@@ -204,8 +206,9 @@ class QuietRuns:
         tokens, context tokens and internal fragmentation (every running sequence decodes)."""
         fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
         window = lazy.window
-        # KVCacheManager.decode_slot for those whose token starts a block or fills one, in RUNNING order
-        # (nothing below touches the manager): with exact LRU, one take for the step's new blocks
+        # KVCacheManager.decode_slot for those whose token starts a block or fills one (with op records,
+        # and those whose write is recorded now: `_recorded`), in RUNNING order (nothing below touches
+        # the manager): with exact LRU, one take for the step's new blocks
         counted = 0  # the writes recorded (and counted) now
         if self.groups > 1:  # every visit: a window lets its blocks go at any slot (`Shortcuts.decode`)
             m.decode_in_place([live.seq for live in fast.active])
