@@ -110,15 +110,23 @@ class BlockPool:
             return sum(1 for b in hits if b.ref_cnt == 0 and b is not null and not (pinned and pinned(b)))
         return list(map(_ref_cnt, hits)).count(0)
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop `n` blocks for writing; a popped cached block is evicted."""
+    def get_new_blocks(self, n: int, keys: list[int | None] | None = None) -> list[KVCacheBlock]:
+        """Pop `n` blocks for writing; a popped cached block is evicted. With `keys`, each popped
+        block's key (None: uncached) is appended to it and the evictions are neither recorded nor
+        counted as ops: the caller records each where its block is used (`decode_in_place`)."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if not self.ops.enabled and self._on_evict is None and self.events is None:
-            if self._lru is not None:
-                return self._pop_counted(n)
-            return self._take_counted(self.policy.pop_n(n))
+        if self._on_evict is None and self.events is None:
+            if keys is not None:
+                if self._lru is not None:
+                    return self._pop_counted(n, keys)
+            elif not self.ops.enabled:
+                if self._lru is not None:
+                    return self._pop_counted(n)
+                return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
+        if keys is not None:
+            keys += [b.block_hash for b in blocks]
         evicted = []
         for b in blocks:
             if b.ref_cnt:
@@ -127,7 +135,9 @@ class BlockPool:
                 evicted.append(b)
             b.ref_cnt = 1
         if evicted:
-            if self.ops.enabled:
+            if keys is not None:
+                pass  # recorded and counted by the caller
+            elif self.ops.enabled:
                 self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
             else:
                 self.ops.counts["evict"] += len(evicted)
@@ -144,12 +154,14 @@ class BlockPool:
             self.tracker.use_distinct([b.block_id for b in blocks])
         return blocks
 
-    def _pop_counted(self, n: int) -> list[KVCacheBlock]:
+    def _pop_counted(self, n: int, keys: list[int | None] | None = None) -> list[KVCacheBlock]:
         """`_take_counted(LRU.pop_n(n))` in one pass: the queue's front stack first, taken by
         slicing (the pool puts only uncached blocks there, so nothing is evicted), then its linked
-        part, block by block."""
+        part, block by block. `keys`: as `get_new_blocks` takes it (the evictions not counted as ops)."""
         q = self._lru
         out = q.pop_stack(n)
+        if keys is not None:
+            keys += [None] * len(out)
         top = 0
         for b in out:  # (one plain loop: an attrgetter map a field costs more than all three)
             if b.block_hash is not None:
@@ -179,12 +191,14 @@ class BlockPool:
                 evicted += 1
                 if go is not None:
                     eg[go[b.block_id]] += 1
+            if keys is not None:
+                keys.append(key)
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
             out.append(b)
         q.detach_front(block, rest)
-        self._taken(out, evicted, top)
+        self._taken(out, evicted, top, keys is None)
         return out
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -211,11 +225,13 @@ class BlockPool:
         self._taken(blocks, evicted, top)
         return blocks
 
-    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int) -> None:
-        """The counted takes' end: `evicted` of `blocks` were evictions; the tracker told (an IdSpan
-        keeps just the count and `top`, the highest id taken)."""
+    def _taken(self, blocks: list[KVCacheBlock], evicted: int, top: int, count_ops: bool = True) -> None:
+        """The counted takes' end: `evicted` of `blocks` were evictions (counted as ops unless the
+        caller records them); the tracker told (an IdSpan keeps just the count and `top`, the
+        highest id taken)."""
         if evicted:
-            self.ops.counts["evict"] += evicted
+            if count_ops:
+                self.ops.counts["evict"] += evicted
             self.num_evictions += evicted
             self.num_cached_free -= evicted
         tracker = self.tracker

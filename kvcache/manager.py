@@ -394,7 +394,11 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         at a block's first or last slot, unshared), in order: a new block where its token starts one,
         caching the block its token fills. No write is counted (the caller counts them in bulk).
         `num_new` > 0 (exact LRU only): the new blocks are taken in one go, which hands out the same
-        blocks as a take each, since caching between them pushes, pops and touches no free block."""
+        blocks as a take each, since caching between them pushes, pops and touches no free block.
+        With op records, `_decode_recorded` (a sequence may then be at any slot)."""
+        if self.ops.enabled:
+            self._decode_recorded(seqs, num_new)
+            return
         bs, tables, caching = self.block_size, self.req_blocks, self.enable_caching
         take = iter(self.pool.get_new_blocks(num_new)) if num_new else None
         for seq in seqs:
@@ -402,6 +406,36 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             blocks = tables[seq.seq_id]
             if c // bs == len(blocks):
                 blocks.append(next(take) if take is not None else self.pool.get_new_blocks(1)[0])
+            if caching and (c + 1) % bs == 0:
+                self._cache_full_blocks(seq, blocks, c + 1)
+
+    def _decode_recorded(self, seqs: list[Sequence], num_new: int) -> None:
+        """`decode_slot` for each of `seqs` in order (any slot, unshared; each write recorded and
+        counted), with the new blocks taken in one go as `decode_in_place` takes them (unless kv
+        events are kept: those of the takes would come ahead of the caching between them). The
+        rows are `decode_slot`'s, sequence by sequence: a new block's eviction (its key kept at the
+        take), its table entry, then the write."""
+        bs, tables, caching, ops, pool = self.block_size, self.req_blocks, self.enable_caching, self.ops, self.pool
+        keys: list[int | None] = []
+        taken = pool.get_new_blocks(num_new, keys) if num_new and self.events is None else None
+        i = 0  # the next of `taken`
+        for seq in seqs:
+            c, sid = seq.num_computed_tokens, seq.seq_id
+            blocks = tables[sid]
+            idx = c // bs
+            if idx == len(blocks):
+                if taken is None:
+                    keys = []
+                    block = pool.get_new_blocks(1, keys)[0]
+                    key = keys[0]
+                else:
+                    block, key = taken[i], keys[i]
+                    i += 1
+                if key is not None:
+                    ops.emit_evicts([block.block_id], [key])
+                blocks.append(block)
+                ops.emit_entry(sid, block.block_id, idx)
+            ops.emit_write(sid, blocks[idx].block_id, c, bs)
             if caching and (c + 1) % bs == 0:
                 self._cache_full_blocks(seq, blocks, c + 1)
 

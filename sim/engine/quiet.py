@@ -29,7 +29,9 @@ take out (`num_skipped_blocks`, at least what they free) stay below what the hea
 (`BlockedHead.margin`, counted from the frees since it blocked), none of them may cache a key of the
 head's prefix in any group (`caches_watched`), and its new blocks cannot evict a block of its hit.
 
-Off with op records, defragmentation, invariant checks, a fixed step time and the prefill cadence
+With op records (one group) a step's recorded decodes go to the manager in one call (`decode_in_place`, the
+rows of a `decode_slot` each). Off with op records over hybrid groups, defragmentation, invariant checks, a
+fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
 priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
 while the connector has nothing in flight (the engine loop's gate), and stops before a step whose
@@ -204,34 +206,33 @@ class QuietRuns:
         tokens, context tokens and internal fragmentation (every running sequence decodes)."""
         fast, lazy, m, bs = self.fast, self.fast.lazy, self.m, self.bs
         window = lazy.window
-        # KVCacheManager.decode_slot for those whose token starts a block or fills one, in RUNNING order
-        # (nothing below touches the manager): with exact LRU, one take for the step's new blocks
-        records = self.records
+        # KVCacheManager.decode_slot for those whose token starts a block or fills one (with op records,
+        # and those whose write is recorded now: `_recorded`), in RUNNING order (nothing below touches
+        # the manager): with exact LRU, one take for the step's new blocks
+        counted = 0  # the writes recorded (and counted) now
         if self.groups > 1:  # every visit: a window lets its blocks go at any slot (`Shortcuts.decode`)
             m.decode_in_place([live.seq for live in fast.active])
-        elif not records:
+        elif self.records:
+            recorded = self._recorded()
+            counted = len(recorded)
+            m.decode_in_place(recorded, self.allocs if self.lru else 0)
+        else:
             edge = [live.seq for live in fast.active if (live.seq.num_computed_tokens + 1) % bs < 2]
             if edge:
                 m.decode_in_place(edge, self.allocs if self.lru else 0)
         stay = []  # visited and decoded in place (not lazy): next step visits them again
         finishing = self.finishing = []  # of the visited, those sampling their last token
-        context = frag = counted = 0  # counted: the writes `decode_slot` recorded and counted
+        context = frag = 0
         for live in fast.active:
             seq = live.seq
             c = seq.num_computed_tokens
             r = c % bs
-            if records and (c + 1) % bs < 2:  # a block's first or last slot, recorded in RUNNING order
-                m.decode_slot(seq)
-                counted += 1
-            last = window(seq, c)
+            last = window(seq, c)  # (the lazy rule, as `_recorded` reads it)
             if live.target - c - 3 < last:
                 last = live.target - c - 3
             if last > 0:
                 lazy.add(live, k, last)
                 continue
-            if records and r and r < bs - 1:  # recorded in place, not late (`Shortcuts.decode`)
-                m.decode_slot(seq)
-                counted += 1
             seq.num_computed_tokens = c + 1
             seq.num_tokens += 1
             context += c + 1
@@ -246,6 +247,20 @@ class QuietRuns:
         decodes = len(stay) + len(finishing) + nl
         m.count_writes(decodes - counted)  # one write a decode
         return decodes, context + lazy.context_tokens(k), frag + lazy.empty_slots(k)
+
+    def _recorded(self) -> list[Sequence]:
+        """The visited sequences whose decode is recorded in this step, in RUNNING order: those at
+        a block's first or last slot (a new block, or one cached), and those not going lazy (the
+        rule of `_decode`'s loop); a lazy one's writes are recorded when it wakes, late
+        (`Shortcuts.decode`)."""
+        window, bs = self.fast.lazy.window, self.bs
+        out = []
+        for live in self.fast.active:
+            seq = live.seq
+            c = seq.num_computed_tokens
+            if (c + 1) % bs < 2 or min(window(seq, c), live.target - c - 3) <= 0:
+                out.append(seq)
+        return out
 
     def run(self, clock: float, k: int, prev: tuple[int, ...]):
         """Take the quiet steps from engine step k at `clock` on (a SimPy generator); returns the
