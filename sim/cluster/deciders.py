@@ -42,8 +42,6 @@ DECODE_FIRST = {"never": True, "always": True, "llm-d": True, "dynamo": False, "
                 "dynamo-isl-or-load": False}
 # the deciders that ask whether the prefill pool's pick is busy (Dynamo's `needs_prefill_worker_busy`)
 NEEDS_PREFILL_BUSY = ("dynamo-load", "dynamo-isl-or-load")
-# Dynamo's Python KvRouterConfig default router_queue_threshold (lib/bindings/python, `KvRouterConfig.new`)
-DYNAMO_QUEUE_THRESHOLD = 4.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,7 +175,7 @@ class PDCluster:
         self.engines: list[Engine] = []
         priority = cfg.scheduling == "priority"
         # each pool's `_prefill_backoff`, from its own model's layout
-        self.backoffs = tuple(prefill_backoff(c.layout is not None and c.layout.has_mamba) for c in costs)
+        self.backoffs = tuple(prefill_backoff(c) for c in costs)
         for i, m in enumerate(managers):
             pool = 0 if i < P else 1
             ev, cost, pool_cfg = self.events[pool], costs[pool], pools[pool]

@@ -105,7 +105,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
 
         transfer = KVTransfer(cost.kv_bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)
-        backoff = prefill_backoff(cost.layout is not None and cost.layout.has_mamba)
+        backoff = prefill_backoff(cost)
         connector = NixlConnector(manager, cfg.scheduling == "priority", transport, cost.kv_bytes_per_block, backoff)
     return Scheduler(cfg, manager, log, connector=connector)
 

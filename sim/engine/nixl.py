@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
@@ -89,11 +90,12 @@ class KVTransfer:
         return self.latency_s + blocks * self.bytes_per_block / (self.gbps * 1e9)
 
 
-def prefill_backoff(has_mamba: bool) -> int:
-    """The trailing prompt tokens the prefill side leaves for the decode side to recompute: one with
-    Mamba state, whose decode side needs the state before the last prompt token (base_scheduler.py
-    `_prefill_backoff`; its bounded-replay and multi-token-prediction terms are 0 in kvsim's catalog)."""
-    return 1 if has_mamba else 0
+def prefill_backoff(cost: Any) -> int:
+    """The trailing prompt tokens the prefill side leaves for the decode side to recompute, for a model
+    priced by `cost` (a `CostModel`): one with Mamba state in its hybrid layout, whose decode side needs
+    the state before the last prompt token (base_scheduler.py `_prefill_backoff`; its bounded-replay and
+    multi-token-prediction terms are 0 in kvsim's catalog)."""
+    return 1 if cost.layout is not None and cost.layout.has_mamba else 0
 
 
 def with_max_tokens_one(req: Request, backoff: int = 0) -> Request:

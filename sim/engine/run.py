@@ -209,7 +209,7 @@ def simulate(
     if cfg.kv_transfer_role == "prefill":  # the proxy asks the prefill side for one token
         from kvsim.sim.engine.nixl import prefill_backoff, with_max_tokens_one
 
-        backoff = prefill_backoff(cost_model.layout is not None and cost_model.layout.has_mamba)
+        backoff = prefill_backoff(cost_model)
         requests = (with_max_tokens_one(req, backoff) for req in workload)
     engine = Engine(env, requests, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
     with rare_collections():

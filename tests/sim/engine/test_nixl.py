@@ -188,7 +188,11 @@ def test_mamba_prefill_side_keeps_a_one_token_prompt_whole():
 def test_the_prefill_backoff_and_the_proxys_request():
     # base_scheduler.py `_prefill_backoff`: 1 with Mamba layers (kvsim's catalog has no bounded replay
     # or multi-token prediction); the truncated request keeps the first prompt_len - 1 token ids
-    assert (prefill_backoff(True), prefill_backoff(False)) == (1, 0)
+    from kvsim.sim.engine.cost_model import CostModel
+
+    costs = [CostModel.from_config(SimConfig(model=m, tensor_parallel=tp))
+             for m, tp in (("qwen3-next-80b-a3b", 8), ("gpt-oss-20b", 1), ("llama-3-8b", 1))]
+    assert [prefill_backoff(c) for c in costs] == [1, 0, 0]  # Mamba state; windows and full attention not
     req = Request(id="a", arrival=0.5, prompt_len=4, output_len=9, _prompt=np.array([7, 8, 9, 10], dtype=np.int32))
     out = with_max_tokens_one(req, 1)
     assert (out.id, out.arrival, out.prompt_len, out.output_len, list(out.prompt)) == ("a", 0.5, 3, 1, [7, 8, 9])
