@@ -116,14 +116,11 @@ class BlockPool:
         counted as ops: the caller records each where its block is used (`decode_in_place`)."""
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
-        if self._on_evict is None and self.events is None:
-            if keys is not None:
-                if self._lru is not None:
-                    return self._pop_counted(n, keys)
-            elif not self.ops.enabled:
-                if self._lru is not None:
-                    return self._pop_counted(n)
-                return self._take_counted(self.policy.pop_n(n))
+        plain = self._on_evict is None and self.events is None  # no hook to tell of each eviction
+        if plain and self._lru is not None and (keys is not None or not self.ops.enabled):
+            return self._pop_counted(n, keys)
+        if plain and keys is None and not self.ops.enabled:
+            return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
         if keys is not None:
             keys += [b.block_hash for b in blocks]
@@ -135,12 +132,11 @@ class BlockPool:
                 evicted.append(b)
             b.ref_cnt = 1
         if evicted:
-            if keys is not None:
-                pass  # recorded and counted by the caller
-            elif self.ops.enabled:
-                self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
-            else:
-                self.ops.counts["evict"] += len(evicted)
+            if keys is None:  # (with `keys` the caller records and counts them)
+                if self.ops.enabled:
+                    self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
+                else:
+                    self.ops.counts["evict"] += len(evicted)
             go, eg = self.group_of, self.evicted_by_group
             if self.events is not None:  # (before their keys go)
                 self.events.removed(evicted, go)
