@@ -1,5 +1,5 @@
-"""Fixtures: the public traces folder (skip when absent) and a writer for small input files; the
-`needs_vllm` marker (skip without vLLM 0.33.0, fail where KVSIM_REQUIRE_VLLM=1, as in CI)."""
+"""Fixtures: the public traces folder (skip when absent), a writer for small input files, the first
+requests of a golden workload as a trace of their own; the `needs_vllm` marker (skip without vLLM 0.33.0, fail where KVSIM_REQUIRE_VLLM=1, as in CI)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden" / "workloads"
 REQUIRE_VLLM = "KVSIM_REQUIRE_VLLM"  # =1: a test marked needs_vllm fails, not skips, without vLLM
 
 
@@ -60,3 +61,19 @@ def write(tmp_path: Path):
         return p
 
     return _write
+
+
+@pytest.fixture(scope="session")
+def golden_head(tmp_path_factory: pytest.TempPathFactory):
+    """golden_head(name, n, file) -> a trace file named `file` of golden workload `name`'s first `n`
+    lines (its first `n` requests, in arrival order), written once a session."""
+    made: dict[tuple[str, int, str], Path] = {}
+
+    def _head(name: str, n: int, file: str) -> Path:
+        if (name, n, file) not in made:
+            path = tmp_path_factory.mktemp("golden") / file
+            path.write_text("".join((GOLDEN / name).read_text().splitlines(keepends=True)[:n]))
+            made[name, n, file] = path
+        return made[name, n, file]
+
+    return _head

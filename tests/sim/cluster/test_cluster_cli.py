@@ -67,16 +67,14 @@ def test_bad_router_scorers_are_one_error_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 SMALL = ["--num-gpu-blocks", "40", "--max-num-batched-tokens", "256", "--load", "4", "--slo-ttft", "0.1",
          "--slo-tpot", "0.02", "--no-plots"]
 
 
-def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path) -> None:
+def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path, golden_head) -> None:
     """`kvsim compare` given a cluster run folder: a row a run, the cluster's over all its replicas
     and a row each replica under it; --plot (lone runs' overlay) is refused in one line."""
-    trace = tmp_path / "mt48.jsonl"
-    trace.write_text("".join((GOLDEN / "multi-turn.jsonl").read_text().splitlines(keepends=True)[:48]))
+    trace = golden_head("multi-turn.jsonl", 48, "mt48.jsonl")
     for name, extra in (("lone", []), ("c3", ["--replicas", "3", "--router", "vllm-dp"])):
         r = runner.invoke(app, ["run", str(trace), *SMALL, *extra, "-o", str(tmp_path / name)])
         assert r.exit_code == 0, r.output

@@ -26,11 +26,9 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trace(golden_head) -> Path:
     """The multi-turn trace's first 48 requests (in arrival order, so every turn's session is whole)."""
-    path = tmp_path_factory.mktemp("trace") / "mt48.jsonl"
-    path.write_text("".join((GOLDEN / "multi-turn.jsonl").read_text().splitlines(keepends=True)[:48]))
-    return path
+    return golden_head("multi-turn.jsonl", 48, "mt48.jsonl")
 
 
 def _cluster_run(trace: Path, out: Path, router: str) -> dict:

@@ -19,15 +19,12 @@ from kvsim.sim.studies.capacity import capacity
 from kvsim.sim.studies.sweep import WorkloadSpec
 from kvsim.workloads.traces import load_workload
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "sp32.jsonl"
-    path.write_text("".join((GOLDEN / "shared-prefix.jsonl").read_text().splitlines(keepends=True)[:32]))
-    return path
+def trace(golden_head) -> Path:
+    return golden_head("shared-prefix.jsonl", 32, "sp32.jsonl")
 
 
 def test_gpus_count_every_replica():

@@ -20,7 +20,6 @@ from kvsim.sim.studies.capacity import fewest_replicas, replicas_for_rate
 from kvsim.sim.studies.sweep import WorkloadSpec
 from kvsim.workloads.traces import load_workload
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 runner = CliRunner()
 
 
@@ -74,10 +73,8 @@ CFG = SimConfig(num_gpu_blocks=40, max_num_batched_tokens=256, load=8.0)
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "mt48.jsonl"
-    path.write_text("".join((GOLDEN / "multi-turn.jsonl").read_text().splitlines(keepends=True)[:48]))
-    return path
+def trace(golden_head) -> Path:
+    return golden_head("multi-turn.jsonl", 48, "mt48.jsonl")
 
 
 def test_replicas_for_rate_on_a_real_workload(trace: Path):

@@ -24,7 +24,6 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.studies.sweep import load_sweep, run_sweep, simulate_point
 from kvsim.workloads.traces import load_workload
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 runner = CliRunner()
 BASE = {"num_gpu_blocks": 40, "max_num_batched_tokens": 256, "load": 8.0, "slo_ttft": 0.05, "slo_tpot": 0.01}
 OVERALL = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
@@ -32,10 +31,8 @@ OVERALL = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "mt48.jsonl"
-    path.write_text("".join((GOLDEN / "multi-turn.jsonl").read_text().splitlines(keepends=True)[:48]))
-    return path
+def trace(golden_head) -> Path:
+    return golden_head("multi-turn.jsonl", 48, "mt48.jsonl")
 
 
 def sweep_file(folder: Path, trace: Path, grid: str) -> Path:
