@@ -27,12 +27,15 @@ def test_notebook_executes(path: Path) -> None:
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
     )
-    before = set(Path(tempfile.gettempdir()).glob("kvsim_nb0*"))
+    # Only this notebook's own scratch folders (kvsim_nbNN_*): under pytest-xdist another
+    # worker's notebook may be mid-run, with its folder still there.
+    pattern = f"kvsim_nb{path.name[:2]}_*"
+    before = set(Path(tempfile.gettempdir()).glob(pattern))
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name}: a cell failed\n{e}", pytrace=False)
-    left = set(Path(tempfile.gettempdir()).glob("kvsim_nb0*")) - before
+    left = set(Path(tempfile.gettempdir()).glob(pattern)) - before
     assert not left, f"{path.name} left {sorted(map(str, left))} behind"
 
 
