@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.eviction import LRU
 from kvsim.kvcache.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvsim.kvcache.hybrid import HybridKVCacheManager
 
 
 class InvariantError(AssertionError):
     """The manager's state is inconsistent; the message names the block."""
 
 
-def check(m: KVCacheManager) -> None:
+def check(m: KVCacheManager | HybridKVCacheManager) -> None:
     """Raise InvariantError unless every invariant of DESIGN.md holds:
     each block is free xor referenced (or pinned); ref counts equal the number of
     tables holding the block; the cached-hash map and the blocks agree; the
@@ -21,12 +25,15 @@ def check(m: KVCacheManager) -> None:
     pool = m.pool
     null = pool.null_block
     holders: Counter[int] = Counter()
-    for sid, blocks in m.req_blocks.items():
-        for b in blocks:
-            if b is not null:
-                holders[b.block_id] += 1
-        if m.num_cached_block.get(sid, 0) > len(blocks):
-            _fail(f"sequence {sid!r} has {len(blocks)} blocks but {m.num_cached_block[sid]} cached")
+    # a hybrid manager (kvcache.hybrid) holds a table and a cached count a KV-cache group
+    groups = zip(m.tables, m.num_cached, strict=True) if hasattr(m, "tables") else [(m.req_blocks, m.num_cached_block)]
+    for tables, num_cached in groups:
+        for sid, blocks in tables.items():
+            for b in blocks:
+                if b is not null:
+                    holders[b.block_id] += 1
+            if num_cached.get(sid, 0) > len(blocks):
+                _fail(f"sequence {sid!r} has {len(blocks)} blocks but {num_cached[sid]} cached")
     policy = pool.policy
     num_free = 0
     cached_free = 0
@@ -61,8 +68,10 @@ def check(m: KVCacheManager) -> None:
         used = [b.block_id for b in pool.blocks[1:] if b.ref_cnt > 0]
         if pool.tracker.num_used() != len(used):
             _fail(f"id tracker counts {pool.tracker.num_used()} used blocks, pool has {len(used)}")
-        if m.defrag is None and pool.tracker.max_used() != max(used, default=0):
+        if getattr(m, "defrag", None) is None and pool.tracker.max_used() != max(used, default=0):
             _fail(f"id tracker's highest used id is {pool.tracker.max_used()}, pool's is {max(used, default=0)}")
+    if not hasattr(m, "cpu"):  # (a hybrid manager swaps nothing)
+        return
     cpu_holders: Counter[int] = Counter(c for ids in m.swapped.values() for c in ids if c >= 0)
     for c in range(m.cpu.num_blocks):
         if m.cpu.ref[c] != cpu_holders[c]:
