@@ -50,6 +50,8 @@ def test_the_hit_blocks_are_taken_and_the_window_skips_by_hit_plus_loaded():
     b = _seq("b", [*range(24), *range(900, 906)])
     hits, hit = m.get_computed_blocks(b)
     assert hit == 24
+    # without Mamba state the connector's lookup is this one (`get_computed_blocks_for_connector`)
+    assert m.get_computed_blocks_for_connector(b) == (hits, 24, False)
     full_hit, window_hit = [x.block_id for x in hits[1]], [x.block_id for x in hits[0]]
     new = m.allocate_for_load(b, hit, hits, 6)
     assert len(new) == 2 + 2
@@ -120,18 +122,6 @@ def test_a_lagging_group_hit_deeper_than_full_attention_falls_back_to_the_reconc
     assert [x.block_id for x in m.allocate_slots(c, 24, 0, m.get_computed_blocks(c)[0])] == [7, 6, 8, 9, 5, 4, 2]
     hits, hit, diverged = m.get_computed_blocks_for_connector(b)
     assert (hits, hit, diverged) == (([], []), 0, False)
-
-
-def test_without_mamba_state_the_connectors_lookup_is_the_reconciled_one():
-    # `get_computed_blocks_for_connector` asks `get_computed_blocks` unless the cache has Mamba layers
-    m = HybridKVCacheManager(64, [SW8, FULL], prefix_cache_retention_interval=None)
-    a = _seq("a", range(24))
-    m.allocate_slots(a, 24, 0, m.get_computed_blocks(a)[0])
-    m.free(a)
-    b = _seq("b", [*range(24), *range(900, 906)])
-    hits, hit, diverged = m.get_computed_blocks_for_connector(b)
-    rhits, rhit = m.get_computed_blocks(b)
-    assert (hit, diverged) == (rhit, False) == (24, False) and hits == rhits
 
 
 @settings(max_examples=200, deadline=None)

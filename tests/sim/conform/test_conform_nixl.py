@@ -25,6 +25,7 @@ from kvsim.sim.engine.nixl import KVTransfer
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request
 from kvsim.workloads.traces import load_workload
+from tests.sim.engine.engine_fixtures import mamba_turns
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
@@ -259,12 +260,7 @@ def test_a_mamba_decode_sides_full_local_hit_is_reconciled_and_only_notifies_as_
     num_external_computed_tokens == 0` -> `get_computed_blocks`) and its worker only notifies the
     prefill side, reporting no read (pull_worker.py `start_load_kv`): r2's 384-token full-attention
     hit gives 0 (tests/sim/engine/test_nixl.py works the same three requests by hand)."""
-    base = np.arange(500, dtype=np.int32)
-    reqs = [Request(id="r0", arrival=0.0, prompt_len=500, output_len=5, _prompt=base),
-            Request(id="r1", arrival=5.0, prompt_len=600, output_len=5,
-                    _prompt=np.concatenate([base, np.arange(9000, 9100, dtype=np.int32)])),
-            Request(id="r2", arrival=10.0, prompt_len=385, output_len=5,
-                    _prompt=np.concatenate([base[:384], np.array([7777], dtype=np.int32)]))]
+    reqs = mamba_turns()
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode",
                     num_gpu_blocks=40).validate()
     d = conform(reqs, cfg, "scheduler")[0]

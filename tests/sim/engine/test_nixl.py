@@ -30,6 +30,7 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.nixl import KVTransfer, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request, Workload
+from tests.sim.engine.engine_fixtures import mamba_turns
 
 BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16: 32 layers x 8 KV heads x 128 x K and V x 2 bytes x 16
 # gpt-oss-20b, block 16: two groups of 12 layers (sliding window 128, full attention); a block of the
@@ -215,14 +216,8 @@ def test_a_mamba_decode_side_takes_full_attentions_deeper_hit_with_a_load_and_re
     # 2 attention blocks + 3 state blocks. r2 (r0's first 384 + 1): full attention hits 384 = all it
     # would read, so nothing is loaded and the hit is reconciled to 0 (scheduler.py `schedule`:
     # `hit_diverged and num_external_computed_tokens == 0` -> `get_computed_blocks`): computed here
-    base = np.arange(500, dtype=np.int32)
-    reqs = [Request(id="r0", arrival=0.0, prompt_len=500, output_len=5, _prompt=base),
-            Request(id="r1", arrival=5.0, prompt_len=600, output_len=5,
-                    _prompt=np.concatenate([base, np.arange(9000, 9100, dtype=np.int32)])),
-            Request(id="r2", arrival=10.0, prompt_len=385, output_len=5,
-                    _prompt=np.concatenate([base[:384], np.array([7777], dtype=np.int32)]))]
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode")
-    r = simulate(Workload.from_list(reqs), cfg.validate())
+    r = simulate(Workload.from_list(mamba_turns()), cfg.validate())
     rq = r.requests.set_index("id")
     assert list(rq["hit_tokens"]) == [0, 384, 0] and list(rq["output_tokens"]) == [5, 5, 5]
     block = r.summary["kv_bytes_per_block"]
