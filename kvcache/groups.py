@@ -106,6 +106,29 @@ class GroupSpec:
 Lookup = Callable[[int], "list[KVCacheBlock] | None"]  # block index -> one cached block per group, or None
 
 
+def group_lookup(get: Callable[[int], KVCacheBlock | None], keys: Sequence[int], salts: Sequence[int]) -> Lookup:
+    """The `Lookup` of the groups salted by `salts` looked up together: block i's cached block in
+    each (`get` of its chained key `keys[i]` under the group's salt), or None when any misses it
+    (vllm/v1/core/block_pool.py `get_cached_block`, which asks every group of a spec)."""
+    if len(salts) == 1:
+        salt = salts[0]
+
+        def one(i: int) -> list[KVCacheBlock] | None:
+            b = get(keys[i] ^ salt)
+            return None if b is None else [b]
+        return one
+
+    def many(i: int) -> list[KVCacheBlock] | None:
+        out = []
+        for salt in salts:
+            b = get(keys[i] ^ salt)
+            if b is None:
+                return None
+            out.append(b)
+        return out
+    return many
+
+
 def find_longest_cache_hit(spec: GroupSpec, max_length: int, lookup: Lookup, num_groups: int,
                            null: KVCacheBlock) -> tuple[list[list[KVCacheBlock]], int]:
     """The longest hit of at most `max_length` tokens for `num_groups` groups of `spec` looked up

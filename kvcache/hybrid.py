@@ -50,6 +50,7 @@ from kvsim.kvcache.groups import (
     blocks_to_allocate,
     cached_ranges,
     find_longest_cache_hit,
+    group_lookup,
     group_salt,
     leading_nulls,
     skipped_span,
@@ -207,29 +208,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         if max_blocks <= 0:
             return self.empty_hit, 0
         keys = seq.hashes_upto(max_blocks * bs, bs)
-        get, null = self.pool.get_cached_block, self.null_block
-        salts = self.salts
-
-        def lookup_for(ids: list[int]):
-            if len(ids) == 1:
-                salt = salts[ids[0]]
-
-                def one(i: int) -> list[KVCacheBlock] | None:
-                    b = get(keys[i] ^ salt)
-                    return None if b is None else [b]
-                return one
-            group_salts = [salts[g] for g in ids]
-
-            def many(i: int) -> list[KVCacheBlock] | None:
-                out = []
-                for salt in group_salts:
-                    b = get(keys[i] ^ salt)
-                    if b is None:
-                        return None
-                    out.append(b)
-                return out
-            return many
-
+        get, null, salts = self.pool.get_cached_block, self.null_block, self.salts
         n = len(self.groups)
         hit_length = max_blocks * bs
         longest = 0
@@ -242,7 +221,8 @@ class HybridKVCacheManager(PoolView, HybridLoads):
                 if spec.kind == "full" and blocks[first] is not None:  # downward-closed: trim, don't look again
                     current = min(current, lengths[first])
                     continue
-                found, current = find_longest_cache_hit(spec, current, lookup_for(ids), len(ids), null)
+                found, current = find_longest_cache_hit(spec, current, group_lookup(get, keys, [salts[g] for g in ids]),
+                                                        len(ids), null)
                 for g, table in zip(ids, found, strict=True):
                     blocks[g], lengths[g] = table, current
                 longest = max(longest, current)

@@ -9,6 +9,15 @@ the tokens it skips from the hit and the loaded tokens together
 `add_local_computed_blocks` then `allocate_external_computed_blocks`): a sliding window's table
 gets null blocks for what its window no longer reads, its hit blocks past them, and new blocks only
 for the loaded tokens inside the window; every group's hits are taken before any group's new blocks.
+A Mamba group counts every token but the last as skipped: it gets null blocks and one new block, the
+running state the load writes; its own hit blocks are counted by the allocation's check but never taken.
+
+The local lookup a connector that completes divergent hits asks for (vLLM's NIXL connector:
+connector.py `supports_divergent_local_hybrid_hits`) is `get_computed_blocks_for_connector`: with Mamba
+state, each group looked up alone, full attention's hit taken as the local prefix with each group's own
+blocks (kv_cache_manager.py `get_computed_blocks_for_connector`, kv_cache_coordinator.py
+`find_longest_cache_hit_per_group`); the scheduler falls back to the reconciled lookup when the
+connector then loads nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +25,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvsim.kvcache.block import KVCacheBlock
+from kvsim.kvcache.groups import GroupSpec, find_longest_cache_hit, group_lookup
 from kvsim.kvcache.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvsim.kvcache.block_pool import BlockPool
     from kvsim.kvcache.ops import OpLog
 
+Hit = tuple[list[KVCacheBlock], ...]  # one list of hit blocks a group
+
 
 class HybridLoads:
-    """The load methods of `HybridKVCacheManager` (mixed in)."""
+    """The connector-facing methods of `HybridKVCacheManager` (mixed in): its lookup and its loads."""
 
     # set by HybridKVCacheManager.__init__
     block_size: int
@@ -35,6 +47,45 @@ class HybridLoads:
     null_block: KVCacheBlock
     tables: tuple[dict[str, list[KVCacheBlock]], ...]
     empty_hit: tuple[list[KVCacheBlock], ...]
+    enable_caching: bool
+    salts: tuple[int, ...]
+    spec_groups: list[tuple[GroupSpec, list[int]]]
+    junctions: dict[str, int]
+    _own: dict[str, list[int]]
+
+    if TYPE_CHECKING:
+        def get_computed_blocks(self, seq: Sequence) -> tuple[Hit, int]: ...  # (HybridKVCacheManager's)
+
+    def get_computed_blocks_for_connector(self, seq: Sequence) -> tuple[Hit, int, bool]:
+        """The local hit a connector completing divergent hits is given (vllm/v1/core/kv_cache_manager.py
+        `get_computed_blocks_for_connector`): with Mamba state and a full-attention group, each group
+        looked up alone up to `num_tokens - 1` (kv_cache_coordinator.py `find_longest_cache_hit_per_group`),
+        full attention's hit as the local prefix with each group's own hit blocks, and whether a group
+        lags behind it (`hit_diverged`); the reconciled `get_computed_blocks` (not diverged) without
+        Mamba state or full attention, or where a group hit deeper than full attention. A divergent
+        hit records no shared-prefix junction."""
+        first_spec, first_ids = self.spec_groups[0]
+        if not self.has_mamba or first_spec.kind != "full" or not self.enable_caching:
+            return *self.get_computed_blocks(seq), False
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return *self.get_computed_blocks(seq), False
+        keys = seq.hashes_upto(max_blocks * bs, bs)
+        get, null, salts = self.pool.get_cached_block, self.null_block, self.salts
+        blocks: list[list[KVCacheBlock]] = [[] for _ in self.tables]
+        lengths = [0] * len(self.tables)
+        for spec, ids in self.spec_groups:
+            found, length = find_longest_cache_hit(spec, max_blocks * bs, group_lookup(get, keys, [salts[g] for g in ids]),
+                                                   len(ids), null)
+            for g, table in zip(ids, found, strict=True):
+                blocks[g], lengths[g] = table, length
+        local = lengths[first_ids[0]]
+        if max(lengths) > local:  # (full attention's blocks evicted under a deeper state: reconcile)
+            return *self.get_computed_blocks(seq), False
+        self.junctions[seq.seq_id] = 0
+        self._own[seq.seq_id] = lengths
+        return tuple(blocks), local, min(lengths) < local
 
     def allocate_for_load(self, seq: Sequence, hit: int, hit_blocks: tuple[list[KVCacheBlock], ...], loaded: int, *,
                           reserved: int = 0, watermark: bool = False, whole: bool = True) -> list[KVCacheBlock] | None:
@@ -44,8 +95,6 @@ class HybridLoads:
         `whole` is False) and this allocation fits them less `reserved`. Returns the new blocks,
         group by group: the load's destinations, which are what vLLM's NIXL connector reads
         (`KVCacheBlocks.get_unhashed_block_ids_all_groups`: the request's blocks less hits and nulls)."""
-        if self.has_mamba:
-            raise ValueError("loads into Mamba groups are not modelled")
         sid = seq.seq_id
         if sid in self.tables[0]:
             raise ValueError(f"{sid}: already holds blocks")

@@ -11,7 +11,7 @@ third of the seeds turn on KV offloading (tier size, chunk width, policy, store 
 speed; half of them under async scheduling, as `vllm serve` runs it by default). A third of the
 cost-clock cases P/D disaggregation's NIXL connector can take stand alone as its decode or prefill
 side (read bandwidth, latency and lease); with `--pd` every seed's case is one side, a third of them
-with a hybrid model (its attention and sliding-window groups; Mamba state on the prefill side only). The same seed always
+with a hybrid model (its attention and sliding-window groups, or Mamba state). The same seed always
 gives the same case.
 """
 
@@ -86,8 +86,8 @@ def _shape(r: random.Random, kind: str) -> dict[str, object]:
 
 def random_case(seed: int, pd: bool = False) -> Case:
     """The case of `seed` (see the module docstring); `pd`: the same draws, less the knobs kvsim's NIXL
-    connector does not take (async scheduling, offloading, a window of one group, Mamba state on the
-    decode side, n > 1, the grid), standing alone as one side of P/D disaggregation, a third of them with a hybrid model."""
+    connector does not take (async scheduling, offloading, a window of one group, n > 1, the grid),
+    standing alone as one side of P/D disaggregation, a third of them with a hybrid model."""
     r = random.Random(seed)
     kind = r.choice(KINDS)
     requests = list(build_workload(kind, r.choice([20, 40, 80]), r.choice([2.0, 10.0, 50.0]), "poisson", 1.0,
@@ -147,14 +147,13 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) 
     """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading, async scheduling,
     or window of their own) take a catalog model mixing layer kinds, with its windows, its groups'
     blocks in one pool (as many times the blocks as it has groups) and a retention interval (drawn
-    last, so the knobs above are what they were); `pd`: a P/D side's, with Mamba state on the
-    prefill side only (kvsim refuses it on the decode side: `sim.engine.run.make_hybrid_manager`)."""
+    last, so the knobs above are what they were); `pd`: a P/D side's, either side with Mamba state."""
     if "kv_offloading_size" in kw or kw["async_scheduling"] or "sliding_window" in kw or r.random() >= 1 / 3:
         return {}
     from kvsim.sim.engine.cost_model import CostModel
 
     models = [m for m in sorted(HYBRID_MODELS) if m not in MAMBA_MODELS
-              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"] and kw.get("kv_transfer_role") != "decode")]
+              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"])]
     model = r.choice(models)
     tp, extra = HYBRID_MODELS[model]
     out = {"model": model, "tensor_parallel": tp, **extra}

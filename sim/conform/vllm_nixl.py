@@ -127,6 +127,8 @@ class NixlWorker:
         finished_sending), each in the order they were handed over."""
         transfer = self.nixl.transfer
         for rid, req in meta.reqs_to_recv.items():  # every group's blocks, each a pool block's bytes
+            if not req.awaiting_kvs and not any(req.local_block_ids):  # a full local hit: a notice, never
+                continue  # reported (pull_worker.py `start_load_kv`; the scheduler asserts it)
             self.reads[rid] = start + transfer.seconds(sum(map(len, req.local_block_ids)))
         for rid in meta.reqs_to_send:
             self.sends[rid] = self.finished_at.pop(rid) + min(transfer.seconds(self._offered(rid)), self.nixl.lease_s)

@@ -43,10 +43,17 @@ Mamba state (vLLM's "align" mode): the prefill side drops the prompt's last toke
 after it; at the finish each Mamba group has let go of every state before its running one
 (`MambaManager.remove_skipped_blocks`), and the held blocks are what `request_finished` offers
 (`clip_ssm_state_blocks`: one state block a Mamba group). The decode side reads the prompt less the
-backoff (`lookup`); with Mamba it is refused (`sim.engine.run.make_hybrid_manager`): vLLM's NIXL
-connector asks for divergent local hits (connector.py `supports_divergent_local_hybrid_hits`), so
-its scheduler takes the full-attention group's hit with each group's own blocks
-(kv_cache_manager.py `get_computed_blocks_for_connector`), which kvsim's hybrid lookup does not do.
+backoff (`lookup`). vLLM's NIXL connector completes divergent local hits (connector.py
+`supports_divergent_local_hybrid_hits`, kvsim's `divergent_hits`), so its scheduler asks the manager's
+per-group lookup (scheduler.py `_get_local_prefix_cache_hit`, kv_cache_manager.py
+`get_computed_blocks_for_connector`): full attention's own hit is the local prefix, with each group's
+own blocks, unless a group hit deeper (then the reconciled hit); when such a hit ran past a lagging
+Mamba state and nothing is loaded, the scheduler reconciles (`get_computed_blocks`). A load gives each
+Mamba group null blocks and one new block, the state the read writes (`kvcache.hybrid_loads`), so a
+read is the attention blocks past the hit plus one state block a Mamba group, each a pool block's
+bytes. A remote request admitted with nothing to read (its hit reaches the prompt less the backoff)
+is remote no more and only notifies the prefill side, which lets its blocks go (pull_worker.py
+`start_load_kv`: no read reported).
 
 A lone replica plays one role for every request (`SimConfig.kv_transfer_role`); the decode side
 standing alone reads from a prefill side assumed idle, and the prefill side standing alone is read
@@ -147,7 +154,7 @@ class LoneTransport:
         del self._ends[rid]
 
     def dropped(self, rid: str, now: float) -> None:
-        """The decode side dropped `rid` before reading it."""
+        """The decode side dropped `rid` before reading it, or needs none of it (a full local hit)."""
 
     def release_at(self, rid: str, finished: float, blocks: int, now: float) -> float | None:
         """When the prefill side hears that `rid` (finished at `finished`, `blocks` prompt blocks) was
@@ -172,6 +179,10 @@ class NixlConnector:
     (`free_seq`: a held request's lazily filled blocks are cached as it is freed)."""
 
     allows_shortcuts = True
+    # a load completes a hybrid hit whose Mamba state lags full attention's (connector.py
+    # `NixlBaseConnector.supports_divergent_local_hybrid_hits`): the scheduler asks the manager's
+    # per-group lookup (`get_computed_blocks_for_connector`)
+    divergent_hits = True
 
     def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int,
                  backoff: int = 0):
@@ -183,7 +194,7 @@ class NixlConnector:
         self.async_loads = AsyncLoads(manager, priority)
         self.holding = self.async_loads.holding
         self._remote_done: set[str] = set()  # decode side: requests whose remote prompt was allocated
-        self._planned: list[tuple[str, int]] = []  # this step's reads: (request, blocks)
+        self._planned: list[tuple[str, int | None]] = []  # this step's reads: (request, blocks; None: notice only)
         self._reads: set[str] = set()  # reads in flight
         self._applied: set[str] = set()  # reads applied, until the request is promoted
         self._held: dict[str, tuple[Live, float, int]] = {}  # prefill side: request -> (live, finished, blocks held)
@@ -255,6 +266,9 @@ class NixlConnector:
 
     def _start_planned(self, at: float) -> None:
         for rid, blocks in self._planned:
+            if blocks is None:  # nothing to read: the prefill side is told to let go (pull_worker.py
+                self.transport.dropped(rid, at)  # `_read_blocks`, a full local hit's notification)
+                continue
             self.transport.post(rid, blocks, at)
             self._reads.add(rid)
         self._planned.clear()
@@ -312,7 +326,14 @@ class NixlConnector:
 
     def admitted(self, live: Live, hit: int, n: int, first: bool) -> int:
         """`live` runs with `hit` computed; returns the tokens of the hit that came from the prefill
-        side (the log counts only the local hit)."""
+        side (the log counts only the local hit). A remote request admitted with nothing to read (a
+        local hit reaching the prompt less its backoff) is remote no more, and its prefill side is
+        notified (pull_scheduler.py `update_state_after_alloc` with no external tokens; the worker
+        reports no read for it: pull_worker.py `start_load_kv`)."""
+        rid = live.seq.seq_id
+        if rid not in self._remote_done and self.transport.remote_prefill(rid):
+            self._remote_done.add(rid)
+            self._planned.append((rid, None))
         loaded = self.async_loads.admitted(live, hit, n)
         return hit - loaded[0] if loaded is not None and first else 0
 

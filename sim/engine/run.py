@@ -115,12 +115,6 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         raise ConfigError(f"enable_prefix_caching false: {cfg.model}'s Mamba state without prefix caching is vLLM's "
                           "'none' cache mode (one state block a request), which kvsim does not model; kvsim models "
                           "the 'align' mode vLLM runs with prefix caching on")
-    if layout.has_mamba and (cfg.kv_transfer_role == "decode" or cfg.prefill_replicas):
-        raise ConfigError(f"{'kv_transfer_role' if cfg.kv_transfer_role is not None else 'prefill_replicas'}: "
-                          f"{cfg.model}'s Mamba state on a P/D decode side is not modelled yet (vLLM's NIXL "
-                          "connector takes the full-attention group's local hit, each group's own blocks, and "
-                          "transfers the Mamba state: kv_cache_manager.py get_computed_blocks_for_connector); "
-                          "kvsim models its prefill side (kv_transfer_role prefill)")
     for field, what in HYBRID_REFUSES:
         if getattr(cfg, field):
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "

@@ -76,6 +76,10 @@ class Scheduler:
         # Mamba groups in align mode: (block size, checkpoint alignment); chunks end on block
         # boundaries (kvcache.mamba.aligned_chunk), within the configured chunk limit
         self.mamba = getattr(manager, "mamba_split", None)
+        # a connector that completes divergent hybrid hits (the NIXL one) is given the manager's
+        # per-group lookup (vLLM `Scheduler._get_local_prefix_cache_hit`); a hybrid manager has it
+        self._divergent_lookup = manager.get_computed_blocks_for_connector \
+            if self.mamba is not None and getattr(connector, "divergent_hits", False) else None
         limit = self.prefill.long_prefill
         self.max_prefill = min(self.max_tokens, limit) if limit > 0 else self.max_tokens
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
@@ -402,13 +406,18 @@ class Scheduler:
             else:
                 if held and self.fast.head_blocked(live, min(budget, self._chunk or budget)):
                     break
-                blocks, hit = m.get_computed_blocks(seq)
+                if self._divergent_lookup is not None:
+                    blocks, hit, diverged = self._divergent_lookup(seq)
+                else:
+                    (blocks, hit), diverged = m.get_computed_blocks(seq), False
                 if conn is not None:
                     ext = conn.lookup(seq, hit)
                     if ext is None:  # the connector cannot answer yet
                         skipped_waiting.append(queue.pop())
                         prefill.skipped(live)
                         continue
+                    if diverged and not ext:  # nothing loaded backs full attention's deeper hit: reconcile
+                        blocks, hit = m.get_computed_blocks(seq)
                     if ext:
                         if not conn.start_load(live, hit, blocks, ext, watermark=held, whole=self.whole_fit):
                             break

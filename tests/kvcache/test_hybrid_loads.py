@@ -4,13 +4,14 @@ vllm/v1/core/kv_cache_manager.py `allocate_slots` (num_external_computed_tokens,
 kv_cache_coordinator.py `allocate_new_computed_blocks` (every group's hits touched before any group's
 external blocks), single_type_kv_cache_manager.py `add_local_computed_blocks` and
 `allocate_external_computed_blocks` (a window skips by the hit and the loaded tokens together);
-kv_cache_manager.py `KVCacheBlocks.get_unhashed_block_ids_all_groups` (what the NIXL connector reads).
+kv_cache_manager.py `KVCacheBlocks.get_unhashed_block_ids_all_groups` (what the NIXL connector reads);
+with Mamba state, kv_cache_manager.py `get_computed_blocks_for_connector` (the per-group lookup vLLM's NIXL
+connector asks for: connector.py `supports_divergent_local_hybrid_hits`).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,8 @@ def test_the_hit_blocks_are_taken_and_the_window_skips_by_hit_plus_loaded():
     b = _seq("b", [*range(24), *range(900, 906)])
     hits, hit = m.get_computed_blocks(b)
     assert hit == 24
+    # without Mamba state the connector's lookup is this one (`get_computed_blocks_for_connector`)
+    assert m.get_computed_blocks_for_connector(b) == (hits, 24, False)
     full_hit, window_hit = [x.block_id for x in hits[1]], [x.block_id for x in hits[0]]
     new = m.allocate_for_load(b, hit, hits, 6)
     assert len(new) == 2 + 2
@@ -66,10 +69,59 @@ def test_a_load_that_does_not_fit_changes_nothing():
     assert m.allocate_for_load(a, 0, m.empty_hit, 26) is not None and m.num_free_blocks == 0
 
 
-def test_mamba_loads_are_refused():
-    m = HybridKVCacheManager(64, [FULL, GroupSpec("mamba", 4)], mamba_checkpoint_alignment=None)
-    with pytest.raises(ValueError, match="Mamba"):
-        m.allocate_for_load(_seq("a", range(8)), 0, m.empty_hit, 8)
+MAMBA = GroupSpec("mamba", 4)
+
+
+def _divergent() -> tuple[HybridKVCacheManager, Sequence]:
+    """9 usable blocks of 4; a (17 tokens) prefilled in chunks of 8 and 9, then freed: full attention
+    cached blocks 1, 2, 4, 5 (16 tokens); the Mamba group the state after 8 tokens (block 3) only, the
+    state after 17 ending mid-block (every state hashed: retention None)."""
+    m = HybridKVCacheManager(10, [FULL, MAMBA], mamba_checkpoint_alignment=None, prefix_cache_retention_interval=None)
+    a = _seq("a", range(17))
+    m.allocate_slots(a, 8, 0, m.get_computed_blocks(a)[0])
+    a.num_computed_tokens = 8
+    m.new_step_starts()
+    m.allocate_slots(a, 9)
+    a.num_computed_tokens = 17
+    assert (m.block_ids("a", 0), m.block_ids("a", 1)) == ([1, 2, 4, 5, 6], [0, 3, 0, 0, 7])
+    m.free(a)
+    return m, _seq("b", [*range(16), *range(900, 910)])
+
+
+def test_full_attentions_deeper_hit_is_the_connectors_local_prefix_and_a_load_gives_mamba_one_state_block():
+    # vllm/v1/core/kv_cache_manager.py `get_computed_blocks_for_connector` over kv_cache_coordinator.py
+    # `find_longest_cache_hit_per_group`: b (26 tokens) hits 16 in full attention and 8 in the Mamba
+    # group, each looked up alone: full attention's 16 with each group's own blocks, diverged; the
+    # reconciled lookup (`get_computed_blocks`) agrees on 8
+    m, b = _divergent()
+    hits, hit, diverged = m.get_computed_blocks_for_connector(b)
+    assert ([[x.block_id for x in h] for h in hits], hit, diverged) == ([[1, 2, 4, 5], [0, 3]], 16, True)
+    rhits, rhit = m.get_computed_blocks(b)
+    assert ([[x.block_id for x in h] for h in rhits], rhit) == ([[1, 2], [0, 3]], 8)
+    # a load of 26 - 1 - 16 = 9 tokens (the NIXL connector's backoff of one): the check
+    # (`MambaManager.get_num_blocks_to_allocate`) counts full attention's 3 new + 4 free hits and the
+    # Mamba group's one new block + its free hit block: 9, one more than it takes, so 8 free fail
+    assert m.allocate_for_load(b, hit, hits, 9, reserved=1) is None and m.num_free_blocks == 9
+    new = m.allocate_for_load(b, hit, hits, 9)
+    # the Mamba group skips 25 - 1 = 24 tokens (`get_num_skipped_tokens`): 6 nulls, its hit is never
+    # taken (`add_local_computed_blocks`), and one new block holds the loaded state
+    # (`allocate_external_computed_blocks`): what the connector reads, clipped to it
+    # (base_scheduler.py `get_exchange_clipped_blocks`, `clip_ssm_state_blocks`)
+    assert [x.block_id for x in new] == [7, 6, 8, 9]
+    assert (m.block_ids("b", 0), m.block_ids("b", 1)) == ([1, 2, 4, 5, 7, 6, 8], [0] * 6 + [9])
+    assert m.num_free_blocks == 1  # block 3, the Mamba hit, still free and cached
+
+
+def test_a_lagging_group_hit_deeper_than_full_attention_falls_back_to_the_reconciled_hit():
+    # c (24 tokens, 7 blocks) evicts full attention's block 2 (tokens 4-8) but not the Mamba state
+    # after 8 (block 3): alone, full attention hits 4 and the Mamba group 8, deeper, so
+    # `get_computed_blocks_for_connector` reconciles (`get_computed_blocks`): no Mamba state at or
+    # below 4, hit 0, not diverged (taking full attention's 4 would have given 4)
+    m, b = _divergent()
+    c = _seq("c", range(500, 524))
+    assert [x.block_id for x in m.allocate_slots(c, 24, 0, m.get_computed_blocks(c)[0])] == [7, 6, 8, 9, 5, 4, 2]
+    hits, hit, diverged = m.get_computed_blocks_for_connector(b)
+    assert (hits, hit, diverged) == (([], []), 0, False)
 
 
 @settings(max_examples=200, deadline=None)

@@ -87,11 +87,18 @@ def test_a_hybrid_requests_read_is_each_groups_blocks_past_the_hit_by_hand():
     assert held == pytest.approx(72 * (p.at["r0", "released"] - p.at["r0", "prefill_done"]), rel=1e-12)
 
 
-def test_mamba_state_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="prefill_replicas: .*Mamba state on a P/D decode side") as e:
-        simulate_pd(_workload([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, prefill_replicas=1,
-                                                decode_replicas=1).validate())
-    assert "\n" not in str(e.value)
+def test_a_mamba_hybrid_runs_as_a_pd_cluster():
+    # qwen3-next-80b-a3b at TP 8 on H100s (blocks of 192): the prefill replica computes 999 of a
+    # 1,000-token prompt (`_prefill_backoff` 1), the decode replica reads them: cdiv(999, 192) = 6
+    # attention blocks + one state block for each of the 3 Mamba groups (base_scheduler.py
+    # `get_exchange_clipped_blocks`, `clip_ssm_state_blocks`), then computes the last prompt token
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", prefill_replicas=1,
+                    decode_replicas=1)
+    r = simulate_pd(_workload([0.0], prompt=1000), cfg.validate())
+    p = r.paths.set_index("id")
+    block = r.replicas[1].summary["kv_bytes_per_block"]
+    assert p.at["r0", "read_bytes"] == 9 * block == r.summary["pd"]["read_bytes"]
+    assert r.replicas[1].summary["read_tokens"] == 999 and r.replicas[1].summary["finished"] == 1
 
 
 def test_two_reads_from_one_prefill_replica_share_its_nic():

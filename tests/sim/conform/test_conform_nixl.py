@@ -25,6 +25,7 @@ from kvsim.sim.engine.nixl import KVTransfer
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request
 from kvsim.workloads.traces import load_workload
+from tests.sim.engine.engine_fixtures import mamba_turns
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "workloads"
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
@@ -200,12 +201,15 @@ def test_a_landed_hybrid_load_keeps_the_watermark_free():
     """A promoted request's recomputed token allocates no block yet keeps a waiting request's
     watermark free (kv_cache_manager.py `allocate_slots`: `watermark_blocks` for WAITING), which the
     hybrid manager's one-token path must ask too (`kvsim conform --random 79:80 --pd` differed)."""
+    from dataclasses import replace
+
     from kvsim.sim.conform.random_cases import random_case
 
-    case = random_case(79, pd=True)
-    assert (case.cfg.model, case.cfg.kv_transfer_role, case.cfg.watermark) == ("gemma-3-27b", "decode", 0.05)
-    assert not case.cfg.scheduler_reserve_full_isl
-    d = conform(case.requests, case.cfg, "scheduler")[0]
+    case = random_case(79, pd=True)  # (its model and pool as drawn before Mamba decode sides were)
+    cfg = replace(case.cfg, model="gemma-3-27b", num_gpu_blocks=322).validate()
+    assert (cfg.kv_transfer_role, cfg.watermark) == ("decode", 0.05)
+    assert not cfg.scheduler_reserve_full_isl
+    d = conform(case.requests, cfg, "scheduler")[0]
     assert d.ok, d.format()
 
 
@@ -229,10 +233,46 @@ def test_a_mamba_prefill_side_matches_vllm_and_differs_without_the_backoff(monke
 
 
 @needs_vllm
-def test_random_pd_cases_draw_mamba_state_on_the_prefill_side_only():
-    """The `--pd` draws put a Mamba model on the prefill side only (kvsim refuses its decode side)."""
+def test_a_mamba_decode_side_matches_vllm_and_differs_with_the_reconciled_lookup(monkeypatch: pytest.MonkeyPatch):
+    """qwen3-next-80b-a3b's decode side (`kvsim conform --random 8:9 --pd`: a multi-turn pool of 48
+    blocks of 144 tokens on an A100): each landed prompt is cached in full attention but leaves no Mamba
+    state on a block boundary, so the next turn's hits diverge. vLLM's scheduler gives the NIXL
+    connector (connector.py `supports_divergent_local_hybrid_hits`) full attention's hit
+    (scheduler.py `_get_local_prefix_cache_hit`, kv_cache_manager.py `get_computed_blocks_for_connector`)
+    and reads the rest with one state block a Mamba group. The negative control, the reconciled
+    lookup a connector without that property gets, differed in 39 of 40 requests."""
+    import kvsim.sim.engine.nixl as nixl
     from kvsim.sim.conform.random_cases import random_case
 
-    cases = [random_case(seed, pd=True).cfg for seed in range(60)]
-    mamba = [(c.kv_transfer_role, c.gpu) for c in cases if c.model == "qwen3-next-80b-a3b"]
-    assert mamba and {role for role, _ in mamba} == {"prefill"}
+    case = random_case(8, pd=True)
+    assert (case.cfg.model, case.cfg.kv_transfer_role, case.cfg.gpu) == ("qwen3-next-80b-a3b", "decode", "a100-80g")
+    d = conform(case.requests, case.cfg, "scheduler")[0]
+    assert d.ok and d.requests == 40, d.format()
+    monkeypatch.setattr(nixl.NixlConnector, "divergent_hits", False)
+    d = conform(case.requests, case.cfg, "scheduler")[0]
+    assert d.differing == 39
+
+
+@needs_vllm
+def test_a_mamba_decode_sides_full_local_hit_is_reconciled_and_only_notifies_as_in_vllm():
+    """A turn whose full-attention hit covers all it would read (the prompt less the backoff) loads
+    nothing, so vLLM reconciles its hit (scheduler.py `schedule`: `hit_diverged and
+    num_external_computed_tokens == 0` -> `get_computed_blocks`) and its worker only notifies the
+    prefill side, reporting no read (pull_worker.py `start_load_kv`): r2's 384-token full-attention
+    hit gives 0 (tests/sim/engine/test_nixl.py works the same three requests by hand)."""
+    reqs = mamba_turns()
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode",
+                    num_gpu_blocks=40).validate()
+    d = conform(reqs, cfg, "scheduler")[0]
+    assert d.ok and d.requests == 3, d.format()
+    assert list(simulate(reqs, cfg).requests["hit_tokens"]) == [0, 384, 0]
+
+
+@needs_vllm
+def test_random_pd_cases_draw_mamba_state_on_both_sides():
+    """The `--pd` draws put a Mamba model on either side (9 decode sides in seeds 0 to 299)."""
+    from kvsim.sim.conform.random_cases import random_case
+
+    cases = [random_case(seed, pd=True).cfg for seed in range(300)]
+    roles = [c.kv_transfer_role for c in cases if c.model == "qwen3-next-80b-a3b"]
+    assert (roles.count("decode"), roles.count("prefill")) == (9, 8)

@@ -13,6 +13,17 @@ from kvsim.sim.engine.scheduler import Scheduler
 from kvsim.workloads.request import Request, Workload, make_request
 
 
+def mamba_turns() -> list[Request]:
+    """Three turns for a Mamba decode side (qwen3-next at TP 8 on an H100: blocks of 192): r0, 500
+    tokens; r1, r0's prompt and 100 more; r2, r0's first 384 tokens and one more."""
+    base = np.arange(500, dtype=np.int32)
+    return [Request(id="r0", arrival=0.0, prompt_len=500, output_len=5, _prompt=base),
+            Request(id="r1", arrival=5.0, prompt_len=600, output_len=5,
+                    _prompt=np.concatenate([base, np.arange(9000, 9100, dtype=np.int32)])),
+            Request(id="r2", arrival=10.0, prompt_len=385, output_len=5,
+                    _prompt=np.concatenate([base[:384], np.array([7777], dtype=np.int32)]))]
+
+
 class FlatCost:
     """Stand-in cost model: every step takes `step_s` seconds; records what it was asked."""
 

@@ -15,7 +15,9 @@ Rules pinned (vLLM 0.33.0):
   `KVCacheBlocks.get_unhashed_block_ids_all_groups`, clipped by base_scheduler.py
   `get_exchange_clipped_blocks`), pull_worker.py `_read_blocks` (each group's blocks read across every
   region: a pool block's bytes each, base_worker.py `_compute_desc_ids`), scheduler.py
-  `_connector_finished` (a finished request's windows let go of their skipped blocks first).
+  `_connector_finished` (a finished request's windows let go of their skipped blocks first);
+- Mamba state on the decode side: scheduler.py `_get_local_prefix_cache_hit` and `schedule`'s
+  `hit_diverged` fallback, kv_cache_manager.py `get_computed_blocks_for_connector`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.nixl import KVTransfer, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request, Workload
+from tests.sim.engine.engine_fixtures import mamba_turns
 
 BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16: 32 layers x 8 KV heads x 128 x K and V x 2 bytes x 16
 # gpt-oss-20b, block 16: two groups of 12 layers (sliding window 128, full attention); a block of the
@@ -202,14 +205,24 @@ def test_the_prefill_backoff_and_the_proxys_request():
     assert with_max_tokens_one(one, 1).prompt_len == 1
 
 
-def test_mamba_state_on_the_decode_side_is_refused_in_one_line():
-    # vLLM's NIXL connector (connector.py `supports_divergent_local_hybrid_hits`) makes the scheduler
-    # take the full-attention group's local hit with each group's own blocks
-    # (kv_cache_manager.py `get_computed_blocks_for_connector`), which kvsim does not model yet
-    with pytest.raises(ConfigError, match="Mamba state on a P/D decode side") as e:
-        simulate(_requests([0.0]), SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8,
-                                             kv_transfer_role="decode").validate())
-    assert "\n" not in str(e.value) and "get_computed_blocks_for_connector" in str(e.value)
+def test_a_mamba_decode_side_takes_full_attentions_deeper_hit_with_a_load_and_reconciles_without_one():
+    # qwen3-next-80b-a3b on an H100 at TP 8: blocks of 192, three Mamba groups and one full-attention
+    # group. r0 (500 tokens) reads 499 (the backoff of one: base_scheduler.py
+    # `_get_remote_prefill_token_count`): 3 attention blocks + one state block a Mamba group = 6; its
+    # 384 tokens of full blocks are cached in full attention, and no Mamba state on a block boundary.
+    # r1 (r0's prompt + 100): full attention hits 384, the Mamba groups 0, so with the NIXL connector
+    # (connector.py `supports_divergent_local_hybrid_hits`) the local hit is 384
+    # (kv_cache_manager.py `get_computed_blocks_for_connector`) and it reads 599 - 384 = 215 tokens:
+    # 2 attention blocks + 3 state blocks. r2 (r0's first 384 + 1): full attention hits 384 = all it
+    # would read, so nothing is loaded and the hit is reconciled to 0 (scheduler.py `schedule`:
+    # `hit_diverged and num_external_computed_tokens == 0` -> `get_computed_blocks`): computed here
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode")
+    r = simulate(Workload.from_list(mamba_turns()), cfg.validate())
+    rq = r.requests.set_index("id")
+    assert list(rq["hit_tokens"]) == [0, 384, 0] and list(rq["output_tokens"]) == [5, 5, 5]
+    block = r.summary["kv_bytes_per_block"]
+    assert (r.summary["read_blocks"], r.summary["read_tokens"], r.summary["read_bytes"]) == (11, 714, 11 * block)
+    assert rq.at["r2", "first_scheduled"] == 10.0  # no read: admitted as it arrives
 
 
 def test_windowed_models_are_refused():
