@@ -14,7 +14,9 @@ works one through by hand):
    its decode replica at once, as a remote-prefill request;
 3. the decode replica admits it when the whole prompt's blocks fit (net of its local prefix hit and
    of other loads' reservations) and posts one read of the blocks past its hit: bytes from the
-   prefill replica's NIC to its own, sharing both NICs with the other reads (`SharedLink`);
+   prefill replica's NIC to its own, sharing both NICs with the other reads (`SharedLink`), each
+   side's rank carrying its own bytes of every block (`sim.engine.nixl_tp.read_ranks`: an attention
+   block at its page bytes, a Mamba group's state block at its conv and SSM state's);
 4. the decode replica sees the read done at a step's poll and decodes; the prefill replica hears of
    it at its own next poll and frees the blocks into its prefix cache. A request the decode side
    drops before reading it lets the prefill side go at once. While the decode side holds a request,
@@ -47,8 +49,8 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.sim.engine.metrics import percentiles, slo_figures
-from kvsim.sim.engine.nixl import NixlConnector, prefill_backoff, with_max_tokens_one
-from kvsim.sim.engine.nixl_tp import rank_bytes
+from kvsim.sim.engine.nixl import BlockBytes, NixlConnector, prefill_backoff, with_max_tokens_one
+from kvsim.sim.engine.nixl_tp import read_ranks
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
 
@@ -65,7 +67,7 @@ class Path:
     cached_tokens: int | None = None  # what the decider was told the decode replica holds
     prefill_done: float = NAN  # the prefill replica's token (the request reaches its decode replica)
     read_post: float = NAN
-    read_bytes: int = 0  # one rank's bytes of the blocks read (past the decode replica's local hit)
+    read_bytes: int = 0  # a decode rank's bytes of the blocks read (past its local hit), each at its kind's
     read_end: float = NAN
     released: float = NAN  # the prefill replica freed its held blocks (it polled once the read ended)
     rows: dict[int, int] = field(default_factory=dict)  # replica -> the request's row in its log
@@ -84,13 +86,13 @@ class ClusterTransport:
     def remote_decode(self, rid: str) -> bool:
         return rid in self.pd.remote_decode[self.replica]
 
-    def post(self, rid: str, blocks: int, at: float) -> None:
+    def post(self, rid: str, blocks: int, states: int, at: float) -> None:
         path = self.pd.paths[rid]
         path.read_post = at
-        per_rank = self.pd.rank_bytes
-        path.read_bytes = blocks * per_rank.receive
-        self.pd.link.start(rid, path.prefill, self.replica, blocks * per_rank.send, at,
-                           per_rank.receive / per_rank.send)
+        per_rank = self.pd.read_ranks.of(blocks, states)
+        path.read_bytes = per_rank.receive
+        self.pd.link.start(rid, path.prefill, self.replica, per_rank.send, at,
+                           per_rank.receive / per_rank.send if per_rank.send else 1.0)
         self.pd.poke_idle(at)  # every read's end may move
 
     def read_end(self, rid: str, now: float) -> float | None:
@@ -114,7 +116,7 @@ class ClusterTransport:
         self.pd.unread[rid] = now
         self.pd.poke_idle(now)  # its prefill replica lets it go
 
-    def release_at(self, rid: str, finished: float, blocks: int, now: float) -> float | None:
+    def release_at(self, rid: str, finished: float, blocks: int, states: int, now: float) -> float | None:
         pd_ = self.pd
         pd_.link.advance(now)
         end = pd_.link.done_at(rid)
@@ -158,8 +160,9 @@ class PDCluster:
         self.link = SharedLink(cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         pools = (cfg.pool_config("prefill"), cfg.pool_config("decode"))
         self.prefill_token_capacity = pools[0].batch_limits()[0]  # a prefill replica's max_num_batched_tokens
-        self.rank_bytes = rank_bytes(pools[0].tensor_parallel, costs[0].kv_bytes_per_block,
-                                     pools[1].tensor_parallel, costs[1].kv_bytes_per_block)
+        self.block_bytes = tuple(BlockBytes.of(c) for c in costs)  # prefill's, decode's
+        self.read_ranks = read_ranks(pools[0].tensor_parallel, self.block_bytes[0], costs[0].block_size,
+                                     pools[1].tensor_parallel, self.block_bytes[1], costs[1].block_size)
         self.remote_prefill: list[set[str]] = [set() for _ in range(P + D)]
         self.remote_decode: list[set[str]] = [set() for _ in range(P + D)]
         self.unread: dict[str, float] = {}
@@ -179,7 +182,7 @@ class PDCluster:
         for i, m in enumerate(managers):
             pool = 0 if i < P else 1
             ev, cost, pool_cfg = self.events[pool], costs[pool], pools[pool]
-            conn = NixlConnector(m, priority, ClusterTransport(self, i), cost.kv_bytes_per_block, self.backoffs[pool])
+            conn = NixlConnector(m, priority, ClusterTransport(self, i), self.block_bytes[pool], self.backoffs[pool])
             self.engines.append(Engine(env, None, engine_config(pool_cfg) if ev is not None else pool_cfg, cost, m,
                                        front=self._inlet, kv_events=ev.send if ev is not None else None,
                                        replica=i - P * pool, connector=conn,

@@ -186,10 +186,12 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         from kvsim.sim.conform.vllm_nixl import Nixl
         from kvsim.sim.conform.vllm_timed import run_timed
         from kvsim.sim.engine.cost_model import CostModel
+        from kvsim.sim.engine.nixl import BlockBytes
 
         args = _scheduler_args(cfg)
         del args["step_time"]
-        nixl = Nixl.from_config(cfg, CostModel.from_config(cfg).kv_bytes_per_block)  # P/D's connector, or None
+        block_bytes = BlockBytes.of(CostModel.from_config(cfg))
+        nixl = Nixl.from_config(cfg, block_bytes.attention, block_bytes.state)  # P/D's connector, or None
         theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
                            load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
     else:

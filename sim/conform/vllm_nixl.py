@@ -17,11 +17,13 @@ engine, request, host, port, tp size, ...), from a prefill side standing idle.
 
 The transfer itself is `NixlWorker`, timed as kvsim's `sim.engine.nixl` times it:
 - decode side: each step's `reqs_to_recv` (`build_connector_meta`) start when the step starts and
-  last `KVTransfer.seconds` of the blocks vLLM allocated for them; a read is reported in
+  last `KVTransfer.seconds` of the blocks vLLM allocated for them, a block of one of vLLM's Mamba
+  groups (a `MambaSpec` group of its KV-cache config) at the state's bytes, every other block at a
+  pool block's; a read is reported in
   `finished_recving` by the first step starting once it is done (its poll,
   kv_connector_model_runner_mixin.py `_get_kv_connector_output`), and applied as that step ends;
 - prefill side: a request in `reqs_to_send` is reported in `finished_sending` by the first step
-  starting at or after its finish + `KVTransfer.seconds` of its blocks (capped by the lease), as
+  starting at or after its finish + `KVTransfer.seconds` of its blocks, priced alike (capped by the lease), as
   kvsim's lone prefill side assumes a decode side that reads at once.
 
 vLLM passes `finished_sending` as a set, and `_update_from_kv_xfer_finished` frees the requests in
@@ -57,11 +59,12 @@ class Nixl:
     lease_s: float
 
     @classmethod
-    def from_config(cls, cfg: SimConfig, bytes_per_block: int) -> Nixl | None:
-        """The NIXL side of `cfg` (None: no `kv_transfer_role`), with its reads of `bytes_per_block`."""
+    def from_config(cls, cfg: SimConfig, bytes_per_block: int, state_bytes: int = 0) -> Nixl | None:
+        """The NIXL side of `cfg` (None: no `kv_transfer_role`), with its reads of `bytes_per_block` an
+        attention block and `state_bytes` a Mamba state block."""
         if cfg.kv_transfer_role is None:
             return None
-        transfer = KVTransfer(bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
+        transfer = KVTransfer(bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency, state_bytes)
         return cls(cfg.kv_transfer_role, transfer, cfg.kv_lease_duration)
 
     def requests(self, requests: Iterable[Request]) -> list[Request]:
@@ -95,12 +98,15 @@ class Nixl:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
             NixlPullConnectorScheduler,
         )
+        from vllm.v1.kv_cache_interface import MambaSpec
 
         side = getattr(sched.connector, "connector_scheduler", None)
         if not isinstance(side, NixlPullConnectorScheduler) or side._kv_lease_duration != self.lease_s:
             raise RuntimeError(f"vLLM built {type(side).__name__} for its connector, not the NIXL pull "
                                f"connector's scheduler side with a {self.lease_s:g} s lease")
-        return NixlWorker(self, sched, block_size)
+        groups = sched.kv_cache_config.kv_cache_groups
+        mamba = frozenset(g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec))
+        return NixlWorker(self, sched, block_size, mamba)
 
     @property
     def run_class(self) -> type[_NixlRun]:
@@ -112,8 +118,9 @@ class NixlWorker:
     """vLLM's NIXL pull worker (pull_worker.py) as its scheduler side sees it, with kvsim's timing
     (see the module docstring): reads and sends in flight, and what each step's poll reports."""
 
-    def __init__(self, nixl: Nixl, sched: Any, block_size: int):
+    def __init__(self, nixl: Nixl, sched: Any, block_size: int, mamba_groups: frozenset[int] = frozenset()):
         self.nixl, self.sched, self.block_size = nixl, sched, block_size
+        self.mamba_groups = mamba_groups  # vLLM's groups of MambaSpec: their blocks are state blocks
         self.reads: dict[str, float] = {}  # decode side: request -> when its read is done
         self.sends: dict[str, float] = {}  # prefill side: request -> when the decode side has read it
         self.finished_at: dict[str, float] = {}  # prefill side: request -> when vLLM finished it
@@ -126,23 +133,34 @@ class NixlWorker:
         requests' sends are timed; the reads and sends done by `start` (finished_recving,
         finished_sending), each in the order they were handed over."""
         transfer = self.nixl.transfer
-        for rid, req in meta.reqs_to_recv.items():  # every group's blocks, each a pool block's bytes
+        for rid, req in meta.reqs_to_recv.items():  # every group's blocks, each at its kind's bytes
             if not req.awaiting_kvs and not any(req.local_block_ids):  # a full local hit: a notice, never
                 continue  # reported (pull_worker.py `start_load_kv`; the scheduler asserts it)
-            self.reads[rid] = start + transfer.seconds(sum(map(len, req.local_block_ids)))
+            self.reads[rid] = start + transfer.seconds(*self._kinds(map(len, req.local_block_ids)))
         for rid in meta.reqs_to_send:
-            self.sends[rid] = self.finished_at.pop(rid) + min(transfer.seconds(self._offered(rid)), self.nixl.lease_s)
+            self.sends[rid] = self.finished_at.pop(rid) + min(transfer.seconds(*self._offered(rid)), self.nixl.lease_s)
         return self._done(self.reads, start), self._done(self.sends, start)
 
-    def _offered(self, rid: str) -> int:
+    def _kinds(self, counts: Iterable[int]) -> tuple[int, int]:
+        """(attention blocks, Mamba state blocks) of blocks counted group by group in vLLM's group order."""
+        blocks = states = 0
+        for g, n in enumerate(counts):
+            if g in self.mamba_groups:
+                states += n
+            else:
+                blocks += n
+        return blocks, states
+
+    def _offered(self, rid: str) -> tuple[int, int]:
         """The blocks the prefill side's `request_finished` offers for `rid` (the remote_block_ids it
         returns: vLLM's block ids of the computed tokens, clipped by its own
-        `get_exchange_clipped_blocks`), null blocks not counted: the decode side reads them."""
+        `get_exchange_clipped_blocks`), null blocks not counted: the decode side reads them; as
+        (attention blocks, Mamba state blocks)."""
         manager = self.sched.kv_cache_manager
         ids = manager.get_block_ids_for_computed_tokens(rid, self.sched.requests[rid].num_computed_tokens)
         null = manager.block_pool.null_block.block_id
         clipped = self.sched.connector.connector_scheduler.get_exchange_clipped_blocks(ids)
-        return sum(1 for group in clipped for b in group if b != null)
+        return self._kinds(sum(1 for b in group if b != null) for group in clipped)
 
     @staticmethod
     def _done(inflight: dict[str, float], start: float) -> _OrderedIds:

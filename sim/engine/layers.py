@@ -191,6 +191,22 @@ class HybridLayout:
     def has_mamba(self) -> bool:
         return any(g.layer.kind == "mamba" for g in self.groups)
 
+    @property
+    def num_state_groups(self) -> int:
+        """The Mamba groups: a NIXL read or hold of a request has one state block in each."""
+        return sum(1 for g in self.groups if g.layer.kind == "mamba")
+
+    @property
+    def state_read_bytes(self) -> int:
+        """The bytes one rank's NIXL read moves for one Mamba group's block: the conv and SSM state of
+        each layer slot holding a Mamba layer, not the padded page (vLLM 0.33 nixl/base_worker.py
+        `_build_mamba_local`: a region a conv sub-projection plus the SSM region, sized by
+        ssm_conv_transfer_utils.py `derive_mamba_conv_split`'s `ssm_sizes`, in each of
+        `_ssm_region_indices`; every group's layer i shares slot i, kv_cache_planning.py
+        `get_kv_cache_config_from_groups`). 0 without Mamba groups."""
+        slots = max((len(g.layers) for g in self.groups if g.layer.kind == "mamba"), default=0)
+        return slots * self.mamba_page_bytes
+
     def table(self, block_size: int) -> list[dict]:
         """One record a group, in vLLM's group order: its kind, window, layers, block size and the
         bytes one block of it takes (the pool's block: every group's is the same size)."""

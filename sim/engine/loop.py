@@ -97,16 +97,23 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
         per_block = (cost.op_cost_s["load"], cost.op_cost_s["store"])
         connector = OffloadConnector.build(cfg, manager, cost.kv_bytes_per_block, per_block)
     elif connector is None and cfg.kv_transfer_role is not None:
-        from kvsim.sim.engine.nixl import KVTransfer, LoneTransport, NixlConnector, prefill_backoff
+        from kvsim.sim.engine.nixl import (
+            BlockBytes,
+            KVTransfer,
+            LoneTransport,
+            NixlConnector,
+            prefill_backoff,
+        )
 
         if manager.sliding_window is not None:
             raise ConfigError(f"kv_transfer_role: {cfg.model} uses a sliding window; kvsim models vLLM's NIXL "
                               "connector for full attention only (vLLM clips a window's blocks)")
 
-        transfer = KVTransfer(cost.kv_bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
+        block_bytes = BlockBytes.of(cost)
+        transfer = KVTransfer.of(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)
         backoff = prefill_backoff(cost)
-        connector = NixlConnector(manager, cfg.scheduling == "priority", transport, cost.kv_bytes_per_block, backoff)
+        connector = NixlConnector(manager, cfg.scheduling == "priority", transport, block_bytes, backoff)
     return Scheduler(cfg, manager, log, connector=connector)
 
 

@@ -26,16 +26,17 @@ Timing (vllm/v1/worker/kv_connector_model_runner_mixin.py `_get_kv_connector_out
 are posted right after its forward is launched (`start_load_kv`), so a read admitted in a step starts
 with it; the worker's `get_transfer_results` is polled as the step is launched, so a transfer is seen
 by the first step that starts once it is done and applied when that step ends (the schedule after it
-sees it). An empty step polls and applies at once. A read takes `KVTransfer.seconds` of its blocks.
+sees it). An empty step polls and applies at once. A read takes `KVTransfer.seconds` of its blocks,
+each at its kind's bytes on one rank (`BlockBytes`).
 
 Hybrid models (vLLM's KV-cache groups; base_scheduler.py `_is_hma_required`): the decode side reads
 every group's blocks past its local hit, the blocks its load got (pull_scheduler.py
 `update_state_after_alloc`: `get_unhashed_block_ids_all_groups`, clipped by `get_exchange_clipped_blocks`
 to a window's last cdiv(window, block) + 1, which a load's window blocks never exceed:
-`kvcache.hybrid_loads`), each a pool block's bytes (pull_worker.py reads a group's block across every
-layer region); a finished request's windows first let go of the blocks they skip (scheduler.py
-`_connector_finished` calls `remove_skipped_blocks` before `request_finished`), then the prefill side
-holds the rest.
+`kvcache.hybrid_loads`), each an attention group's block at a pool block's bytes (pull_worker.py reads
+a group's block across every layer region, a whole page each); a finished request's windows first let
+go of the blocks they skip (scheduler.py `_connector_finished` calls `remove_skipped_blocks` before
+`request_finished`), then the prefill side holds the rest.
 
 Mamba state (vLLM's "align" mode): the prefill side drops the prompt's last token
 (base_scheduler.py `_prefill_backoff`, 1 with Mamba layers; `_truncate_request_for_prefill` from
@@ -50,9 +51,13 @@ per-group lookup (scheduler.py `_get_local_prefix_cache_hit`, kv_cache_manager.p
 own blocks, unless a group hit deeper (then the reconciled hit); when such a hit ran past a lagging
 Mamba state and nothing is loaded, the scheduler reconciles (`get_computed_blocks`). A load gives each
 Mamba group null blocks and one new block, the state the read writes (`kvcache.hybrid_loads`), so a
-read is the attention blocks past the hit plus one state block a Mamba group, each a pool block's
-bytes. A remote request admitted with nothing to read (its hit reaches the prompt less the backoff)
-is remote no more and only notifies the prefill side, which lets its blocks go (pull_worker.py
+read is the attention blocks past the hit at a pool block's bytes plus one state block a Mamba group
+at the state's own bytes: the worker reads a Mamba layer's conv sub-projections and SSM state, not its
+padded page (base_worker.py `_build_mamba_local`, `_build_mamba_remote`; ssm_conv_transfer_utils.py
+`derive_mamba_conv_split`'s `ssm_sizes`), so `BlockBytes.state` is `HybridLayout.state_read_bytes`
+(qwen3-next-80b-a3b at TP 8: 12 x 137,216 bytes against a 12 x 196,608-byte pool block). A remote
+request admitted with nothing to read (its hit reaches the prompt less the backoff) is remote no more
+and only notifies the prefill side, which lets its blocks go (pull_worker.py
 `start_load_kv`: no read reported).
 
 A lone replica plays one role for every request (`SimConfig.kv_transfer_role`); the decode side
@@ -83,18 +88,60 @@ DEFAULT_LEASE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
+class BlockBytes:
+    """One rank's bytes of each kind of block a NIXL read moves, for one model's layout: an attention
+    block (a page of every layer of its group: pull_worker.py reads whole pages, `kv_bytes_per_block`)
+    and a Mamba group's state block (its conv and SSM state alone, `HybridLayout.state_read_bytes`);
+    and the Mamba groups, each with one state block in a read or a hold (`kvcache.hybrid_loads`: a
+    load gives a Mamba group one new block; base_scheduler.py `clip_ssm_state_blocks`)."""
+
+    attention: int
+    state: int = 0
+    state_groups: int = 0
+
+    @classmethod
+    def of(cls, cost: Any) -> BlockBytes:
+        """The block bytes of the model a `CostModel` prices, from its layout (the one place a Mamba
+        state's bytes are worked out)."""
+        layout = cost.layout
+        if layout is None or not layout.has_mamba:
+            return cls(cost.kv_bytes_per_block)
+        return cls(cost.kv_bytes_per_block, layout.state_read_bytes, layout.num_state_groups)
+
+    def split(self, blocks: int) -> tuple[int, int]:
+        """(attention blocks, state blocks) of a read or a hold of `blocks` blocks."""
+        if not blocks or not self.state_groups:
+            return blocks, 0
+        if blocks < self.state_groups:
+            raise ValueError(f"a read of {blocks} blocks has fewer than its {self.state_groups} Mamba state blocks")
+        return blocks - self.state_groups, self.state_groups
+
+    def read_bytes(self, blocks: int) -> int:
+        """One rank's bytes of a read of `blocks` blocks."""
+        attention, states = self.split(blocks)
+        return attention * self.attention + states * self.state
+
+
+@dataclass(frozen=True, slots=True)
 class KVTransfer:
     """How long one whole-request read takes: a fixed latency plus its bytes over the link's bandwidth.
     Each tensor-parallel rank reads its own share of every block over its own NIC, in parallel, so
-    the bytes are one rank's (`bytes_per_block`)."""
+    the bytes are one rank's: `bytes_per_block` an attention block, `state_bytes` a Mamba group's
+    state block (`BlockBytes`)."""
 
     bytes_per_block: int
     gbps: float = DEFAULT_GBPS
     latency_s: float = DEFAULT_LATENCY_S
+    state_bytes: int = 0
 
-    def seconds(self, blocks: int) -> float:
-        """The read of `blocks` blocks, from its post to its end."""
-        return self.latency_s + blocks * self.bytes_per_block / (self.gbps * 1e9)
+    @classmethod
+    def of(cls, block_bytes: BlockBytes, gbps: float, latency_s: float) -> KVTransfer:
+        """The reads of a model's `block_bytes` over a link of `gbps` and `latency_s`."""
+        return cls(block_bytes.attention, gbps, latency_s, block_bytes.state)
+
+    def seconds(self, blocks: int, states: int = 0) -> float:
+        """The read of `blocks` attention blocks and `states` Mamba state blocks, from its post to its end."""
+        return self.latency_s + (blocks * self.bytes_per_block + states * self.state_bytes) / (self.gbps * 1e9)
 
 
 def prefill_backoff(cost: Any) -> int:
@@ -137,9 +184,9 @@ class LoneTransport:
         """Whether request `rid` is a prefill replica's, read by a decode replica (`do_remote_decode`)."""
         return self.role == "prefill"
 
-    def post(self, rid: str, blocks: int, at: float) -> None:
-        """The decode side posts its read of `blocks` blocks at `at`."""
-        self._ends[rid] = at + self.transfer.seconds(blocks)
+    def post(self, rid: str, blocks: int, states: int, at: float) -> None:
+        """The decode side posts its read of `blocks` attention blocks and `states` state blocks at `at`."""
+        self._ends[rid] = at + self.transfer.seconds(blocks, states)
 
     def read_end(self, rid: str, now: float) -> float | None:
         """When `rid`'s read ends, if known for good by `now`."""
@@ -156,10 +203,10 @@ class LoneTransport:
     def dropped(self, rid: str, now: float) -> None:
         """The decode side dropped `rid` before reading it, or needs none of it (a full local hit)."""
 
-    def release_at(self, rid: str, finished: float, blocks: int, now: float) -> float | None:
-        """When the prefill side hears that `rid` (finished at `finished`, `blocks` prompt blocks) was
-        read, or its lease ended; None: not known yet."""
-        return finished + min(self.transfer.seconds(blocks), self.lease_s)
+    def release_at(self, rid: str, finished: float, blocks: int, states: int, now: float) -> float | None:
+        """When the prefill side hears that `rid` (finished at `finished`, holding `blocks` attention
+        blocks and `states` state blocks) was read, or its lease ended; None: not known yet."""
+        return finished + min(self.transfer.seconds(blocks, states), self.lease_s)
 
     def release_bound(self, rid: str, finished: float) -> float:
         """A time by which the prefill side must look again (the lease's end)."""
@@ -184,13 +231,13 @@ class NixlConnector:
     # per-group lookup (`get_computed_blocks_for_connector`)
     divergent_hits = True
 
-    def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, bytes_per_block: int,
+    def __init__(self, manager: KVCacheManager, priority: bool, transport: LoneTransport, block_bytes: BlockBytes,
                  backoff: int = 0):
         self.m = manager
         self.backoff = backoff  # (`prefill_backoff`: the prompt tokens the decode side recomputes)
         self.free_seq = manager.free
         self.transport = transport
-        self.bytes_per_block = bytes_per_block
+        self.block_bytes = block_bytes
         self.async_loads = AsyncLoads(manager, priority)
         self.holding = self.async_loads.holding
         self._remote_done: set[str] = set()  # decode side: requests whose remote prompt was allocated
@@ -200,6 +247,7 @@ class NixlConnector:
         self._held: dict[str, tuple[Live, float, int]] = {}  # prefill side: request -> (live, finished, blocks held)
         self.read_blocks = 0
         self.read_tokens = 0
+        self.read_bytes = 0  # one rank's, each block at its kind's bytes (`BlockBytes.read_bytes`)
         self.held_block_seconds = 0.0  # prefill side: blocks held after finishing x seconds held
 
     # ------------------------------------------------------------- state
@@ -232,8 +280,9 @@ class NixlConnector:
             return -math.inf
         t = self.transport
         times = [t.read_eta(rid) for rid in self._reads]
+        split = self.block_bytes.split
         for rid, (_, finished, blocks) in self._held.items():
-            at = t.release_at(rid, finished, blocks, now)
+            at = t.release_at(rid, finished, *split(blocks), now)
             times.append(at if at is not None else t.release_bound(rid, finished))
         return min(times, default=math.inf)
 
@@ -245,7 +294,7 @@ class NixlConnector:
     def totals(self) -> dict[str, int | float]:
         """The run's transfer figures for its summary."""
         return {"read_blocks": self.read_blocks, "read_tokens": self.read_tokens,
-                "read_bytes": self.read_blocks * self.bytes_per_block,
+                "read_bytes": self.read_bytes,
                 "held_block_seconds": self.held_block_seconds}
 
     # ------------------------------------------------------------- the step
@@ -269,21 +318,21 @@ class NixlConnector:
             if blocks is None:  # nothing to read: the prefill side is told to let go (pull_worker.py
                 self.transport.dropped(rid, at)  # `_read_blocks`, a full local hit's notification)
                 continue
-            self.transport.post(rid, blocks, at)
+            self.transport.post(rid, *self.block_bytes.split(blocks), at)
             self._reads.add(rid)
         self._planned.clear()
 
     def _poll_apply(self, poll: float, now: float) -> bool:
         """Apply the reads and releases known by `now` to be done by `poll` (a release frees the
         request's blocks, the held requests in the order they finished); whether any was."""
-        t = self.transport
+        t, split = self.transport, self.block_bytes.split
         done = [rid for rid in self._reads if (end := t.read_end(rid, now)) is not None and end <= poll]
         for rid in done:
             self._reads.discard(rid)
             t.read_seen(rid)
             self._applied.add(rid)
         released = [rid for rid, (_, finished, blocks) in self._held.items()
-                    if (at := t.release_at(rid, finished, blocks, now)) is not None and at <= poll]
+                    if (at := t.release_at(rid, finished, *split(blocks), now)) is not None and at <= poll]
         for rid in released:
             live, finished, blocks = self._held.pop(rid)
             self.held_block_seconds += blocks * (now - finished)
@@ -315,6 +364,7 @@ class NixlConnector:
         self._planned.append((rid, len(new)))
         self.read_blocks += len(new)
         self.read_tokens += ext
+        self.read_bytes += self.block_bytes.read_bytes(len(new))
         return True
 
     def landed(self, seq: Sequence) -> int | None:

@@ -17,13 +17,30 @@ rank's NIC takes one decode rank's share of each block. Which prefill ranks serv
 Either way one side's rank NIC carries the most, and ranks work in parallel, so a read alone takes
 blocks x max(send, receive) / a rank's bandwidth (`sim.cluster.link.SharedLink` shares NICs with
 these per-rank bytes). vLLM needs one TP size to divide the other (`tp_ratio`'s assertions).
+
+Mamba state (a hybrid model's state blocks) maps the same way with its own bytes: it is always split
+across ranks, never replicated (nixl/base_worker.py `_build_mamba_remote`; tp_mapping.py
+`compute_tp_mapping`'s SSM source ranks). Decode TP >= prefill TP: decode rank r reads its slice of
+each conv sub-projection and of the SSM state from prefill rank r // ratio, which sends `ratio` x a
+decode rank's state (its own); decode TP < prefill TP: decode rank r reads every one of prefill ranks
+r x ratio .. (r + 1) x ratio - 1's whole state (ssm_conv_transfer_utils.py `remote_conv_offsets` with
+a negative ratio). A read of attention and state blocks sums both kinds on each side (`ReadRanks`).
+
+A Mamba hybrid's block size depends on its TP (vLLM raises it until an attention page holds a rank's
+state), so two pools at different TP sizes may differ in it: vLLM's decode side needs its block size a
+multiple of the prefill side's (kv_connector/utils.py `TransferTopology.block_size_ratio`'s assertion),
+and reads a decode block's tokens from that many prefill blocks; other pairings are refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvsim.sim.engine.catalog import ConfigError
+
+if TYPE_CHECKING:
+    from kvsim.sim.engine.nixl import BlockBytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +69,35 @@ def rank_bytes(prefill_tp: int, prefill_block_bytes: int, decode_tp: int, decode
     if decode_tp >= prefill_tp:
         return RankBytes(decode_tp // prefill_tp * decode_block_bytes, decode_block_bytes)
     return RankBytes(prefill_block_bytes, decode_block_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRanks:
+    """The per-rank bytes of one block of each kind a read between two pools moves: an attention block
+    (`block`) and a Mamba group's state block (`state`: nothing without Mamba state)."""
+
+    block: RankBytes
+    state: RankBytes = RankBytes(0, 0)
+
+    def of(self, blocks: int, states: int) -> RankBytes:
+        """The busiest prefill rank's and decode rank's bytes of a read of `blocks` attention blocks
+        and `states` state blocks."""
+        return RankBytes(blocks * self.block.send + states * self.state.send,
+                         blocks * self.block.receive + states * self.state.receive)
+
+
+def read_ranks(prefill_tp: int, prefill: BlockBytes, prefill_block_size: int,
+               decode_tp: int, decode: BlockBytes, decode_block_size: int) -> ReadRanks:
+    """The per-rank bytes of a read from a prefill pool at TP `prefill_tp` (its `BlockBytes`, blocks of
+    `prefill_block_size` tokens) by a decode pool at `decode_tp`, per decode block: ConfigError unless
+    the decode block size is a multiple of the prefill one (see the module docstring)."""
+    if decode_block_size % prefill_block_size:
+        raise ConfigError(f"decode_pool/prefill_pool: blocks of {decode_block_size} tokens on the decode side (TP "
+                          f"{decode_tp}) and {prefill_block_size} on the prefill side (TP {prefill_tp}): vLLM's NIXL "
+                          "connector needs the decode block size a multiple of the prefill one "
+                          "(kv_connector/utils.py TransferTopology.block_size_ratio)")
+    per_decode_block = prefill.attention * (decode_block_size // prefill_block_size)
+    block = rank_bytes(prefill_tp, per_decode_block, decode_tp, decode.attention)
+    if not (prefill.state_groups or decode.state_groups):
+        return ReadRanks(block)
+    return ReadRanks(block, rank_bytes(prefill_tp, prefill.state, decode_tp, decode.state))

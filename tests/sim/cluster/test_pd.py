@@ -92,12 +92,18 @@ def test_a_mamba_hybrid_runs_as_a_pd_cluster():
     # 1,000-token prompt (`_prefill_backoff` 1), the decode replica reads them: cdiv(999, 192) = 6
     # attention blocks + one state block for each of the 3 Mamba groups (base_scheduler.py
     # `get_exchange_clipped_blocks`, `clip_ssm_state_blocks`), then computes the last prompt token
+    # Each attention block weighs a pool block, 12 pages of 196,608 bytes; each state block only its 12
+    # layer slots' conv and SSM state, 12 x 137,216 (nixl/base_worker.py `_build_mamba_local`,
+    # `_build_mamba_remote`; ssm_conv_transfer_utils.py `derive_mamba_conv_split`'s `ssm_sizes`):
+    # 6 x 2,359,296 + 3 x 1,646,592 = 19,095,552 bytes a rank, read alone on the link in
+    # 5e-5 + 19,095,552 / 25e9 = 0.00081382208 s (as 9 pool blocks: 21,233,664 bytes, 0.00089934656 s)
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", prefill_replicas=1,
                     decode_replicas=1)
     r = simulate_pd(_workload([0.0], prompt=1000), cfg.validate())
     p = r.paths.set_index("id")
-    block = r.replicas[1].summary["kv_bytes_per_block"]
-    assert p.at["r0", "read_bytes"] == 9 * block == r.summary["pd"]["read_bytes"]
+    assert r.replicas[1].summary["kv_bytes_per_block"] == 12 * 196_608
+    assert p.at["r0", "read_bytes"] == 6 * 12 * 196_608 + 3 * 12 * 137_216 == 19_095_552 == r.summary["pd"]["read_bytes"]
+    assert p.at["r0", "read_end"] - p.at["r0", "read_post"] == pytest.approx(5e-5 + 19_095_552 / 25e9, abs=1e-12)
     assert r.replicas[1].summary["read_tokens"] == 999 and r.replicas[1].summary["finished"] == 1
 
 

@@ -4,7 +4,10 @@ the per-rank bytes of a read between pools of different TP sizes (sim/engine/nix
 Rules pinned (vLLM 0.33.0): vllm/distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py
 `compute_tp_mapping` (which prefill ranks each decode rank reads, GQA duplicates skipped) and
 vllm/distributed/kv_transfer/kv_connector/utils.py `TransferTopology.tp_ratio` (one TP size divides the
-other); `test_rank_bytes_follow_vllms_tp_mapping` derives the bytes from vLLM's own mapping."""
+other); `test_rank_bytes_follow_vllms_tp_mapping` derives the bytes from vLLM's own mapping. Mamba
+state (nixl/base_worker.py `_build_mamba_remote`, ssm_conv_transfer_utils.py `remote_conv_offsets`):
+`test_state_bytes_follow_vllms_ssm_mapping`; a Mamba hybrid's TP-dependent block size (utils.py
+`TransferTopology.block_size_ratio`): `test_a_mamba_hybrid_between_pools_of_different_tp_sizes_by_hand`."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import pytest
 from kvsim.sim.cluster.link import SharedLink
 from kvsim.sim.cluster.pd import simulate_pd
 from kvsim.sim.engine.config import ConfigError, SimConfig, parse_pool
-from kvsim.sim.engine.nixl_tp import RankBytes, rank_bytes
+from kvsim.sim.engine.nixl import BlockBytes
+from kvsim.sim.engine.nixl_tp import RankBytes, ReadRanks, rank_bytes, read_ranks
 from kvsim.workloads.request import Request, Workload
 
 MIB = 1024 * 1024  # llama-3-8b: 8 KV heads, a block of 16 tokens is 2 MiB at TP 1, 1 MiB a rank at TP 2
@@ -158,3 +162,67 @@ def test_rank_bytes_follow_vllms_tp_mapping(mla):
         want = rank_bytes(p_tp, per_rank(p_tp), d_tp, per_rank(d_tp))
         assert (max(sent), max(received)) == (want.send, want.receive), (heads, p_tp, d_tp)
         assert set(received) == {per_rank(d_tp)}  # each decode rank reads exactly what it holds
+
+
+def test_state_bytes_follow_vllms_ssm_mapping():
+    # a Mamba state is split over the ranks, never replicated: 16 units at TP 1, 16 / tp a rank. vLLM's
+    # mapping gives each decode rank its SSM source ranks (tp_mapping.py `compute_tp_mapping`): one
+    # (decode TP >= prefill TP), whose state it reads a slice of; or several, each read whole
+    # (`_build_mamba_remote`: the local slice, or with a negative tp_ratio the remote page's sizes)
+    topology, mapping, attention = _vllm_mapping()
+    mamba = pytest.importorskip("vllm.v1.kv_cache_interface").MambaSpec
+    for p_tp, d_tp in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
+        sent, received = [0] * p_tp, [0] * d_tp
+        for r in range(d_tp):
+            m = mapping(topology(tp_rank=r, tp_size=d_tp, block_size=16, engine_id="decode", is_mla=False,
+                                 is_mamba=True, total_num_kv_heads=2, attn_backends=[]), p_tp, (mamba, attention))
+            sources = m.source_ranks_per_group[0]
+            for s in sources:
+                got = 16 // d_tp if len(sources) == 1 else 16 // p_tp
+                sent[s] += got
+                received[r] += got
+        want = rank_bytes(p_tp, 16 // p_tp, d_tp, 16 // d_tp)
+        assert (max(sent), max(received)) == (want.send, want.receive), (p_tp, d_tp)
+        assert set(sent) == {16 // p_tp} and set(received) == {16 // d_tp}  # each side moves its own state
+
+
+def test_a_read_sums_its_blocks_by_kind():
+    both = ReadRanks(RankBytes(10, 10), RankBytes(3, 12))
+    assert both.of(2, 3) == RankBytes(2 * 10 + 3 * 3, 2 * 10 + 3 * 12)
+    assert ReadRanks(RankBytes(8, 1)).of(7, 0) == RankBytes(56, 7)
+    # equal TP sizes and blocks without Mamba state: the attention block's bytes, as before
+    llama = BlockBytes(2 * MIB)
+    assert read_ranks(1, llama, 16, 2, BlockBytes(MIB), 16) == ReadRanks(RankBytes(2 * MIB, MIB))
+
+
+def _qwen3_next(prefill_tp: int, decode_tp: int) -> SimConfig:
+    return SimConfig(model="qwen3-next-80b-a3b", gpu="h100-sxm", prefill_replicas=1, decode_replicas=1,
+                     prefill_pool=f"tensor_parallel={prefill_tp},num_gpu_blocks=64",
+                     decode_pool=f"tensor_parallel={decode_tp},num_gpu_blocks=64").validate()
+
+
+def test_a_mamba_hybrid_between_pools_of_different_tp_sizes_by_hand():
+    # qwen3-next-80b-a3b (2 KV heads, one a rank at TP 2 and at TP 8) on H100s: blocks of 192 at TP 8,
+    # 576 at TP 2 (vLLM raises them until a page holds a rank's state). Prefill at TP 8, decode at TP 2:
+    # the decode side reads 999 tokens as cdiv(999, 576) = 2 attention blocks, each 3 prefill blocks
+    # (block_size_ratio 3), 12 x 1 head x 256 x 2 x 2 bytes x 576 = 7,077,888 bytes on either side's
+    # rank (one prefill rank holds the decode rank's head), plus a state block in each of 3 Mamba
+    # groups, read whole from each of 4 prefill ranks (12 x 137,216 = 1,646,592 bytes each) into the
+    # decode rank's 12 x 548,864 = 6,586,368. The decode NIC is the bottleneck:
+    # 2 x 7,077,888 + 3 x 6,586,368 = 33,914,880 bytes, 5e-5 + 33,914,880 / 25e9 s
+    r = simulate_pd(Workload.from_list([Request(id="r0", arrival=0.0, prompt_len=1000, output_len=3,
+                                                _prompt=np.arange(1000, dtype=np.int32))]), _qwen3_next(8, 2))
+    assert [x.config.tensor_parallel for x in r.replicas] == [8, 2]
+    p = r.paths.iloc[0]
+    assert p["read_bytes"] == 2 * 7_077_888 + 3 * 6_586_368 == 33_914_880
+    assert p["read_end"] - p["read_post"] == pytest.approx(5e-5 + 33_914_880 / 25e9, abs=1e-12)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "sizes"), [(2, 8, "192 tokens on the decode side (TP 8) and 576"),
+                                                                  (8, 4, "320 tokens on the decode side (TP 4) and 192")])
+def test_a_mamba_hybrid_whose_decode_block_is_no_multiple_of_the_prefill_one_is_refused(prefill_tp, decode_tp, sizes):
+    # utils.py `TransferTopology.block_size_ratio` asserts the decode (local) block size a multiple of
+    # the prefill (remote) one
+    with pytest.raises(ConfigError) as e:
+        simulate_pd(_workload(1, prompt=1000), _qwen3_next(prefill_tp, decode_tp))
+    assert sizes in str(e.value) and "TransferTopology.block_size_ratio" in str(e.value) and "\n" not in str(e.value)

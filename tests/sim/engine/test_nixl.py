@@ -17,7 +17,11 @@ Rules pinned (vLLM 0.33.0):
   region: a pool block's bytes each, base_worker.py `_compute_desc_ids`), scheduler.py
   `_connector_finished` (a finished request's windows let go of their skipped blocks first);
 - Mamba state on the decode side: scheduler.py `_get_local_prefix_cache_hit` and `schedule`'s
-  `hit_diverged` fallback, kv_cache_manager.py `get_computed_blocks_for_connector`.
+  `hit_diverged` fallback, kv_cache_manager.py `get_computed_blocks_for_connector`;
+- a Mamba state block's bytes: base_worker.py `_build_mamba_local` (a region a conv sub-projection and
+  one for the SSM state, per layer slot holding Mamba state, `_ssm_region_indices`) and
+  `_compute_desc_ids` (a Mamba group's block read across those regions), sized by
+  ssm_conv_transfer_utils.py `derive_mamba_conv_split`'s `ssm_sizes`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import pytest
 
 from kvsim.sim.engine.catalog import ConfigError
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.nixl import KVTransfer, prefill_backoff, with_max_tokens_one
+from kvsim.sim.engine.nixl import BlockBytes, KVTransfer, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request, Workload
 from tests.sim.engine.engine_fixtures import mamba_turns
@@ -152,6 +156,10 @@ def test_hybrid_prefill_side_holds_every_groups_blocks_in_the_window_until_read(
 # layer, fits one page), three Mamba groups and one full-attention group of 12 layers each; a pool
 # block is one group's 12 pages: 12 layers x 1 KV head a rank x 256 x K and V x 2 bytes x 192 tokens
 QWEN3_NEXT_BLOCK_BYTES = 12 * 1 * 256 * 2 * 2 * 192
+# a Mamba group's block as the NIXL worker reads it: in each of the 12 layer slots, a gated delta net's
+# conv state (Q, K, V sub-projections: 256 + 256 + 512 columns of a rank x 3 rows x 2 bytes) and its
+# SSM state (4 value heads a rank x 128 x 128 x 2 bytes), not the 196,608-byte padded page
+QWEN3_NEXT_STATE_BYTES = 12 * ((256 + 256 + 512) * 3 * 2 + 4 * 128 * 128 * 2)
 
 
 def _qwen3_next(role: str, prompt: int, **kw):
@@ -167,25 +175,28 @@ def test_mamba_prefill_side_computes_all_but_the_last_prompt_token_and_holds_one
     # `_connector_finished`) each Mamba group lets go of the states before its last
     # (single_type_kv_cache_manager.py `MambaManager.remove_skipped_blocks`), and `request_finished`
     # offers what `get_exchange_clipped_blocks` keeps (`clip_ssm_state_blocks`: the running state):
-    # cdiv(999, 192) = 6 attention blocks + 1 state block in each of 3 Mamba groups = 9 blocks of
-    # 2,359,296 bytes, held until the (lone) decode side's read of those 9 ends
-    assert QWEN3_NEXT_BLOCK_BYTES == 2_359_296
+    # cdiv(999, 192) = 6 attention blocks of 2,359,296 bytes + 1 state block of 1,646,592 in each of 3
+    # Mamba groups = 9 blocks, held until the (lone) decode side's read of those 9 ends:
+    # 6 x 2,359,296 + 3 x 1,646,592 = 19,095,552 bytes, 5e-5 + 19,095,552 / 25e9 = 0.00081382208 s
+    # (a pool block's bytes for the state blocks, as before: 21,233,664 bytes, 0.00089934656 s)
+    assert (QWEN3_NEXT_BLOCK_BYTES, QWEN3_NEXT_STATE_BYTES) == (2_359_296, 1_646_592)
     r = _qwen3_next("prefill", 1000)
     rq = r.requests.set_index("id")
     assert list(r.steps["prefill_tokens"]) == [999]
     assert (rq.at["r0", "prompt_tokens"], rq.at["r0", "output_tokens"]) == (999, 1)
-    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES).seconds(9)
-    assert read == pytest.approx(5e-5 + 9 * QWEN3_NEXT_BLOCK_BYTES / 25e9, rel=1e-15)
+    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES, state_bytes=QWEN3_NEXT_STATE_BYTES).seconds(6, 3)
+    assert read == 5e-5 + 19_095_552 / 25e9 == pytest.approx(0.00081382208, rel=1e-15)
     assert r.summary["held_block_seconds"] == pytest.approx(9 * read, rel=1e-12)
 
 
 def test_mamba_prefill_side_keeps_a_one_token_prompt_whole():
     # `_truncate_request_for_prefill` only when the prompt is longer than the backoff: one token is
-    # computed, 1 attention block + 3 state blocks held
+    # computed, 1 attention block + 3 state blocks held, read in 5e-5 + (2,359,296 + 3 x 1,646,592) / 25e9 s
     r = _qwen3_next("prefill", 1)
     assert list(r.steps["prefill_tokens"]) == [1]
-    assert r.summary["held_block_seconds"] == pytest.approx(4 * KVTransfer(QWEN3_NEXT_BLOCK_BYTES).seconds(4),
-                                                            rel=1e-12)
+    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES, state_bytes=QWEN3_NEXT_STATE_BYTES).seconds(1, 3)
+    assert read == 5e-5 + 7_299_072 / 25e9
+    assert r.summary["held_block_seconds"] == pytest.approx(4 * read, rel=1e-12)
 
 
 def test_the_prefill_backoff_and_the_proxys_request():
@@ -220,8 +231,10 @@ def test_a_mamba_decode_side_takes_full_attentions_deeper_hit_with_a_load_and_re
     r = simulate(Workload.from_list(mamba_turns()), cfg.validate())
     rq = r.requests.set_index("id")
     assert list(rq["hit_tokens"]) == [0, 384, 0] and list(rq["output_tokens"]) == [5, 5, 5]
-    block = r.summary["kv_bytes_per_block"]
-    assert (r.summary["read_blocks"], r.summary["read_tokens"], r.summary["read_bytes"]) == (11, 714, 11 * block)
+    # read bytes: 5 attention blocks and 6 state blocks, each at its kind's bytes
+    assert r.summary["kv_bytes_per_block"] == QWEN3_NEXT_BLOCK_BYTES
+    assert (r.summary["read_blocks"], r.summary["read_tokens"], r.summary["read_bytes"]) == \
+        (11, 714, 5 * QWEN3_NEXT_BLOCK_BYTES + 6 * QWEN3_NEXT_STATE_BYTES) == (11, 714, 21_676_032)
     assert rq.at["r2", "first_scheduled"] == 10.0  # no read: admitted as it arrives
 
 
@@ -242,3 +255,49 @@ def test_a_landed_request_needing_no_block_still_waits_for_the_watermark():
     assert (rq.at["r0", "first_scheduled_step"], rq.at["r0", "finish_step"]) == (0, 4)
     assert (rq.at["r1", "first_scheduled_step"], rq.at["r1", "finish_step"]) == (5, 9)
     assert list(r.steps["prefill_tokens"][:6]) == [1, 0, 0, 0, 0, 1]  # each recomputes its last prompt token
+
+
+def test_a_mamba_state_blocks_bytes_are_its_conv_and_ssm_state_not_its_padded_page():
+    # qwen3-next-80b-a3b at TP 8: the layout's one figure for a state block, and what a read of one
+    # request's blocks weighs: 6 attention blocks + 3 state blocks = 19,095,552 bytes a rank (as
+    # pool blocks, 21,233,664: the state blocks were 2,359,296 / 1,646,592 = 1.43 x too heavy)
+    from kvsim.sim.engine.cost_model import CostModel
+
+    cost = CostModel.from_config(SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm"))
+    assert (cost.layout.mamba_page_bytes, cost.layout.state_read_bytes) == (137_216, QWEN3_NEXT_STATE_BYTES)
+    blocks = BlockBytes.of(cost)
+    assert blocks == BlockBytes(QWEN3_NEXT_BLOCK_BYTES, QWEN3_NEXT_STATE_BYTES, 3)
+    assert (blocks.split(9), blocks.read_bytes(9)) == ((6, 3), 19_095_552)
+    # a model without Mamba state: every block at the pool block's bytes
+    llama = BlockBytes.of(CostModel.from_config(SimConfig(model="llama-3-8b")))
+    assert (llama, llama.split(7), llama.read_bytes(7)) == (BlockBytes(BLOCK_BYTES), (7, 0), 7 * BLOCK_BYTES)
+    with pytest.raises(ValueError, match="fewer than its 3 Mamba state blocks"):
+        blocks.split(2)
+
+
+@pytest.mark.needs_vllm
+def test_the_state_bytes_are_vllms_nixl_conv_split(monkeypatch: pytest.MonkeyPatch):
+    # vLLM's own decomposition of qwen3-next's gated-delta-net state at TP 8 (ssm_conv_transfer_utils.py
+    # `derive_mamba_conv_split`, the sizes base_worker.py `_build_mamba_local` registers: its NIXL
+    # worker asserts the DS conv layout, VLLM_SSM_CONV_STATE_LAYOUT=DS) against kvsim's layout
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
+        derive_mamba_conv_split,
+    )
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvsim.sim.engine.cost_model import CostModel
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    mamba_utils.get_conv_state_layout.cache_clear()
+    try:
+        shapes = CostModel.from_config(SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8)).model.linear_state_shapes(8)
+        spec = MambaSpec(shapes=shapes, dtypes=(torch.bfloat16, torch.bfloat16), block_size=192,
+                         page_size_padded=196_608, mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+        split = derive_mamba_conv_split(spec, 8)
+    finally:
+        mamba_utils.get_conv_state_layout.cache_clear()
+    assert split.local_conv_offsets == [(0, 1536), (1536, 1536), (3072, 3072)]  # Q, K, V
+    assert split.ssm_sizes == (6144, 131_072) and 12 * sum(split.ssm_sizes) == QWEN3_NEXT_STATE_BYTES
