@@ -37,6 +37,10 @@ class Request:
     n: int = 1
     priority: int = 0
     think_time: float | None = None
+    # block keys of the prompt, hashed by the first of the copies `sharing_prompt` made (a P/D cluster's
+    # prefill and decode requests) and taken by the next (`WaitQueue.hash_ahead`):
+    # (block size, full blocks, the tokens' buffer) -> (keys, chain state)
+    keys_memo: dict[tuple[int, int, int], tuple[list[int], int]] | None = field(default=None, repr=False)
 
     @property
     def prompt(self) -> TokenIds:
@@ -55,9 +59,13 @@ class Request:
 
     def sharing_prompt(self, **changes: Any) -> Request:
         """A copy with `changes` that shares this request's prompt tokens: a lazy prompt is made once,
-        here, not again by the copy (a P/D cluster's prefill request and its decode request)."""
+        here, not again by the copy (a P/D cluster's prefill request and its decode request), and its
+        block keys are hashed once (`keys_memo`, keyed by the tokens' buffer: a copy whose prompt is a
+        prefix of the same array, as the prefill side's is, finds the keys of its full blocks)."""
         if callable(self._prompt):
             self.prompt  # noqa: B018 - materialises the tokens both share
+        if self.keys_memo is None:
+            self.keys_memo = {}
         return replace(self, **changes)
 
 

@@ -56,5 +56,24 @@ class WaitQueue:
         (`Live.keys`) in one batch: hashing many prompts at once costs about what one costs."""
         ahead = self._q if not self.priority else (e[-1] for e in self._q)  # a heap: near the front
         batch = [live, *(x for x in islice(ahead, AHEAD) if x.keys is None and x.seq is None and x is not live)]
-        for x, keys in zip(batch, prefix_keys([x.req.prompt for x in batch], block_size), strict=True):
+        todo, memos = [], []  # those to hash, and where each keeps its keys (a P/D request's copies)
+        for x in batch:
+            memo = x.req.keys_memo
+            if memo is None:
+                todo.append(x)
+                memos.append(None)
+                continue
+            p = x.req.prompt
+            key = (block_size, len(p) // block_size, p.__array_interface__["data"][0])
+            hit = memo.pop(key, None)  # (the other copy's, taken once: its list is this one's now)
+            if hit is not None:
+                x.keys = hit
+                continue
+            todo.append(x)
+            memos.append((memo, key))
+        if not todo:
+            return
+        for x, keys, memo in zip(todo, prefix_keys([x.req.prompt for x in todo], block_size), memos, strict=True):
             x.keys = keys
+            if memo is not None:  # (a copy kept for the other: the sequence extends its own list)
+                memo[0][memo[1]] = (list(keys[0]), keys[1])

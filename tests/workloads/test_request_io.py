@@ -60,3 +60,34 @@ def test_a_copy_sharing_the_prompt_makes_a_lazy_prompt_once():
     assert (copy.id, copy.output_len, req.output_len) == ("r", 1, 3)
     assert copy.prompt is req.prompt and copy.prompt.tolist() == [0, 1, 2, 3, 4]
     assert calls == [1]
+
+
+def test_copies_sharing_the_prompt_hash_its_blocks_once(monkeypatch):
+    """A P/D request's prefill copy (its prompt one token shorter: the Mamba backoff) and its decode
+    copy get the keys `prefix_keys` gives each alone, and the second takes the first's, hashed once."""
+    from kvsim.kvcache import hashing
+    from kvsim.sim.engine import wait_queue
+    from kvsim.sim.engine.batch import Live
+    from kvsim.sim.engine.nixl import with_max_tokens_one
+
+    hashed = []
+    real = hashing.prefix_keys
+    monkeypatch.setattr(wait_queue, "prefix_keys", lambda prompts, bs: hashed.append(len(prompts)) or real(prompts, bs))
+    req = make_request("r", 0.0, np.arange(100, 150), 3)  # 50 tokens: 3 full blocks of 16, as 49 are
+    prefill, decode = with_max_tokens_one(req, backoff=1), req
+    lives = []
+    for r in (prefill, decode):
+        live = Live(r, 0)
+        wait_queue.WaitQueue(False).hash_ahead(live, 16)
+        lives.append(live)
+    assert hashed == [1]  # the decode copy hashed nothing
+    for live, r in zip(lives, (prefill, decode), strict=True):
+        assert live.keys == real([r.prompt], 16)[0]
+    assert lives[0].keys[0] is not lives[1].keys[0]  # each sequence extends its own list
+    assert req.keys_memo == {}  # taken, not kept
+
+    whole = make_request("w", 0.0, np.arange(100, 148), 3)  # 48 tokens: the prefill copy has 2 full blocks
+    lives = [Live(r, 0) for r in (with_max_tokens_one(whole, backoff=1), whole)]
+    for live in lives:
+        wait_queue.WaitQueue(False).hash_ahead(live, 16)
+    assert hashed == [1, 1, 1] and [len(live.keys[0]) for live in lives] == [2, 3]
