@@ -190,8 +190,7 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
 
         args = _scheduler_args(cfg)
         del args["step_time"]
-        block_bytes = BlockBytes.of(CostModel.from_config(cfg))
-        nixl = Nixl.from_config(cfg, block_bytes.attention, block_bytes.state)  # P/D's connector, or None
+        nixl = Nixl.from_config(cfg, BlockBytes.of(CostModel.from_config(cfg)))  # P/D's connector, or None
         theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
                            load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
     else:

@@ -41,7 +41,7 @@ from typing import Any
 from kvsim.sim.conform.vllm_offload import _OrderedIds
 from kvsim.sim.conform.vllm_timed import _TimedRun
 from kvsim.sim.engine.config import ConfigError, SimConfig
-from kvsim.sim.engine.nixl import KVTransfer, with_max_tokens_one
+from kvsim.sim.engine.nixl import BlockBytes, KVTransfer, with_max_tokens_one
 from kvsim.workloads.request import Request
 
 # the prefill side kvsim's decode side reads from, as its `request_finished` names itself
@@ -59,12 +59,12 @@ class Nixl:
     lease_s: float
 
     @classmethod
-    def from_config(cls, cfg: SimConfig, bytes_per_block: int, state_bytes: int = 0) -> Nixl | None:
-        """The NIXL side of `cfg` (None: no `kv_transfer_role`), with its reads of `bytes_per_block` an
-        attention block and `state_bytes` a Mamba state block."""
+    def from_config(cls, cfg: SimConfig, block_bytes: BlockBytes) -> Nixl | None:
+        """The NIXL side of `cfg` (None: no `kv_transfer_role`), its reads priced as kvsim's lone
+        connector prices them (`KVTransfer.of` the model's `block_bytes`)."""
         if cfg.kv_transfer_role is None:
             return None
-        transfer = KVTransfer(bytes_per_block, cfg.kv_transfer_gbps, cfg.kv_transfer_latency, state_bytes)
+        transfer = KVTransfer.of(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         return cls(cfg.kv_transfer_role, transfer, cfg.kv_lease_duration)
 
     def requests(self, requests: Iterable[Request]) -> list[Request]:

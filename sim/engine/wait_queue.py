@@ -56,24 +56,22 @@ class WaitQueue:
         (`Live.keys`) in one batch: hashing many prompts at once costs about what one costs."""
         ahead = self._q if not self.priority else (e[-1] for e in self._q)  # a heap: near the front
         batch = [live, *(x for x in islice(ahead, AHEAD) if x.keys is None and x.seq is None and x is not live)]
-        todo, memos = [], []  # those to hash, and where each keeps its keys (a P/D request's copies)
+        todo = []  # those to hash, each with where it keeps its keys for its other copy (a P/D request's)
         for x in batch:
-            memo = x.req.keys_memo
-            if memo is None:
-                todo.append(x)
-                memos.append(None)
-                continue
-            p = x.req.prompt
-            key = (block_size, len(p) // block_size, p.__array_interface__["data"][0])
-            hit = memo.pop(key, None)  # (the other copy's, taken once: its list is this one's now)
-            if hit is not None:
-                x.keys = hit
-                continue
-            todo.append(x)
-            memos.append((memo, key))
+            memo, slot = x.req.keys_memo, None
+            if memo is not None:
+                p = x.req.prompt
+                key = (block_size, len(p) // block_size, p.__array_interface__["data"][0])
+                hit = memo.pop(key, None)  # (the other copy's, taken once: its list is this one's now)
+                if hit is not None:
+                    x.keys = hit
+                    continue
+                slot = (memo, key)
+            todo.append((x, slot))
         if not todo:
             return
-        for x, keys, memo in zip(todo, prefix_keys([x.req.prompt for x in todo], block_size), memos, strict=True):
+        for (x, slot), keys in zip(todo, prefix_keys([x.req.prompt for x, _ in todo], block_size), strict=True):
             x.keys = keys
-            if memo is not None:  # (a copy kept for the other: the sequence extends its own list)
-                memo[0][memo[1]] = (list(keys[0]), keys[1])
+            if slot is not None:  # (a copy kept for the other: the sequence extends its own list)
+                memo, key = slot
+                memo[key] = (list(keys[0]), keys[1])

@@ -116,10 +116,10 @@ def test_a_worker_timed_otherwise_differs(monkeypatch: pytest.MonkeyPatch):
     # the negative control: vLLM's fake worker reading at half kvsim's speed moves admissions
     build = Nixl.from_config.__func__
 
-    def slower(cls, cfg, bytes_per_block, state_bytes=0):
-        nixl = build(cls, cfg, bytes_per_block, state_bytes)
-        return Nixl(nixl.role, KVTransfer(2 * bytes_per_block, nixl.transfer.gbps, nixl.transfer.latency_s,
-                                          2 * state_bytes), nixl.lease_s)
+    def slower(cls, cfg, block_bytes):
+        nixl = build(cls, cfg, block_bytes)
+        return Nixl(nixl.role, KVTransfer(2 * block_bytes.attention, nixl.transfer.gbps, nixl.transfer.latency_s,
+                                          2 * block_bytes.state), nixl.lease_s)
 
     monkeypatch.setattr(Nixl, "from_config", classmethod(slower))
     d = conform(list(load_workload(GOLDEN / "multi-turn.jsonl")), _cfg("decode", 40, 0.25), "scheduler")[0]
