@@ -16,7 +16,15 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvsim.kvcache.op_files import Runs, ops_table, schema, token_ids, tokens_schema, tokens_table
+from kvsim.kvcache.op_files import (
+    TOKENS_WRITE,
+    Runs,
+    ops_table,
+    schema,
+    token_ids,
+    tokens_schema,
+    tokens_table,
+)
 
 
 class Files:
@@ -26,7 +34,7 @@ class Files:
         import pyarrow.parquet as pq
 
         self.ops = pq.ParquetWriter(folder / "ops.parquet", schema())
-        self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema())
+        self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema(), **TOKENS_WRITE)
 
     def write(self, name: str, chunk, late=None) -> None:
         """`name` "ops": a table, or `Runs` merged with `late` (`ops_table`); "tokens": (seq, token

@@ -53,6 +53,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     SEG_PLAIN,
     SEG_SPAN,
     SEG_TABLE,
+    TOKENS_WRITE,
     LateRuns,
     Op,
     Runs,
@@ -402,7 +403,7 @@ class OpLog:
             self.to_parquet(folder / "ops.parquet")
             self._flush_tokens()
             tokens = pa.concat_tables([*self._token_chunks, tokens_table([])])
-            pq.write_table(tokens.replace_schema_metadata(META), folder / "op_tokens.parquet")
+            pq.write_table(tokens.replace_schema_metadata(META), folder / "op_tokens.parquet", **TOKENS_WRITE)
             return
         self._flush(None)
         self._flush_tokens()

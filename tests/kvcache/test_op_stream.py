@@ -139,3 +139,21 @@ def test_every_row_carries_its_group(tmp_path) -> None:
     assert log.records() == want
     log.to_parquet(tmp_path / "ops.parquet")
     assert read_ops(tmp_path / "ops.parquet") == want
+
+
+@pytest.mark.parametrize("how", ["memory", "thread", "process"])
+def test_token_ids_are_delta_encoded_on_every_path(tmp_path, how: str) -> None:
+    """`op_tokens.parquet`'s ids are written DELTA_BINARY_PACKED however the log is saved: a synthetic
+    prompt's ids run in steps of one, so 10,000 of them take a few hundred bytes, not 80,000."""
+    log = OpLog(enabled=True)
+    if how != "memory":
+        log.stream_to(tmp_path, process=how == "process")
+    log.keep_tokens("x", np.arange(10_000))
+    log.keep_tokens("y", np.arange(-7, 0))
+    log.save(tmp_path)
+    column = pq.ParquetFile(tmp_path / "op_tokens.parquet").metadata.row_group(0).column(1)
+    assert column.path_in_schema == "tokens.list.element"
+    assert "DELTA_BINARY_PACKED" in column.encodings
+    assert column.total_compressed_size < 2_000
+    tokens = read_tokens(tmp_path / "op_tokens.parquet")
+    assert tokens["x"].tolist() == list(range(10_000)) and tokens["y"].tolist() == list(range(-7, 0))
