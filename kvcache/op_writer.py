@@ -17,11 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvsim.kvcache.op_files import (
+    OPS_WRITE,
     TOKENS_WRITE,
     Runs,
     ops_table,
     schema,
-    token_ids,
+    token_parts,
     tokens_schema,
     tokens_table,
 )
@@ -33,7 +34,7 @@ class Files:
     def __init__(self, folder: Path):
         import pyarrow.parquet as pq
 
-        self.ops = pq.ParquetWriter(folder / "ops.parquet", schema())
+        self.ops = pq.ParquetWriter(folder / "ops.parquet", schema(), **OPS_WRITE)
         self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema(), **TOKENS_WRITE)
 
     def write(self, name: str, chunk, late=None) -> None:
@@ -83,8 +84,8 @@ class Sink:
         if self._child is None:
             self._last = self._pool.submit(self._files.write, name, chunk, late)
             return
-        if name == "tokens" and isinstance(chunk, list):  # a Sequence stays here: its ids go
-            chunk = [(s, token_ids(t, n), n) for s, t, n in chunk]
+        if name == "tokens" and isinstance(chunk, list):  # a Sequence stays here: its ids' parts go
+            chunk = [(s, token_parts(t, n), n) for s, t, n in chunk]
         self._send((name, chunk, late))
 
     def wait(self) -> None:

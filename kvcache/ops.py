@@ -48,6 +48,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     LATE_INTS,
     META,
     OPS_VERSION,
+    OPS_WRITE,
     RUN_INTS,
     SEG_EXPLICIT,
     SEG_PLAIN,
@@ -390,7 +391,7 @@ class OpLog:
         """Columnar form; the version is stored in the file's metadata."""
         import pyarrow.parquet as pq
 
-        pq.write_table(self._all().replace_schema_metadata(META), path)
+        pq.write_table(self._all().replace_schema_metadata(META), path, **OPS_WRITE)
 
     def save(self, folder: str | Path) -> None:
         """`ops.parquet` plus `op_tokens.parquet` (each sequence's token ids), what a replayer reads.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from kvsim.kvcache import hashing
@@ -60,13 +62,13 @@ class Sequence:
         out = np.empty(max(end - start, 0), dtype=np.int64)
         if known > start:
             out[: known - start] = self.tokens(start, known)
-        lineage = self._lineage
-        for k, (first, uid) in enumerate(lineage):
-            upto = lineage[k + 1][0] if k + 1 < len(lineage) else end
-            lo, hi = max(start, known, first), min(end, upto)
-            if hi > lo:
-                out[lo - start : hi - start] = -(1 + ((uid << 24) | np.arange(lo, hi, dtype=np.int64)))
+        _fill_unique(out, start, max(start, known), end, self._lineage)
         return out
+
+    def token_parts(self, n: int) -> TokenIds:
+        """The first `n` token ids in parts, for `TokenIds.fill` to write out later (elsewhere:
+        the op log's writer): the known ids as they are stored, and the lineage of the rest."""
+        return TokenIds(self.tokens(0, min(n, self._known)), self._lineage, n)
 
     def tokens(self, start: int, end: int) -> np.ndarray:
         """Known token ids in [start, end) (must lie within prompt + known output)."""
@@ -111,3 +113,28 @@ class Sequence:
         child._known = min(self._known, self.num_tokens)
         child._lineage = (*self._lineage, (self.num_tokens, uid))
         return child
+
+
+class TokenIds(NamedTuple):
+    """A sequence's first `n` token ids as `Sequence.token_parts` gives them: `known`, the known ids
+    (prompt and known output) in their own dtype, then unique decoded ids by `lineage`."""
+
+    known: np.ndarray
+    lineage: tuple[tuple[int, int], ...]
+    n: int
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the ids into `out` (`n` long), as `Sequence.token_ids(0, n)` gives them."""
+        k = len(self.known)
+        out[:k] = self.known
+        _fill_unique(out, 0, k, self.n, self.lineage)
+
+
+def _fill_unique(out: np.ndarray, start: int, known: int, end: int, lineage: tuple[tuple[int, int], ...]) -> None:
+    """Write the unique decoded ids of positions [known, end) into `out` (position `start` at
+    index 0): -(1 + (uid << 24 | p)), each position's uid that of the lineage entry it falls in."""
+    for k, (first, uid) in enumerate(lineage):
+        upto = lineage[k + 1][0] if k + 1 < len(lineage) else end
+        lo, hi = max(known, first), min(end, upto)
+        if hi > lo:
+            out[lo - start : hi - start] = -(1 + ((uid << 24) | np.arange(lo, hi, dtype=np.int64)))

@@ -3,8 +3,11 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.kvcache.manager import KVCacheManager
+from kvsim.kvcache.op_files import token_ids, tokens_table
 from kvsim.kvcache.ops import OPS_VERSION, Op, read_ops, read_tokens
 from tests.kvcache.conftest import prefill, seq
 
@@ -108,3 +111,36 @@ def test_transfers_at_the_step_start_go_ahead_of_the_step_s_ops(tmp_path):
     assert (m.ops.counts["store"], m.ops.counts["load"]) == (3, 1)
     m.ops.save(tmp_path)
     assert read_ops(tmp_path / "ops.parquet") == ops
+
+
+def test_a_forks_ids_run_by_its_lineage():
+    """Hand-worked: a parent (uid 2) with prompt [5, 6] and known output [8] decodes 2 tokens (positions
+    3, 4 unique under uid 2); a fork (uid 7) at 5 tokens decodes 2 more (positions 5, 6 under uid 7)."""
+    parent = seq("p", [5, 6], uid=2, output=[8])
+    parent.append_tokens(3)
+    child = parent.fork("c", uid=7)
+    child.append_tokens(2)
+    u = [-(1 + (2 << 24 | 3)), -(1 + (2 << 24 | 4)), -(1 + (7 << 24 | 5)), -(1 + (7 << 24 | 6))]
+    assert child.token_ids(0, 7).tolist() == [5, 6, 8, *u]
+    assert child.token_ids(4, 6).tolist() == u[1:3]
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(prompt=st.integers(1, 40), output=st.integers(0, 20), decodes=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+       cut=st.integers(0, 200))
+def test_token_parts_filled_are_the_token_ids(prompt: int, output: int, decodes: list[int], cut: int):
+    """What the op log's writer gets for a sequence (`token_parts`, known ids in their own dtype and
+    its lineage) fills in to exactly `token_ids(0, n)`, for any n and any chain of forks; and every
+    window of `token_ids` is that window of the whole."""
+    s = seq("s", range(100, 100 + prompt), uid=1, output=range(500, 500 + output))
+    for i, d in enumerate(decodes):
+        s.append_tokens(d)
+        if i + 1 < len(decodes):
+            s = s.fork(f"f{i}", uid=10 + i)
+    n = s.num_tokens
+    whole = s.token_ids(0, n)
+    for m in (n, min(cut, n)):
+        assert token_ids(s.token_parts(m), m).tolist() == whole[:m].tolist()
+        assert tokens_table([("s", s, m)]).column("tokens")[0].as_py() == whole[:m].tolist()
+    lo = min(cut, n)
+    assert s.token_ids(lo, n).tolist() == whole[lo:].tolist()
