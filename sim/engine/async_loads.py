@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
-from kvsim.sim.engine.batch import Live
+from kvsim.sim.engine.batch import Batch, Live
 from kvsim.sim.engine.wait_queue import WaitQueue
 
 
@@ -67,11 +67,26 @@ class AsyncLoads:
             self.inflight.pop(sid, None)
         return loaded
 
-    def step_ended(self) -> None:
-        """Requests whose prefill is done leave the in-flight set (vLLM `_update_after_schedule`)."""
+    def schedule_chosen(self, b: Batch) -> None:
+        """Step `b`'s schedule is chosen (vLLM `_update_after_schedule`, before any computed token
+        advances): an in-flight request that `b` gives every known token (plus placeholders) is
+        prefilling no more and leaves the set. So does one the speed shortcuts decode outside the
+        batch (in place or lazily: `Shortcuts.decode`), a token past its prompt. One not scheduled
+        stays, as in vLLM; a request still loading is not scheduled."""
+        if not self.inflight:
+            return
+        chunks = {id(x): n for x, n in zip(b.lives, b.tokens, strict=True)}
+        decoded = {id(x) for x in b.decodes}
         for sid, live in list(self.inflight.items()):
-            seq = live.seq
-            if sid not in self.loads and seq.num_computed_tokens >= seq.num_tokens:
+            if sid in self.loads:
+                continue
+            n = chunks.get(id(live))
+            if n is None:
+                done = live.since >= 0 or id(live) in decoded
+            else:
+                seq = live.seq
+                done = seq.num_computed_tokens + n >= seq.num_tokens + live.ph
+            if done:
                 del self.inflight[sid]
 
     def leaving(self, sid: str) -> None:

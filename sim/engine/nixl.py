@@ -303,6 +303,7 @@ class NixlConnector:
 
     def end_step(self, b: Batch, now: float) -> None:
         """The schedule is chosen at `now`: its reads are posted as its forward is launched."""
+        self.async_loads.schedule_chosen(b)
         self._start_planned(now)
 
     def launched(self, b: Batch, end: float) -> None:
@@ -310,7 +311,6 @@ class NixlConnector:
 
     def step_ended(self, b: Batch, now: float) -> None:
         """Step `b` (started `b.start`) ended at `now`: apply what its poll saw."""
-        self.async_loads.step_ended()
         self._poll_apply(b.start, now)
 
     def _start_planned(self, at: float) -> None:

@@ -98,7 +98,9 @@ class OffloadConnector:
         self.offload.begin_step(now)
 
     def end_step(self, b: Batch, now: float) -> None:
-        """The schedule is chosen: offer what each scheduled sequence will have computed."""
+        """The schedule is chosen: requests done prefilling leave the in-flight set; offer what each
+        scheduled sequence will have computed."""
+        self.async_loads.schedule_chosen(b)
         tables = self.m.block_tables
         self.offload.end_step([(x.seq, n, tables.get(x.seq.seq_id)) for x, n in zip(b.lives, b.tokens, strict=True)],
                               now)
@@ -114,9 +116,7 @@ class OffloadConnector:
 
     def step_ended(self, b: Batch, now: float) -> None:
         """Step `b` ended at `now` (a step without a forward: at its start), its output applied:
-        requests whose prefill is done leave the in-flight set; the transfers its poll saw
-        complete, and its loads start."""
-        self.async_loads.step_ended()
+        the transfers its poll saw complete, and its loads start."""
         if self._step_polls is None:
             self.offload.step_ended(b.start, now)
         else:

@@ -301,3 +301,43 @@ def test_the_state_bytes_are_vllms_nixl_conv_split(monkeypatch: pytest.MonkeyPat
         mamba_utils.get_conv_state_layout.cache_clear()
     assert split.local_conv_offsets == [(0, 1536), (1536, 1536), (3072, 3072)]  # Q, K, V
     assert split.ssm_sizes == (6144, 131_072) and 12 * sum(split.ssm_sizes) == QWEN3_NEXT_STATE_BYTES
+
+
+def test_the_inflight_prefills_keep_a_request_until_a_scheduled_chunk_reaches_its_known_tokens():
+    """vLLM 0.33 scheduler.py `_update_after_schedule`: a request scheduled with a chunk reaching
+    its known tokens plus placeholders is no longer `is_prefill_chunk` and leaves `_inflight_prefills`;
+    one still loading, one scheduled short of them and one not scheduled stay. A request the speed
+    shortcuts decode outside the batch (in place, or lazily) has passed its prompt: it leaves too."""
+    from types import SimpleNamespace
+
+    from kvsim.sim.engine.async_loads import AsyncLoads
+    from kvsim.sim.engine.batch import Batch
+
+    def live(computed: int, tokens: int, since: int = -1, ph: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(seq=SimpleNamespace(num_computed_tokens=computed, num_tokens=tokens), since=since, ph=ph)
+
+    loads = AsyncLoads(None, priority=False)
+    loading, last, short, waiting, lazy, in_place, async_last = (
+        live(90, 90), live(64, 100), live(32, 100), live(32, 100), live(100, 101, since=7), live(100, 101),
+        live(64, 100, ph=1))
+    loads.inflight = {"loading": loading, "last": last, "short": short, "waiting": waiting, "lazy": lazy,
+                      "in_place": in_place, "async_last": async_last}
+    loads.loads = {"loading": (10, 80)}
+    loads.schedule_chosen(Batch(lives=[last, short, async_last], tokens=[36, 32, 36], decodes=[in_place]))
+    # async_last: 64 + 36 = 100 < 100 known + 1 placeholder: one more token to go
+    assert sorted(loads.inflight) == ["async_last", "loading", "short", "waiting"]
+
+
+def test_the_speed_shortcuts_leave_a_decode_sides_schedule_unchanged():
+    """`kvsim conform --random 459:460 --pd`'s case (a decode side under a 32-token long-prefill cap
+    and a 1% watermark): with the shortcuts on, a lazily decoded table one block behind used to count
+    against a load's admission, and 15 of 40 requests differed from the same run with them off."""
+    from dataclasses import replace
+
+    from kvsim.sim.conform.random_cases import random_case
+
+    case = random_case(459, pd=True)
+    on = simulate(case.requests, case.cfg)
+    off = simulate(case.requests, replace(case.cfg, shortcuts=False).validate())
+    assert on.requests.equals(off.requests)
+    assert on.summary["preemptions_recompute"] == off.summary["preemptions_recompute"] == 104
