@@ -73,13 +73,13 @@ class AsyncLoads:
         prefilling no more and leaves the set. So does one the speed shortcuts decode outside the
         batch (in place or lazily: `Shortcuts.decode`), a token past its prompt. One not scheduled
         stays, as in vLLM; a request still loading is not scheduled."""
-        if not self.inflight:
+        loads = self.loads
+        prefilling = [(sid, live) for sid, live in self.inflight.items() if sid not in loads]
+        if not prefilling:  # (the loads in flight, often all there is on a decode side)
             return
         chunks = {id(x): n for x, n in zip(b.lives, b.tokens, strict=True)}
         decoded = {id(x) for x in b.decodes}
-        for sid, live in list(self.inflight.items()):
-            if sid in self.loads:
-                continue
+        for sid, live in prefilling:
             n = chunks.get(id(live))
             if n is None:
                 done = live.since >= 0 or id(live) in decoded
