@@ -249,9 +249,9 @@ class Engine:
                 clock = max(clock, grid_index(env.now, S) if grid else env.now)
                 continue
             if sched.has_requests():
-                # steps that only decode, in a loop of their own; with the NIXL connector only while it has
-                # nothing in flight (beside reads in flight they would skip what its holding queue does each step)
-                if quiet is not None and sched.running and (sched.connector is None or not sched.connector.has_work()):
+                # steps that only decode, in a loop of their own (with the NIXL connector, beside reads in
+                # flight too: a run stops before any step whose poll could see one done, `next_change`)
+                if quiet is not None and sched.running:
                     clock, k, prev = yield from quiet.run(clock, k, prev)
                 start = max(free, clock)
                 step = start if grid else k

@@ -33,12 +33,14 @@ With op records (one group) a step's recorded decodes go to the manager in one c
 rows of a `decode_slot` each). Off with op records over hybrid groups, defragmentation, invariant checks, a
 fixed step time and the prefill cadence
 (the general step handles those), and wherever lazy decodes are off (`Shortcuts.decodes`: sliding window, lookahead,
-priority scheduling; the async and offloading schedulers). With the NIXL connector a run starts only
-while the connector has nothing in flight (the engine loop's gate), and stops before a step whose
-poll could find a release done (`next_change`, after a finish the connector holds, or after a yield
-to SimPy); a request that reaches the engine meanwhile is a new head, decided again. (Beside reads
-in flight, runs were exact on the P/D cluster's paths but not against vLLM: `kvsim conform --random
-147:148 --pd` differed, the holding queue's per-step effects being skipped.)
+priority scheduling; the async and offloading schedulers). With the NIXL connector a run stops
+before a step whose poll could find a read or a release done (`next_change`, after a finish the
+connector holds, or after a yield to SimPy), so beside reads in flight each quiet step's poll would
+find nothing, and the holding queue's scan, every held request skipped, changes nothing (its skip is
+recorded only for the prefill cadence, which has no quiet runs); a request that reaches the engine
+meanwhile is a new head, decided again. (An earlier attempt at runs beside reads made `kvsim conform
+--random 147:148 --pd` differ; with the link's reads moved from event to event and the gate alone
+lifted, that case and the `--pd` random cases conform.)
 """
 
 from __future__ import annotations
