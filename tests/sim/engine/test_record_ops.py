@@ -73,13 +73,16 @@ def _per_block(ops: list[Op]) -> dict[tuple, list[Op]]:
     return dict(out)
 
 
-def _late_writes(monkeypatch: pytest.MonkeyPatch, manager_class: type) -> list[int]:
-    """The runs of late writes `manager_class.record_decodes` is asked to record (their lengths)."""
+def _late_writes(monkeypatch: pytest.MonkeyPatch, manager_class: type, ends: list[int] | None = None) -> list[int]:
+    """The runs of late writes `manager_class.record_decodes` is asked to record (their lengths);
+    `ends` gets each run's end (its last position + 1)."""
     late: list[int] = []
     record = manager_class.record_decodes
 
     def counted(m, seq, pos, step, n):
         late.append(n)
+        if ends is not None:
+            ends.append(pos + n)
         record(m, seq, pos, step, n)
 
     monkeypatch.setattr(manager_class, "record_decodes", counted)
@@ -105,10 +108,15 @@ def _per_step(ops: list[Op]) -> dict[int, Counter]:
 def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Every step has the same ops (as a multiset) and every block sees them in the same order,
     with lazy decodes recorded late; the tables are those of a run that records nothing."""
-    late = _late_writes(monkeypatch, KVCacheManager)
+    ends: list[int] = []
+    late = _late_writes(monkeypatch, KVCacheManager, ends)
     cfg = _cfg(**CASES[case])
     fast = simulate(_workload(), cfg)
     assert sum(late) > 100 and max(late) > 1  # lazy decodes ran and were recorded in bulk
+    # a block of unique decoded tokens fills lazily, its last slot's write recorded late too
+    # (LazyDecodes.fills), except with defrag, which keeps each cache in its step
+    filled = sum(e % cfg.block_size == 0 for e in ends)
+    assert (filled > 10) if cfg.defrag_threshold is None else filled == 0
     n_late = len(late)
     slow = simulate(_workload(), cfg.replace(shortcuts=False))
     plain = simulate(_workload(), cfg.replace(record_ops=False))
