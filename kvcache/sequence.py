@@ -68,7 +68,7 @@ class Sequence:
     def token_parts(self, n: int) -> TokenIds:
         """The first `n` token ids in parts, for `TokenIds.fill` to write out later (elsewhere:
         the op log's writer): the known ids as they are stored, and the lineage of the rest."""
-        return TokenIds(self.tokens(0, min(n, self._known)), self._lineage, n)
+        return TokenIds(_as_range(self.tokens(0, min(n, self._known))), self._lineage, n)
 
     def tokens(self, start: int, end: int) -> np.ndarray:
         """Known token ids in [start, end) (must lie within prompt + known output)."""
@@ -117,17 +117,30 @@ class Sequence:
 
 class TokenIds(NamedTuple):
     """A sequence's first `n` token ids as `Sequence.token_parts` gives them: `known`, the known ids
-    (prompt and known output) in their own dtype, then unique decoded ids by `lineage`."""
+    (prompt and known output) in their own dtype, or as a `range` where they run in steps of one (a
+    trace's fresh prompt: a few bytes to send, not four a token), then unique decoded ids by `lineage`."""
 
-    known: np.ndarray
+    known: np.ndarray | range
     lineage: tuple[tuple[int, int], ...]
     n: int
 
     def fill(self, out: np.ndarray) -> None:
         """Write the ids into `out` (`n` long), as `Sequence.token_ids(0, n)` gives them."""
-        k = len(self.known)
-        out[:k] = self.known
+        known = self.known
+        k = len(known)
+        out[:k] = np.arange(known.start, known.stop, dtype=np.int64) if type(known) is range else known
         _fill_unique(out, 0, k, self.n, self.lineage)
+
+
+def _as_range(ids: np.ndarray) -> np.ndarray | range:
+    """`ids` as a `range` if they run first, first + 1, ... (checked whole), else as they are."""
+    n = len(ids)
+    if n < 2:
+        return ids
+    first = int(ids[0])
+    if int(ids[-1]) - first != n - 1 or not np.array_equal(ids, np.arange(first, first + n, dtype=ids.dtype)):
+        return ids
+    return range(first, first + n)
 
 
 def _fill_unique(out: np.ndarray, start: int, known: int, end: int, lineage: tuple[tuple[int, int], ...]) -> None:
