@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +28,12 @@ from kvsim.kvcache.op_files import (
     tokens_schema,
     tokens_table,
 )
+
+# NOTE: the child builds and drops arrays of a chunk's size (megabytes) chunk after chunk; glibc
+# would map each afresh and hand it back on free, a page fault per 4 KiB touched (the Azure record
+# run: 190k faults, 0.8 s of system time). Kept in the heap and not trimmed, the pages are reused.
+# Other C libraries ignore the two variables.
+_CHILD_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 class Files:
@@ -50,14 +58,19 @@ class Files:
         self.tokens.close()
 
 
+IN_FLIGHT = 4  # chunks a child may hold unwritten before the simulation waits for it
+
+
 class Sink:
-    """Where a streamed op log's chunks go: one in flight, encoded and written while the next is made."""
+    """Where a streamed op log's chunks go: encoded and written while the next ones are made (on a
+    thread: one in flight; in a child: up to `IN_FLIGHT`, so a burst of chunks does not stall the
+    simulation on each one's encoding)."""
 
     def __init__(self, folder: Path, process: bool = False):
         self.folder = folder
         self._last: Future | None = None  # the thread's chunk in flight
         self._child: subprocess.Popen | None = None
-        self._awaiting = False  # the child's reply to the chunk in flight
+        self._awaiting = 0  # chunks sent to the child whose reply is not read yet
         if process:
             # SIGINT ignored from its first instruction (an ignored signal stays ignored across exec):
             # a Ctrl-C to the group while it still imports would otherwise print its own KeyboardInterrupt
@@ -69,7 +82,7 @@ class Sink:
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **_CHILD_MALLOC},
                                                preexec_fn=_ignore_sigint if os.name == "posix" else None)
             finally:
                 if held:
@@ -79,21 +92,22 @@ class Sink:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsim-ops")
 
     def write(self, name: str, chunk, late=None) -> None:
-        """Queue a chunk for `Files.write`, after the one before it is written."""
-        self.wait()
+        """Queue a chunk for `Files.write`, in order (on a thread: once the one before is written)."""
         if self._child is None:
+            self.wait()
             self._last = self._pool.submit(self._files.write, name, chunk, late)
             return
+        while self._awaiting >= IN_FLIGHT:
+            self._reply()
         if name == "tokens" and isinstance(chunk, list):  # a Sequence stays here: its ids' parts go
             chunk = [(s, token_parts(t, n), n) for s, t, n in chunk]
         self._send((name, chunk, late))
 
     def wait(self) -> None:
-        """Block until the chunk in flight is written; re-raise the writer's error here."""
-        if self._awaiting:
-            self._awaiting = False
+        """Block until every chunk in flight is written; re-raise the writer's error here."""
+        while self._awaiting:
             self._reply()
-        elif self._last is not None:
+        if self._last is not None:
             last, self._last = self._last, None
             last.result()
 
@@ -122,15 +136,19 @@ class Sink:
             self._child.stdin.write(data)
             self._child.stdin.flush()
         except BrokenPipeError:
-            self._reply()  # says why it stopped
-        self._awaiting = True
+            while True:
+                self._reply()  # the replies before its error, then the error: says why it stopped
+        self._awaiting += 1
 
     def _reply(self) -> None:
+        """Read the reply to the oldest chunk in flight (blocking); raise the writer's error."""
+        self._awaiting = max(self._awaiting - 1, 0)
         try:
             error = pickle.load(self._child.stdout)
         except EOFError:
             error = f"exited with status {self._child.wait()}"
         if error is not None:
+            self._awaiting = 0
             raise RuntimeError(f"the op log writer for {self.folder} failed: {error}")
 
 
@@ -141,15 +159,42 @@ def _ignore_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def serve(folder: Path, inbox, outbox) -> None:
-    """The child's loop: write each chunk read from `inbox` (a pickle after its length, 8 bytes),
-    reply None (or the error) to `outbox`; stop at None (files closed) or at the end of `inbox`."""
-    files = Files(folder)
+def _read(inbox, messages: queue.SimpleQueue) -> None:
+    """The child's reader thread: each message's bytes from `inbox` (unbuffered: no lock a daemon
+    thread could hold at exit) as they come, so the simulation's writes never wait for an encoding;
+    then None at the end of `inbox`."""
     while True:
-        size = inbox.read(8)
-        if len(size) < 8:
+        size = _exactly(inbox, 8)
+        data = _exactly(inbox, int.from_bytes(size, "little")) if size is not None else None
+        messages.put(data)
+        if data is None:
+            return
+
+
+def _exactly(inbox, n: int) -> bytearray | None:
+    """`n` bytes read from the raw file `inbox`; None if it ends first."""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = inbox.readinto(view[got:])
+        if not k:
+            return None
+        got += k
+    return out
+
+
+def serve(folder: Path, inbox, outbox) -> None:
+    """The child's loop: write each chunk read from `inbox` (a raw file: a pickle after its length, 8
+    bytes), reply None (or the error) to `outbox`; stop at None (files closed) or at the end of `inbox`."""
+    files = Files(folder)
+    messages: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(inbox, messages), daemon=True).start()
+    while True:
+        data = messages.get()
+        if data is None:
             return  # the simulation is gone: nothing to finish
-        message = pickle.loads(inbox.read(int.from_bytes(size, "little")))
+        message = pickle.loads(data)
+        del data
         try:
             if message is None:
                 files.close()
@@ -170,6 +215,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies, sys.stdout = sys.stdout.buffer, sys.stderr  # nothing else may write to the replies
     try:
-        serve(Path(sys.argv[1]), sys.stdin.buffer, replies)
+        serve(Path(sys.argv[1]), open(sys.stdin.fileno(), "rb", buffering=0, closefd=False), replies)
     except OSError:  # the simulation is gone (interrupted) and its folder with it: nothing to tell
         sys.exit(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -157,3 +159,39 @@ def test_token_ids_are_delta_encoded_on_every_path(tmp_path, how: str) -> None:
     assert column.total_compressed_size < 2_000
     tokens = read_tokens(tmp_path / "op_tokens.parquet")
     assert tokens["x"].tolist() == list(range(10_000)) and tokens["y"].tolist() == list(range(-7, 0))
+
+
+def test_a_child_writer_holds_chunks_in_flight_and_raises_its_error(tmp_path) -> None:
+    """The child writer takes up to IN_FLIGHT chunks before the simulation waits for a reply; a chunk
+    it cannot write (here not a table) is raised in the simulation, naming the folder, at the send
+    that finds the child gone or at close, whichever comes first, never swallowed."""
+    from kvsim.kvcache import op_writer
+
+    good = OpLog(enabled=True)
+    good.emit("free", 3)
+    table = good._all()
+    sink = op_writer.Sink(tmp_path, process=True)
+    for _ in range(op_writer.IN_FLIGHT):
+        sink.write("ops", table)
+    assert sink._awaiting == op_writer.IN_FLIGHT  # none waited for
+    sink.write("ops", "not a table")  # waits for the oldest reply only
+    assert sink._awaiting == op_writer.IN_FLIGHT
+    with pytest.raises(RuntimeError, match=f"(?s)op log writer for {re.escape(str(tmp_path))} failed: "
+                                           ".*'str' object has no attribute 'schema'"):
+        for _ in range(100):  # the sends that follow find it gone, or close reads its error
+            sink.write("ops", table)
+        sink.close()
+
+
+def test_a_child_writer_writes_every_chunk_in_order(tmp_path) -> None:
+    """Many chunks through the child, IN_FLIGHT at a time: the file holds them all, in order."""
+    from kvsim.kvcache import op_writer
+
+    sink = op_writer.Sink(tmp_path, process=True)
+    for i in range(3 * op_writer.IN_FLIGHT + 1):
+        log = OpLog(enabled=True)
+        log.set_step(i)
+        log.emit("free", i)
+        sink.write("ops", log._all())
+    sink.close()
+    assert [(op.step, op.a) for op in read_ops(tmp_path / "ops.parquet")] == [(i, i) for i in range(13)]
