@@ -60,6 +60,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     Runs,
     as_rows,
     ops_table,
+    pack_hashes,
     read_op_rows,
     read_ops,
     read_tokens,
@@ -77,6 +78,14 @@ _CODE = {k: i for i, k in enumerate(KINDS)}  # kind -> its code in a pending row
 _WRITE, _FREE, _EVICT, _TABLE = (_CODE[k] for k in ("write", "free", "evict", "table"))
 CHUNK_ROWS = 1 << 18  # rows of a chunk of the op log
 TOKEN_CHUNK = 1 << 22  # token ids kept before they are written out
+
+
+def _split(items: list, i: int) -> tuple[list, list]:
+    """`items[:i]` and `items[i:]`, the first being `items` itself (its tail cut off), so that only
+    the tail is copied."""
+    tail = items[i:]
+    del items[i:]
+    return items, tail
 
 
 class OpLog:
@@ -323,7 +332,15 @@ class OpLog:
             nb -= n if mode == SEG_EXPLICIT else 0
             evicts -= n if code == _EVICT else 0
         late = np.array(self._late, dtype=np.int64).reshape(-1, LATE_INTS)
-        main = Runs(segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts], rows)
+        if consume:  # the lists themselves go, less their tail (rows of the last `lag` steps: few)
+            parts = [_split(x, i) for x, i in ((segs, RUN_INTS * k), (self._seqs, k), (self._a, rows),
+                                                 (self._bcp, 3 * nb), (self._hashes, evicts))]
+            (segs, self._segs), (seqs, self._seqs), (a, self._a), (bcp, self._bcp), (hashes, self._hashes) = parts
+            self._rows -= rows
+            main = Runs(segs, seqs, a, bcp, pack_hashes(hashes), rows)
+        else:
+            main = Runs(segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts],
+                        rows)
         seqs = self._late_seqs
         if cut is None:
             ready, ready_seqs = late, seqs
@@ -339,8 +356,6 @@ class OpLog:
             rest[:, 1] -= d
             rest[:, 3:5] += d[:, None]  # (first slot, first pos)
         if consume:
-            del self._segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts]
-            self._rows -= rows
             if cut is None:
                 self._late, self._late_seqs = [], []
             else:
