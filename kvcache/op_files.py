@@ -56,10 +56,10 @@ class LateRuns(NamedTuple):
         return int(self.runs[:, 1].sum())
 
 
-def ops_table(main: Runs, late: LateRuns | None):
-    """One table of `schema()`: `main`'s rows (in step order) and `late`'s, stably ordered by step (a
-    late row after every row of `main` of its step). The two are merged as integer rows, before any
-    string column is made, so the sort moves numbers only."""
+def ops_table(main: Runs, late: LateRuns | None, coded: bool = False):
+    """One table of `schema(coded)`: `main`'s rows (in step order) and `late`'s, stably ordered by step
+    (a late row after every row of `main` of its step). The two are merged as integer rows, before
+    any string column is made, so the sort moves numbers only."""
     ints, which, seqs = run_rows(main)
     if late is not None and len(late.runs):
         late_ints, late_which = late_rows(late.runs)
@@ -68,7 +68,7 @@ def ops_table(main: Runs, late: LateRuns | None):
         seqs = [*seqs, *late.seqs]
         order = np.argsort(ints[:, 0], kind="stable")
         ints, which = ints[order], which[order]
-    return rows_table(ints, _names(seqs, which), main.hashes, KINDS)
+    return rows_table(ints, (_coded_names if coded else _names)(seqs, which), main.hashes, KINDS, coded)
 
 
 def run_rows(r: Runs) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -124,11 +124,24 @@ def _names(seqs: list[str], which: np.ndarray):
     return pa.array(seqs, pa.string()).take(pa.array(which))
 
 
-def schema():
+def _coded_names(seqs: list[str], which: np.ndarray):
+    """`_names` as a dictionary: each distinct name once, a row its index."""
     import pyarrow as pa
 
-    return pa.schema([("step", pa.int64()), ("kind", pa.string()), ("a", pa.int64()), ("b", pa.int64()),
-                      ("c", pa.int64()), ("seq", pa.string()), ("hash", pa.uint64()), ("pos", pa.int64()),
+    ids: dict[str, int] = {}
+    code = np.fromiter((ids.setdefault(s, len(ids)) for s in seqs), np.int32, len(seqs))
+    return pa.DictionaryArray.from_arrays(pa.array(code[which]), pa.array(list(ids), pa.string()))
+
+
+def schema(coded: bool = False):
+    """The columns of `ops.parquet` (`COLUMNS`); `coded`: `kind` and `seq` as dictionaries, as the
+    streamed file's writer takes them (the file holds plain strings either way)."""
+    import pyarrow as pa
+
+    kind, seq = (pa.dictionary(pa.int8(), pa.string()), pa.dictionary(pa.int32(), pa.string())) if coded \
+        else (pa.string(), pa.string())
+    return pa.schema([("step", pa.int64()), ("kind", kind), ("a", pa.int64()), ("b", pa.int64()),
+                      ("c", pa.int64()), ("seq", seq), ("hash", pa.uint64()), ("pos", pa.int64()),
                       ("group", pa.int64())],
                      metadata=META)
 
@@ -164,9 +177,9 @@ def pack_hashes(hashes: list[int]) -> Sequence[int]:
         return hashes
 
 
-def rows_table(ints: np.ndarray, seqs, hashes: Sequence[int], kinds: tuple[str, ...]):
+def rows_table(ints: np.ndarray, seqs, hashes: Sequence[int], kinds: tuple[str, ...], coded: bool = False):
     """Rows (columns step, kind code, a, b, c, pos, group of `ints`; a kind code indexes `kinds`) as
-    a table of `schema()`; `hashes` are those of its `evict` rows, in order."""
+    a table of `schema(coded)`; `hashes` are those of its `evict` rows, in order."""
     import pyarrow as pa
 
     codes = ints[:, 1]
@@ -174,11 +187,14 @@ def rows_table(ints: np.ndarray, seqs, hashes: Sequence[int], kinds: tuple[str, 
     which = np.cumsum(evict) - 1  # row -> its index in `hashes` (evict rows only)
     keys = np.frombuffer(hashes, np.uint64) if isinstance(hashes, array) else hashes
     keys = pa.array(keys, pa.uint64()).take(pa.array(which, mask=~evict))
-    names = pa.array(kinds, pa.string()).take(pa.array(codes))
+    if coded:
+        names = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int8)), pa.array(kinds, pa.string()))
+    else:
+        names = pa.array(kinds, pa.string()).take(pa.array(codes))
     seqs = seqs if isinstance(seqs, pa.Array) else pa.array(seqs, pa.string())
     cols = [ints[:, 0], names, ints[:, 2], ints[:, 3], ints[:, 4], seqs, keys, ints[:, 5], ints[:, 6]]
     return pa.table([pa.array(np.ascontiguousarray(c)) if isinstance(c, np.ndarray) else c for c in cols],
-                    schema=schema())
+                    schema=schema(coded))
 
 
 def token_ids(tokens, n: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvsim.kvcache.op_files import (
+    META,
     OPS_WRITE,
     TOKENS_WRITE,
     Runs,
@@ -42,7 +43,13 @@ class Files:
     def __init__(self, folder: Path):
         import pyarrow.parquet as pq
 
-        self.ops = pq.ParquetWriter(folder / "ops.parquet", schema(), **OPS_WRITE)
+        # NOTE: `kind` and `seq` come as dictionaries, which the writer writes as they are (the
+        # strings hashed once a chunk's distinct name, not once a row: a fifth of the encoding);
+        # with no Arrow schema stored the file reads back as plain strings, `schema()`, as an
+        # in-memory log writes it, and the version goes in the footer's metadata
+        self._coded = schema(coded=True)
+        self.ops = pq.ParquetWriter(folder / "ops.parquet", self._coded, store_schema=False, **OPS_WRITE)
+        self.ops.add_key_value_metadata(META)
         self.tokens = pq.ParquetWriter(folder / "op_tokens.parquet", tokens_schema(), **TOKENS_WRITE)
 
     def write(self, name: str, chunk, late=None) -> None:
@@ -51,7 +58,7 @@ class Files:
         if name == "tokens":
             self.tokens.write_table(tokens_table(chunk) if isinstance(chunk, list) else chunk)
         else:
-            self.ops.write_table(ops_table(chunk, late) if isinstance(chunk, Runs) else chunk)
+            self.ops.write_table(ops_table(chunk, late, coded=True) if isinstance(chunk, Runs) else chunk.cast(self._coded))
 
     def close(self) -> None:
         self.ops.close()

@@ -177,7 +177,7 @@ def test_a_child_writer_holds_chunks_in_flight_and_raises_its_error(tmp_path) ->
     sink.write("ops", "not a table")  # waits for the oldest reply only
     assert sink._awaiting == op_writer.IN_FLIGHT
     with pytest.raises(RuntimeError, match=f"(?s)op log writer for {re.escape(str(tmp_path))} failed: "
-                                           ".*'str' object has no attribute 'schema'"):
+                                           ".*'str' object has no attribute"):
         for _ in range(100):  # the sends that follow find it gone, or close reads its error
             sink.write("ops", table)
         sink.close()
