@@ -419,6 +419,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         keys: list[int | None] = []
         taken = pool.get_new_blocks(num_new, keys) if num_new and self.events is None else None
         i = 0  # the next of `taken`
+        edge = ops.emit_edge if ops.group_of is None else None  # (one run a new block's rows)
         for seq in seqs:
             c, sid = seq.num_computed_tokens, seq.seq_id
             blocks = tables[sid]
@@ -431,11 +432,16 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
                 else:
                     block, key = taken[i], keys[i]
                     i += 1
-                if key is not None:
-                    ops.emit_evicts([block.block_id], [key])
                 blocks.append(block)
-                ops.emit_entry(sid, block.block_id, idx)
-            ops.emit_write(sid, blocks[idx].block_id, c, bs)
+                if edge is not None:
+                    edge(sid, block.block_id, idx, c, bs, key)
+                else:
+                    if key is not None:
+                        ops.emit_evicts([block.block_id], [key])
+                    ops.emit_entry(sid, block.block_id, idx)
+                    ops.emit_write(sid, block.block_id, c, bs)
+            else:
+                ops.emit_write(sid, blocks[idx].block_id, c, bs)
             if caching and (c + 1) % bs == 0:
                 self._cache_full_blocks(seq, blocks, c + 1)
 

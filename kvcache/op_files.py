@@ -30,6 +30,8 @@ SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
 SEG_TABLE = 1  # b = p + i (the i-th row of the run); c, pos -1
 SEG_SPAN = 2  # writes of positions [p, q) in blocks of r slots, a block a row: slots and positions follow
 SEG_EXPLICIT = 3  # b, c, pos kept a row
+SEG_EDGE = 4  # a decode token's new block: [its eviction (no sequence),] its table entry q, the write of
+#              position p (r slots a block): 2 or 3 rows of one block, their kinds by their place
 
 
 class Runs(NamedTuple):
@@ -98,7 +100,20 @@ def run_rows(r: Runs) -> tuple[np.ndarray, np.ndarray, list[str]]:
     e = mode == SEG_EXPLICIT
     if r.bcp:
         ints[e, 3:6] = np.array(r.bcp, np.int64).reshape(-1, 3)
-    return ints, which, r.seqs
+    g = np.flatnonzero(mode == SEG_EDGE)
+    seqs = r.seqs
+    if len(g):
+        role = off[g] + 3 - np.repeat(counts, counts)[g]  # 0: the eviction, 1: the entry, 2: the write
+        ints[g, 1] = np.array([KINDS.index("evict"), KINDS.index("table"), KINDS.index("write")])[role]
+        entry, write, evict = g[role == 1], g[role == 2], g[role == 0]
+        ints[entry, 3] = q[entry]
+        ints[write, 3] = p[write] % bs[write]
+        ints[write, 4] = ints[write, 3] + 1
+        ints[write, 5] = p[write]
+        if len(evict):  # an eviction belongs to no sequence
+            seqs = [*seqs, ""]
+            which[evict] = len(seqs) - 1
+    return ints, which, seqs
 
 
 def late_rows(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -50,6 +50,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     OPS_VERSION,
     OPS_WRITE,
     RUN_INTS,
+    SEG_EDGE,
     SEG_EXPLICIT,
     SEG_PLAIN,
     SEG_SPAN,
@@ -251,6 +252,27 @@ class OpLog:
         self._a.append(block)
         self._rows += 1
 
+    def emit_edge(self, seq: str, block: int, index: int, pos: int, bs: int, key: int | None) -> None:
+        """Record a decoding sequence's new block, one group's (call only when `enabled`): its eviction
+        if it held key `key`, `seq`'s table entry `index`, and the one-slot write of position `pos`;
+        the rows `emit_evicts`, `emit_entry` and `emit_write` give, in one run (`SEG_EDGE`)."""
+        counts = self.counts
+        counts["table"] += 1
+        counts["write"] += 1
+        if self.resolve is not None:
+            block = int(self.resolve(block))
+        if key is None:
+            self._segs.extend((self.step, _TABLE, 2, SEG_EDGE, pos, index, bs, 0))
+            self._a.extend((block, block))
+            self._rows += 2
+        else:
+            counts["evict"] += 1
+            self._segs.extend((self.step, _EVICT, 3, SEG_EDGE, pos, index, bs, 0))
+            self._a.extend((block, block, block))
+            self._hashes.append(key)
+            self._rows += 3
+        self._seqs.append(seq)
+
     def _run(self, code: int, mode: int, seq: str, ids: list[int], p: int = 0, q: int = 0, r: int = 0,
              group: int = 0) -> None:
         """One pending run: rows of kind `code`, `seq` and `group` at this step, a row per allocator
@@ -330,7 +352,7 @@ class OpLog:
             _, code, n, mode = segs[RUN_INTS * k:RUN_INTS * k + 4]
             rows -= n
             nb -= n if mode == SEG_EXPLICIT else 0
-            evicts -= n if code == _EVICT else 0
+            evicts -= (1 if mode == SEG_EDGE else n) if code == _EVICT else 0
         late = np.array(self._late, dtype=np.int64).reshape(-1, LATE_INTS)
         if consume:  # the lists themselves go, less their tail (rows of the last `lag` steps: few)
             parts = [_split(x, i) for x, i in ((segs, RUN_INTS * k), (self._seqs, k), (self._a, rows),

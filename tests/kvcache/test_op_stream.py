@@ -59,10 +59,11 @@ def test_a_chunk_holds_back_rows_a_late_write_may_still_precede(tmp_path) -> Non
 @given(
     chunk=st.integers(1, 12),
     lag=st.integers(1, 5),
-    steps=st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=25),
+    steps=st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=25),
 )
 def test_streamed_chunks_equal_one_sort_by_step(tmp_path_factory, chunk: int, lag: int, steps) -> None:
-    """Any mix of ops and late writes (at most `lag` steps late), cut into chunks of any size:
+    """Any mix of ops (a decode's new block as one run of rows too) and late writes (at most `lag`
+    steps late), cut into chunks of any size:
     the file holds every row once, stably ordered by step, a late write after its step's rows."""
     folder = tmp_path_factory.mktemp("ops")
     logs = [OpLog(enabled=True, chunk_rows=chunk), OpLog(enabled=True)]
@@ -74,8 +75,16 @@ def test_streamed_chunks_equal_one_sort_by_step(tmp_path_factory, chunk: int, la
         for log in logs:
             log.set_step(k)
         for i in range(n_ops):
-            kind = ("write", "table", "free", "evict")[i % 4]
-            h = (2**63 + k * 10 + i) if kind == "evict" else None
+            kind = ("write", "table", "free", "evict", "edge", "edge")[i]
+            h = (2**63 + k * 10 + i) if kind == "evict" or (kind == "edge" and i == 5) else None
+            if kind == "edge":  # a decode's new block (one run): [its eviction,] its entry, its write
+                for log in logs:
+                    log.emit_edge(f"s{i}", k * 10 + i, i, 16 * i + 3, 16, h)
+                rows = [Op(k, "evict", k * 10 + i, -1, -1, "", h, -1)] if h is not None else []
+                rows += [Op(k, "table", k * 10 + i, i, -1, f"s{i}", None, -1),
+                         Op(k, "write", k * 10 + i, 3, 4, f"s{i}", None, 16 * i + 3)]
+                expect += [(k, 0, op) for op in rows]
+                continue
             for log in logs:
                 log.emit(kind, k * 10 + i, i, seq=f"s{i}", h=h)
             expect.append((k, 0, Op(k, kind, k * 10 + i, i, -1, f"s{i}", h, -1)))
@@ -195,3 +204,23 @@ def test_a_child_writer_writes_every_chunk_in_order(tmp_path) -> None:
         sink.write("ops", log._all())
     sink.close()
     assert [(op.step, op.a) for op in read_ops(tmp_path / "ops.parquet")] == [(i, i) for i in range(13)]
+
+
+@pytest.mark.parametrize("key", [None, 2**64 - 5])
+def test_a_new_decode_block_is_one_run_of_the_three_rows(key) -> None:
+    """Hand-worked: `emit_edge` (a decode token's new block 9, entry 4 of `s`, position 66 of blocks
+    of 16 slots) gives the rows of `emit_evicts`, `emit_entry` and `emit_write`, counts included."""
+    one, three = OpLog(enabled=True), OpLog(enabled=True)
+    for log in (one, three):
+        log.set_step(5)
+        log.emit("free", 1)
+    one.emit_edge("s", 9, 4, 66, 16, key)
+    if key is not None:
+        three.emit_evicts([9], [key])
+    three.emit_entry("s", 9, 4)
+    three.emit_write("s", 9, 66, 16)
+    want = [Op(5, "free", 1, -1, -1, "", None, -1, 0)] + \
+        ([Op(5, "evict", 9, -1, -1, "", key, -1, 0)] if key is not None else []) + \
+        [Op(5, "table", 9, 4, -1, "s", None, -1, 0), Op(5, "write", 9, 2, 3, "s", None, 66, 0)]
+    assert one.records() == three.records() == want
+    assert one.counts == three.counts
