@@ -117,8 +117,15 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         plain = self._on_evict is None and self.events is None  # no hook to tell of each eviction
-        if plain and self._lru is not None and (keys is not None or not self.ops.enabled):
-            return self._pop_counted(n, keys)
+        if plain and self._lru is not None:
+            if keys is not None or not self.ops.enabled:
+                return self._pop_counted(n, keys)
+            keys = []  # op records: the one-pass take, its evictions recorded after it (no hook between)
+            out = self._pop_counted(n, keys)
+            evicted = [b.block_id for b, key in zip(out, keys, strict=True) if key is not None]
+            if evicted:
+                self.ops.emit_evicts(evicted, [key for key in keys if key is not None])
+            return out
         if plain and keys is None and not self.ops.enabled:
             return self._take_counted(self.policy.pop_n(n))
         blocks = self.policy.pop_n(n)
@@ -289,6 +296,15 @@ class BlockPool:
             else:
                 self._free_counted(ordered)
             return
+        if self._lru is not None and self._counted_frees(recorded=True):
+            # op records: the one-pass free, then a `free` row a block that reached 0, in order (a
+            # table holds a block once, and only those are at 0 now)
+            self._free_lru([ordered], count_ops=False)
+            null = self.null_block
+            freed = [b.block_id for b in ordered if not b.ref_cnt and b is not null]
+            if freed:
+                self.ops.emit_free(freed)
+            return
         freed = []  # reaching 0, in order
         first = []  # of those, the ones to reuse first (uncached, with free_first)
         later = []  # of those, the cached ones (to the back, with free_first)
@@ -323,10 +339,11 @@ class BlockPool:
             self.policy.free_first(first)
             self.policy.free(later)
 
-    def _counted_frees(self) -> bool:
-        """Whether a free may take the counted paths: `free_first`, no pins, ops only counted, no
-        tracker but an IdSpan (which needs only the number freed and the blocks given)."""
-        return self.free_first and not self._pins and not self.ops.enabled \
+    def _counted_frees(self, recorded: bool = False) -> bool:
+        """Whether a free may take the counted paths: `free_first`, no pins, ops only counted (or,
+        `recorded`, recorded), no tracker but an IdSpan (which needs only the number freed and the
+        blocks given)."""
+        return self.free_first and not self._pins and self.ops.enabled == recorded \
             and (self.tracker is None or type(self.tracker) is IdSpan)
 
     def free_runs(self, runs: list[list[KVCacheBlock]]) -> list[int]:
@@ -342,7 +359,7 @@ class BlockPool:
             counts.append(len(self.policy) - before)
         return counts
 
-    def _free_lru(self, runs: list[list[KVCacheBlock]]) -> list[int]:
+    def _free_lru(self, runs: list[list[KVCacheBlock]], count_ops: bool = True) -> list[int]:
         """`_free_counted` of each run in turn under exact LRU, in one pass: the uncached blocks
         reaching 0 are gathered for the queue's front stack (each run's after the run before it, the
         first freed of a run ending first: so the last run's are reused first, as separate calls
@@ -388,7 +405,8 @@ class BlockPool:
         if nl:  # at the back, in their order (append_n)
             self._lru.splice_back(l_head, l_tail, nl)
         self.num_cached_free += nl
-        self.ops.counts["free"] += len(front) + nl
+        if count_ops:  # (else the caller records them)
+            self.ops.counts["free"] += len(front) + nl
         return counts
 
     def _free_counted(self, ordered: list[KVCacheBlock]) -> None:
