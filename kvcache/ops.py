@@ -62,6 +62,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     as_rows,
     ops_table,
     pack_hashes,
+    pack_ints,
     read_op_rows,
     read_ops,
     read_tokens,
@@ -359,7 +360,7 @@ class OpLog:
                                                  (self._bcp, 3 * nb), (self._hashes, evicts))]
             (segs, self._segs), (seqs, self._seqs), (a, self._a), (bcp, self._bcp), (hashes, self._hashes) = parts
             self._rows -= rows
-            main = Runs(segs, seqs, a, bcp, pack_hashes(hashes), rows)
+            main = Runs(pack_ints(segs), seqs, pack_ints(a), bcp, pack_hashes(hashes), rows)
         else:
             main = Runs(segs[:RUN_INTS * k], self._seqs[:k], self._a[:rows], self._bcp[:3 * nb], self._hashes[:evicts],
                         rows)

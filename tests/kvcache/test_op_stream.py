@@ -224,3 +224,16 @@ def test_a_new_decode_block_is_one_run_of_the_three_rows(key) -> None:
         [Op(5, "table", 9, 4, -1, "s", None, -1, 0), Op(5, "write", 9, 2, 3, "s", None, 66, 0)]
     assert one.records() == three.records() == want
     assert one.counts == three.counts
+
+
+def test_packed_chunk_ints_keep_every_value() -> None:
+    """Hand-worked: a chunk's ints go to the writer as int32 where every one fits, else as int64;
+    block keys as unsigned 64-bit, else as they are (a key past 64 bits is not silently cut)."""
+    from kvsim.kvcache.op_files import pack_hashes, pack_ints
+
+    small = pack_ints([0, -1, 2**31 - 1])
+    assert small.dtype == np.int32 and small.tolist() == [0, -1, 2**31 - 1]
+    big = pack_ints([0, 2**31, -(2**40)])
+    assert big.dtype == np.int64 and big.tolist() == [0, 2**31, -(2**40)]
+    assert list(pack_hashes([0, 2**64 - 1])) == [0, 2**64 - 1]
+    assert pack_hashes([2**64, 1]) == [2**64, 1]
