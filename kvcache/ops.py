@@ -331,6 +331,12 @@ class OpLog:
             self._sink.write("tokens", t)
         self._chunks, self._token_chunks = [], []
 
+    def finish(self) -> None:
+        """No op follows: a streamed log hands its pending rows and token ids to the writer now."""
+        if self._sink is not None:
+            self._flush(None)
+            self._flush_tokens()
+
     def _flush(self, cut: int | None) -> None:
         """Move the rows of steps before `cut` (None: all) out of the pending lists."""
         main, late = self._take(cut, consume=True)

@@ -115,6 +115,11 @@ class PoolView:
         else:
             self.ops.step = step
 
+    def finish_ops(self) -> None:
+        """The run is over: hand every pending op and token id to a streamed log's writer now, so it
+        encodes them while the run's tables are made (`save_ops` then only waits for it)."""
+        self.ops.finish()
+
     def save_ops(self, folder: str | Path) -> None:
         """Write the recorded ops and each sequence's tokens into `folder` (`OpLog.save`)."""
         self.ops.save(folder)

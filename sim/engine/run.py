@@ -208,6 +208,8 @@ def simulate(
     engine = Engine(env, requests, cfg, cost_model, manager, progress, steps_file=steps_file, kv_events=sink)
     with rare_collections():
         env.run()
+    if cfg.record_ops and ops_dir is not None:
+        manager.finish_ops()  # the writer encodes the last ops while the tables below are made
     return engine_result(engine, cfg, cost_model, getattr(workload, "name", "workload"),
                          getattr(workload, "skipped", 0), steps_file, batches)
 
