@@ -419,7 +419,8 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         keys: list[int | None] = []
         taken = pool.get_new_blocks(num_new, keys) if num_new and self.events is None else None
         i = 0  # the next of `taken`
-        edge = ops.emit_edge if ops.group_of is None else None  # (one run a new block's rows)
+        edge = ops.record_edge if ops.group_of is None else None  # (one run a new block's rows)
+        edges = evicts = 0  # what record_edge recorded, counted after the loop
         for seq in seqs:
             c, sid = seq.num_computed_tokens, seq.seq_id
             blocks = tables[sid]
@@ -435,6 +436,8 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
                 blocks.append(block)
                 if edge is not None:
                     edge(sid, block.block_id, idx, c, bs, key)
+                    edges += 1
+                    evicts += key is not None
                 else:
                     if key is not None:
                         ops.emit_evicts([block.block_id], [key])
@@ -444,6 +447,12 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
                 ops.emit_write(sid, blocks[idx].block_id, c, bs)
             if caching and (c + 1) % bs == 0:
                 self._cache_full_blocks(seq, blocks, c + 1)
+        if edges:
+            counts = ops.counts
+            counts["table"] += edges
+            counts["write"] += edges
+            if evicts:
+                counts["evict"] += evicts
 
     def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
         """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the

@@ -126,7 +126,7 @@ class OpLog:
         self._token_chunks: list = []
         self._pending_tokens = 0
         self._sink: Sink | None = None
-        self._start = [0, 0, 0]  # where this step's rows begin in _segs, _a and _bcp (`emit_transfers`)
+        self._start = (-1, 0, 0, 0)  # step, and where its rows begin in _segs, _a and _bcp (`emit_transfers`)
         self._done = 0  # rows in chunks or streamed
 
     def set_step(self, step: int) -> None:
@@ -134,7 +134,6 @@ class OpLog:
         self.step = step
         if self._rows + 8 * len(self._late_seqs) >= self.chunk_rows:
             self._flush(step - self.lag if self.lag else None)
-        self._start = [len(self._segs), len(self._a), len(self._bcp)]
 
     def emit_transfers(self, kind: str, pairs: list[tuple[int, int]], seq: str, at_start: bool = False) -> None:
         """Record `store` or `load` ops of (a, b) pairs for `seq`; `at_start`: ahead of every op this
@@ -154,12 +153,25 @@ class OpLog:
             self._a += a
             self._bcp += bcp
             return
-        s, r, e = self._start
+        s, r, e = self._step_start()
         self._segs[s:s] = segs
         self._seqs[s // RUN_INTS:s // RUN_INTS] = [seq] * len(pairs)
         self._a[r:r] = a
         self._bcp[e:e] = bcp
-        self._start = [s + len(segs), r + len(a), e + len(bcp)]
+        self._start = (self.step, s + len(segs), r + len(a), e + len(bcp))
+
+    def _step_start(self) -> tuple[int, int, int]:
+        """Where this step's rows begin in _segs, _a and _bcp, after the transfers put there before
+        (`_start`): found from the end, the step's runs being the last ones."""
+        if self._start[0] == self.step:
+            return self._start[1:]
+        segs, k, r, e = self._segs, len(self._segs) // RUN_INTS, len(self._a), len(self._bcp)
+        while k and segs[RUN_INTS * (k - 1)] >= self.step:
+            k -= 1
+            n, mode = segs[RUN_INTS * k + 2], segs[RUN_INTS * k + 3]
+            r -= n
+            e -= 3 * n if mode == SEG_EXPLICIT else 0
+        return RUN_INTS * k, r, e
 
     def emit(self, kind: str, a: int, b: int = -1, c: int = -1, seq: str = "", h: int | None = None,
              pos: int = -1, group: int = 0) -> None:
@@ -253,13 +265,11 @@ class OpLog:
         self._a.append(block)
         self._rows += 1
 
-    def emit_edge(self, seq: str, block: int, index: int, pos: int, bs: int, key: int | None) -> None:
-        """Record a decoding sequence's new block, one group's (call only when `enabled`): its eviction
-        if it held key `key`, `seq`'s table entry `index`, and the one-slot write of position `pos`;
-        the rows `emit_evicts`, `emit_entry` and `emit_write` give, in one run (`SEG_EDGE`)."""
-        counts = self.counts
-        counts["table"] += 1
-        counts["write"] += 1
+    def record_edge(self, seq: str, block: int, index: int, pos: int, bs: int, key: int | None) -> None:
+        """Record a decoding sequence's new block, one group's (call only when `enabled`; not counted:
+        the caller counts a table entry and a write, and the eviction if any): its eviction if it
+        held key `key`, `seq`'s table entry `index`, and the one-slot write of position `pos`; the
+        rows `emit_evicts`, `emit_entry` and `emit_write` give, in one run (`SEG_EDGE`)."""
         if self.resolve is not None:
             block = int(self.resolve(block))
         if key is None:
@@ -267,7 +277,6 @@ class OpLog:
             self._a.extend((block, block))
             self._rows += 2
         else:
-            counts["evict"] += 1
             self._segs.extend((self.step, _EVICT, 3, SEG_EDGE, pos, index, bs, 0))
             self._a.extend((block, block, block))
             self._hashes.append(key)
@@ -416,7 +425,7 @@ class OpLog:
     def clear(self) -> None:
         self._segs, self._seqs, self._a, self._bcp, self._hashes = [], [], [], [], []
         self._rows = 0
-        self._start = [0, 0, 0]
+        self._start = (-1, 0, 0, 0)
         self._late, self._late_seqs = [], []
         self._chunks.clear()
         self._done = 0
