@@ -2,7 +2,9 @@
 beside the simulation, on a thread or in a child process (`python -m kvcache.op_writer FOLDER`).
 
 In a child process the encoding (numpy, arrow, parquet: much of it holding the GIL) costs the
-simulation only the pickling of each chunk; a thread is cheaper to start (small logs, tests).
+simulation only the packing and pickling of each chunk (its ints go as arrays, `op_files.pack_ints`),
+and up to `IN_FLIGHT` chunks wait there, read off the pipe by a thread of the child's own, so the
+simulation does not wait for each encoding; a thread is cheaper to start (small logs, tests).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class Files:
         if name == "tokens":
             self.tokens.write_table(tokens_table(chunk) if isinstance(chunk, list) else chunk)
         else:
-            self.ops.write_table(ops_table(chunk, late, coded=True) if isinstance(chunk, Runs) else chunk.cast(self._coded))
+            table = ops_table(chunk, late, coded=True) if isinstance(chunk, Runs) else chunk.cast(self._coded)
+            self.ops.write_table(table)
 
     def close(self) -> None:
         self.ops.close()
@@ -89,7 +92,8 @@ class Sink:
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self._child = subprocess.Popen([sys.executable, "-m", "kvsim.kvcache.op_writer", str(folder)],
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **_CHILD_MALLOC},
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               env={**os.environ, **_CHILD_MALLOC},
                                                preexec_fn=_ignore_sigint if os.name == "posix" else None)
             finally:
                 if held:
