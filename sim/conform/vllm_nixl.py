@@ -61,10 +61,10 @@ class Nixl:
     @classmethod
     def from_config(cls, cfg: SimConfig, block_bytes: BlockBytes) -> Nixl | None:
         """The NIXL side of `cfg` (None: no `kv_transfer_role`), its reads priced as kvsim's lone
-        connector prices them (`KVTransfer.of` the model's `block_bytes`)."""
+        connector prices them (`KVTransfer` of the model's `block_bytes`)."""
         if cfg.kv_transfer_role is None:
             return None
-        transfer = KVTransfer.of(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
+        transfer = KVTransfer(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         return cls(cfg.kv_transfer_role, transfer, cfg.kv_lease_duration)
 
     def requests(self, requests: Iterable[Request]) -> list[Request]:

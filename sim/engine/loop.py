@@ -110,7 +110,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
                               "connector for full attention only (vLLM clips a window's blocks)")
 
         block_bytes = BlockBytes.of(cost)
-        transfer = KVTransfer.of(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
+        transfer = KVTransfer(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)
         backoff = prefill_backoff(cost)
         connector = NixlConnector(manager, cfg.scheduling == "priority", transport, block_bytes, backoff)

@@ -118,7 +118,10 @@ class BlockBytes:
 
     def read_bytes(self, blocks: int) -> int:
         """One rank's bytes of a read of `blocks` blocks."""
-        attention, states = self.split(blocks)
+        return self.bytes_of(*self.split(blocks))
+
+    def bytes_of(self, attention: int, states: int = 0) -> int:
+        """One rank's bytes of `attention` attention blocks and `states` Mamba state blocks."""
         return attention * self.attention + states * self.state
 
 
@@ -126,22 +129,15 @@ class BlockBytes:
 class KVTransfer:
     """How long one whole-request read takes: a fixed latency plus its bytes over the link's bandwidth.
     Each tensor-parallel rank reads its own share of every block over its own NIC, in parallel, so
-    the bytes are one rank's: `bytes_per_block` an attention block, `state_bytes` a Mamba group's
-    state block (`BlockBytes`)."""
+    the bytes are one rank's (`block_bytes`)."""
 
-    bytes_per_block: int
+    block_bytes: BlockBytes
     gbps: float = DEFAULT_GBPS
     latency_s: float = DEFAULT_LATENCY_S
-    state_bytes: int = 0
-
-    @classmethod
-    def of(cls, block_bytes: BlockBytes, gbps: float, latency_s: float) -> KVTransfer:
-        """The reads of a model's `block_bytes` over a link of `gbps` and `latency_s`."""
-        return cls(block_bytes.attention, gbps, latency_s, block_bytes.state)
 
     def seconds(self, blocks: int, states: int = 0) -> float:
         """The read of `blocks` attention blocks and `states` Mamba state blocks, from its post to its end."""
-        return self.latency_s + (blocks * self.bytes_per_block + states * self.state_bytes) / (self.gbps * 1e9)
+        return self.latency_s + self.block_bytes.bytes_of(blocks, states) / (self.gbps * 1e9)
 
 
 def prefill_backoff(cost: Any) -> int:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsim.sim.cluster.link import SharedLink
-from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.nixl import BlockBytes, KVTransfer
 
 GB = 1e9
 
@@ -20,9 +20,9 @@ def test_one_read_takes_latency_plus_bytes_over_bandwidth():
     link = SharedLink(gbps=25.0, latency_s=5e-5)
     link.start("a", 0, 1, 7 * 2**21, at=1.0)
     assert link.done_at("a") is None  # not settled yet
-    assert link.next_end() == pytest.approx(1.0 + KVTransfer(2**21).seconds(7), rel=1e-12)
+    assert link.next_end() == pytest.approx(1.0 + KVTransfer(BlockBytes(2**21)).seconds(7), rel=1e-12)
     link.advance(2.0)
-    assert link.done_at("a") == pytest.approx(1.0 + KVTransfer(2**21).seconds(7), rel=1e-12)
+    assert link.done_at("a") == pytest.approx(1.0 + KVTransfer(BlockBytes(2**21)).seconds(7), rel=1e-12)
 
 
 def test_two_reads_from_one_prefill_nic_share_it():

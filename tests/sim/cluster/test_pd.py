@@ -15,11 +15,11 @@ from kvsim.sim.cluster.pd import simulate_pd
 from kvsim.sim.cluster.run import simulate_cluster
 from kvsim.sim.engine.catalog import ConfigError
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.nixl import BlockBytes, KVTransfer
 from kvsim.workloads.request import Request, Workload
 
 BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16
-READ7 = KVTransfer(BLOCK_BYTES).seconds(7)  # a 100-token prompt: 7 blocks
+READ7 = KVTransfer(BlockBytes(BLOCK_BYTES)).seconds(7)  # a 100-token prompt: 7 blocks
 
 
 def _workload(arrivals, prompts=None, prompt=100, output=5) -> Workload:
@@ -80,7 +80,7 @@ def test_a_hybrid_requests_read_is_each_groups_blocks_past_the_hit_by_hand():
     r = simulate_pd(_workload([0.0], prompt=1000), cfg.validate())
     p = r.paths.set_index("id")
     assert p.at["r0", "read_bytes"] == 72 * block == r.summary["pd"]["read_bytes"]
-    assert p.at["r0", "read_end"] == pytest.approx(p.at["r0", "read_post"] + KVTransfer(block).seconds(72), abs=1e-12)
+    assert p.at["r0", "read_end"] == pytest.approx(p.at["r0", "read_post"] + KVTransfer(BlockBytes(block)).seconds(72), abs=1e-12)
     assert p.at["r0", "released"] == p.at["r0", "read_end"]  # the prefill replica, idle, frees then
     # it held its window's 9 blocks (the 54 out of the window went at its finish) and its 63
     held = r.replicas[0].summary["held_block_seconds"]

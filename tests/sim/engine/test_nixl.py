@@ -54,14 +54,14 @@ def _run(role: str | None, arrivals: list[float], **kw):
 
 
 def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
-    t = KVTransfer(BLOCK_BYTES, gbps=25.0, latency_s=5e-5)
+    t = KVTransfer(BlockBytes(BLOCK_BYTES), gbps=25.0, latency_s=5e-5)
     assert t.seconds(7) == pytest.approx(5e-5 + 7 * BLOCK_BYTES / 25e9, rel=1e-15)
     assert t.seconds(0) == 5e-5
 
 
 def test_decode_side_reads_the_whole_prompt_then_recomputes_its_last_token():
     r = _run("decode", [0.0])
-    read = KVTransfer(BLOCK_BYTES).seconds(7)  # 100 tokens: 7 blocks, none cached locally
+    read = KVTransfer(BlockBytes(BLOCK_BYTES)).seconds(7)  # 100 tokens: 7 blocks, none cached locally
     steps = r.steps
     rq = r.requests.set_index("id")
     # the empty step at 0 posts the read; the engine steps again when it is done, and applies it
@@ -77,7 +77,7 @@ def test_a_read_posted_in_a_step_is_seen_by_the_first_step_starting_after_it_and
     r = _run("decode", [0.0, 0.01])
     steps, rq = r.steps, r.requests.set_index("id")
     t = steps["time"].to_numpy()
-    read = KVTransfer(BLOCK_BYTES).seconds(7)
+    read = KVTransfer(BlockBytes(BLOCK_BYTES)).seconds(7)
     posted = int(np.searchsorted(t, 0.01))  # r1 arrives during a step; the next step admits it
     assert t[posted] + read <= t[posted + 1]  # done before the next step starts: that step's poll sees it
     assert rq.at["r1", "first_scheduled"] == t[posted + 2]  # applied as it ends, promoted by the schedule after
@@ -85,7 +85,7 @@ def test_a_read_posted_in_a_step_is_seen_by_the_first_step_starting_after_it_and
     # that empty step; r1's read is seen by the first step starting once it is done, then promoted
     slow = _run("decode", [0.0, 0.01], kv_transfer_gbps=0.5)
     st, sq = slow.steps["time"].to_numpy(), slow.requests.set_index("id")
-    read = KVTransfer(BLOCK_BYTES, gbps=0.5).seconds(7)
+    read = KVTransfer(BlockBytes(BLOCK_BYTES), gbps=0.5).seconds(7)
     assert sq.at["r0", "first_scheduled"] == pytest.approx(read, abs=1e-12)
     seen = int(np.searchsorted(st, 0.01 + read))
     assert st[seen - 1] < 0.01 + read <= st[seen]
@@ -96,7 +96,7 @@ def test_prefill_side_runs_one_token_and_holds_its_blocks_until_read():
     # 10 blocks: r0 holds 7 until the decode side has read them, so r1 (7 blocks) waits for the release
     r = _run("prefill", [0.0, 0.001], num_gpu_blocks=11)
     rq = r.requests.set_index("id")
-    read = KVTransfer(BLOCK_BYTES).seconds(7)
+    read = KVTransfer(BlockBytes(BLOCK_BYTES)).seconds(7)
     assert list(rq["output_tokens"]) == [1, 1]
     assert rq.at["r0", "finish"] == rq.at["r0", "first_token"]
     release = rq.at["r0", "finish"] + read
@@ -138,7 +138,7 @@ def test_hybrid_decode_side_reads_each_groups_blocks_the_window_only_its_last():
     assert (r.summary["read_blocks"], r.summary["read_tokens"]) == (72, 1000)
     assert r.summary["read_bytes"] == 72 * GPT_OSS_BLOCK_BYTES
     rq = r.requests.set_index("id")
-    assert rq.at["r0", "first_scheduled"] == pytest.approx(KVTransfer(GPT_OSS_BLOCK_BYTES).seconds(72), abs=1e-12)
+    assert rq.at["r0", "first_scheduled"] == pytest.approx(KVTransfer(BlockBytes(GPT_OSS_BLOCK_BYTES)).seconds(72), abs=1e-12)
     assert r.steps["prefill_tokens"].iloc[0] == 1 and rq.at["r0", "output_tokens"] == 5
 
 
@@ -147,7 +147,7 @@ def test_hybrid_prefill_side_holds_every_groups_blocks_in_the_window_until_read(
     # are held until the (lone) decode side's read of those 72 ends
     r = _gpt_oss("prefill", [0.0])
     rq = r.requests.set_index("id")
-    read = KVTransfer(GPT_OSS_BLOCK_BYTES).seconds(72)
+    read = KVTransfer(BlockBytes(GPT_OSS_BLOCK_BYTES)).seconds(72)
     assert rq.at["r0", "output_tokens"] == 1
     assert r.summary["held_block_seconds"] == pytest.approx(72 * read, rel=1e-12)
 
@@ -184,7 +184,7 @@ def test_mamba_prefill_side_computes_all_but_the_last_prompt_token_and_holds_one
     rq = r.requests.set_index("id")
     assert list(r.steps["prefill_tokens"]) == [999]
     assert (rq.at["r0", "prompt_tokens"], rq.at["r0", "output_tokens"]) == (999, 1)
-    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES, state_bytes=QWEN3_NEXT_STATE_BYTES).seconds(6, 3)
+    read = KVTransfer(BlockBytes(QWEN3_NEXT_BLOCK_BYTES, QWEN3_NEXT_STATE_BYTES)).seconds(6, 3)
     assert read == 5e-5 + 19_095_552 / 25e9 == pytest.approx(0.00081382208, rel=1e-15)
     assert r.summary["held_block_seconds"] == pytest.approx(9 * read, rel=1e-12)
 
@@ -194,7 +194,7 @@ def test_mamba_prefill_side_keeps_a_one_token_prompt_whole():
     # computed, 1 attention block + 3 state blocks held, read in 5e-5 + (2,359,296 + 3 x 1,646,592) / 25e9 s
     r = _qwen3_next("prefill", 1)
     assert list(r.steps["prefill_tokens"]) == [1]
-    read = KVTransfer(QWEN3_NEXT_BLOCK_BYTES, state_bytes=QWEN3_NEXT_STATE_BYTES).seconds(1, 3)
+    read = KVTransfer(BlockBytes(QWEN3_NEXT_BLOCK_BYTES, QWEN3_NEXT_STATE_BYTES)).seconds(1, 3)
     assert read == 5e-5 + 7_299_072 / 25e9
     assert r.summary["held_block_seconds"] == pytest.approx(4 * read, rel=1e-12)
 
