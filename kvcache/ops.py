@@ -349,6 +349,7 @@ class OpLog:
     def _flush(self, cut: int | None) -> None:
         """Move the rows of steps before `cut` (None: all) out of the pending lists."""
         main, late = self._take(cut, consume=True)
+        self._start = (-1, 0, 0, 0)  # (the lists' indices moved)
         n = main.rows + (late.rows if late is not None else 0)
         if n:
             self._done += n
