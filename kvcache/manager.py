@@ -419,8 +419,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         keys: list[int | None] = []
         taken = pool.get_new_blocks(num_new, keys) if num_new and self.events is None else None
         i = 0  # the next of `taken`
-        edge = ops.record_edge if ops.group_of is None else None  # (one run a new block's rows)
-        edges = evicts = 0  # what record_edge recorded, counted after the loop
+        edges = evicts = 0  # what `record_edge` recorded (one run a new block's rows), counted after the loop
         for seq in seqs:
             c, sid = seq.num_computed_tokens, seq.seq_id
             blocks = tables[sid]
@@ -434,15 +433,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
                     block, key = taken[i], keys[i]
                     i += 1
                 blocks.append(block)
-                if edge is not None:
-                    edge(sid, block.block_id, idx, c, bs, key)
-                    edges += 1
-                    evicts += key is not None
-                else:
-                    if key is not None:
-                        ops.emit_evicts([block.block_id], [key])
-                    ops.emit_entry(sid, block.block_id, idx)
-                    ops.emit_write(sid, block.block_id, c, bs)
+                ops.record_edge(sid, block.block_id, idx, c, bs, key)
+                edges += 1
+                evicts += key is not None
             else:
                 ops.emit_write(sid, blocks[idx].block_id, c, bs)
             if caching and (c + 1) % bs == 0:
