@@ -39,7 +39,7 @@ def replay_accuracy(report: dict, config: dict, calibration: Path) -> dict:
             entry[name] = {"predicted_s": float(pred.sum()), "per_step": error_stats(pred, meas)}
         out[kind] = entry
     per_step: dict[int, list[float]] = {}
-    for step, kind, units, _, seconds in report["step_kinds"]:
+    for step, kind, units, _, seconds, *_ in report["step_kinds"]:
         acc = per_step.setdefault(step, [0.0, 0.0, 0.0])
         acc[0] += seconds
         acc[1] += preds["uncalibrated"](kind, units)

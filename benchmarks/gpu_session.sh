@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement behind benchmarks/results, in one command, on a bare CUDA machine.
 #
-#   bash benchmarks/gpu_session.sh OUTDIR [PART ...]      PART: env tests bench calibrate steps replay
+#   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
+#       PART: env tests bench calibrate steps replay (the default set), or any of
+#             holdout graphs pd mooncake hybrid (GPU-LIST.md items 1-4, each alone)
 #
 # - tests:     every `cuda`-marked test (each kernel against its torch twin at real shapes)
 # - bench:     benchmarks/bench_gpu.py, fp16 at block size 16 and bf16 at block size 32
@@ -10,6 +12,15 @@
 # - replay:    `kvsim run --record-ops` of the default workload and of the first 2,000 Mooncake
 #              conversation requests (swap preemption, online defragmenter), each replayed with
 #              `kvsim gpu-replay --device cuda`, every step verified
+# - holdout:   fresh forward steps the calibration never saw (`gpu.forward_step --grid holdout`):
+#              Llama-3-8B, a Llama-3-70B TP-2 rank, Qwen3-30B-A3B (MoE); `python -m gpu.accuracy
+#              holdout` fits on one half and scores the other, on any machine
+# - graphs:    bench_gpu.py's write and decode sections, eager and under CUDA graphs
+# - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's
+# - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
+#              `--check touched` (each step reads back only the entries an op changed)
+# - hybrid:    gpt-oss-20b's and gemma-3-27b's KV-cache groups (first 80 Mooncake requests),
+#              recorded and replayed with every step read whole and decode attention per window
 # A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
 # benchmarks/results/README.md). MOONCAKE names the trace (default ../shared/traces/...).
 # QUICK=1 shrinks everything to run on a CPU under Triton's interpreter (a smoke test of this script).
@@ -114,7 +125,64 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         done
         rm -rf "$runs"/default "$runs"/mooncake "$runs"/*.jsonl
         ;;
-    *) echo "unknown part $part (env tests bench calibrate steps replay)"; exit 2 ;;
+    holdout)
+        if [ "$quick" = 1 ]; then
+            timeout 120 python3 -m gpu.forward_step --quick --moe --out "$out/holdout_quick.json" 2>&1 | tail -3
+        else
+            for mt in llama-3-8b:1 llama-3-70b:2 qwen3-30b-a3b:1; do
+                say "holdout steps ${mt%:*} tp ${mt#*:}"
+                timeout 200 python3 -m gpu.forward_step --model "${mt%:*}" --tp "${mt#*:}" --grid holdout \
+                    --out "$out/holdout_${mt%:*}_tp${mt#*:}.json" 2>&1 | tee "$out/holdout_${mt%:*}_tp${mt#*:}.log" | tail -4
+            done
+        fi
+        ;;
+    graphs|pd)
+        q=(); [ "$quick" = 1 ] && q=(--quick --allow-cpu)
+        only=write,decode; [ "$part" = pd ] && only=pd
+        say "bench $only fp16 block 16"
+        timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --only "$only" --dtype float16 --block-size 16 \
+            --json "$out/bench_${part}_fp16_b16.json" 2>&1 | tee "$out/bench_${part}_fp16_b16.log"
+        ;;
+    mooncake|hybrid)
+        runs=$out/runs_$part
+        mkdir -p "$runs"
+        if [ "$part" = mooncake ]; then
+            n=2000; [ "$quick" = 1 ] && n=40
+            head -$n "$mooncake" > "$runs/trace.jsonl"
+            if [ "$quick" = 1 ]; then
+                cases=("default:--num-gpu-blocks 400 --num-cpu-blocks 400 --defrag-threshold 16 --preemption swap")
+                geometry=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
+            else
+                cases=("default:--num-gpu-blocks 20000 --num-cpu-blocks 20000 --defrag-threshold 256 --preemption swap")
+                geometry=(--layers 4 --kv-heads 1 --head-dim 128 --q-per-kv 4)
+            fi
+            check=(--check touched)
+        else
+            n=80; [ "$quick" = 1 ] && n=6
+            head -$n "$mooncake" > "$runs/trace.jsonl"
+            gb=(3000 8000); [ "$quick" = 1 ] && gb=(800 3000)  # 2 and 1 of the 80 prompts do not fit
+            cases=("gpt-oss-20b:--model gpt-oss-20b --num-gpu-blocks ${gb[0]}"
+                   "gemma-3-27b:--model gemma-3-27b --num-gpu-blocks ${gb[1]}")
+            geometry=(--layers 2 --kv-heads 2 --head-dim 64 --q-per-kv 4)
+            [ "$quick" = 1 ] && geometry=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
+            check=(--check full --attention-layers 1)
+        fi
+        for c in "${cases[@]}"; do
+            name=${c%%:*}
+            read -ra opts <<< "${c#*:}"
+            say "record $part $name"
+            kvsim run "$runs/trace.jsonl" "${opts[@]}" --record-ops --no-plots --out "$runs/$name" \
+                | grep -E "engine steps|evictions|preemptions|swapped|defrag moves|hit rate, tokens"
+            say "replay $part $name"
+            timeout 300 python3 -m sim.cli.app gpu-replay "$runs/$name" --device $device "${geometry[@]}" "${check[@]}" \
+                --save "$out/replay_${part}_$name.json" 2>&1 | tee "$out/replay_${part}_$name.log" | grep -v "^step "
+            echo "rc ${PIPESTATUS[0]}"  # the log keeps the progress lines: how far a cut-off replay got
+            cp "$runs/$name/config.json" "$out/config_${part}_$name.json"
+            cp "$runs/$name/summary.json" "$out/summary_${part}_$name.json"
+        done
+        rm -rf "$runs"
+        ;;
+    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake hybrid)"; exit 2 ;;
     esac
     say "$part took $((SECONDS - start)) s"
 done

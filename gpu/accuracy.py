@@ -5,18 +5,24 @@ Step rows come from `gpu.forward_step` (one synthetic forward step each, in `Cos
 terms); the TP all-reduce is not in those measurements, so it is left out of the prediction too.
 Fitting follows Vidur's approach of profiling operators, with the cost model's five factors
 (efficiency.compute / attention / memory, serial_fraction, overhead_s) chosen to minimise the
-mean squared log error over every row.
+mean squared log error over every row. `holdout_accuracy` fits on half of each model's rows and
+tests on the other half; `python -m gpu.accuracy holdout ROWS.json ...` prints it.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import json
+import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
-from kvsim.sim.engine.catalog import get_gpu, get_model
+from kvsim.sim.engine.catalog import ModelSpec, get_gpu
 from kvsim.sim.engine.cost_model import Calibration, CostModel
+from kvsim.sim.engine.hf_config import model_spec
 
 _OFF = 1e12  # an efficiency that makes a term vanish
 
@@ -31,6 +37,12 @@ def error_stats(predicted: Sequence[float], measured: Sequence[float]) -> dict[s
             "max": float(e.max())}
 
 
+@functools.cache
+def _model(name: str) -> ModelSpec:
+    """A row's model: a catalog name or one kept as a config (`hf_config.model_spec`), read once."""
+    return model_spec(name)
+
+
 def _terms(rows: Sequence[Mapping], gpu: str) -> np.ndarray:
     """Per row at efficiency 1: GEMM seconds, attention-score seconds, memory seconds."""
     out = []
@@ -39,7 +51,7 @@ def _terms(rows: Sequence[Mapping], gpu: str) -> np.ndarray:
         cols = []
         for c, a, m in ((1.0, _OFF, _OFF), (_OFF, 1.0, _OFF), (_OFF, _OFF, 1.0)):
             cal = Calibration(compute=c, attention=a, memory=m, overhead_s=0.0)
-            cm = CostModel(get_model(r["model"]), get_gpu(gpu), int(r["tp"]), calibration=cal)
+            cm = CostModel(_model(r["model"]), get_gpu(gpu), int(r["tp"]), calibration=cal)
             cols.append(cm.step_time(*args) - (args[0] + args[1]) * cm.allreduce_s_per_token)
         out.append(cols)
     return np.array(out)
@@ -120,3 +132,97 @@ def step_accuracy(rows: Sequence[Mapping], gpu: str, calibration: Calibration | 
             idx = [i for i, r in enumerate(rows) if (r["model"], int(r["tp"])) == key]
             out[name][f"{key[0]} tp{key[1]}"] = error_stats(pred[idx], [measured[i] for i in idx])
     return out
+
+
+def _key(row: Mapping) -> str:
+    return f"{row['model']} tp{int(row['tp'])}"
+
+
+def holdout_split(rows: Sequence[Mapping], seed: int = 0) -> tuple[list[int], list[int]]:
+    """Row indices of halves A and B: each (model, tp)'s rows, in a permutation seeded by `seed`
+    and a stable hash of the key (so one group's split does not depend on the others), give
+    their first ceil(n / 2) to A and the rest to B."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(_key(r), []).append(i)
+    half_a, half_b = [], []
+    for key, idx in groups.items():
+        order = np.random.default_rng([seed, zlib.crc32(key.encode())]).permutation(len(idx))
+        cut = (len(idx) + 1) // 2
+        half_a += [idx[j] for j in order[:cut]]
+        half_b += [idx[j] for j in order[cut:]]
+    return sorted(half_a), sorted(half_b)
+
+
+def holdout_accuracy(rows: Sequence[Mapping], gpu: str, seed: int = 0) -> dict:
+    """Out-of-sample step error: fit `fit_steps` on half A of each (model, tp)'s rows
+    (`holdout_split`), report `step_accuracy` on half B, and the reverse; "in_sample" fits and
+    tests on every row, for comparison. Each entry holds its calibration's factors."""
+    half_a, half_b = holdout_split(rows, seed)
+    out: dict = {"seed": seed, "A": half_a, "B": half_b}
+    for name, fit_on, test_on in (("fit_A_test_B", half_a, half_b), ("fit_B_test_A", half_b, half_a),
+                                  ("in_sample", range(len(rows)), range(len(rows)))):
+        cal = fit_steps([rows[i] for i in fit_on], gpu)
+        out[name] = {"calibration": _factors(cal), **step_accuracy([rows[i] for i in test_on], gpu, cal)}
+    return out
+
+
+def _factors(cal: Calibration) -> dict[str, float]:
+    """The five factors `fit_steps` fits."""
+    d = asdict(cal)
+    return {k: d[k] for k in ("compute", "attention", "memory", "serial_fraction", "overhead_s")}
+
+
+def format_holdout(result: Mapping) -> str:
+    """`holdout_accuracy`'s result as a table: per fit, its factors, then each group's error
+    (median / p90 / max, %) uncalibrated and calibrated."""
+    lines = [f"seed {result['seed']}: half A {len(result['A'])} rows, half B {len(result['B'])}"]
+    for name in ("fit_A_test_B", "fit_B_test_A", "in_sample"):
+        acc = result[name]
+        lines += ["", f"{name}: " + "  ".join(f"{k} {v:.4g}" for k, v in acc["calibration"].items()),
+                  f"  {'rows':<24} {'n':>3}   uncalibrated med / p90 / max %   calibrated med / p90 / max %"]
+        for key, unc in acc["uncalibrated"].items():
+            cal = acc["calibrated"][key]
+            lines.append(f"  {key:<24} {unc['n']:>3}   {_pct(unc):>30}   {_pct(cal):>28}")
+    return "\n".join(lines)
+
+
+def _pct(stats: Mapping) -> str:
+    if not stats["n"]:
+        return "-"
+    return " / ".join(f"{100 * stats[k]:.1f}" for k in ("median", "p90", "max"))
+
+
+def load_step_rows(paths: Sequence[str]) -> list[dict]:
+    """The step rows of JSON files (`gpu.forward_step`'s output, or a calibration run's rows, of
+    which those with a measured step time)."""
+    rows: list[dict] = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+        rows += [r for r in data if "measured_s" in r]
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI: `holdout ROWS.json [ROWS2.json ...] --gpu h100-sxm [--seed 0] [--json OUT]`."""
+    ap = argparse.ArgumentParser(prog="python -m gpu.accuracy", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    hold = sub.add_parser("holdout", help="fit on half of each model's steps, test on the other half")
+    hold.add_argument("rows", nargs="+", help="JSON files of step rows (python -m gpu.forward_step --out)")
+    hold.add_argument("--gpu", default="h100-sxm", help="the GPU the rows were measured on (catalog name)")
+    hold.add_argument("--seed", type=int, default=0)
+    hold.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+    rows = load_step_rows(args.rows)
+    result = holdout_accuracy(rows, args.gpu, args.seed)
+    print(format_holdout(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -210,7 +210,7 @@ class Checks:
         q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
         with self.timer(step, "attention"):
             out = self.kernels.decode(q, st, tables, ctx_t, window, max(ctx), n_layers)
-        self.ex.launches += self.kernels.decode_launches(st, n_layers)
+        self.ex.launches += self.timer.launched(step, "attention", self.kernels.decode_launches(st, n_layers))
         if not n_layers:
             return
         span = max(len(x) for x in spans)

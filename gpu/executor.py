@@ -95,7 +95,7 @@ class OpExecutor:
         slots = torch.from_numpy(np.concatenate(self._slots)).to(st.device)
         vals = self.values.kv(device_keys(np.concatenate(self._keys), st.device))
         with self.timer(self.step, "write"):
-            self.launches += self.kernels.write(st, slots, vals)
+            self.launches += self.timer.launched(self.step, "write", self.kernels.write(st, slots, vals))
 
     def _run_pairs(self, kind: str) -> None:
         st = self.st
@@ -103,7 +103,7 @@ class OpExecutor:
             with self.timer(self.step, kind):
                 files = st.file_blocks()
                 (files.write if kind == "file_write" else files.read)(st.host, self._pairs)
-            self.launches += 1
+            self.launches += self.timer.launched(self.step, kind, 1)
             return
         on_host = kind in _TENSORS and self.swap_method == "torch"
         pairs = torch.tensor(self._pairs, dtype=torch.int64, device="cpu" if on_host else st.device)
@@ -116,4 +116,4 @@ class OpExecutor:
                 k.swap(getattr(st, src), getattr(st, dst), pairs, self.swap_method)
             else:
                 k.exchange(st, pairs)
-        self.launches += 1
+        self.launches += self.timer.launched(self.step, kind, 1)

@@ -263,8 +263,9 @@ class _Replayer:
         rep.predicted_s = {k: self.pred(k, n) for k, n in rep.units.items()}
         for t in rep.step_times:
             t.measured_s = per_step.get(t.step, 0.0)
-        rep.step_kinds = [[step, kind, units, self.timer.calls.get((step, kind), 0), totals.get((step, kind), 0.0)]
-                          for step, kind, units in self._step_units]
+        calls, launches = self.timer.calls, self.timer.launches
+        rep.step_kinds = [[step, kind, units, calls.get((step, kind), 0), totals.get((step, kind), 0.0),
+                           launches.get((step, kind), 0)] for step, kind, units in self._step_units]
         return rep
 
     def _step(self, step: int, rows: list[tuple], check: bool) -> None:

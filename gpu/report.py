@@ -44,7 +44,8 @@ class ReplayReport:
     model: str = ""
     gpu: str = ""
     step_times: list[StepTime] = field(default_factory=list)
-    # per (step, kind): [step, kind, units, timed batches, measured seconds]; what `gpu.accuracy` fits
+    # per (step, kind): [step, kind, units, timed batches, measured seconds, kernel launches]; what
+    # `gpu.accuracy` fits (reports written before launches were counted have five columns)
     step_kinds: list[list] = field(default_factory=list)
 
     @property

@@ -1,4 +1,5 @@
 """Kernel time per (step, kind): CUDA events on a GPU, read once at the end; perf_counter on CPU.
+Also the mean time of a call (`time_call`) and of a call replayed from a CUDA graph (`time_graph`).
 
 A replay launches its kernels from Python, often slower than the GPU runs them, and events
 around such a region would time the host. So each region starts with a spin kernel a little
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +26,7 @@ class Timer:
         self._events: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._totals: defaultdict[tuple[int, str], float] = defaultdict(float)
         self.calls: defaultdict[tuple[int, str], int] = defaultdict(int)  # timed regions per (step, kind)
+        self.launches: defaultdict[tuple[int, str], int] = defaultdict(int)  # kernels per (step, kind)
         self._enqueue_s: dict[str, float] = {}  # host seconds the last region of each kind took
         # SM clock (kHz in the properties, where torch has it) for the spin's cycle count
         self._hz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 1_980_000) * 1e3 if self.cuda else 0.0
@@ -44,6 +47,11 @@ class Timer:
             t0 = time.perf_counter()
             yield
             self._totals[(step, kind)] += time.perf_counter() - t0
+
+    def launched(self, step: int, kind: str, kernels: int) -> int:
+        """Count `kernels` launches of `kind` in `step` (a per-launch cost is fitted to them); returns it."""
+        self.launches[(step, kind)] += kernels
+        return kernels
 
     def totals(self) -> dict[tuple[int, str], float]:
         """Seconds per (step, kind) so far (synchronises the device once)."""
@@ -72,3 +80,49 @@ def time_call(fn, device: torch.device, *, warmup: int = 3, iters: int = 20) -> 
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) / iters
+
+
+class GraphTiming(NamedTuple):
+    """`time_graph`'s answer: seconds per call, or None and the reason it could not be timed."""
+
+    seconds: float | None
+    reason: str | None = None
+
+
+def capture_graph(fn: Callable[[], object], calls: int = 1, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """`calls` back-to-back calls of `fn` captured into one CUDA graph, after `warmup` eager calls on a
+    side stream (torch's capture recipe: they compile Triton kernels and settle torch's workspaces
+    outside the capture). Raises whatever the capture raises. `fn` must read and write tensors
+    allocated before the call: a replay reuses the captured addresses."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], object], device: torch.device, *, calls: int = 1, warmup: int = 2,
+               iters: int = 20) -> GraphTiming:
+    """Mean seconds per call of `fn()` replayed from a CUDA graph of `calls` calls (`capture_graph`),
+    timed over `iters` replays after `warmup`: the GPU's time without Python's launch path, as vLLM
+    runs decode. GraphTiming(None, reason) without CUDA or when the capture fails; never raises."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return GraphTiming(None, f"no CUDA graphs on device {device}")
+    try:
+        graph = capture_graph(fn, calls)
+    except Exception as e:  # noqa: BLE001 - any capture failure is reported, not raised
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001
+            pass
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return GraphTiming(None, f"CUDA graph capture failed: {type(e).__name__}: {first_line}")
+    seconds = time_call(graph.replay, device, warmup=warmup, iters=iters) / calls
+    del graph
+    return GraphTiming(seconds)

@@ -1,25 +1,34 @@
-"""The cost model against measured steps: error statistics, the fit, and calibrate --refit."""
+"""The cost model against measured steps: error statistics, the fit, the holdout test, and calibrate --refit."""
 
 import json
 
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.gpu.accuracy import error_stats, fit_steps, predict_steps, step_accuracy
+from kvsim.gpu.accuracy import (
+    error_stats,
+    fit_steps,
+    holdout_accuracy,
+    holdout_split,
+    main,
+    predict_steps,
+    step_accuracy,
+)
 from kvsim.sim.cli.app import app
 from kvsim.sim.engine.catalog import get_gpu, get_model
 from kvsim.sim.engine.cost_model import Calibration, CostModel
+from kvsim.sim.engine.hf_config import model_spec
 
 TRUE = Calibration(compute=0.62, attention=0.4, memory=0.75, serial_fraction=0.3, overhead_s=9e-4)
 
 
-def _rows(cal=TRUE):
+def _rows(cal=TRUE, models=(("llama-3-8b", 1), ("llama-3-70b", 2))):
     """Steps whose 'measured' time is the cost model's own under `cal` (TP all-reduce left out)."""
     rows = []
-    for model, tp in (("llama-3-8b", 1), ("llama-3-70b", 2)):
+    for model, tp in models:
         for p, d, c, s in ((0, 1, 128, 1), (0, 64, 65536, 64), (0, 256, 262144, 256), (2048, 0, 2048, 1),
                            (512, 0, 4608, 1), (2048, 32, 67584, 33), (8192, 0, 8192, 1), (0, 16, 262144, 16)):
-            cm = CostModel(get_model(model), get_gpu("h100-sxm"), tp, calibration=cal)
+            cm = CostModel(model_spec(model), get_gpu("h100-sxm"), tp, calibration=cal)
             t = cm.step_time(p, d, c, s) - (p + d) * cm.allreduce_s_per_token
             rows.append({"model": model, "tp": tp, "prefill_tokens": p, "decode_tokens": d,
                          "context_tokens": c, "num_seqs": s, "measured_s": t})
@@ -65,3 +74,46 @@ def test_refit_builds_a_profile_from_saved_measurements(tmp_path):
     bad.write_text(json.dumps(ops[:2]))
     res = CliRunner().invoke(app, ["calibrate", "--refit", str(bad)])
     assert res.exit_code == 2 and "lack the block ops swap_out, swap_in" in res.output
+
+
+MODELS3 = (("llama-3-8b", 1), ("llama-3-70b", 2), ("qwen3-30b-a3b", 1))
+HALF_A = [0, 2, 4, 5, 8, 10, 14, 15, 20, 21, 22, 23]  # seed 0's half A of _rows(models=MODELS3)
+
+
+def test_holdout_split_is_seeded_half_of_each_group():
+    rows = _rows(models=MODELS3)
+    half_a, half_b = holdout_split(rows)
+    assert (half_a, half_b) == (holdout_split(rows, seed=0)[0], holdout_split(list(rows), 0)[1])
+    assert sorted(half_a + half_b) == list(range(24))
+    assert [sum(1 for i in half_a if i // 8 == g) for g in range(3)] == [4, 4, 4]
+    assert half_a == HALF_A
+    assert holdout_split(rows, seed=1)[0] != half_a
+    # a group's split does not depend on the other groups
+    assert holdout_split(rows[8:])[0] == [i - 8 for i in half_a if i >= 8]
+
+
+def test_holdout_recovers_a_known_calibration():
+    result = holdout_accuracy(_rows(models=MODELS3), "h100-sxm")
+    assert result["A"] == HALF_A and len(result["B"]) == 12
+    for name in ("fit_A_test_B", "fit_B_test_A", "in_sample"):
+        fit = result[name]
+        assert fit["calibrated"]["all"]["n"] == (24 if name == "in_sample" else 12)
+        assert fit["calibrated"]["all"]["max"] < 1e-3 < fit["uncalibrated"]["all"]["median"], name
+        assert set(fit["calibrated"]) == {"all", "llama-3-8b tp1", "llama-3-70b tp2", "qwen3-30b-a3b tp1"}
+        assert fit["calibration"] == pytest.approx({"compute": 0.62, "attention": 0.4, "memory": 0.75,
+                                                    "serial_fraction": 0.3, "overhead_s": 9e-4}, rel=0.02)
+
+
+def test_holdout_cli_prints_a_table(tmp_path, capsys):
+    rows = _rows(models=MODELS3)
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(rows[:16]))
+    second.write_text(json.dumps([{"name": "copy_blocks", "seconds": 1e-3}, *rows[16:]]))  # an op row is skipped
+    out = tmp_path / "holdout.json"
+    main(["holdout", str(first), str(second), "--gpu", "h100-sxm", "--json", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "seed 0: half A 12 rows, half B 12"
+    assert lines[2].startswith("fit_A_test_B: compute 0.62")
+    assert [line.split()[:2] for line in lines[4:8]] == [["all", "12"], ["llama-3-70b", "tp2"],
+                                                         ["llama-3-8b", "tp1"], ["qwen3-30b-a3b", "tp1"]]
+    assert json.loads(out.read_text())["A"] == HALF_A

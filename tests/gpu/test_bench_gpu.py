@@ -1,7 +1,8 @@
 """benchmarks/bench_gpu.py end to end at tiny sizes (`--quick`): every code path, and the JSON it writes.
 
 Without CUDA it runs on CPU under Triton's interpreter (`--allow-cpu`); with CUDA the
-same tiny run is compiled. The timings mean nothing here; only the record's shape is checked.
+same tiny run is compiled. The timings mean nothing here; only the record's shape is checked,
+and, with a fake timer, how the figures are worked out from the times.
 """
 
 import json
@@ -38,6 +39,10 @@ def test_quick_run_writes_every_figure_with_target_and_verdict(tmp_path):
     assert (rec["dtype"], rec["model"], rec["block_size"], rec["quick"]) == ("float16", "llama-3-8b", 16, True)
     assert rec["interpreted"] is (not HAS_CUDA) and rec["datasheet"]["pcie_bw"] > 0
     figs = rec["figures"]
+    # CUDA graphs are on by default only with CUDA; the P/D transfer runs only when asked for
+    assert rec["cuda_graph"] is HAS_CUDA and rec["sections"] == ["block", "swap", "write", "decode"]
+    assert any(n.endswith("_graph") for n in figs) is HAS_CUDA and not any(n.startswith("pd_") for n in figs)
+    assert rec["not_measured"] == {}
     want = {"copy_blocks.fraction_of_index_copy", "copy_blocks.fraction_of_contiguous_copy",
             "exchange_blocks.fraction_of_index_copy", "exchange_blocks.fraction_of_contiguous_copy",
             "swap_out.pinned_copy.fraction_of_pcie", "swap_in.pinned_copy.fraction_of_pcie",
@@ -49,6 +54,7 @@ def test_quick_run_writes_every_figure_with_target_and_verdict(tmp_path):
     for name, f in figs.items():
         assert set(f) == {"value", "unit", "target", "compare", "pass", "what"}, name
         assert isinstance(f["value"], float), name
+        assert "reason" not in f, name
         assert (f["target"] is None) == (f["pass"] is None), name
     targets = {n: (f["target"], f["compare"]) for n, f in figs.items()}
     assert targets["copy_blocks.fraction_of_index_copy"] == (0.9, ">=")
@@ -59,6 +65,44 @@ def test_quick_run_writes_every_figure_with_target_and_verdict(tmp_path):
     # the kernels produced torch's results, bit for bit, and attention agrees with SDPA
     assert all(figs[n]["pass"] for n in figs if n.endswith(".matches_torch"))
     assert all(rec["results"][f"decode_b{b}_c{c}"]["max_abs_diff_vs_sdpa"] < 5e-3 for b in (1, 4) for c in (32, 128))
+
+
+def test_quick_graphs_and_pd_transfer(tmp_path):
+    """`--cuda-graph` asked for: a `_graph` figure at every write and decode point, with the eager
+    figures' targets; null with the reason without CUDA. `--only pd`: the transfer arrives intact."""
+    out = tmp_path / "bench.json"
+    r = _run("--quick", "--allow-cpu", "--only", "write,decode,pd", "--cuda-graph", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["cuda_graph"] is True and rec["sections"] == ["write", "decode", "pd"]
+    assert rec["plan"]["pd_blocks"] == [2, 8]
+    figs = rec["figures"]
+    graph = {f"write_kv_t{t}.fraction_of_index_copy_graph" for t in (1, 8)}
+    graph |= {f"decode_b{b}_c{c}.{f}_graph" for b in (1, 4) for c in (32, 128) for f in ("sdpa_ratio", "hbm_fraction")}
+    assert {n for n in figs if n.endswith("_graph")} == graph
+    targets = {n: (figs[n]["target"], figs[n]["compare"]) for n in graph}
+    assert targets["write_kv_t1.fraction_of_index_copy_graph"] == (0.9, ">=")
+    assert targets["decode_b1_c128.sdpa_ratio_graph"] == (1.25, "<=")  # batch 1 held to it too, as eager
+    assert targets["decode_b4_c32.sdpa_ratio_graph"] == (None, None)
+    assert targets["decode_b4_c32.hbm_fraction_graph"] == (0.7, ">=")
+    assert targets["decode_b1_c32.hbm_fraction_graph"] == (None, None)
+    if HAS_CUDA:
+        assert rec["not_measured"] == {} and all(isinstance(figs[n]["value"], float) for n in graph)
+        assert rec["results"]["write_kv_t8"]["graph"]["reason"] is None
+    else:
+        assert rec["not_measured"] == dict.fromkeys(sorted(graph), "no CUDA graphs on device cpu")
+        assert all(figs[n]["value"] is None and figs[n]["pass"] is None for n in graph)
+        assert rec["results"]["decode_b4_c128"]["graph"] == {
+            "seconds": None, "sdpa_seconds": None, "sdpa_ratio": None, "hbm_fraction": None,
+            "reason": "no CUDA graphs on device cpu"}
+    assert {n for n in figs if n.startswith("pd_")} == {
+        f"pd_blocks{n}.{f}" for n in (2, 8) for f in ("sim_ratio", "pcie_ratio", "matches_source")}
+    assert figs["pd_blocks8.matches_source"]["pass"] is True and figs["pd_blocks2.matches_source"]["pass"] is True
+    pd8 = rec["results"]["pd_blocks8"]
+    # 2 layers x K,V x 16 tokens x 2 heads x 32 dims x 2 bytes = 8,192 bytes a block
+    assert (pd8["blocks"], pd8["bytes"], pd8["matches_source"]) == (8, 8 * 8192, True)
+    assert pd8["sim_nixl_seconds"] == pytest.approx(5e-5 + 8 * 8192 / 25e9, rel=1e-12)
+    assert pd8["sim_pcie_seconds"] == pytest.approx(2 * 8 * 8192 / 50e9, rel=1e-12)
 
 
 def test_quick_decode_with_a_window_in_bf16(tmp_path):
@@ -78,6 +122,11 @@ def test_without_cuda_it_exits_0_and_measures_nothing():
         pytest.skip("CUDA is present")
     r = _run(interpret=False)
     assert r.returncode == 0 and "no CUDA GPU" in r.stdout
+
+
+def test_unknown_section_is_named():
+    r = _run("--only", "write,nope", interpret=False)
+    assert r.returncode == 2 and "unknown section(s) nope; choose from block, swap, write, decode, pd" in r.stderr
 
 
 def test_allow_cpu_needs_quick():

@@ -1,26 +1,33 @@
 """The synthetic forward step: Batch's cost-model arguments, the step against a float64
-plain-torch forward of the same weights (mask alignment included), the grid and its rows."""
+plain-torch forward of the same weights (mask alignment included), the mixture of experts
+against a per-token loop, the grids and their rows."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from gpu_env import DEVICE
 
+from kvsim.gpu import forward_step
 from kvsim.gpu.forward_step import (
     TINY,
+    TINY_MOE,
     Batch,
     ForwardStep,
     decodes,
     default_grid,
+    holdout_grid,
     kv_capacity_tokens,
     main,
     quick_grid,
+    route,
     run_grid,
 )
 from kvsim.sim.engine.catalog import get_gpu, get_model
 from kvsim.sim.engine.cost_model import CostModel
+from kvsim.sim.engine.hf_config import model_spec
 
 MIXED = Batch((5, 17), ((7, 5), (0, 8)))  # two decodes, a chunk after 7 cached tokens, a fresh chunk
 
@@ -119,6 +126,24 @@ def test_attention_matches_reference_with_bottom_right_mask():
     torch.testing.assert_close(out[7:], wrong[7:], atol=1e-5, rtol=1e-5)  # no prior context: same mask
 
 
+def _mlp(h, gate_up, down):
+    """A gated MLP of h [in] or [tokens, in] by [in, 2 * inter] and [inter, out] matrices."""
+    gate, up = (h @ gate_up).chunk(2, -1)
+    return (torch.nn.functional.silu(gate) * up) @ down
+
+
+def _ref_moe(h, w, routing):
+    """The experts by a loop over tokens: each token's k experts' outputs, weighted, summed; plus
+    the shared expert. h and the weights `w` (by attribute name) in one dtype, on the CPU."""
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for e, weight in zip(routing.token_experts[t].tolist(), routing.token_weights[t].tolist(), strict=True):
+            out[t] += weight * _mlp(h[t], w["w_experts_gate_up"][e], w["w_experts_down"][e])
+    if "w_shared_gate_up" in w:
+        out += _mlp(h, w["w_shared_gate_up"].T, w["w_shared_down"].T)
+    return out
+
+
 def _ref_forward(step, s, prior_k, prior_v):
     """The whole step in float64 with plain torch, reading only the prior context from the cache."""
     w = {k: v.double().cpu() for k, v in vars(step).items() if isinstance(v, torch.Tensor)}
@@ -126,23 +151,26 @@ def _ref_forward(step, s, prior_k, prior_v):
     seqs = s.batch.seqs()
     pos = torch.cat([torch.arange(p, p + n) for p, n in seqs])
     x = w["lm_head"][s.token_ids.cpu()]
-    for _ in range(step.model.num_layers):
+    for i in range(step.model.num_layers):
         qkv = _rms(x, w["norm_attn"]) @ w["w_qkv"].T
-        q = _rope(qkv[:, : heads * d].view(-1, heads, d), pos)
-        k = _rope(qkv[:, heads * d:(heads + kvh) * d].view(-1, kvh, d), pos)
+        q, k = qkv[:, : heads * d].view(-1, heads, d), qkv[:, heads * d:(heads + kvh) * d].view(-1, kvh, d)
+        if "qk_norm" in w:
+            q, k = _rms(q, w["qk_norm"][:heads]), _rms(k, w["qk_norm"][heads:])
+        q, k = _rope(q, pos), _rope(k, pos)
         v = qkv[:, (heads + kvh) * d:].view(-1, kvh, d)
         bounds = torch.cumsum(torch.tensor([0] + [n for _, n in seqs]), 0).tolist()
         keys = [torch.cat((pk, k[a:b])) for pk, a, b in zip(prior_k, bounds[:-1], bounds[1:], strict=True)]
         values = [torch.cat((pv, v[a:b])) for pv, a, b in zip(prior_v, bounds[:-1], bounds[1:], strict=True)]
         x = x + _ref_attention(q, keys, values, seqs) @ w["w_o"].T
-        gate, up = (_rms(x, w["norm_mlp"]) @ w["w_gate_up"].T).chunk(2, -1)
-        x = x + (torch.nn.functional.silu(gate) * up) @ w["w_down"].T
+        h = _rms(x, w["norm_mlp"])
+        x = x + (_ref_moe(h, w, s.routing) if i < step.model.moe_layers else _mlp(h, w["w_gate_up"].T, w["w_down"].T))
     rows = torch.tensor(bounds[1:]) - 1
     return _rms(x[rows], w["norm_final"]) @ w["lm_head"].T
 
 
-def test_forward_matches_float64_reference():
-    step = ForwardStep(TINY, device=DEVICE, dtype=torch.float32, block_size=4)
+@pytest.mark.parametrize("model", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_forward_matches_float64_reference(model):
+    step = ForwardStep(model, device=DEVICE, dtype=torch.float32, block_size=4)
     s = step.prepare(MIXED)
     prior_k = _context(step, s, s.key_cache, lambda p, n: p)
     prior_v = _context(step, s, s.value_cache, lambda p, n: p)
@@ -150,6 +178,73 @@ def test_forward_matches_float64_reference():
     assert logits.shape == (4, 128)
     ref = _ref_forward(step, s, prior_k, prior_v)
     torch.testing.assert_close(logits.double().cpu(), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_dense_step_draws_what_it_drew_before_experts():
+    """A dense model's weights and inputs come from the same draws as before MoE support (the
+    experts, q/k norms and routing are drawn after them): golden values of seed 0."""
+    step = ForwardStep(TINY, device="cpu", dtype=torch.float32)
+    s = step.prepare(MIXED)
+    assert s.routing is None and not hasattr(step, "w_router") and step.qk_norm is None
+    assert (round(step.w_qkv[0, 0].item(), 6), round(step.lm_head[-1, -1].item(), 6)) == (-0.14073, -0.10429)
+    assert s.token_ids.tolist()[:4] == [67, 123, 67, 103]
+
+
+def test_routing_picks_k_distinct_experts_and_lays_out_rows():
+    r = route(40, 16, 4, torch.Generator().manual_seed(3))
+    picks = r.token_experts
+    assert picks.shape == (40, 4) and all(len(set(row)) == 4 for row in picks.tolist())
+    assert r.experts == len(picks.unique()) == 16 and picks.max() == 15  # 40 tokens touch all 16
+    counts = torch.bincount(picks.flatten(), minlength=r.experts)
+    assert r.capacity == counts.max() and r.slots.shape == (16 * r.capacity,)
+    torch.testing.assert_close(r.token_weights.sum(-1), torch.ones(40))
+    # every (token, expert) pair owns one row of its expert's block, with its weight; padding weighs 0
+    for e in range(r.experts):
+        block, weights = r.slots[e * r.capacity:(e + 1) * r.capacity], r.slot_weights[e * r.capacity:(e + 1) * r.capacity, 0]
+        tokens = [t for t in range(40) if e in picks[t].tolist()]
+        assert block[: len(tokens)].tolist() == tokens and block[len(tokens):].eq(0).all()
+        assert weights[: len(tokens)].tolist() == [r.token_weights[t][picks[t].tolist().index(e)].item() for t in tokens]
+        assert weights[len(tokens):].eq(0).all()
+    few = route(3, 128, 8, torch.Generator().manual_seed(0))
+    assert (few.experts, few.capacity) == (21, 2)  # 24 picks: three experts picked by two tokens
+
+
+def test_routing_touches_the_cost_models_expected_experts():
+    """Over many draws the touched count averages CostModel.experts_touched (qwen3-30b-a3b: 128, 8)."""
+    cm = CostModel(model_spec("qwen3-30b-a3b"), get_gpu("h100-sxm"))
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 4, 16, 64):
+        mean = sum(route(tokens, 128, 8, gen).experts for _ in range(200)) / 200
+        assert mean == pytest.approx(cm.experts_touched(tokens), rel=0.02), tokens
+    assert route(1, 128, 8, gen).experts == 8
+
+
+def test_moe_mlp_matches_per_token_reference():
+    step = ForwardStep(TINY_MOE, device=DEVICE, dtype=torch.float32)
+    s = step.prepare(MIXED)
+    h = torch.randn((15, 64), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    out = step.moe_mlp(h, s.routing).cpu()
+    w = {k: v.cpu() for k, v in vars(step).items() if isinstance(v, torch.Tensor)}
+    torch.testing.assert_close(out, _ref_moe(h.cpu(), w, s.routing), atol=1e-5, rtol=1e-5)
+    assert s.routing.token_experts.shape == (15, 2) and s.routing.experts == len(s.routing.token_experts.unique())
+
+
+def test_moe_shapes_are_one_tp_rank():
+    step = ForwardStep(TINY_MOE, tp=2, device=DEVICE, dtype=torch.float32)
+    assert tuple(step.w_router.shape) == (8, 64)
+    assert tuple(step.w_experts_gate_up.shape) == (8, 64, 32) and tuple(step.w_experts_down.shape) == (8, 16, 64)
+    assert tuple(step.w_shared_gate_up.shape) == (24, 64) and tuple(step.w_shared_down.shape) == (64, 12)
+    assert tuple(step.w_gate_up.shape) == (96, 64) and tuple(step.qk_norm.shape) == (3, 16)
+    all_moe = ForwardStep(replace(TINY_MOE, moe_layers=2, shared_expert_intermediate_size=0), device=DEVICE)
+    assert all_moe.w_gate_up is None and all_moe.w_shared_gate_up is None
+
+
+def test_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="cannot build deepseek-v3: it has multi-head latent attention "
+                                         r"\(kv_lora_rank 512\); quantized weights"):
+        ForwardStep(model_spec("deepseek-v3"))
+    with pytest.raises(ValueError, match="cannot build qwen3-next-80b-a3b: it has linear-attention"):
+        ForwardStep(model_spec("qwen3-next-80b-a3b"))
 
 
 def test_default_grid_fits_a_real_server():
@@ -163,6 +258,19 @@ def test_default_grid_fits_a_real_server():
     assert {b.prefill for b in grid8 if not b.decode_ctx} >= {((p, n),) for n in (512, 2048, 8192) for p in (0, 4096)}
     assert Batch(decodes(32, 2048), ((0, 2048),)) in grid8
     assert Batch(decodes(1, 16384)) in grid70 and Batch(decodes(4, 16384)) not in grid70
+
+
+def test_holdout_grid_is_new_points_that_fit():
+    grid8, grid70, grid_moe = holdout_grid("llama-3-8b"), holdout_grid("llama-3-70b", 2), holdout_grid("qwen3-30b-a3b")
+    assert (len(grid8), len(grid70), len(grid_moe)) == (30, 20, 26)
+    assert not set(grid8) & set(default_grid("llama-3-8b")) and not set(grid70) & set(default_grid("llama-3-70b", 2))
+    assert len(set(grid8)) == 30 and set(grid70) < set(grid8) and set(grid_moe) < set(grid8)
+    assert kv_capacity_tokens(model_spec("qwen3-30b-a3b")) == 139943
+    assert max(b.context_tokens for b in grid8) <= 448308 and max(b.context_tokens for b in grid70) <= 26046
+    assert max(b.context_tokens for b in grid_moe) <= 139943
+    assert Batch(decodes(192, 1536)) in grid8 and Batch(decodes(192, 1536)) not in grid_moe  # 294912 tokens
+    assert Batch(decodes(2, 12288)) in grid70 and Batch(decodes(8, 12288)) not in grid70  # 98304 > 26046
+    assert {b.prefill for b in grid8 if not b.decode_ctx} >= {((0, 256),), ((8192, 3072),), ((1536, 6144),)}
 
 
 COLUMNS = {
@@ -191,3 +299,18 @@ def test_cli_quick_writes_rows(tmp_path, capsys):
     assert [r["batch"] for r in rows] == ["dec 1@5 + dec 1@17", "pre 8@0", "pre 5@7", "dec 1@9 + pre 4@3"]
     assert all(set(r) == COLUMNS for r in rows)
     assert capsys.readouterr().out.splitlines()[-1] == f"4 rows -> {out}"
+
+
+def test_cli_quick_moe_and_grid_choice(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rows.json"
+    main(["--quick", "--moe", "--out", str(out), "--dtype", "float32", "--device", DEVICE])
+    rows = json.loads(out.read_text())
+    assert [r["model"] for r in rows] == ["tiny-moe"] * 4 and all(r["measured_s"] > 0 for r in rows)
+    asked = []
+    monkeypatch.setattr(forward_step, "run_grid", lambda model, tp, device, dtype, grid: asked.append(
+        (model.name, tp, grid)) or [])
+    main(["--model", "qwen3-30b-a3b", "--grid", "holdout", "--out", str(out)])
+    assert asked == [("qwen3-30b-a3b", 1, holdout_grid("qwen3-30b-a3b"))]
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt-oss-20b", "--out", str(out)])
+    assert "cannot build gpt-oss-20b: it has attention sinks" in capsys.readouterr().err
