@@ -17,38 +17,68 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsim.gpu.accuracy import error_stats, step_accuracy
+from kvsim.gpu.accuracy import (
+    error_stats,
+    holdout_accuracy,
+    launches_of,
+    load_step_rows,
+    step_accuracy,
+)
 from kvsim.gpu.calibrate import gpu_of_name
 from kvsim.gpu.predict import predictor
-from kvsim.sim.engine.cost_model import load_calibration
+from kvsim.sim.engine.cost_model import Calibration, load_calibration
 
 
 def replay_accuracy(report: dict, config: dict, calibration: Path) -> dict:
     """Per op kind: units, measured and predicted seconds (uncalibrated, calibrated), and the
-    per-step relative error of each; plus the same over each step's op time."""
+    per-step relative error of each; plus the same over each step's op time. A prediction is the
+    cost model's bytes scaled to the replay's geometry plus the replay's launches priced
+    (`Predictor.replay_s`): uncalibrated at DEFAULT_LAUNCH_S, calibrated at the profile's launch_s."""
     preds = {"uncalibrated": predictor(config), "calibrated": predictor({**config, "calibration": str(calibration)})}
+    layers, scale = dict(report["geometry"])["layers"], report["scale"]
+    rows = [(r[0], r[1], r[2], launches_of(r, layers), r[4]) for r in report["step_kinds"]]
     out: dict = {}
-    kinds = sorted({r[1] for r in report["step_kinds"]})
-    for kind in kinds:
-        rows = [r for r in report["step_kinds"] if r[1] == kind and r[4] > 0]
-        units = np.array([r[2] for r in rows], dtype=float)
-        meas = np.array([r[4] for r in rows])
-        entry = {"steps": len(rows), "units": int(units.sum()), "measured_s": float(meas.sum())}
+    for kind in sorted({r[1] for r in rows}):
+        mine = [r for r in rows if r[1] == kind and r[4] > 0]
+        meas = np.array([r[4] for r in mine])
+        entry = {"steps": len(mine), "units": int(sum(r[2] for r in mine)),
+                 "launches": int(sum(r[3] for r in mine)), "measured_s": float(meas.sum())}
         for name, p in preds.items():
-            pred = np.array([p(kind, u) for u in units])
+            pred = np.array([p.replay_s(kind, r[2], r[3], scale) for r in mine])
             entry[name] = {"predicted_s": float(pred.sum()), "per_step": error_stats(pred, meas)}
         out[kind] = entry
     per_step: dict[int, list[float]] = {}
-    for step, kind, units, _, seconds, *_ in report["step_kinds"]:
+    for step, kind, units, launches, seconds in rows:
         acc = per_step.setdefault(step, [0.0, 0.0, 0.0])
         acc[0] += seconds
-        acc[1] += preds["uncalibrated"](kind, units)
-        acc[2] += preds["calibrated"](kind, units)
+        acc[1] += preds["uncalibrated"].replay_s(kind, units, launches, scale)
+        acc[2] += preds["calibrated"].replay_s(kind, units, launches, scale)
     v = np.array([x for x in per_step.values() if x[0] > 0])
     out["step (all ops)"] = {"steps": len(v), "measured_s": float(v[:, 0].sum()),
                              "uncalibrated": {"predicted_s": float(v[:, 1].sum()), "per_step": error_stats(v[:, 1], v[:, 0])},
                              "calibrated": {"predicted_s": float(v[:, 2].sum()), "per_step": error_stats(v[:, 2], v[:, 0])}}
     return out
+
+
+REPLAYS = {  # name in the JSON: (report, the run's config) under raw/<gpu>/
+    "default": ("replay_default.json.gz", "config_default.json"),
+    "hybrid gpt-oss-20b": ("replay_hybrid_gpt-oss-20b.json.gz", "config_hybrid_gpt-oss-20b.json"),
+    "hybrid gemma-3-27b": ("replay_hybrid_gemma-3-27b.json.gz", "config_hybrid_gemma-3-27b.json"),
+}
+REPLAY_KEYS = ("steps", "steps_checked", "ops", "units", "launches", "tokens_verified", "sequence_checks",
+               "decode_checks", "mismatches", "geometry", "dtype", "check", "attention_layers")
+
+
+def holdout(raw: Path, gpu: str, cal: Calibration) -> dict | None:
+    """The fresh forward steps (`gpu.forward_step --grid holdout`): the profile, fitted to the default
+    grid's steps only, scored on them; and each model's fresh rows split in half, fitted on one half
+    and scored on the other (`gpu.accuracy.holdout_accuracy`)."""
+    files = sorted(raw.glob("holdout_*.json"))
+    if not files:
+        return None
+    rows = load_step_rows([str(f) for f in files])
+    return {"files": [f.name for f in files], "profile_on_fresh": step_accuracy(rows, gpu, cal),
+            "split": holdout_accuracy(rows, gpu)}
 
 
 def main() -> int:
@@ -61,15 +91,22 @@ def main() -> int:
     gpu = gpu_of_name(env["device"])
     results = raw.parent.parent
     cal_path = args.calibration or results / f"{gpu}.calibration.json"
+    cal = load_calibration(cal_path)
     rows = json.loads((raw / "calibration_rows.json").read_text())
     steps = [r for r in rows if r["name"] == "forward_step"]
+    replays = [(n, r, c) for n, (r, c) in REPLAYS.items() if (raw / r).exists()]
+    replay_args = " ".join(f"--replay {raw / r},{raw / c}" for _, r, c in replays)
     out = {
         "device": env["device"], "gpu": gpu, "torch": env["torch"], "triton": env["triton"], "cuda": env["cuda"],
         "commands": {
-            "all measurements": "bash benchmarks/gpu_session.sh OUTDIR env tests bench calibrate steps replay",
+            "all measurements": "bash benchmarks/gpu_session.sh OUTDIR env tests bench calibrate steps replay "
+                                "holdout graphs pd mooncake hybrid",
             "cuda tests": "python -m pytest tests/gpu -m cuda",
-            "bench": [json.loads((raw / f).read_text())["command"] for f in ("bench_fp16_b16.json", "bench_bf16_b32.json")],
+            "bench": [json.loads(f.read_text())["command"] for f in sorted(raw.glob("bench_*.json"))],
             "calibrate": "kvsim calibrate --device cuda --out CAL --rows ROWS",
+            "profile": f"kvsim calibrate --refit {raw / 'calibration_rows.json'} {replay_args} --out {cal_path}",
+            "fresh steps": "python -m gpu.forward_step --model M --tp T --grid holdout --out ROWS",
+            "holdout": f"python -m gpu.accuracy holdout {raw}/holdout_*.json --gpu {gpu}",
             "replay": "kvsim gpu-replay RUN --device cuda --layers 32 --kv-heads 8 --head-dim 128 --q-per-kv 4",
             "this file": f"python benchmarks/gpu_results.py {raw}",
         },
@@ -77,16 +114,16 @@ def main() -> int:
         "cuda_tests": (raw / "cuda_tests.log").read_text().strip().splitlines()[-1],
         "bench": {f.stem: {k: v for k, v in json.loads(f.read_text())["figures"].items()}
                   for f in sorted(raw.glob("bench_*.json"))},
-        "step_time": step_accuracy(steps, gpu, load_calibration(cal_path)),
+        "step_time": step_accuracy(steps, gpu, cal),
+        "replays": {},
     }
-    rep_file = raw / "replay_default.json.gz"
-    if rep_file.exists():
-        report = json.loads(gzip.open(rep_file).read())
-        out["replay_default"] = {
-            k: report[k] for k in ("steps", "steps_checked", "ops", "units", "launches", "tokens_verified",
-                                   "sequence_checks", "decode_checks", "mismatches", "geometry", "dtype")}
-        out["replay_default"]["accuracy"] = replay_accuracy(
-            report, json.loads((raw / "config_default.json").read_text()), cal_path)
+    if (fresh := holdout(raw, gpu, cal)) is not None:
+        out["holdout"] = fresh
+    for name, rep_file, config_file in replays:
+        report = json.loads(gzip.open(raw / rep_file).read())
+        entry = {k: report[k] for k in REPLAY_KEYS if k in report}
+        entry["accuracy"] = replay_accuracy(report, json.loads((raw / config_file).read_text()), cal_path)
+        out["replays"][name] = entry
     dest = results / f"{gpu}.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(tables(out))
@@ -98,22 +135,35 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _stats_row(key: str, u: dict, c: dict) -> str:
+    return (f"| {key} | {u['n']} | {_pct(u['median'])} / {_pct(u['p90'])} | "
+            f"{_pct(c['median'])} / {_pct(c['p90'])} |")
+
+
 def tables(out: dict) -> str:
     """Markdown tables of the accuracy figures (the bench figures are listed by bench_gpu's own log)."""
-    lines = ["| step-time error (\\|pred/meas - 1\\|) | points | uncalibrated median / p90 | calibrated median / p90 |",
-             "|---|---|---|---|"]
+    head = ["| step-time error (\\|pred/meas - 1\\|) | points | uncalibrated median / p90 | calibrated median / p90 |",
+            "|---|---|---|---|"]
+    lines = ["In-sample (the profile is fitted to these steps):", "", *head]
     st = out["step_time"]
-    for key in st["uncalibrated"]:
-        u, c = st["uncalibrated"][key], st["calibrated"][key]
-        lines.append(f"| {key} | {u['n']} | {_pct(u['median'])} / {_pct(u['p90'])} | "
-                     f"{_pct(c['median'])} / {_pct(c['p90'])} |")
-    if "replay_default" in out:
-        lines += ["", "| op kind (default-workload replay) | steps | measured | predicted uncal. / cal. | "
-                  "per-step error uncal. median / p90 | cal. median / p90 |", "|---|---|---|---|---|---|"]
-        for kind, e in out["replay_default"]["accuracy"].items():
+    lines += [_stats_row(key, st["uncalibrated"][key], st["calibrated"][key]) for key in st["uncalibrated"]]
+    if "holdout" in out:
+        fresh = out["holdout"]["profile_on_fresh"]
+        lines += ["", "Fresh steps, the profile above (fitted to the default grid alone):", "", *head]
+        lines += [_stats_row(key, fresh["uncalibrated"][key], fresh["calibrated"][key]) for key in fresh["uncalibrated"]]
+        for half in ("fit_A_test_B", "fit_B_test_A"):
+            h = out["holdout"]["split"][half]
+            lines += ["", f"Fresh steps split in half, {half.replace('_', ' ')} (factors fitted to the other half):",
+                      "", *head]
+            lines += [_stats_row(key, h["uncalibrated"][key], h["calibrated"][key]) for key in h["uncalibrated"]]
+    for name, rep in out.get("replays", {}).items():
+        lines += ["", f"| op kind ({name} replay) | steps | launches | measured | predicted uncal. / cal. | "
+                  "per-step error uncal. median / p90 | cal. median / p90 |", "|---|---|---|---|---|---|---|"]
+        for kind, e in rep["accuracy"].items():
             u, c = e["uncalibrated"], e["calibrated"]
-            lines.append(f"| {kind} | {e['steps']} | {e['measured_s'] * 1e3:.1f} ms | {u['predicted_s'] * 1e3:.1f} / "
-                         f"{c['predicted_s'] * 1e3:.1f} ms | {_pct(u['per_step']['median'])} / {_pct(u['per_step']['p90'])} "
+            lines.append(f"| {kind} | {e['steps']} | {e.get('launches', '')} | {e['measured_s'] * 1e3:.1f} ms | "
+                         f"{u['predicted_s'] * 1e3:.1f} / {c['predicted_s'] * 1e3:.1f} ms | "
+                         f"{_pct(u['per_step']['median'])} / {_pct(u['per_step']['p90'])} "
                          f"| {_pct(c['per_step']['median'])} / {_pct(c['per_step']['p90'])} |")
     return "\n".join(lines)
 

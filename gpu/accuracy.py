@@ -20,6 +20,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from kvsim.gpu.predict import Predictor
 from kvsim.sim.engine.catalog import ModelSpec, get_gpu
 from kvsim.sim.engine.cost_model import Calibration, CostModel
 from kvsim.sim.engine.hf_config import model_spec
@@ -119,6 +120,35 @@ def _nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 4000, tol: f
                 pts = [pts[0] + 0.5 * (p - pts[0]) for p in pts]
                 vals = [f(p) for p in pts]
     return pts[int(np.argmin(vals))]
+
+
+def launches_of(row: Sequence, layers: int) -> int:
+    """Kernel launches of a replay report's step_kinds row. Reports written before launches were
+    counted have five columns: there each timed write region launched a kernel per storage layer,
+    and every other region one."""
+    if len(row) > 5:
+        return int(row[5])
+    return int(row[3]) * (layers if row[1] == "write" else 1)
+
+
+def fit_launches(replays: Sequence[tuple[Mapping, Predictor]]) -> dict[str, float]:
+    """Seconds per kernel launch of each kind that best explain replays' measured time per (step, kind)
+    beside the bytes the cost model charges (`Predictor.replay_s`): per kind over every replay, the
+    non-negative x minimising the mean squared relative error of bytes + x * launches (closed form).
+    `replays` pairs a report (`ReplayReport.as_dict()`) with its run's predictor."""
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    for report, pred in replays:
+        layers = dict(report["geometry"])["layers"]
+        for row in report["step_kinds"]:
+            kind, units, measured = row[1], row[2], row[4]
+            launches = launches_of(row, layers)
+            if measured <= 0 or not launches:
+                continue
+            rest = measured - pred(kind, units) * report["scale"]
+            num[kind] = num.get(kind, 0.0) + launches * rest / measured**2
+            den[kind] = den.get(kind, 0.0) + launches**2 / measured**2
+    return {k: max(0.0, num[k] / den[k]) for k in sorted(num)}
 
 
 def step_accuracy(rows: Sequence[Mapping], gpu: str, calibration: Calibration | None) -> dict:

@@ -20,7 +20,9 @@ everything is tiny and the numbers only exercise the code path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -170,7 +172,7 @@ STEP_MODELS = (("llama-3-8b", 1), ("llama-3-70b", 2))  # whole forward steps mea
 
 def calibrate(device: str = "cuda", model: str = "llama-3-8b", gpu: str | None = None,
               block_size: int = 16, step_models: tuple[tuple[str, int], ...] | None = None,
-              progress=None) -> tuple[dict, list[dict]]:
+              progress=None, replays: Sequence[Mapping] = ()) -> tuple[dict, list[dict]]:
     """Run the measurements; returns (the calibration profile, every measurement as a dict).
 
     On CUDA this also times whole synthetic forward steps of `step_models` (`gpu.forward_step`),
@@ -197,7 +199,7 @@ def calibrate(device: str = "cuda", model: str = "llama-3-8b", gpu: str | None =
     for name, tp in step_models:
         for r in run_grid(name, tp, dev, progress=progress):
             rows.append({**r, "name": "forward_step", "seconds": r["measured_s"], "bytes": 0.0})
-    profile = build_profile(rows, model, gpu_name, block_size, cuda=dev.type == "cuda")
+    profile = build_profile(rows, model, gpu_name, block_size, cuda=dev.type == "cuda", replays=replays)
     return profile, rows
 
 
@@ -209,12 +211,15 @@ def _geometry_block_bytes(g: Geometry, dtype: torch.dtype) -> int:
     return 2 * g.layers * g.block_size * g.kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, cuda: bool = True) -> dict:
+def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, cuda: bool = True,
+                  replays: Sequence[Mapping] = ()) -> dict:
     """The calibration profile from measurements (also those of an earlier run: `kvsim calibrate --refit`).
 
     op_cost_s: the model's block over the best bandwidth each block op reached. Efficiencies,
     serial fraction and overhead: fitted to the forward steps when there are any; else the
     best decode bandwidth and matmul rate as fractions of the datasheet, and the launch floor.
+    launch_s: fitted to `replays` (gpu-replay reports holding their run's config) beside the
+    bytes the rest of this profile charges (`gpu.accuracy.fit_launches`); absent without them.
     """
     from kvsim.gpu.accuracy import fit_steps
     from kvsim.sim.engine.catalog import get_gpu, get_model
@@ -250,6 +255,13 @@ def build_profile(rows: list[dict], model: str, gpu: str, block_size: int = 16, 
                                  "memory": min(1.0, decode / spec.hbm_bw)}
         profile["overhead_s"] = max(DEFAULT_OVERHEAD_S, floor)
     profile["op_cost_s"] = {k: block_bytes / rate[k] for k in OP_KINDS}
+    if replays:
+        from kvsim.gpu.accuracy import fit_launches
+        from kvsim.gpu.predict import predictor
+        from kvsim.sim.engine.cost_model import parse_calibration
+
+        cal = parse_calibration(profile, Path("(the profile being built)"))
+        profile["launch_s"] = fit_launches([(r, predictor(r["config"], calibration=cal)) for r in replays])
     return profile
 
 

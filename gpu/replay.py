@@ -239,7 +239,8 @@ class _Replayer:
         self.report = ReplayReport(run, str(device), str(dtype).removeprefix("torch."), geometry,
                                    scale=self.st.block_bytes / self.pred.block_bytes,
                                    model=self.pred.model, gpu=self.pred.gpu,
-                                   kernels=kernels.name, attention_layers=attention_layers, check=check)
+                                   kernels=kernels.name, attention_layers=attention_layers, check=check,
+                                   config=dict(config))
         self.checks = Checks(self.st, self.tables, self.values, self._keys, self.ex, self.timer, self.report,
                              window=self.pred.sliding_window, num_heads=self.num_heads,
                              attention_layers=attention_layers, strict=strict, touched=check == "touched")
@@ -260,7 +261,11 @@ class _Replayer:
         for (step, kind), s in totals.items():
             rep.measured_s[kind] = rep.measured_s.get(kind, 0.0) + s
             per_step[step] = per_step.get(step, 0.0) + s
+        by_kind: Counter = Counter()
+        for (_, kind), n in self.timer.launches.items():
+            by_kind[kind] += n
         rep.predicted_s = {k: self.pred(k, n) for k, n in rep.units.items()}
+        rep.launch_predicted_s = {k: self.pred.launches(k, by_kind[k]) for k in rep.units}
         for t in rep.step_times:
             t.measured_s = per_step.get(t.step, 0.0)
         calls, launches = self.timer.calls, self.timer.launches
@@ -324,7 +329,9 @@ class _Replayer:
             checks.verify(step, self._with_states(step, written))
         done = {k: n - before[k] for k, n in rep.units.items() if n > before[k]}
         self._step_units.extend((step, k, n) for k, n in done.items())
-        rep.step_times.append(StepTime(step, 0.0, sum(self.pred(k, n) for k, n in done.items())))
+        launches, scale = self.timer.launches, rep.scale
+        rep.step_times.append(StepTime(step, 0.0, sum(self.pred.replay_s(k, n, launches.get((step, k), 0), scale)
+                                                      for k, n in done.items())))
 
     def _with_states(self, step: int, written: dict[str, list[int]]) -> dict[str, list[int]]:
         """`written` plus every Mamba table of its sequences, each at its sequence's newest position:

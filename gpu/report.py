@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "store", "load", "file_write", "file_read", "attention")
 MAX_LISTED = 100  # mismatches listed whole in the JSON report
@@ -41,6 +44,8 @@ class ReplayReport:
     measured_s: dict[str, float] = field(default_factory=dict)
     predicted_s: dict[str, float] = field(default_factory=dict)
     scale: float = 1.0  # replay block bytes / simulated block bytes
+    launch_predicted_s: dict[str, float] = field(default_factory=dict)  # the replay's launches, priced
+    config: dict = field(default_factory=dict)  # the run's config.json: a saved report prices itself again
     model: str = ""
     gpu: str = ""
     step_times: list[StepTime] = field(default_factory=list)
@@ -61,9 +66,10 @@ class ReplayReport:
             "sequence_checks": self.sequence_checks, "decode_checks": self.decode_checks,
             "mismatches": self.mismatches, "errors": self.errors,
             "first_mismatches": [asdict(m) for m in self.found[:MAX_LISTED]], "measured_s": self.measured_s,
-            "predicted_s": self.predicted_s, "scale": self.scale, "model": self.model, "gpu": self.gpu,
+            "predicted_s": self.predicted_s, "launch_predicted_s": self.launch_predicted_s, "scale": self.scale,
+            "model": self.model, "gpu": self.gpu,
             "step_times": [[t.step, t.measured_s, t.predicted_s] for t in self.step_times],
-            "step_kinds": self.step_kinds,
+            "step_kinds": self.step_kinds, "config": self.config,
         }
 
     def format(self) -> str:
@@ -81,15 +87,15 @@ class ReplayReport:
             f"verified       {self.tokens_verified:,} tokens in {self.sequence_checks:,} sequence checks, {attention}",
             f"mismatches     {self.mismatches:,}",
             "",
-            f"time by kind   measured here; predicted by the cost model ({self.model} on {self.gpu}), "
-            f"and scaled x{self.scale:.3g} to this replay's bytes",
-            f"{'kind':<10} {'units':>10} {'measured':>12} {'predicted':>12} {'scaled':>12}",
+            f"time by kind   measured here; predicted by the cost model ({self.model} on {self.gpu}); that "
+            f"scaled x{self.scale:.3g} to this replay's bytes, plus its launches priced (launch_s)",
+            f"{'kind':<10} {'units':>10} {'measured':>12} {'predicted':>12} {'replay':>12}",
         ]
         for k in KINDS:
             if self.units.get(k) and (k != "attention" or self.measured_s.get(k)):
                 p = self.predicted_s.get(k, 0.0)
                 lines.append(f"{k:<10} {self.units[k]:>10,} {_t(self.measured_s.get(k, 0.0)):>12} "
-                             f"{_t(p):>12} {_t(p * self.scale):>12}")
+                             f"{_t(p):>12} {_t(p * self.scale + self.launch_predicted_s.get(k, 0.0)):>12}")
         if self.step_times:
             meas = [t.measured_s for t in self.step_times]
             pred = [t.predicted_s for t in self.step_times]
@@ -105,3 +111,24 @@ def _t(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def load_report(spec: str) -> dict:
+    """A report `gpu-replay --save` wrote (gzipped if it ends in .gz), with its run's config: the one
+    it holds, or for a report written before reports held one, `REPORT,CONFIG` names the run's
+    config.json. Raises ValueError naming the file for anything else."""
+    path, _, config_path = spec.partition(",")
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            report = json.load(f)
+        if config_path:
+            report["config"] = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable replay report ({e})") from None
+    if not isinstance(report, dict) or "step_kinds" not in report:
+        raise ValueError(f"{path}: not a report `kvsim gpu-replay --save` wrote (no step_kinds)")
+    if not report.get("config"):
+        raise ValueError(f"{path}: holds no run config (written before reports held one): "
+                         f"name it as {path},RUN/config.json")
+    return report

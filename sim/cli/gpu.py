@@ -151,6 +151,9 @@ def calibrate(
     rows: Annotated[Path | None, typer.Option("--rows", help="also write every measurement here (JSON)")] = None,
     refit: Annotated[Path | None, typer.Option(
         "--refit", help="no measuring: build the profile from the measurements an earlier --rows wrote")] = None,
+    replay: Annotated[list[str] | None, typer.Option(
+        "--replay", help="a `gpu-replay --save` report (repeatable) to fit the per-launch cost launch_s to; "
+                         "REPORT,CONFIG for a report without its run's config")] = None,
 ) -> None:
     """Measure the harness's kernels and whole forward steps (on CUDA), fit the cost model to them,
     and write a calibration profile for `kvsim run --calibration`."""
@@ -163,14 +166,20 @@ def calibrate(
     for path in (out, rows):  # before minutes of measuring, not after
         if path is not None:
             check_output(path)
+    from kvsim.gpu.report import load_report
+
+    try:
+        replays = [load_report(spec) for spec in replay or ()]
+    except ValueError as e:
+        raise fail(str(e)) from None
     if refit is not None:
-        measured, profile = _refit(refit, model, gpu, block_size)
+        measured, profile = _refit(refit, model, gpu, block_size, replays)
     else:
         dev = _device(device)
         from kvsim.gpu.calibrate import calibrate as measure
 
         try:
-            profile, measured = measure(dev, model, gpu, block_size,
+            profile, measured = measure(dev, model, gpu, block_size, replays=replays,
                                         progress=lambda line: typer.echo(line, err=True))
         except ConfigError as e:
             raise fail(str(e)) from None
@@ -190,7 +199,8 @@ def calibrate(
     typer.echo(f"wrote {out}")
 
 
-def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[list[dict], dict]:
+def _refit(path: Path, model: str, gpu: str | None, block_size: int,
+           replays: list[dict]) -> tuple[list[dict], dict]:
     """Measurements from `path` and the profile built from them; bad files fail naming the file."""
     from kvsim.sim.engine.config import ConfigError
     from kvsim.workloads.files import read_json
@@ -206,7 +216,7 @@ def _refit(path: Path, model: str, gpu: str | None, block_size: int) -> tuple[li
     device = next((r["device"] for r in measured if r.get("name") == "forward_step"), None)
     name = gpu or gpu_of_name(device)
     try:
-        return measured, build_profile(measured, model, name, block_size, cuda=device is not None)
+        return measured, build_profile(measured, model, name, block_size, cuda=device is not None, replays=replays)
     except (ConfigError, KeyError, ValueError) as e:
         raise fail(f"{path}: {e}") from None
 

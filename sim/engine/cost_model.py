@@ -26,9 +26,14 @@ kernels reach a different fraction of peak than GEMMs), and serial_fraction is
 the share of the shorter of compute and memory time that does not overlap the
 longer (0: a pure roofline).
 
+A replay on a GPU also prices each kernel it launches: `launch_s` per op kind (write, attention
+and the block ops), the fixed GPU time of one launch however little it does (1.5-3 us on an H100
+for a K/V write, more for a decode kernel of a few sequences). The simulator's own step time does
+not use it: whole measured steps (under CUDA graphs) put their launches in overhead_s.
+
 Defaults: efficiency.compute 0.5, efficiency.attention = compute,
 efficiency.memory 0.8, serial_fraction 0, overhead_s 1 ms (scheduler + launch
-+ sampling on the host). A calibration profile measured on a GPU
++ sampling on the host), launch_s 2 us a kernel. A calibration profile measured on a GPU
 (`SimConfig.calibration`, written by `kvsim calibrate`, which fits these
 factors to measured forward steps) overrides any of them; its JSON schema,
 every key optional:
@@ -36,7 +41,8 @@ every key optional:
     {"version": 1, "device": "h100-sxm",
      "efficiency": {"compute": 0.55, "attention": 0.4, "memory": 0.82},
      "serial_fraction": 0.3, "overhead_s": 0.0012,
-     "op_cost_s": {"copy": 2e-6, "swap_out": 5e-5, "swap_in": 5e-5, "move": 4e-6}}
+     "op_cost_s": {"copy": 2e-6, "swap_out": 5e-5, "swap_in": 5e-5, "move": 4e-6},
+     "launch_s": {"write": 2.5e-6, "attention": 1.4e-5, "move": 9e-6}}
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ from kvsim.workloads.files import read_json
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_MEMORY_EFFICIENCY = 0.8
 DEFAULT_OVERHEAD_S = 1e-3
+DEFAULT_LAUNCH_S = 2e-6  # GPU time of one small kernel's launch (H100: 1.5-3 us, benchmarks/results)
+LAUNCH_KINDS = ("write", "attention", *OP_KINDS)  # the replay's kernel kinds a launch is priced for
 CALIBRATION_VERSION = 1
 # Memory vLLM's profiler finds taken besides weights and activations: CUDA graphs,
 # cuBLAS workspaces, NCCL buffers, allocator slack. ~1 GiB on an 8B model.
@@ -83,6 +91,11 @@ class Calibration:
     serial_fraction: float = 0.0
     op_cost_s: tuple[tuple[str, float], ...] = ()
     device: str | None = None
+    launch_s: tuple[tuple[str, float], ...] = ()  # per LAUNCH_KINDS kind; absent: DEFAULT_LAUNCH_S
+
+    def launch_costs(self) -> dict[str, float]:
+        """Seconds of GPU time one launch of each LAUNCH_KINDS kind costs."""
+        return {**dict.fromkeys(LAUNCH_KINDS, DEFAULT_LAUNCH_S), **dict(self.launch_s)}
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -92,9 +105,15 @@ def load_calibration(path: str | Path) -> Calibration:
         data = read_json(p)
     except ValueError as e:
         raise ConfigError(f"calibration {e}") from None
+    return parse_calibration(data, p)
+
+
+def parse_calibration(data: Any, p: Path) -> Calibration:
+    """A calibration profile's JSON value as a Calibration; a bad key raises ConfigError naming `p`."""
     if not isinstance(data, dict):
         raise ConfigError(f"calibration {p}: expected a JSON object")
-    _check_keys(p, "", data, {"version", "device", "efficiency", "serial_fraction", "overhead_s", "op_cost_s"})
+    _check_keys(p, "", data, {"version", "device", "efficiency", "serial_fraction", "overhead_s", "op_cost_s",
+                              "launch_s"})
     version = data.get("version", CALIBRATION_VERSION)
     if version != CALIBRATION_VERSION:
         raise ConfigError(
@@ -111,6 +130,10 @@ def load_calibration(path: str | Path) -> Calibration:
     if not isinstance(ops, dict):
         raise ConfigError(f"calibration {p}: 'op_cost_s' must be an object")
     _check_keys(p, "op_cost_s.", ops, set(OP_KINDS))
+    launches = data.get("launch_s", {})
+    if not isinstance(launches, dict):
+        raise ConfigError(f"calibration {p}: 'launch_s' must be an object")
+    _check_keys(p, "launch_s.", launches, set(LAUNCH_KINDS))
     return Calibration(
         compute=_number(
             p, "efficiency.compute", eff.get("compute", DEFAULT_COMPUTE_EFFICIENCY), positive=True
@@ -123,6 +146,7 @@ def load_calibration(path: str | Path) -> Calibration:
         serial_fraction=_number(p, "serial_fraction", data.get("serial_fraction", 0.0)),
         op_cost_s=tuple((k, _number(p, f"op_cost_s.{k}", v)) for k, v in ops.items()),
         device=device,
+        launch_s=tuple((k, _number(p, f"launch_s.{k}", v)) for k, v in launches.items()),
     )
 
 
@@ -279,9 +303,10 @@ class CostModel:
         self._op_items = tuple((k, op_cost[k]) for k in OP_KINDS)  # the kinds a step is charged for
 
     @classmethod
-    def from_config(cls, cfg: SimConfig) -> CostModel:
-        """The cost model `cfg` names: model, GPU, TP, block size, calibration, window."""
-        cal = load_calibration(cfg.calibration) if cfg.calibration else None
+    def from_config(cls, cfg: SimConfig, calibration: Calibration | None = None) -> CostModel:
+        """The cost model `cfg` names: model, GPU, TP, block size, calibration (or `calibration`
+        in its place), window."""
+        cal = calibration or (load_calibration(cfg.calibration) if cfg.calibration else None)
         return cls(
             model_spec(cfg.model),
             get_gpu(cfg.gpu),

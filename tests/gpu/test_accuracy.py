@@ -7,9 +7,11 @@ from typer.testing import CliRunner
 
 from kvsim.gpu.accuracy import (
     error_stats,
+    fit_launches,
     fit_steps,
     holdout_accuracy,
     holdout_split,
+    launches_of,
     main,
     predict_steps,
     step_accuracy,
@@ -117,3 +119,68 @@ def test_holdout_cli_prints_a_table(tmp_path, capsys):
     assert [line.split()[:2] for line in lines[4:8]] == [["all", "12"], ["llama-3-70b", "tp2"],
                                                          ["llama-3-8b", "tp1"], ["qwen3-30b-a3b", "tp1"]]
     assert json.loads(out.read_text())["A"] == HALF_A
+
+
+# --------------------------------------------------------------------------- per-launch cost
+
+
+class _Pred:
+    """A predictor charging 1 us per unit of every kind (the bytes' share of a replay's time)."""
+
+    def __call__(self, kind, units):
+        return 1e-6 * units
+
+
+def _report(rows, layers=2, scale=0.5):
+    return {"geometry": {"layers": layers}, "scale": scale, "step_kinds": rows}
+
+
+def test_launches_of_reads_the_column_or_derives_it_for_old_reports():
+    assert launches_of([3, "write", 10, 1, 1e-3, 7], 32) == 7
+    assert launches_of([3, "write", 10, 2, 1e-3], 32) == 64  # a write region launched a kernel per layer
+    assert launches_of([3, "move", 10, 2, 1e-3], 32) == 2
+
+
+def test_fit_launches_recovers_a_known_launch_cost():
+    # measured = bytes (1 us/unit x scale 0.5) + launches x cost: write 3 us, attention 12 us
+    rows = [[s, k, u, 1, 0.5e-6 * u + x * n, n] for s, (k, x) in enumerate([("write", 3e-6), ("attention", 12e-6)] * 4)
+            for u, n in ((4, 2), (100, 2), (7, 6))]
+    fitted = fit_launches([(_report(rows), _Pred())])
+    assert fitted == pytest.approx({"attention": 12e-6, "write": 3e-6}, rel=1e-9)
+    # time the bytes already explain leaves nothing for launches (never negative); rows without time skip
+    rows = [[0, "move", 10, 1, 1e-6 * 10, 1], [1, "move", 10, 1, 0.0, 1]]
+    assert fit_launches([(_report(rows, scale=1.0), _Pred())]) == {"move": 0.0}
+
+
+def test_calibrate_fits_launch_s_to_saved_replays(tmp_path):
+    """kvsim calibrate --refit ROWS --replay REPORT[,CONFIG]: launch_s from the reports; a report
+    without its run's config is refused naming the file and the fix."""
+    import gzip
+
+    ops = [{"name": n, "seconds": 1e-3, "bytes": b} for n, b in
+           (("copy_blocks", 2e6), ("exchange_blocks", 4e6), ("swap_out", 1e6), ("swap_in", 1e6))]
+    steps = [{**r, "name": "forward_step", "seconds": r["measured_s"], "bytes": 0.0,
+              "device": "NVIDIA H100 80GB HBM3"} for r in _rows()]
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(ops + steps))
+    config = {"block_size": 16, "model": "llama-3-8b", "gpu": "h100-sxm"}
+    step_kinds = [[s, "write", 1, 1, 5e-6 * n, n] for s, n in enumerate((1, 2, 4, 8))]
+    report = {"geometry": {"layers": 8}, "scale": 0.0, "step_kinds": step_kinds}
+    plain = tmp_path / "report.json.gz"
+    with gzip.open(plain, "wt") as f:
+        json.dump(report, f)
+    conf = tmp_path / "config.json"
+    conf.write_text(json.dumps(config))
+    out = tmp_path / "cal.json"
+    res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(plain), "--out", str(out)])
+    assert res.exit_code == 2 and f"{plain}: holds no run config" in res.output
+    assert f"name it as {plain},RUN/config.json" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", f"{plain},{conf}", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["launch_s"] == {"write": pytest.approx(5e-6, rel=1e-9)}
+    with_config = tmp_path / "with.json"
+    with_config.write_text(json.dumps({**report, "config": config}))
+    res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(with_config), "--out", str(out)])
+    assert res.exit_code == 0 and json.loads(out.read_text())["launch_s"]["write"] == pytest.approx(5e-6, rel=1e-9)
+    res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "nope.json: not a readable replay report" in res.output

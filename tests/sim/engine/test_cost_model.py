@@ -169,9 +169,31 @@ def test_config_errors(tmp_path: Path) -> None:
         ),
         "ver.json": ('{"version": 2}', "version 2, this kvsim reads 1"),
         "list.json": ("[1]", "expected a JSON object"),
+        "launch.json": ('{"launch_s": {"decode": 1e-6}}', "unknown key launch_s.decode"),
+        "launchneg.json": ('{"launch_s": {"write": -1e-6}}', r"launch_s.write must be a number >= 0"),
+        "launchlist.json": ('{"launch_s": [1]}', "'launch_s' must be an object"),
     }
     for name, (text, msg) in cases.items():
         path = tmp_path / name
         path.write_text(text)
         with pytest.raises(ConfigError, match=rf"calibration {path}: {msg}"):
             cm_for(calibration=str(path))
+
+
+def test_launch_costs_default_per_kind_and_from_a_profile(tmp_path):
+    """launch_s: one launch's GPU time per replay kernel kind; DEFAULT_LAUNCH_S where a profile is silent."""
+    from kvsim.sim.engine.cost_model import (
+        DEFAULT_LAUNCH_S,
+        LAUNCH_KINDS,
+        Calibration,
+        load_calibration,
+    )
+
+    assert LAUNCH_KINDS == ("write", "attention", "copy", "swap_out", "swap_in", "move")
+    assert Calibration().launch_costs() == dict.fromkeys(LAUNCH_KINDS, 2e-6) == dict.fromkeys(LAUNCH_KINDS, DEFAULT_LAUNCH_S)
+    path = tmp_path / "cal.json"
+    path.write_text('{"launch_s": {"write": 3e-6, "attention": 1.25e-5}}')
+    cal = load_calibration(path)
+    assert cal.launch_s == (("write", 3e-6), ("attention", 1.25e-5))
+    assert cal.launch_costs() == {"write": 3e-6, "attention": 1.25e-5, "copy": 2e-6, "swap_out": 2e-6,
+                                  "swap_in": 2e-6, "move": 2e-6}
