@@ -26,8 +26,9 @@ ALLOWED = {
     "sim.studies": ("sim.engine", "kvcache", "workloads"),
     "sim.conform": ("sim.engine", "kvcache", "workloads"),
     "sim.cluster": ("sim.engine", "kvcache", "workloads"),
-    # gpu reads the catalog, cost model and config, and run folders; never the engine loop
-    "gpu": ("sim.engine.catalog", "sim.engine.cost_model", "sim.engine.config",
+    # gpu reads the catalog (with the models kept as config files), cost model and config, and run
+    # folders; never the engine loop
+    "gpu": ("sim.engine.catalog", "sim.engine.hf_config", "sim.engine.cost_model", "sim.engine.config",
             "sim.studies.run_folder", "kvcache", "workloads"),
     "sim.cli": ("sim", "gpu", "kvcache", "workloads"),
     "sim.api": ("sim", "kvcache", "workloads"),  # the public Python API over the library
