@@ -45,15 +45,17 @@ def _model(name: str) -> ModelSpec:
 
 
 def _terms(rows: Sequence[Mapping], gpu: str) -> np.ndarray:
-    """Per row at efficiency 1: GEMM seconds, attention-score seconds, memory seconds."""
+    """Per row at efficiency 1: GEMM seconds, attention-score seconds, memory seconds; each prefill
+    chunk's (prior, new) passed as the engine passes them (a row without its chunks: estimated)."""
     out = []
     for r in rows:
         args = (r["prefill_tokens"], r["decode_tokens"], r["context_tokens"], r["num_seqs"])
+        chunks = [(int(p), int(n)) for p, n in r.get("prefill", ())]
         cols = []
         for c, a, m in ((1.0, _OFF, _OFF), (_OFF, 1.0, _OFF), (_OFF, _OFF, 1.0)):
             cal = Calibration(compute=c, attention=a, memory=m, overhead_s=0.0)
             cm = CostModel(_model(r["model"]), get_gpu(gpu), int(r["tp"]), calibration=cal)
-            cols.append(cm.step_time(*args) - (args[0] + args[1]) * cm.allreduce_s_per_token)
+            cols.append(cm.step_time(*args, None, chunks) - (args[0] + args[1]) * cm.allreduce_s_per_token)
         out.append(cols)
     return np.array(out)
 

@@ -201,14 +201,15 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
     return compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
 
 
-def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int], float]:
+def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int, list[tuple[int, int]]], float]:
     """kvsim's cost model for `cfg` as the cost-clock driver asks it: a batch's (prefill, decode and
-    context tokens, sequences) to seconds, with no charged block ops (vLLM V1 copies and swaps none)."""
+    context tokens, sequences, prefill chunks) to seconds, with no charged block ops (vLLM V1 copies
+    and swaps none)."""
     from kvsim.kvcache.ops import CHARGED_KINDS
     from kvsim.sim.engine.cost_model import CostModel
 
     cost, none = CostModel.from_config(cfg), dict.fromkeys(CHARGED_KINDS, 0)
-    return lambda prefill, decode, context, seqs: cost.step_time(prefill, decode, context, seqs, none)
+    return lambda prefill, decode, context, seqs, chunks: cost.step_time(prefill, decode, context, seqs, none, chunks)
 
 
 def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from kvsim.sim.conform.vllm_scheduler import (
 from kvsim.sim.conform.vllm_setup import STALL_STEPS, vllm_request
 from kvsim.sim.engine.scheduler import fan_out
 
-StepSeconds = Callable[[int, int, int, int], float]  # (prefill, decode, context tokens, seqs) -> seconds
+# (prefill, decode, context tokens, seqs, each prefill chunk's (prior, new)) -> seconds
+StepSeconds = Callable[[int, int, int, int, list[tuple[int, int]]], float]
 
 
 def run_timed(
@@ -94,12 +95,14 @@ def run_timed(
     return [recs[r.id] for r in reqs]
 
 
-def batch_shape(out, live: dict) -> tuple[int, int, int, int]:
-    """(prefill tokens, decode tokens, context tokens, sequences) of vLLM's scheduled batch `out`,
-    as kvsim's engine counts a batch (`sim.engine.scheduler.Scheduler._add`): a decode is one
-    token past the prompt; the context is each sequence's length after the step. `schedule()`
-    has already advanced each request's computed tokens by its chunk."""
+def batch_shape(out, live: dict) -> tuple[int, int, int, int, list[tuple[int, int]]]:
+    """(prefill tokens, decode tokens, context tokens, sequences, each prefill chunk's (prior, new))
+    of vLLM's scheduled batch `out`, as kvsim's engine counts a batch
+    (`sim.engine.scheduler.Scheduler._add`): a decode is one token past the prompt; the context is
+    each sequence's length after the step. `schedule()` has already advanced each request's
+    computed tokens by its chunk."""
     prefill = decode = context = 0
+    chunks = []
     for rid, n in out.num_scheduled_tokens.items():
         vreq = live[rid][0]
         c = vreq.num_computed_tokens - n
@@ -108,7 +111,8 @@ def batch_shape(out, live: dict) -> tuple[int, int, int, int]:
             decode += 1
         else:
             prefill += n
-    return prefill, decode, context, len(out.num_scheduled_tokens)
+            chunks.append((c, n))
+    return prefill, decode, context, len(out.num_scheduled_tokens), chunks
 
 
 class _TimedRun(_OffloadRun):
@@ -168,7 +172,7 @@ class _TimedRun(_OffloadRun):
             busy = sched.has_requests
         else:  # vLLM EngineCore: with a connector, transfers in flight keep it stepping (`has_requests`)
             busy = sched.has_requests if worker is not None else sched.get_num_unfinished_requests
-        spin = None if sync else self.step_seconds(0, 0, 0, 0)  # an empty schedule with nothing running
+        spin = None if sync else self.step_seconds(0, 0, 0, 0, [])  # an empty schedule with nothing running
         queue: deque[tuple[Any, Any, float | None, float, int]] = deque()  # (out, output, start, end, step)
         clock = free = env.now
         k = empties = 0

@@ -49,6 +49,7 @@ class Batch:
     finishing: list[Live] = field(default_factory=list)  # of those, the ones that sampled their last token
     frag: int = 0  # internal fragmentation of the other in-place decodes
     prefill_tokens: int = 0
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # each prefill chunk's (prior, new tokens)
     decode_tokens: int = 0
     context_tokens: int = 0  # sum of scheduled sequences' lengths after the step
     preempted_recompute: int = 0

@@ -10,11 +10,17 @@ shards. Per GPU:
     step    = max(compute, memory) + serial_fraction * min(compute, memory)
               + block ops + TP all-reduce + overhead_s
 
-`pairs` are the (query, key) pairs attention scores; it is estimated from the
-step's totals (exact for an all-decode step and for a single prefill chunk):
-with prior context spread evenly over the sequences, c = (context - tokens)
-/ num_seqs, a decode token scores c + 1 keys and a prefill chunk of n tokens
-n*c + n*(n+1)/2. A sliding window caps c and the context read.
+`pairs` are the (query, key) pairs attention scores. The engine passes each
+prefill chunk's (prior context c, new tokens n): the chunk scores n*c +
+n*(n+1)/2 pairs, and the step's decodes score their context (context less the
+chunks' lengths), all exact in integers; a sliding window w caps each query's
+keys at w. Given only the step's totals (the quiet runs' all-decode steps, the
+roofline study), prior context is spread evenly over the sequences, c =
+(context - tokens) / num_seqs, a decode token scoring c + 1 keys and a prefill
+chunk of n tokens n*c + n*(n+1)/2: exact for an all-decode step and a single
+chunk, but a chunk after a long prompt's first chunk, batched with decodes,
+scores far more than the even spread says (6,144 new tokens after 8,192 beside
+96 short decodes: 3.3x). A sliding window caps c and the context read.
 
 Block ops cost, each: copy 2 * block bytes / HBM bw (read + write), move
 4 * block bytes / HBM bw (an exchange reads and writes both blocks),
@@ -48,7 +54,7 @@ every key optional:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -364,12 +370,15 @@ class CostModel:
             )
         return blocks
 
-    def bounds(self, prefill_tokens: int, decode_tokens: int, context_tokens: int, num_seqs: int) -> tuple[float, float]:
+    def bounds(self, prefill_tokens: int, decode_tokens: int, context_tokens: int, num_seqs: int,
+               chunks: Sequence[tuple[int, int]] = ()) -> tuple[float, float]:
         """(compute, memory) seconds of one forward over a batch (step_time's arguments) at this
         cost model's rates: FLOPs over peak x efficiency, bytes over bandwidth x efficiency. With
         every efficiency 1 these are the roofline's bounds (`sim.studies.roofline`)."""
         tokens = prefill_tokens + decode_tokens
         seqs = num_seqs if num_seqs > 0 else 1
+        if chunks:
+            return self._bounds_of_chunks(tokens, decode_tokens, context_tokens, seqs, chunks)
         prior = (context_tokens - tokens) / seqs
         if prior < 0.0:
             prior = 0.0
@@ -392,6 +401,37 @@ class CostModel:
             memory += self.experts_touched(tokens) * self._s_per_expert
         return compute, memory
 
+    def _bounds_of_chunks(self, tokens: int, decodes: int, context_tokens: int, seqs: int,
+                          chunks: Sequence[tuple[int, int]]) -> tuple[float, float]:
+        """`bounds` with each prefill chunk's (prior, new) known: attention pairs counted exactly, in
+        integers (so the chunks' order cannot change a step's time), each window capping each
+        query's keys; the decodes' pairs from their context, their priors spread evenly only where a
+        window caps some of them."""
+        decode_ctx = context_tokens
+        for c, n in chunks:
+            decode_ctx -= c + n
+        compute = tokens * self._s_per_token_flops
+        memory = self._s_weights + seqs * self._s_state_per_seq
+        for w, s_pair, s_kv in self._attention:
+            ctx = context_tokens
+            if w is None:
+                pairs = decode_ctx
+                for c, n in chunks:
+                    pairs += n * c + n * (n + 1) // 2
+            else:  # a query scores at most w + 1 keys (as the estimate caps a decode's prior at w)
+                cap = w + 1
+                pairs = decode_ctx if decode_ctx <= decodes * cap else decodes * cap
+                for c, n in chunks:
+                    k = min(n, max(0, cap - c))  # queries whose keys all fit the window
+                    pairs += k * c + k * (k + 1) // 2 + (n - k) * cap
+                if ctx > seqs * w:
+                    ctx = seqs * w
+            compute += pairs * s_pair
+            memory += (ctx + tokens) * s_kv
+        if self._moe:
+            memory += self.experts_touched(tokens) * self._s_per_expert
+        return compute, memory
+
     def step_time(
         self,
         prefill_tokens: int,
@@ -399,18 +439,21 @@ class CostModel:
         context_tokens: int,
         num_seqs: int,
         op_counts: Mapping[str, int] | None = None,
+        chunks: Sequence[tuple[int, int]] = (),
     ) -> float:
         """Seconds for one engine step.
 
         prefill_tokens / decode_tokens: tokens computed this step (prompt chunks /
         one per decoding sequence); context_tokens: sum over the scheduled
         sequences of their length after the step (cached before + computed now);
-        num_seqs: sequences scheduled; op_counts: block ops by kind (others ignored).
+        num_seqs: sequences scheduled; op_counts: block ops by kind (others ignored);
+        chunks: each prefill chunk's (prior context, new tokens), which makes the
+        attention pairs exact (empty: estimated from the totals).
         """
         t = self.overhead_s
         tokens = prefill_tokens + decode_tokens
         if tokens > 0:
-            compute, memory = self.bounds(prefill_tokens, decode_tokens, context_tokens, num_seqs)
+            compute, memory = self.bounds(prefill_tokens, decode_tokens, context_tokens, num_seqs, chunks)
             if compute > memory:
                 t += compute + self._serial * memory
             else:

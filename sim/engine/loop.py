@@ -270,7 +270,8 @@ class Engine:
                         dt = at(end) - at(start)
                     else:
                         ops = NO_OPS if deltas[1:] == _ZEROS[1:] else dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
-                        dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, b.num_seqs, ops)
+                        dt = cost.step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, b.num_seqs, ops,
+                                            b.chunks)
                         end = start + dt
                     free = end
                     k += 1

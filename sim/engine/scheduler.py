@@ -226,6 +226,10 @@ class Scheduler:
             b.decode_tokens += sign
         else:
             b.prefill_tokens += sign * n
+            if sign > 0:
+                b.chunks.append((c, n))
+            else:
+                b.chunks.remove((c, n))
         if sign > 0:
             b.lives.append(live)
             b.tokens.append(n)

@@ -91,7 +91,7 @@ def test_the_shortcuts_fire_on_the_default_case(monkeypatch: pytest.MonkeyPatch)
     fired = Fired(monkeypatch)
     d = run_scheduler(_wl("default"), _cfg(num_gpu_blocks=300))
     assert d.ok
-    assert (fired.quiet_steps, fired.lazy) == (9087, 2787)
+    assert (fired.quiet_steps, fired.lazy) == (9081, 2786)
 
 
 @needs_vllm
@@ -137,7 +137,7 @@ def test_batch_shape_counts_a_batch_as_kvsim_does():
         num_scheduled_tokens = {"decode": 1, "chunk": 32, "last-prompt-token": 1}
 
     live = {"decode": (Req(101, 100), []), "chunk": (Req(64, 200), []), "last-prompt-token": (Req(50, 50), [])}
-    assert batch_shape(Out(), live) == (33, 1, 101 + 64 + 50, 3)
+    assert batch_shape(Out(), live) == (33, 1, 101 + 64 + 50, 3, [(32, 32), (49, 1)])
 
 
 def test_step_seconds_is_the_cost_model_without_charged_ops():
@@ -145,8 +145,8 @@ def test_step_seconds_is_the_cost_model_without_charged_ops():
 
     cfg = _cfg()
     cost = CostModel.from_config(cfg)
-    assert step_seconds(cfg)(512, 3, 2000, 4) == cost.step_time(512, 3, 2000, 4, {})
-    assert step_seconds(cfg)(0, 0, 0, 0) == cost.overhead_s
+    assert step_seconds(cfg)(512, 3, 2000, 4, [(1000, 512)]) == cost.step_time(512, 3, 2000, 4, {}, [(1000, 512)])
+    assert step_seconds(cfg)(0, 0, 0, 0, []) == cost.overhead_s
 
 
 @needs_vllm

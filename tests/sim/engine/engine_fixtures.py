@@ -32,12 +32,14 @@ class FlatCost:
     def __init__(self, step_s: float = 1.0):
         self.step_s = step_s
         self.calls: list[tuple] = []
+        self.chunks: list[list[tuple[int, int]]] = []  # each step's prefill chunks (prior, new)
 
     def num_gpu_blocks(self, cfg: SimConfig) -> int:
         return cfg.num_gpu_blocks
 
-    def step_time(self, prefill, decode, context, num_seqs, op_counts) -> float:
+    def step_time(self, prefill, decode, context, num_seqs, op_counts, chunks=()) -> float:
         self.calls.append((prefill, decode, context, num_seqs, dict(op_counts)))
+        self.chunks.append(list(chunks))
         return self.step_s
 
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.cost_model import CostModel
@@ -197,3 +199,74 @@ def test_launch_costs_default_per_kind_and_from_a_profile(tmp_path):
     assert cal.launch_s == (("write", 3e-6), ("attention", 1.25e-5))
     assert cal.launch_costs() == {"write": 3e-6, "attention": 1.25e-5, "copy": 2e-6, "swap_out": 2e-6,
                                   "swap_in": 2e-6, "move": 2e-6}
+
+
+# --------------------------------------------------------------- attention pairs of prefill chunks
+
+
+
+def _pairs_model(window: int | None = None) -> CostModel:
+    """Llama-3-8B whose GEMMs and memory cost nothing: compute = attention pairs x seconds a pair."""
+    from kvsim.sim.engine.catalog import get_gpu, get_model
+    from kvsim.sim.engine.cost_model import Calibration
+
+    off = Calibration(compute=1e30, attention=1.0, memory=1e30, overhead_s=0.0)
+    return CostModel(get_model("llama-3-8b"), get_gpu("h100-sxm"), calibration=off, sliding_window=window)
+
+
+def _pairs(cm: CostModel, *args, chunks=()) -> float:
+    """The attention pairs bounds() charges a batch, in units of one decode over one token."""
+    return cm.bounds(*args, chunks=chunks)[0] / cm.bounds(0, 1, 1, 1)[0]
+
+
+def test_prefill_chunks_make_the_attention_pairs_exact():
+    """sim/engine/cost_model.py CostModel.bounds: with each chunk's (prior, new), a chunk scores
+    n*c + n(n+1)/2 pairs and the decodes their context; from the totals alone prior context is spread
+    evenly. 96 decodes at 256 beside 6,144 new tokens after 8,192 (a long prompt's second chunk):"""
+    cm = _pairs_model()
+    batch = (6144, 96, 96 * 256 + 8192 + 6144, 97)
+    exact = 96 * 256 + 6144 * 8192 + 6144 * 6145 // 2
+    assert exact == 69_233_664
+    assert _pairs(cm, *batch, chunks=[(8192, 6144)]) == pytest.approx(exact, rel=1e-12)
+    estimate = 6240 * (batch[2] - 6240) / 97 + 96 + 6144 * 6145 / 2  # the even spread
+    assert _pairs(cm, *batch) == pytest.approx(estimate, rel=1e-12)
+    assert exact / estimate == pytest.approx(3.3001, abs=1e-4)
+    # one chunk alone: both ways exact (the estimate's case)
+    assert _pairs(cm, 512, 0, 1512, 1, chunks=[(1000, 512)]) == pytest.approx(
+        _pairs(cm, 512, 0, 1512, 1), rel=1e-12)
+    assert _pairs(cm, 512, 0, 1512, 1, chunks=[(1000, 512)]) == pytest.approx(1000 * 512 + 512 * 513 // 2, rel=1e-12)
+
+
+def test_a_window_caps_each_querys_keys_at_window_plus_one():
+    """A query scores at most w + 1 keys (a decode's prior capped at w, as the estimate does): a chunk
+    of 50 after 100 under a window of 128 scores 29 queries of 101..129 keys and 21 of 129."""
+    cm = _pairs_model(window=128)
+    assert _pairs(cm, 50, 0, 150, 1, chunks=[(100, 50)]) == pytest.approx(
+        sum(min(100 + k, 129) for k in range(1, 51)), rel=1e-12)
+    assert sum(min(100 + k, 129) for k in range(1, 51)) == 6044
+    # decodes beside it: 3 at context 1,000 score 129 each
+    assert _pairs(cm, 50, 3, 3150, 4, chunks=[(100, 50)]) == pytest.approx(6044 + 3 * 129, rel=1e-12)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=5),
+       st.integers(0, 40), st.sampled_from([None, 16, 128, 4096]), st.randoms())
+def test_chunk_pairs_are_the_per_query_sum_and_order_free(chunks, decodes, window, rnd):
+    cm = _pairs_model(window)
+    dec_ctx = decodes * 700
+    context = dec_ctx + sum(c + n for c, n in chunks)
+    tokens = sum(n for _, n in chunks)
+    cap = None if window is None else window + 1
+    want = sum(min(c + k, cap) if cap else c + k for c, n in chunks for k in range(1, n + 1))
+    want += decodes * (min(700, cap) if cap else 700)
+    got = _pairs(cm, tokens, decodes, context, len(chunks) + decodes, chunks=chunks)
+    assert got == pytest.approx(want, rel=1e-12)
+    shuffled = list(chunks)
+    rnd.shuffle(shuffled)
+    args = (tokens, decodes, context, len(chunks) + decodes)
+    assert cm.step_time(*args, None, shuffled) == cm.step_time(*args, None, chunks)  # bit for bit
+
+
+def test_steps_without_chunks_keep_the_estimate_bit_for_bit():
+    """All-decode steps (the quiet runs pass none) take the totals' path, unchanged."""
+    cm = cm_for()
+    assert cm.step_time(0, 64, 64 * 2048, 64, None, ()) == cm.step_time(0, 64, 64 * 2048, 64)

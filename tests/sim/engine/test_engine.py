@@ -43,6 +43,17 @@ def test_cost_model_sees_the_step_totals() -> None:
              SimConfig(block_size=4, num_gpu_blocks=16), cost_model=cost)
     ops = {"copy": 0, "swap_out": 0, "swap_in": 0, "move": 0}
     assert cost.calls == [(9, 0, 9, 2, ops), (0, 2, 7 + 4, 2, ops)]
+    assert cost.chunks == [[(0, 6), (0, 3)], []]  # each prefill chunk's (prior, new); decodes none
+
+
+def test_cost_model_sees_each_chunk_with_its_prior_context() -> None:
+    """A prompt chunked by the token budget: its second chunk is priced after its first (the cost
+    model's exact attention pairs, sim/engine/cost_model.py CostModel.bounds), beside a decode."""
+    cost = FlatCost()
+    simulate(Workload.from_list([req("a", 0, 3, 3), req("b", 0.5, 10, 1)]),
+             SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=6), cost_model=cost)
+    assert [c[:4] for c in cost.calls] == [(3, 0, 3, 1), (5, 1, 4 + 5, 2), (5, 1, 5 + 10, 2)]
+    assert cost.chunks == [[(0, 3)], [(0, 5)], [(5, 5)]]
 
 
 def test_closed_loop_turn_arrives_think_time_after_the_previous_finished() -> None:
