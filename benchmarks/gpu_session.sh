@@ -18,7 +18,8 @@
 # - graphs:    bench_gpu.py's write and decode sections, eager and under CUDA graphs
 # - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's
 # - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
-#              `--check touched` (each step reads back only the entries an op changed)
+#              `--check touched` (each step reads back only the entries an op changed); over 300 s of
+#              H100 time (35,658 steps at ~10 ms each): run it alone in a call (REPLAY_TIMEOUT, 540 s)
 # - hybrid:    gpt-oss-20b's and gemma-3-27b's KV-cache groups (first 80 Mooncake requests),
 #              recorded and replayed with every step read whole and decode attention per window
 # A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
@@ -174,7 +175,8 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
             kvsim run "$runs/trace.jsonl" "${opts[@]}" --record-ops --no-plots --out "$runs/$name" \
                 | grep -E "engine steps|evictions|preemptions|swapped|defrag moves|hit rate, tokens"
             say "replay $part $name"
-            timeout 300 python3 -m sim.cli.app gpu-replay "$runs/$name" --device $device "${geometry[@]}" "${check[@]}" \
+            rt=300; [ "$part" = mooncake ] && rt=${REPLAY_TIMEOUT:-540}
+            timeout "$rt" python3 -m sim.cli.app gpu-replay "$runs/$name" --device $device "${geometry[@]}" "${check[@]}" \
                 --save "$out/replay_${part}_$name.json" 2>&1 | tee "$out/replay_${part}_$name.log" | grep -v "^step "
             echo "rc ${PIPESTATUS[0]}"  # the log keeps the progress lines: how far a cut-off replay got
             cp "$runs/$name/config.json" "$out/config_${part}_$name.json"
