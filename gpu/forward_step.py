@@ -29,11 +29,16 @@ separately), sampling and everything on the host (scheduling, input prep:
 always full). The embedding lookup reads the LM head's matrix (tied), a few rows
 per token. Unlike vLLM, the kernels are not fused (norm + residual, SiLU*mul,
 rotary) and prefill attention gathers its K/V densely and expands KV heads for
-SDPA; both cost little next to the GEMMs. The MoE routing is fixed per batch
-(drawn in `prepare`, the same for every layer), not taken from the router's
-logits, so that the step has static shapes for a CUDA graph; every touched
-expert computes as many rows as the busiest one has tokens (padding rows weigh
-0), which vLLM's fused MoE kernel avoids; the experts' and router's biases
+SDPA; both cost little next to the GEMMs, except a short chunk after a long
+prior (256 new tokens after 8,192: the gather's bytes show). The MoE routing is
+fixed per batch (drawn in `prepare`, the same for every layer), not taken from
+the router's logits, so that the step has static shapes for a CUDA graph. The
+experts run as one grouped GEMM over the rows sorted by expert
+(`torch._grouped_mm`, `moe_kernel="grouped"`, the CLI's default in bfloat16:
+unpadded, as vLLM's fused MoE kernel runs them) or as batched GEMMs with every
+touched expert computing as many rows as the busiest one has tokens
+(`moe_kernel="bmm"`, padding rows weigh 0; the first H100 session's rows, which
+ran far below GEMM efficiency at prefill); the experts' and router's biases
 (gpt-oss, DeepSeek-V3) are not built. What it cannot build at all (MLA,
 linear-attention layers, quantized weights, ...) `check_buildable` refuses.
 
@@ -166,6 +171,14 @@ def decodes(count: int, ctx: int) -> tuple[int, ...]:
     return (ctx,) * count
 
 
+MOE_KERNELS = ("bmm", "grouped")
+
+
+def default_moe_kernel(dtype: torch.dtype) -> str:
+    """`grouped` where torch has a bfloat16 grouped GEMM (`torch._grouped_mm`, 2.8 on), else `bmm`."""
+    return "grouped" if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") else "bmm"
+
+
 @dataclass
 class Routing:
     """A batch's fixed expert choice, laid out for `ForwardStep.moe_mlp`: the touched experts are
@@ -177,6 +190,10 @@ class Routing:
     slot_weights: torch.Tensor  # [experts * capacity, 1]: the row's routing weight (padding: 0)
     token_experts: torch.Tensor  # [tokens, k] int64 on the CPU: each token's experts, relabelled
     token_weights: torch.Tensor  # [tokens, k] float32 on the CPU: their weights (summing to 1)
+    # the same picks unpadded, sorted by expert, for a grouped GEMM (`torch._grouped_mm`)
+    sorted_slots: torch.Tensor  # [tokens * k] int64: the token each row reads and adds to
+    sorted_weights: torch.Tensor  # [tokens * k, 1]: the row's routing weight
+    offsets: torch.Tensor  # [experts] int32: where each expert's rows end
 
 
 def route(tokens: int, num_experts: int, k: int, generator: torch.Generator) -> Routing:
@@ -198,7 +215,9 @@ def route(tokens: int, num_experts: int, k: int, generator: torch.Generator) -> 
     slots[row] = torch.arange(tokens).repeat_interleave(k)
     slot_weights = torch.zeros(len(touched) * capacity, 1)
     slot_weights[row, 0] = weights.flatten()
-    return Routing(len(touched), capacity, slots, slot_weights, labels, weights)
+    token_of = torch.arange(tokens).repeat_interleave(k)
+    return Routing(len(touched), capacity, slots, slot_weights, labels, weights,
+                   token_of[order], weights.flatten()[order, None], torch.cumsum(counts, 0).to(torch.int32))
 
 
 @dataclass
@@ -224,8 +243,15 @@ class ForwardStep:
     A mixture of experts holds one MoE layer's weights too (each expert's intermediate / tp)."""
 
     def __init__(self, model: ModelSpec, tp: int = 1, device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.bfloat16, block_size: int = 16, seed: int = 0):
+                 dtype: torch.dtype = torch.bfloat16, block_size: int = 16, seed: int = 0,
+                 moe_kernel: str = "bmm"):
         check_buildable(model)
+        if moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"moe_kernel {moe_kernel!r}: choose from {', '.join(MOE_KERNELS)}")
+        if moe_kernel == "grouped" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")):
+            raise ValueError(f"moe_kernel 'grouped' needs bfloat16 and torch._grouped_mm (torch {torch.__version__}, "
+                             f"{str(dtype).removeprefix('torch.')})")
+        self.moe_kernel = moe_kernel
         if tp < 1 or model.num_heads % tp:
             raise ValueError(f"tp {tp} must divide {model.name}'s {model.num_heads} attention heads")
         self.model, self.tp, self.dtype, self.block_size = model, tp, dtype, block_size
@@ -308,7 +334,10 @@ class ForwardStep:
         if not self.model.num_experts:
             return None
         r = route(tokens, self.model.num_experts, self.model.experts_per_token, generator)
-        return replace(r, slots=r.slots.to(self.device), slot_weights=r.slot_weights.to(self.dtype).to(self.device))
+        dev = self.device
+        return replace(r, slots=r.slots.to(dev), slot_weights=r.slot_weights.to(self.dtype).to(dev),
+                       sorted_slots=r.sorted_slots.to(dev), sorted_weights=r.sorted_weights.to(self.dtype).to(dev),
+                       offsets=r.offsets.to(dev))
 
     def forward(self, s: StepInputs) -> torch.Tensor:
         """The step: embedding, num_layers layers, final norm and LM head. Returns the sampled
@@ -338,14 +367,25 @@ class ForwardStep:
 
     def moe_mlp(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
         """The experts over h [tokens, hidden] as `r` routes it: gather each touched expert's rows,
-        two batched GEMMs over experts [:m], weight the rows and add them back per token; plus the
-        shared expert. Static shapes (a CUDA graph captures it); the router runs but is not obeyed."""
+        two GEMMs over experts [:m], weight the rows and add them back per token; plus the shared
+        expert. `moe_kernel` "bmm": batched GEMMs over rows padded to the busiest expert's count;
+        "grouped": `torch._grouped_mm` over the rows sorted by expert, unpadded (as a fused MoE
+        kernel runs them). Static shapes (a CUDA graph captures it); the router runs but is not obeyed."""
         logits = F.linear(h, self.w_router)
         logits.topk(self.model.experts_per_token, dim=-1)  # vLLM's top-k of the router; fixed routing instead
+        w_gate_up, w_down = self.w_experts_gate_up[: r.experts], self.w_experts_down[: r.experts]
+        if self.moe_kernel == "grouped":  # rows sorted by expert, no padding: one grouped GEMM each
+            rows = h.index_select(0, r.sorted_slots)
+            gate, up = torch._grouped_mm(rows, w_gate_up, offs=r.offsets).chunk(2, -1)
+            out_rows = torch._grouped_mm(F.silu(gate) * up, w_down, offs=r.offsets) * r.sorted_weights
+            return self._plus_shared(h, torch.zeros_like(h).index_add_(0, r.sorted_slots, out_rows))
         rows = h.index_select(0, r.slots).view(r.experts, r.capacity, -1)
-        gate, up = torch.bmm(rows, self.w_experts_gate_up[: r.experts]).chunk(2, -1)
-        out_rows = torch.bmm(F.silu(gate) * up, self.w_experts_down[: r.experts]).flatten(0, 1) * r.slot_weights
-        out = torch.zeros_like(h).index_add_(0, r.slots, out_rows)
+        gate, up = torch.bmm(rows, w_gate_up).chunk(2, -1)
+        out_rows = torch.bmm(F.silu(gate) * up, w_down).flatten(0, 1) * r.slot_weights
+        return self._plus_shared(h, torch.zeros_like(h).index_add_(0, r.slots, out_rows))
+
+    def _plus_shared(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output `out` plus the shared expert's over h, if the model has one."""
         if self.w_shared_gate_up is not None:
             out = out + gated_mlp(h, self.w_shared_gate_up, self.w_shared_down)
         return out
@@ -517,11 +557,12 @@ GRIDS = {"default": default_grid, "holdout": holdout_grid}
 def run_grid(model_name: str | ModelSpec, tp: int = 1, device: str | torch.device | None = None,
              dtype: torch.dtype = torch.bfloat16, grid: Sequence[Batch] | None = None,
              progress: Callable[[str], object] | None = print, warmup: int = 2,
-             iters: int | None = None, budget_s: float = 0.25) -> list[dict]:
-    """Measure every batch of `grid` (default_grid) on one ForwardStep; one row per batch."""
+             iters: int | None = None, budget_s: float = 0.25, moe_kernel: str = "bmm") -> list[dict]:
+    """Measure every batch of `grid` (default_grid) on one ForwardStep; one row per batch (a
+    mixture of experts' rows name the `moe_kernel` that ran its experts)."""
     model = resolve_model(model_name)
     grid = default_grid(model, tp) if grid is None else list(grid)
-    step = ForwardStep(model, tp, device, dtype)
+    step = ForwardStep(model, tp, device, dtype, moe_kernel=moe_kernel)
     dev = step.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     rows = []
@@ -534,6 +575,7 @@ def run_grid(model_name: str | ModelSpec, tp: int = 1, device: str | torch.devic
             "measured_s": t.seconds, "cuda_graph": t.cuda_graph, "iters": t.iters,
             "batch": batch.describe(), "decode_ctx": list(batch.decode_ctx),
             "prefill": [list(c) for c in batch.prefill],
+            **({"moe_kernel": moe_kernel} if model.num_experts else {}),
         })  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # the point's cache and graph pool go before the next
@@ -555,19 +597,26 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="default: the points a calibration is fitted to; holdout: others, to test it")
     ap.add_argument("--quick", action="store_true", help="a tiny model and 4 points (runs on CPU in seconds)")
     ap.add_argument("--moe", action="store_true", help="with --quick: a tiny mixture of experts")
+    ap.add_argument("--moe-kernel", choices=MOE_KERNELS, default=None,
+                    help="a mixture of experts' GEMMs: grouped (torch._grouped_mm, unpadded; the default in "
+                         "bfloat16 where torch has it) or bmm (padded to the busiest expert)")
     args = ap.parse_args(argv)
     if args.moe and not args.quick:
         ap.error("--moe picks the tiny model of --quick; for a real one give --model (e.g. qwen3-30b-a3b)")
     dtype = getattr(torch, args.dtype)
+    kernel = args.moe_kernel or default_moe_kernel(dtype)
+    if kernel == "grouped" and kernel != default_moe_kernel(dtype):
+        ap.error(f"--moe-kernel grouped needs --dtype bfloat16 and torch._grouped_mm (torch {torch.__version__})")
     if args.quick:
-        rows = run_grid(TINY_MOE if args.moe else TINY, args.tp, args.device, dtype, quick_grid(), warmup=1, iters=1)
+        rows = run_grid(TINY_MOE if args.moe else TINY, args.tp, args.device, dtype, quick_grid(), warmup=1, iters=1,
+                        moe_kernel=kernel)
     else:
         try:
             model = resolve_model(args.model)
             check_buildable(model)
         except ValueError as e:  # hf_config's ConfigError included: an unknown name, a bad config
             ap.error(str(e))
-        rows = run_grid(model, args.tp, args.device, dtype, GRIDS[args.grid](model, args.tp))
+        rows = run_grid(model, args.tp, args.device, dtype, GRIDS[args.grid](model, args.tp), moe_kernel=kernel)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"{len(rows)} rows -> {args.out}")

@@ -207,6 +207,15 @@ def test_routing_picks_k_distinct_experts_and_lays_out_rows():
         assert weights[len(tokens):].eq(0).all()
     few = route(3, 128, 8, torch.Generator().manual_seed(0))
     assert (few.experts, few.capacity) == (21, 2)  # 24 picks: three experts picked by two tokens
+    # the grouped layout: the same (token, weight) rows, sorted by expert, unpadded; offsets end each expert's
+    assert r.offsets.dtype == torch.int32 and r.offsets.tolist() == torch.cumsum(counts, 0).tolist()
+    assert r.offsets[-1] == len(r.sorted_slots) == 40 * 4
+    for e in range(r.experts):
+        lo, hi = (r.offsets[e - 1].item() if e else 0), r.offsets[e].item()
+        block = r.slots[e * r.capacity:e * r.capacity + hi - lo]
+        assert r.sorted_slots[lo:hi].tolist() == block.tolist()
+        torch.testing.assert_close(r.sorted_weights[lo:hi], r.slot_weights[e * r.capacity:e * r.capacity + hi - lo],
+                                   atol=0, rtol=0)
 
 
 def test_routing_touches_the_cost_models_expected_experts():
@@ -227,6 +236,27 @@ def test_moe_mlp_matches_per_token_reference():
     w = {k: v.cpu() for k, v in vars(step).items() if isinstance(v, torch.Tensor)}
     torch.testing.assert_close(out, _ref_moe(h.cpu(), w, s.routing), atol=1e-5, rtol=1e-5)
     assert s.routing.token_experts.shape == (15, 2) and s.routing.experts == len(s.routing.token_experts.unique())
+
+
+def test_grouped_moe_kernel_matches_the_padded_one():
+    """moe_kernel "grouped" (torch._grouped_mm over the unpadded rows, bfloat16) computes what the
+    padded bmm does, to bfloat16's rounding, and the per-token reference."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no _grouped_mm")
+    outs = {}
+    for kernel in ("bmm", "grouped"):
+        step = ForwardStep(TINY_MOE, device=DEVICE, moe_kernel=kernel)
+        s = step.prepare(MIXED)
+        h = torch.randn((15, 64), generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+        outs[kernel] = step.moe_mlp(h, s.routing).float().cpu()
+    w = {k: v.cpu().float() for k, v in vars(step).items() if isinstance(v, torch.Tensor)}
+    ref = _ref_moe(h.cpu().float(), w, s.routing)
+    torch.testing.assert_close(outs["grouped"], outs["bmm"], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["grouped"], ref, atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="moe_kernel 'grouped' needs bfloat16"):
+        ForwardStep(TINY_MOE, device=DEVICE, dtype=torch.float32, moe_kernel="grouped")
+    with pytest.raises(ValueError, match="moe_kernel 'fused'"):
+        ForwardStep(TINY_MOE, device=DEVICE, moe_kernel="fused")
 
 
 def test_moe_shapes_are_one_tp_rank():
@@ -307,10 +337,18 @@ def test_cli_quick_moe_and_grid_choice(tmp_path, monkeypatch, capsys):
     rows = json.loads(out.read_text())
     assert [r["model"] for r in rows] == ["tiny-moe"] * 4 and all(r["measured_s"] > 0 for r in rows)
     asked = []
-    monkeypatch.setattr(forward_step, "run_grid", lambda model, tp, device, dtype, grid: asked.append(
-        (model.name, tp, grid)) or [])
+    assert [r["moe_kernel"] for r in rows] == ["bmm"] * 4  # float32: no grouped GEMM
+    asked = []
+    monkeypatch.setattr(forward_step, "run_grid", lambda model, tp, device, dtype, grid, moe_kernel: asked.append(
+        (model.name, tp, grid, moe_kernel)) or [])
     main(["--model", "qwen3-30b-a3b", "--grid", "holdout", "--out", str(out)])
-    assert asked == [("qwen3-30b-a3b", 1, holdout_grid("qwen3-30b-a3b"))]
+    main(["--model", "qwen3-30b-a3b", "--grid", "holdout", "--moe-kernel", "bmm", "--out", str(out)])
+    kernel = "grouped" if hasattr(torch, "_grouped_mm") else "bmm"
+    assert asked == [("qwen3-30b-a3b", 1, holdout_grid("qwen3-30b-a3b"), kernel),
+                     ("qwen3-30b-a3b", 1, holdout_grid("qwen3-30b-a3b"), "bmm")]
+    with pytest.raises(SystemExit):
+        main(["--quick", "--moe", "--dtype", "float32", "--moe-kernel", "grouped", "--out", str(out)])
+    assert "--moe-kernel grouped needs --dtype bfloat16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", "gpt-oss-20b", "--out", str(out)])
     assert "cannot build gpt-oss-20b: it has attention sinks" in capsys.readouterr().err
