@@ -79,9 +79,9 @@ class TritonBackend:
         self.k = kernels
 
     def write(self, st: PagedKVStorage, slots: torch.Tensor, vals: torch.Tensor) -> int:
-        for layer in range(st.num_layers):
-            self.k.write_kv(vals[:, layer, 0], vals[:, layer, 1], st.key(layer), st.value(layer), slots)
-        return st.num_layers
+        """Every layer's K/V in one launch (`write_kv_layers`), as a step's writes are one op here."""
+        self.k.write_kv_layers(vals, st.gpu, slots)
+        return 1
 
     def copy(self, st: PagedKVStorage, pairs: torch.Tensor) -> None:
         self.k.copy_blocks(st.gpu, st.gpu, pairs)

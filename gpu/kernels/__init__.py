@@ -14,8 +14,9 @@ from kvsim.gpu.kernels.count_wrong import count_wrong  # noqa: E402
 from kvsim.gpu.kernels.decode_attention import decode_attention  # noqa: E402
 from kvsim.gpu.kernels.exchange_blocks import exchange_blocks  # noqa: E402
 from kvsim.gpu.kernels.swap_blocks import SWAP_METHODS, swap_blocks  # noqa: E402
-from kvsim.gpu.kernels.write_kv import write_kv  # noqa: E402
+from kvsim.gpu.kernels.write_kv import write_kv, write_kv_layers  # noqa: E402
 
 __all__ = [
     "SWAP_METHODS", "copy_blocks", "count_wrong", "decode_attention", "exchange_blocks", "interpreting", "swap_blocks", "write_kv",
+    "write_kv_layers",
 ]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from gpu_env import DEVICE, HAS_CUDA
 
-from kvsim.gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv
+from kvsim.gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv, write_kv_layers
 from kvsim.gpu.reference import (
     copy_blocks_ref,
     decode_attention_ref,
@@ -34,6 +34,24 @@ def test_write_kv_matches_reference_and_skips_padding(dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0][1, 3], key[1]) and torch.equal(caches[1][5, 3], value[4])
     assert int((caches[0] != 0).flatten(1).any(1).sum()) == 4  # the -1 slot wrote nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_layers_is_write_kv_on_every_layer_in_one_launch(dtype):
+    """write_kv_layers: each layer's K and V as write_kv puts them, the storage's own layout, -1 skipped."""
+    vals = filled((5, L, 2, H, D), dtype, seed=3)
+    slots = torch.tensor([0, 7, -1, 13, 23], device=DEVICE)
+    fused = PagedKVStorage(L, NB, BS, H, D, dtype=dtype, device=DEVICE)
+    per_layer = PagedKVStorage(L, NB, BS, H, D, dtype=dtype, device=DEVICE)
+    write_kv_layers(vals, fused.gpu, slots)
+    for layer in range(L):
+        write_kv(vals[:, layer, 0], vals[:, layer, 1], per_layer.key(layer), per_layer.value(layer), slots)
+    assert torch.equal(fused.gpu, per_layer.gpu)
+    assert torch.equal(fused.value(L - 1)[13 // BS, 13 % BS], vals[3, L - 1, 1])
+    assert int((fused.gpu != 0).flatten(3).any(3).sum()) == 4 * L * 2  # four slots a layer and plane
+    with pytest.raises(ValueError, match="disagree"):
+        write_kv_layers(vals[:, :, :1], fused.gpu, slots)
+    write_kv_layers(vals[:0], fused.gpu, slots[:0])  # nothing to write
 
 
 def test_storage_layout_slot_is_block_times_size_plus_offset():
