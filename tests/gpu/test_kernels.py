@@ -4,7 +4,14 @@ import pytest
 import torch
 from gpu_env import DEVICE, HAS_CUDA
 
-from kvsim.gpu.kernels import copy_blocks, decode_attention, exchange_blocks, swap_blocks, write_kv, write_kv_layers
+from kvsim.gpu.kernels import (
+    copy_blocks,
+    decode_attention,
+    exchange_blocks,
+    swap_blocks,
+    write_kv,
+    write_kv_layers,
+)
 from kvsim.gpu.reference import (
     copy_blocks_ref,
     decode_attention_ref,
