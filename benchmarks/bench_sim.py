@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops|pd] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -19,7 +19,11 @@ run: target <= 2x, the ratio of the medians. With `--only cluster`, issue 38's: 
 medians, each with its peak memory. With `--only record-ops`, issue 38's other: the Azure case
 with `--record-ops` against the same run without (`--no-plots`), alternated run by run: targets
 <= 1.5x the wall time and <= 2x the CPU time (the op writer's child process included), the ratios
-of the medians.
+of the medians. With `--only pd`, issue 39's: a P/D cluster (2 prefill + 2 decode replicas,
+round-robin, every request disaggregated) against 4 aggregated replicas on the first 2,000 Mooncake
+conversation requests (Llama-3-8B on H100, `--no-plots`), alternated run by run: target <= 1x per
+simulated request, the ratio of the median CPU times per user request and per engine request (a
+disaggregated request runs as two: its prefill request and its decode request).
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import statistics
@@ -94,7 +99,7 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops", "pd"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -110,6 +115,8 @@ def main() -> None:
         return cluster(azure, args.runs, sha)
     if args.only == "record-ops":
         return record_ops(azure, args.runs, sha)
+    if args.only == "pd":
+        return pd(mooncake, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -166,6 +173,36 @@ def hybrid(mooncake: Path, plots: list[str], runs: int, sha: str) -> None:
                               "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                               "x_one_group": round(ratio, 2), "target": "x_one_group <= 2", "met": ratio <= 2}),
                   flush=True)
+
+
+PD_REQUESTS = 2000  # the first requests of the Mooncake conversation trace the P/D case runs
+
+
+def pd(mooncake: Path, runs: int, sha: str) -> None:
+    """Issue 39's target: a P/D cluster costs no more per simulated request than an aggregated one of
+    the same size (4 replicas), CPU time of whole processes, alternated run by run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "mooncake.jsonl"
+        with open(mooncake) as src, open(trace, "w") as dst:
+            dst.writelines(itertools.islice(src, PD_REQUESTS))
+        common = ["run", str(trace), "--no-plots", "--router", "round-robin"]
+        argv = {"P/D 2+2": [*common, "--prefill-replicas", "2", "--decode-replicas", "2", "--pd-decider", "always"],
+                "aggregated 4": [*common, "--replicas", "4"]}
+        cpus: dict[str, list[float]] = {k: [] for k in argv}
+        walls: dict[str, list[float]] = {k: [] for k in argv}
+        for i in range(runs):
+            for name, args in argv.items():
+                wall, _, cpu = measure([*args, "--out", f"{tmp}/{name.split()[0].replace('/', '')}-{i}"])
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+        per_user = statistics.median(cpus["P/D 2+2"]) / statistics.median(cpus["aggregated 4"])
+        print(json.dumps({"case": "pd", "commit": sha, "commands": {k: " ".join(["kvsim", *v]) for k, v in argv.items()},
+                          "runs": runs, "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
+                          "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
+                          "x_aggregated_per_user_request": round(per_user, 2),
+                          "x_aggregated_per_engine_request": round(per_user / 2, 2),
+                          "target": "<= 1 per simulated request", "met_per_user_request": per_user <= 1,
+                          "met_per_engine_request": per_user / 2 <= 1}), flush=True)
 
 
 def cluster(azure: Path, runs: int, sha: str) -> None:

@@ -16,7 +16,7 @@
 #              Llama-3-8B, a Llama-3-70B TP-2 rank, Qwen3-30B-A3B (MoE); `python -m gpu.accuracy
 #              holdout` fits on one half and scores the other, on any machine
 # - graphs:    bench_gpu.py's write and decode sections, eager and under CUDA graphs
-# - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's
+# - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's price
 # - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
 #              `--check touched` (each step reads back only the entries an op changed); over 300 s of
 #              H100 time (35,658 steps at ~10 ms each): run it alone in a call (REPLAY_TIMEOUT, 540 s)
@@ -36,6 +36,10 @@ if ! python3 -c "import simpy" 2>/dev/null; then
     export PYTHONPATH=/tmp/kvsim-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# the source folders import as kvsim.* only once installed (pyproject's package-dir): a bare machine
+# needs the editable install, without dependencies (torch and triton are there, simpy came above)
+python3 -c "import kvsim.gpu, kvsim.sim" 2>/dev/null ||
+    python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 quick=${QUICK:-0}
 device=cuda
 [ "$quick" = 1 ] && device=cpu
