@@ -14,7 +14,7 @@ shards. Per GPU:
 prefill chunk's (prior context c, new tokens n): the chunk scores n*c +
 n*(n+1)/2 pairs, and the step's decodes score their context (context less the
 chunks' lengths), all exact in integers; a sliding window w caps each query's
-keys at w. Given only the step's totals (the quiet runs' all-decode steps, the
+keys at w + 1 (as the estimate caps a decode's prior at w). Given only the step's totals (the quiet runs' all-decode steps, the
 roofline study), prior context is spread evenly over the sequences, c =
 (context - tokens) / num_seqs, a decode token scoring c + 1 keys and a prefill
 chunk of n tokens n*c + n*(n+1)/2: exact for an all-decode step and a single

@@ -184,3 +184,16 @@ def test_calibrate_fits_launch_s_to_saved_replays(tmp_path):
     assert res.exit_code == 0 and json.loads(out.read_text())["launch_s"]["write"] == pytest.approx(5e-6, rel=1e-9)
     res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(tmp_path / "nope.json")])
     assert res.exit_code == 2 and "nope.json: not a readable replay report" in res.output
+
+
+def test_a_replays_prediction_scales_bytes_but_not_launches():
+    """gpu.predict.Predictor.replay_s: the bytes' share scales to the replay's geometry, each launch
+    costs its kind's launch_s whatever it moves (DEFAULT_LAUNCH_S uncalibrated)."""
+    from kvsim.gpu.predict import Predictor, predictor
+    from kvsim.sim.engine.cost_model import DEFAULT_LAUNCH_S
+
+    p = Predictor({"write": 2e-6}, 1, "m", "g", launch_s={"write": 3e-6})
+    assert p("write", 10) == pytest.approx(2e-5) and p.launches("write", 4) == pytest.approx(1.2e-5)
+    assert p.replay_s("write", 10, 4, 0.5) == pytest.approx(1e-5 + 1.2e-5)
+    assert p.replay_s("move", 10, 4, 0.5) == 0.0  # a kind it does not price
+    assert predictor({"block_size": 16}).launch_s["attention"] == DEFAULT_LAUNCH_S
