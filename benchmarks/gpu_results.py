@@ -22,6 +22,7 @@ from kvsim.gpu.accuracy import (
     holdout_accuracy,
     launches_of,
     load_step_rows,
+    predict_steps,
     step_accuracy,
 )
 from kvsim.gpu.calibrate import gpu_of_name
@@ -81,6 +82,41 @@ def holdout(raw: Path, gpu: str, cal: Calibration) -> dict | None:
             "split": holdout_accuracy(rows, gpu)}
 
 
+def plot_steps(steps: list[dict], fresh: list[dict], gpu: str, cal: Calibration, dest: Path) -> None:
+    """Predicted against measured step time, calibrated: the steps the profile was fitted to beside
+    the fresh ones, a colour a model, the +-10 % band shaded (the figure the README's tables summarise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("fitted to (default grid)", steps), ("fresh (holdout grid)", fresh)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 5), sharex=True, sharey=True)
+    models = sorted({(r["model"], int(r["tp"])) for r in steps + fresh})
+    colours = dict(zip(models, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    lo = min(r["measured_s"] for r in steps + fresh) * 1e3 / 1.5
+    hi = max(r["measured_s"] for r in steps + fresh) * 1e3 * 1.5
+    line = np.geomspace(lo, hi, 50)
+    for ax, (title, rows) in zip(axes, panels, strict=True):
+        ax.fill_between(line, line * 0.9, line * 1.1, color="0.9", label="within 10 %")
+        ax.plot(line, line, color="0.5", lw=0.8)
+        for key in models:
+            mine = [r for r in rows if (r["model"], int(r["tp"])) == key]
+            if mine:
+                pred = predict_steps(mine, cal, gpu) * 1e3
+                ax.scatter([r["measured_s"] * 1e3 for r in mine], pred, s=14, color=colours[key],
+                           label=f"{key[0]} tp{key[1]}")
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), title=title,
+               xlabel="measured step (ms)")
+        ax.grid(True, which="major", lw=0.3)
+    axes[0].set_ylabel("cost model, calibrated (ms)")
+    axes[-1].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"{gpu}: whole forward steps against the calibrated cost model")
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("raw", type=Path)
@@ -119,6 +155,9 @@ def main() -> int:
     }
     if (fresh := holdout(raw, gpu, cal)) is not None:
         out["holdout"] = fresh
+        plot = results / f"{gpu}.steps.png"
+        plot_steps(steps, load_step_rows([str(raw / f) for f in fresh["files"]]), gpu, cal, plot)
+        print(f"wrote {plot}")
     for name, rep_file, config_file in replays:
         report = json.loads(gzip.open(raw / rep_file).read())
         entry = {k: report[k] for k in REPLAY_KEYS if k in report}
