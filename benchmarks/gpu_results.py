@@ -74,7 +74,8 @@ def holdout(raw: Path, gpu: str, cal: Calibration) -> dict | None:
     """The fresh forward steps (`gpu.forward_step --grid holdout`): the profile, fitted to the default
     grid's steps only, scored on them; and each model's fresh rows split in half, fitted on one half
     and scored on the other (`gpu.accuracy.holdout_accuracy`)."""
-    files = sorted(raw.glob("holdout_*.json"))
+    # (a MoE's rows with its padded bmm experts, `holdout_*_bmm.json`, are kept apart: the same points)
+    files = sorted(f for f in raw.glob("holdout_*.json") if not f.stem.endswith("_bmm"))
     if not files:
         return None
     rows = load_step_rows([str(f) for f in files])

@@ -134,10 +134,13 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         if [ "$quick" = 1 ]; then
             timeout 120 python3 -m gpu.forward_step --quick --moe --out "$out/holdout_quick.json" 2>&1 | tail -3
         else
-            for mt in llama-3-8b:1 llama-3-70b:2 qwen3-30b-a3b:1; do
-                say "holdout steps ${mt%:*} tp ${mt#*:}"
-                timeout 200 python3 -m gpu.forward_step --model "${mt%:*}" --tp "${mt#*:}" --grid holdout \
-                    --out "$out/holdout_${mt%:*}_tp${mt#*:}.json" 2>&1 | tee "$out/holdout_${mt%:*}_tp${mt#*:}.log" | tail -4
+            # the MoE twice: its experts as one grouped GEMM (the default) and as the padded bmm
+            for mt in llama-3-8b:1:grouped llama-3-70b:2:grouped qwen3-30b-a3b:1:grouped qwen3-30b-a3b:1:bmm; do
+                IFS=: read -r m tp kernel <<< "$mt"
+                name=holdout_${m}_tp${tp}; [ "$kernel" = bmm ] && name=${name}_bmm
+                say "holdout steps $m tp $tp ($kernel experts)"
+                timeout 200 python3 -m gpu.forward_step --model "$m" --tp "$tp" --grid holdout --moe-kernel "$kernel" \
+                    --out "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -4
             done
         fi
         ;;
