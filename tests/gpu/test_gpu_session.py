@@ -1,0 +1,36 @@
+"""benchmarks/gpu_session.sh under QUICK=1 (tiny shapes, Triton's interpreter on the CPU): every part a
+GPU session runs, end to end, so a broken part is found here and not in a lent machine's minutes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+MOONCAKE = ROOT.parent / "shared/traces/mooncake/conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces (the Mooncake conversation trace)")
+def test_the_session_script_runs_every_new_part(tmp_path):
+    env = {**os.environ, "QUICK": "1", "MOONCAKE": str(MOONCAKE), "TRITON_INTERPRET": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(out), "holdout", "graphs", "pd", "mooncake",
+                        "hybrid"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for part in ("holdout", "graphs", "pd", "mooncake", "hybrid"):
+        assert f"{part} took" in r.stdout, part
+    kernel = "grouped" if hasattr(torch, "_grouped_mm") else "bmm"  # bfloat16's default
+    assert [row["moe_kernel"] for row in json.loads((out / "holdout_quick.json").read_text())] == [kernel] * 4
+    for bench in ("graphs", "pd"):
+        figures = json.loads((out / f"bench_{bench}_fp16_b16.json").read_text())["figures"]
+        assert figures, bench
+    for replay in ("mooncake_default", "hybrid_gpt-oss-20b", "hybrid_gemma-3-27b"):
+        report = json.loads((out / f"replay_{replay}.json").read_text())
+        assert report["mismatches"] == 0 and report["steps"] == report["steps_checked"] > 0, replay
+        assert report["config"]["block_size"] == 16  # a saved report holds its run's config
+    assert r.stdout.count("mismatches     0") == 3
