@@ -38,8 +38,8 @@ Figures with no target carry "target": null and "pass": null; figures not measur
 
 Time per point adapts (about 0.2 s of calls each, fewer for big points, as much again
 for the graph replays); a full run took about a minute on an H100 before the graph
-figures (`--no-cuda-graph` still runs that), and `--only write,decode` is meant to take
-under one. Without CUDA it says so and exits 0, unless `--quick --allow-cpu`: then
+figures (`--no-cuda-graph` still runs that); `--only write,decode` with the graphs took 10 s
+there, `--only pd` 8 s. Without CUDA it says so and exits 0, unless `--quick --allow-cpu`: then
 everything is tiny and runs on CPU under Triton's interpreter (TRITON_INTERPRET=1),
 which only exercises the code paths (the timings mean nothing; there are no CUDA graphs,
 so no `_graph` figures unless `--cuda-graph` asks for them, and then they are null).
