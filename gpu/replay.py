@@ -249,12 +249,14 @@ class _Replayer:
     def run(self, check_every: int) -> ReplayReport:
         rep = self.report
         last, t0, shown = (self.rows[-1][0] if self.rows else 0), time.perf_counter(), 0.0
+        first = self.rows[0][0] if self.rows else 0
         for ordinal, (step, group) in enumerate(groupby(self.rows, key=itemgetter(0))):
             self._step(step, list(group), ordinal % check_every == 0)
             if self.progress is not None and time.perf_counter() - t0 - shown >= PROGRESS_S:
                 shown = time.perf_counter() - t0
+                left = shown * (last - step) / (step - first + 1)  # (steps so far at the pace so far)
                 self.progress(f"step {step:,} of {last:,}: {rep.tokens_verified:,} tokens verified, "
-                              f"{rep.mismatches:,} mismatches, {shown:.0f} s")
+                              f"{rep.mismatches:,} mismatches, {shown:.0f} s, about {left:.0f} s left")
         rep.launches = self.ex.launches
         totals = self.timer.totals()
         per_step: dict[int, float] = {}

@@ -167,5 +167,6 @@ def test_touched_check_and_progress_lines(run, monkeypatch):
     assert (rep["check"], rep["mismatches"], rep["steps_checked"], rep["tokens_verified"]) == ("touched", 0, 8, 129)
     assert r.stderr.splitlines()[0].startswith("step 0 of 7: ")
     assert r.stderr.splitlines()[-1].startswith("step 7 of 7: 129 tokens verified, 0 mismatches, ")
+    assert r.stderr.splitlines()[-1].endswith(" s, about 0 s left")  # the last step: nothing left
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--check", "some"])
     assert r.exit_code == 2 and "--check must be full or touched, got 'some'" in r.stderr
