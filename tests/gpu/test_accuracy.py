@@ -1,6 +1,7 @@
 """The cost model against measured steps: error statistics, the fit, the holdout test, and calibrate --refit."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -58,13 +59,20 @@ def test_defaults_keep_the_plain_roofline():
     assert cm.step_time(2048, 16, 40000, 17) == tuned.step_time(2048, 16, 40000, 17)
 
 
-def test_refit_builds_a_profile_from_saved_measurements(tmp_path):
+def _saved_measurements(tmp_path) -> tuple[list[dict], Path]:
+    """What `kvsim calibrate --rows` saves: the four block ops (1 ms each) and `_rows()`'s forward
+    steps on an H100; returns the block ops and the file."""
     ops = [{"name": n, "seconds": 1e-3, "bytes": b} for n, b in
            (("copy_blocks", 2e6), ("exchange_blocks", 4e6), ("swap_out", 1e6), ("swap_in", 1e6))]
     steps = [{**r, "name": "forward_step", "seconds": r["measured_s"], "bytes": 0.0,
               "device": "NVIDIA H100 80GB HBM3"} for r in _rows()]
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps(ops + steps))
+    return ops, rows
+
+
+def test_refit_builds_a_profile_from_saved_measurements(tmp_path):
+    ops, rows = _saved_measurements(tmp_path)
     out = tmp_path / "cal.json"
     res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -157,12 +165,7 @@ def test_calibrate_fits_launch_s_to_saved_replays(tmp_path):
     without its run's config is refused naming the file and the fix."""
     import gzip
 
-    ops = [{"name": n, "seconds": 1e-3, "bytes": b} for n, b in
-           (("copy_blocks", 2e6), ("exchange_blocks", 4e6), ("swap_out", 1e6), ("swap_in", 1e6))]
-    steps = [{**r, "name": "forward_step", "seconds": r["measured_s"], "bytes": 0.0,
-              "device": "NVIDIA H100 80GB HBM3"} for r in _rows()]
-    rows = tmp_path / "rows.json"
-    rows.write_text(json.dumps(ops + steps))
+    _, rows = _saved_measurements(tmp_path)
     config = {"block_size": 16, "model": "llama-3-8b", "gpu": "h100-sxm"}
     step_kinds = [[s, "write", 1, 1, 5e-6 * n, n] for s, n in enumerate((1, 2, 4, 8))]
     report = {"geometry": {"layers": 8}, "scale": 0.0, "step_kinds": step_kinds}
