@@ -70,17 +70,17 @@ REPLAY_KEYS = ("steps", "steps_checked", "ops", "units", "launches", "tokens_ver
                "decode_checks", "mismatches", "geometry", "dtype", "check", "attention_layers")
 
 
-def holdout(raw: Path, gpu: str, cal: Calibration) -> dict | None:
+def holdout(raw: Path, gpu: str, cal: Calibration) -> tuple[dict, list[dict]] | None:
     """The fresh forward steps (`gpu.forward_step --grid holdout`): the profile, fitted to the default
     grid's steps only, scored on them; and each model's fresh rows split in half, fitted on one half
-    and scored on the other (`gpu.accuracy.holdout_accuracy`)."""
+    and scored on the other (`gpu.accuracy.holdout_accuracy`). Returns that and the rows."""
     # (a MoE's rows with its padded bmm experts, `holdout_*_bmm.json`, are kept apart: the same points)
     files = sorted(f for f in raw.glob("holdout_*.json") if not f.stem.endswith("_bmm"))
     if not files:
         return None
     rows = load_step_rows([str(f) for f in files])
     return {"files": [f.name for f in files], "profile_on_fresh": step_accuracy(rows, gpu, cal),
-            "split": holdout_accuracy(rows, gpu)}
+            "split": holdout_accuracy(rows, gpu)}, rows
 
 
 def plot_steps(steps: list[dict], fresh: list[dict], gpu: str, cal: Calibration, dest: Path) -> None:
@@ -155,9 +155,9 @@ def main() -> int:
         "replays": {},
     }
     if (fresh := holdout(raw, gpu, cal)) is not None:
-        out["holdout"] = fresh
+        out["holdout"], fresh_rows = fresh
         plot = results / f"{gpu}.steps.png"
-        plot_steps(steps, load_step_rows([str(raw / f) for f in fresh["files"]]), gpu, cal, plot)
+        plot_steps(steps, fresh_rows, gpu, cal, plot)
         print(f"wrote {plot}")
     for name, rep_file, config_file in replays:
         report = json.loads(gzip.open(raw / rep_file).read())
