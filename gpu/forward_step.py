@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsim.gpu.kernels import decode_attention, write_kv
-from kvsim.gpu.timing import time_call
+from kvsim.gpu.timing import capture_graph, time_call
 from kvsim.sim.engine.catalog import ModelSpec, get_gpu
 from kvsim.sim.engine.cost_model import CostModel
 from kvsim.sim.engine.hf_config import model_spec
@@ -458,19 +458,10 @@ def measure(step: ForwardStep, batch: Batch, warmup: int = 2, iters: int | None 
 
 
 def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
-    """fn as a CUDA graph, after eager calls on a side stream (they compile the Triton
-    kernels, as torch's capture recipe asks); None, with a warning, if anything raises."""
+    """fn as a CUDA graph (`gpu.timing.capture_graph`: two eager calls on a side stream first,
+    which compile the Triton kernels); None, with a warning, if anything raises."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
+        return capture_graph(fn)
     except Exception as e:  # noqa: BLE001 - any capture failure means: time eagerly
         warnings.warn(f"CUDA graph capture failed, timing eagerly: {type(e).__name__}: {e}", stacklevel=2)
         try:
