@@ -375,17 +375,15 @@ class ForwardStep:
         logits.topk(self.model.experts_per_token, dim=-1)  # vLLM's top-k of the router; fixed routing instead
         w_gate_up, w_down = self.w_experts_gate_up[: r.experts], self.w_experts_down[: r.experts]
         if self.moe_kernel == "grouped":  # rows sorted by expert, no padding: one grouped GEMM each
-            rows = h.index_select(0, r.sorted_slots)
-            gate, up = torch._grouped_mm(rows, w_gate_up, offs=r.offsets).chunk(2, -1)
+            slots = r.sorted_slots
+            gate, up = torch._grouped_mm(h.index_select(0, slots), w_gate_up, offs=r.offsets).chunk(2, -1)
             out_rows = torch._grouped_mm(F.silu(gate) * up, w_down, offs=r.offsets) * r.sorted_weights
-            return self._plus_shared(h, torch.zeros_like(h).index_add_(0, r.sorted_slots, out_rows))
-        rows = h.index_select(0, r.slots).view(r.experts, r.capacity, -1)
-        gate, up = torch.bmm(rows, w_gate_up).chunk(2, -1)
-        out_rows = torch.bmm(F.silu(gate) * up, w_down).flatten(0, 1) * r.slot_weights
-        return self._plus_shared(h, torch.zeros_like(h).index_add_(0, r.slots, out_rows))
-
-    def _plus_shared(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output `out` plus the shared expert's over h, if the model has one."""
+        else:
+            slots = r.slots
+            rows = h.index_select(0, slots).view(r.experts, r.capacity, -1)
+            gate, up = torch.bmm(rows, w_gate_up).chunk(2, -1)
+            out_rows = torch.bmm(F.silu(gate) * up, w_down).flatten(0, 1) * r.slot_weights
+        out = torch.zeros_like(h).index_add_(0, slots, out_rows)
         if self.w_shared_gate_up is not None:
             out = out + gated_mlp(h, self.w_shared_gate_up, self.w_shared_down)
         return out
