@@ -175,6 +175,21 @@ def hybrid(mooncake: Path, plots: list[str], runs: int, sha: str) -> None:
                   flush=True)
 
 
+def alternated(argv: dict[str, list[str]], runs: int, tmp: str) -> tuple[dict[str, list[float]], ...]:
+    """Each named command line `runs` times, alternated run by run (so a drift in the machine's speed
+    hits all alike), each into its own run folder under `tmp`: (walls, peaks, CPU seconds) by name."""
+    walls: dict[str, list[float]] = {k: [] for k in argv}
+    peaks: dict[str, list[float]] = {k: [] for k in argv}
+    cpus: dict[str, list[float]] = {k: [] for k in argv}
+    for i in range(runs):
+        for j, (name, args) in enumerate(argv.items()):
+            wall, peak, cpu = measure([*args, "--out", f"{tmp}/{j}-{i}"])
+            walls[name].append(wall)
+            peaks[name].append(peak)
+            cpus[name].append(cpu)
+    return walls, peaks, cpus
+
+
 PD_REQUESTS = 2000  # the first requests of the Mooncake conversation trace the P/D case runs
 
 
@@ -188,13 +203,7 @@ def pd(mooncake: Path, runs: int, sha: str) -> None:
         common = ["run", str(trace), "--no-plots", "--router", "round-robin"]
         argv = {"P/D 2+2": [*common, "--prefill-replicas", "2", "--decode-replicas", "2", "--pd-decider", "always"],
                 "aggregated 4": [*common, "--replicas", "4"]}
-        cpus: dict[str, list[float]] = {k: [] for k in argv}
-        walls: dict[str, list[float]] = {k: [] for k in argv}
-        for i in range(runs):
-            for name, args in argv.items():
-                wall, _, cpu = measure([*args, "--out", f"{tmp}/{name.split()[0].replace('/', '')}-{i}"])
-                walls[name].append(wall)
-                cpus[name].append(cpu)
+        walls, _, cpus = alternated(argv, runs, tmp)
         per_user = statistics.median(cpus["P/D 2+2"]) / statistics.median(cpus["aggregated 4"])
         print(json.dumps({"case": "pd", "commit": sha, "commands": {k: " ".join(["kvsim", *v]) for k, v in argv.items()},
                           "runs": runs, "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
@@ -214,15 +223,7 @@ def cluster(azure: Path, runs: int, sha: str) -> None:
         tile_azure(azure, tiled, CLUSTER_TILES)
         argv = {"8 replicas": ["run", str(azure), *knobs, "--replicas", "8"],
                 "64 replicas": ["run", str(tiled), *knobs, "--replicas", "64", "--load", str(CLUSTER_TILES)]}
-        walls: dict[str, list[float]] = {k: [] for k in argv}
-        cpus: dict[str, list[float]] = {k: [] for k in argv}
-        peaks: dict[str, list[float]] = {k: [] for k in argv}
-        for i in range(runs):  # alternated, so a drift in the machine's speed hits both
-            for name, args in argv.items():
-                wall, peak, cpu = measure([*args, "--out", f"{tmp}/{name.split()[0]}-{i}"])
-                walls[name].append(wall)
-                cpus[name].append(cpu)
-                peaks[name].append(peak)
+        walls, peaks, cpus = alternated(argv, runs, tmp)
         ratio = statistics.median(walls["64 replicas"]) / statistics.median(walls["8 replicas"])
         # (CPU seconds too: on a shared machine they move less than the walls)
         cpu_ratio = statistics.median(cpus["64 replicas"]) / statistics.median(cpus["8 replicas"])
