@@ -10,7 +10,6 @@ profile, so the accuracy figures can be re-derived on any machine.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from kvsim.gpu.accuracy import (
 )
 from kvsim.gpu.calibrate import gpu_of_name
 from kvsim.gpu.predict import predictor
+from kvsim.gpu.report import load_report
 from kvsim.sim.engine.cost_model import Calibration, load_calibration
 
 
@@ -160,9 +160,9 @@ def main() -> int:
         plot_steps(steps, fresh_rows, gpu, cal, plot)
         print(f"wrote {plot}")
     for name, rep_file, config_file in replays:
-        report = json.loads(gzip.open(raw / rep_file).read())
+        report = load_report(f"{raw / rep_file},{raw / config_file}")
         entry = {k: report[k] for k in REPLAY_KEYS if k in report}
-        entry["accuracy"] = replay_accuracy(report, json.loads((raw / config_file).read_text()), cal_path)
+        entry["accuracy"] = replay_accuracy(report, report["config"], cal_path)
         out["replays"][name] = entry
     dest = results / f"{gpu}.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")
