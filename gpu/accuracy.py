@@ -230,8 +230,11 @@ def load_step_rows(paths: Sequence[str]) -> list[dict]:
     which those with a measured step time)."""
     rows: list[dict] = []
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a JSON file of step rows ({e})") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
         rows += [r for r in data if "measured_s" in r]
@@ -248,7 +251,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     hold.add_argument("--seed", type=int, default=0)
     hold.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
-    rows = load_step_rows(args.rows)
+    try:
+        rows = load_step_rows(args.rows)
+    except ValueError as e:
+        ap.error(str(e))
     result = holdout_accuracy(rows, args.gpu, args.seed)
     print(format_holdout(result))
     if args.json:

@@ -127,6 +127,14 @@ def test_holdout_cli_prints_a_table(tmp_path, capsys):
     assert [line.split()[:2] for line in lines[4:8]] == [["all", "12"], ["llama-3-70b", "tp2"],
                                                          ["llama-3-8b", "tp1"], ["qwen3-30b-a3b", "tp1"]]
     assert json.loads(out.read_text())["A"] == HALF_A
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"measured_s": 1}]\n{"x": 2}\n')
+    for path, why in ((bad, "not a JSON file of step rows (Extra data"), (tmp_path / "none.json", "No such file"),
+                      (out, "expected a JSON list of rows, got dict")):
+        with pytest.raises(SystemExit):
+            main(["holdout", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert f"error: {path}: " in err[-1] and why in err[-1], err
 
 
 # --------------------------------------------------------------------------- per-launch cost
