@@ -14,6 +14,8 @@ import pytest
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.eviction import LRU
+from kvsim.kvcache.groups import GroupSpec
+from kvsim.kvcache.hybrid import HybridKVCacheManager
 from kvsim.kvcache.invariants import check
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
@@ -69,3 +71,47 @@ def drive(policy: str, defrag: int | None, seed: int) -> None:
 def test_counted_paths_match_recorded(policy: str, defrag: int | None) -> None:
     for seed in range(3):
         drive(policy, defrag, seed)
+
+
+def hybrid_state(m: HybridKVCacheManager) -> tuple:
+    pool = m.pool
+    cached = [(k, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for k, hit in pool.cached.items()]
+    free = pool.policy.queue.block_ids() if isinstance(pool.policy, LRU) else len(pool.policy)
+    return ([{sid: m.block_ids(sid, g) for sid in m.block_tables} for g in range(m.num_groups)],
+            [b.ref_cnt for b in pool.blocks[1:]], free, cached, pool.num_evictions, pool.num_free_blocks,
+            m.held, m.peak, m.freed_behind, pool.evicted_by_group, m.id_space_fragmentation())
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "arc"])
+def test_hybrid_one_take_for_all_groups_matches_a_take_a_group(policy: str) -> None:
+    """Without recorded ops a chunk's new blocks are taken for every group in one pool take, cut in
+    group order (`HybridKVCacheManager._take_for_groups`); with them, a take a group, as vLLM's
+    coordinator allocates (vllm/v1/core/kv_cache_coordinator.py `allocate_new_blocks`, each manager's
+    `allocate_new_blocks` in turn). Random chunked prefills, decodes and frees leave both in one state."""
+    groups = [GroupSpec("sliding_window", BS, 8), GroupSpec("full", BS), GroupSpec("sliding_window", BS, 8)]
+    for seed in range(4):
+        counted, recorded = (HybridKVCacheManager(60, groups, eviction=policy, record_ops=rec) for rec in (False, True))
+        rng = random.Random(seed)
+        live: dict[str, tuple[Sequence, Sequence]] = {}
+        for uid in range(1, 150):
+            action = rng.random()
+            if action < 0.35 or not live:
+                prompt = PROMPTS[rng.randrange(3)][: rng.randint(2, 30)]
+                pair = tuple(Sequence(f"s{uid}", prompt, uid=uid, output=ANSWER) for _ in range(2))
+                for m, s in zip((counted, recorded), pair, strict=True):
+                    blocks, hit = m.get_computed_blocks(s)
+                    chunk = min(s.num_tokens - hit, random.Random(uid).randint(1, 12))  # (both the same chunk)
+                    if m.allocate_slots(s, chunk, hit, blocks) is not None:
+                        s.num_computed_tokens = hit + chunk
+                        live[s.seq_id] = pair
+            elif action < 0.8:
+                for m, s in zip((counted, recorded), live[rng.choice(sorted(live))], strict=True):
+                    n = max(1, min(s.num_tokens - s.num_computed_tokens, 9))
+                    if m.allocate_slots(s, n) is not None:
+                        s.num_computed_tokens += n
+                        if s.num_computed_tokens == s.num_tokens:
+                            s.append_tokens(1)
+            else:
+                for m, s in zip((counted, recorded), live.pop(rng.choice(sorted(live))), strict=True):
+                    m.free(s)
+            assert hybrid_state(counted) == hybrid_state(recorded)
