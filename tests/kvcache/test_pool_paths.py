@@ -37,33 +37,53 @@ def state(m: KVCacheManager) -> tuple:
     )
 
 
-def drive(policy: str, defrag: int | None, seed: int) -> None:
-    """Random admits (shared prompts, equal answers), decodes and frees on both managers."""
-    counted, recorded = (KVCacheManager(40, BS, eviction=policy, defrag_threshold=defrag, record_ops=rec)
-                         for rec in (False, True))
+def advance(m, s: Sequence, n: int, hit: int = 0, blocks=None) -> bool:
+    """Compute `n` more tokens of `s` (after `hit` cached ones, a new request's); a token is sampled
+    once the known ones are all computed. False (nothing changes) where they do not fit."""
+    if m.allocate_slots(s, n, hit, blocks) is None:
+        return False
+    s.num_computed_tokens += hit + n
+    if s.num_computed_tokens == s.num_tokens:
+        s.append_tokens(1)
+    return True
+
+
+def drive_pair(counted, recorded, seed: int, requests: int, same, chunk: int | None = None) -> None:
+    """Random admits (shared prompts, equal answers), steps and frees on both managers, `same` of
+    the two asserted after each: a prompt whole and a token a step, or with `chunk` at most that
+    many tokens a step (chunked prefills)."""
     rng = random.Random(seed)
     live: dict[str, tuple[Sequence, Sequence]] = {}
-    for uid in range(1, 200):
+    for uid in range(1, requests):
         action = rng.random()
         if action < 0.4 or not live:
             prompt = PROMPTS[rng.randrange(3)][: rng.randint(2, 30)]
             pair = tuple(Sequence(f"s{uid}", prompt, uid=uid, output=ANSWER) for _ in range(2))
+            first = rng.randint(1, chunk) if chunk else None
             for m, s in zip((counted, recorded), pair, strict=True):
                 blocks, hit = m.get_computed_blocks(s)
-                if m.allocate_slots(s, s.num_tokens - hit, hit, blocks) is not None:
-                    s.num_computed_tokens = s.num_tokens
-                    s.append_tokens(1)
+                n = s.num_tokens - hit
+                if advance(m, s, n if first is None else min(n, first), hit, blocks):
                     live[s.seq_id] = pair
         elif action < 0.8:
             for m, s in zip((counted, recorded), live[rng.choice(sorted(live))], strict=True):
-                if m.allocate_slots(s, 1) is not None:
-                    s.num_computed_tokens += 1
-                    s.append_tokens(1)
+                advance(m, s, 1 if chunk is None else max(1, min(s.num_tokens - s.num_computed_tokens, chunk)))
         else:
             for m, s in zip((counted, recorded), live.pop(rng.choice(sorted(live))), strict=True):
                 m.free(s)
-        assert state(counted) == state(recorded)
-        check(counted)
+        same(counted, recorded)
+
+
+def drive(policy: str, defrag: int | None, seed: int) -> None:
+    """`drive_pair` of two managers that differ only in `record_ops`: one state, consistent."""
+    counted, recorded = (KVCacheManager(40, BS, eviction=policy, defrag_threshold=defrag, record_ops=rec)
+                         for rec in (False, True))
+
+    def same(a: KVCacheManager, b: KVCacheManager) -> None:
+        assert state(a) == state(b)
+        check(a)
+
+    drive_pair(counted, recorded, seed, 200, same)
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "cost", "pinned", "arc"])
@@ -89,29 +109,10 @@ def test_hybrid_one_take_for_all_groups_matches_a_take_a_group(policy: str) -> N
     coordinator allocates (vllm/v1/core/kv_cache_coordinator.py `allocate_new_blocks`, each manager's
     `allocate_new_blocks` in turn). Random chunked prefills, decodes and frees leave both in one state."""
     groups = [GroupSpec("sliding_window", BS, 8), GroupSpec("full", BS), GroupSpec("sliding_window", BS, 8)]
+
+    def same(a: HybridKVCacheManager, b: HybridKVCacheManager) -> None:
+        assert hybrid_state(a) == hybrid_state(b)
+
     for seed in range(4):
         counted, recorded = (HybridKVCacheManager(60, groups, eviction=policy, record_ops=rec) for rec in (False, True))
-        rng = random.Random(seed)
-        live: dict[str, tuple[Sequence, Sequence]] = {}
-        for uid in range(1, 150):
-            action = rng.random()
-            if action < 0.35 or not live:
-                prompt = PROMPTS[rng.randrange(3)][: rng.randint(2, 30)]
-                pair = tuple(Sequence(f"s{uid}", prompt, uid=uid, output=ANSWER) for _ in range(2))
-                for m, s in zip((counted, recorded), pair, strict=True):
-                    blocks, hit = m.get_computed_blocks(s)
-                    chunk = min(s.num_tokens - hit, random.Random(uid).randint(1, 12))  # (both the same chunk)
-                    if m.allocate_slots(s, chunk, hit, blocks) is not None:
-                        s.num_computed_tokens = hit + chunk
-                        live[s.seq_id] = pair
-            elif action < 0.8:
-                for m, s in zip((counted, recorded), live[rng.choice(sorted(live))], strict=True):
-                    n = max(1, min(s.num_tokens - s.num_computed_tokens, 9))
-                    if m.allocate_slots(s, n) is not None:
-                        s.num_computed_tokens += n
-                        if s.num_computed_tokens == s.num_tokens:
-                            s.append_tokens(1)
-            else:
-                for m, s in zip((counted, recorded), live.pop(rng.choice(sorted(live))), strict=True):
-                    m.free(s)
-            assert hybrid_state(counted) == hybrid_state(recorded)
+        drive_pair(counted, recorded, seed, 150, same, chunk=12)
