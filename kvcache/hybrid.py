@@ -346,14 +346,11 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         order in one pool take (the same blocks, in the same order, as one take a group: nothing
         changes the pool between those takes); returns them."""
         tables = [t.setdefault(sid, []) for t in self.tables]
-        counts = [want - len(t) for t in tables]
-        total = sum(n for n in counts if n > 0)
-        if not total:
-            return []
-        got = self.pool.get_new_blocks(total)
+        counts = [max(want - len(t), 0) for t in tables]
+        got = self.pool.get_new_blocks(sum(counts)) if any(counts) else []
         i = 0
         for g, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            if n > 0:
+            if n:
                 table += got[i:i + n]
                 self._hold(g, n)
                 i += n
