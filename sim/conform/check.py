@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvsim.sim.conform.vllm_setup import PrefixName
 from kvsim.sim.engine.config import SCHEDULER_KNOBS, ConfigError, SimConfig
 
 MANAGER_FIELDS = ("hit_tokens", "output_tokens", "status", "preemptions")
@@ -304,7 +305,7 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
     first differing event."""
     from kvsim.kvcache.sequence import Sequence
     from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
-    from kvsim.sim.conform.vllm_setup import token_ids
+    from kvsim.sim.conform.vllm_setup import prefix_names, token_ids
     from kvsim.sim.engine.run import simulate
 
     if cfg.step_time is None or not cfg.enable_prefix_caching:
@@ -314,11 +315,11 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
     check_workload(requests)
     args = _scheduler_args(cfg)
     bs = args["block_size"]
-    names: dict[int, tuple[int, ...]] = {}  # kvsim's key -> the prefix its block ends (uids in workload order)
+    names: dict[int, PrefixName] = {}  # kvsim's key -> the name of the prefix its block ends (uids in workload order)
     for uid, r in enumerate(requests):
         toks = token_ids(r, uid)
         keys = Sequence(r.id, r.prompt, uid=uid, output=r.output).hashes_upto(len(toks), bs)
-        names.update((k, tuple(toks[: (i + 1) * bs])) for i, k in enumerate(keys))
+        names.update(zip(keys, prefix_names(toks, bs), strict=True))
     ours: dict[int, list[dict]] = {}
     for batch in simulate(requests, cfg.replace(kv_events=True)).kv_events:
         ours.setdefault(batch.step, []).extend(_named(e.as_dict(), names) for e in batch.events)
@@ -364,8 +365,8 @@ def _canonical(events: list[dict]) -> list[dict]:
     return out
 
 
-def _named(event: dict, names: dict[int, tuple[int, ...]]) -> dict:
-    """A kvsim event (`as_dict`) with each hash replaced by the tokens of the prefix it ends."""
+def _named(event: dict, names: dict[int, PrefixName]) -> dict:
+    """A kvsim event (`as_dict`) with each hash replaced by the name of the prefix it ends."""
     out = {**event}
     if "block_hashes" in out:
         out["block_hashes"] = [names.get(h, h) for h in out["block_hashes"]]
@@ -377,7 +378,7 @@ def _named(event: dict, names: dict[int, tuple[int, ...]]) -> dict:
 def _shown(event: dict) -> dict:
     """An event for a diff line: a named hash as the length of its prefix, token ids by count."""
     def short(h: Any) -> Any:
-        return f"<{len(h)} tokens>" if isinstance(h, tuple) else h
+        return f"<{h[0]} tokens>" if isinstance(h, tuple) else h
 
     out = {**event}
     if "block_hashes" in out:

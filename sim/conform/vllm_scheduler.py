@@ -15,10 +15,12 @@ from typing import Any
 
 from kvsim.sim.conform.vllm_setup import (
     STALL_STEPS,
+    PrefixName,
     Request,
     block_hasher,
     check_ids,
     kv_cache_config,
+    prefix_names,
     require_vllm,
     stand_in_config,
     token_ids,
@@ -374,19 +376,19 @@ def _record_admissions(out, live: dict, recs: dict, step: int) -> None:
         rec["hit_tokens"] = stats.num_local_cached_tokens if stats is not None else 0
 
 
-def prefixes(tokens: list[list[int]], hasher, block_size: int) -> dict[Any, tuple[int, ...]]:
+def prefixes(tokens: list[list[int]], hasher, block_size: int) -> dict[Any, PrefixName]:
     """Each block hash vLLM's events may carry (`maybe_convert_block_hash` of the requests' block
-    hashes over all their tokens) -> the tokens of the prefix that block ends."""
+    hashes over all their tokens) -> the name of the prefix that block ends (`prefix_names`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     from vllm.v1.request import Request as VllmRequest
 
-    out: dict[Any, tuple[int, ...]] = {}
+    out: dict[Any, PrefixName] = {}
     for i, toks in enumerate(tokens):
         whole = VllmRequest(request_id=f"prefixes-{i}", prompt_token_ids=toks, sampling_params=SamplingParams(),
                             pooling_params=None, block_hasher=hasher)
-        for k, h in enumerate(whole.block_hashes):
-            out[maybe_convert_block_hash(h)] = tuple(toks[: (k + 1) * block_size])
+        out.update((maybe_convert_block_hash(h), name)
+                   for h, name in zip(whole.block_hashes, prefix_names(toks, block_size), strict=True))
     return out
 
 
@@ -395,7 +397,7 @@ class _EventSink:
     `update_from_output` hands each step's non-empty batch): keeps (step, events) with hashes named
     by their prefixes."""
 
-    def __init__(self, run: _SchedRun, names: dict[Any, tuple[int, ...]], out: list):
+    def __init__(self, run: _SchedRun, names: dict[Any, PrefixName], out: list):
         self.run, self.names, self.out = run, names, out
 
     def publish(self, batch) -> None:

@@ -8,9 +8,12 @@ to install it (CPU only).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from typing import Any
+
+import numpy as np
 
 from kvsim.kvcache.sequence import Sequence
 
@@ -71,6 +74,23 @@ def token_ids(req: Request, uid: int) -> list[int]:
     """Prompt then every token the request will sample, as kvsim numbers them."""
     seq = Sequence(req.id, req.prompt, uid=uid, output=req.output)
     return seq.token_ids(0, req.prompt_len + max(req.output_len, 1)).tolist()
+
+
+PrefixName = tuple[int, bytes]  # a prefix's length in tokens and a digest of its tokens (`prefix_names`)
+
+
+def prefix_names(tokens: list[int], block_size: int) -> list[PrefixName]:
+    """A name for the prefix each full block of `tokens` ends, the k-th for its first k + 1 blocks:
+    its length in tokens and a 128-bit digest chained block by block over the tokens. Equal prefixes
+    get equal names, and two different ones get different names but for a digest collision. This
+    is how the event check matches kvsim's hashes to vLLM's (the two hash functions differ)
+    without keeping every prefix's tokens (a 12k-token prompt's prefixes hold 4.5M token ids)."""
+    data = np.asarray(tokens, dtype=np.int64).tobytes()
+    step, digest, out = 8 * block_size, b"", []
+    for k in range(len(tokens) // block_size):
+        digest = hashlib.blake2b(digest + data[k * step:(k + 1) * step], digest_size=16).digest()
+        out.append(((k + 1) * block_size, digest))
+    return out
 
 
 # the stand-in model the drivers give vLLM: a one-layer Llama, whose attention reports one KV head

@@ -215,3 +215,22 @@ def test_kvsim_conform_mode_events_compares_the_streams_with_offloading(tmp_path
     assert r.stdout.splitlines()[1:] == ["events    33 steps, 0 differ", "identical"]
     r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--kv-offloading-size", "0.03125"])
     assert r.exit_code == 2 and "KV events are compared on the step grid (--step-time)" in r.stderr
+
+
+def test_a_prefix_is_named_by_its_length_and_a_chained_digest() -> None:
+    """`prefix_names`: the k-th name is the first k + 1 blocks' (length, 16-byte digest); equal
+    prefixes share a name, and a change in one block renames every prefix from it on. Each name
+    is a fixed size, so naming a 12k-token prompt's prefixes takes linear memory (they were once
+    tuples of every prefix's tokens: 8 GB for 30 Mooncake requests in events mode)."""
+    from kvsim.sim.conform.vllm_setup import prefix_names
+
+    a = list(range(1000, 1050))  # 3 full blocks of 16 and 2 tokens over
+    b = a[:32] + [7] * 18  # the same first two blocks, another third
+    c = [999] + a[1:]  # another first token
+    na, nb, nc = (prefix_names(t, 16) for t in (a, b, c))
+    assert [n for n, _ in na] == [16, 32, 48]
+    assert all(isinstance(d, bytes) and len(d) == 16 for _, d in na)
+    assert na[:2] == nb[:2] and na[2] != nb[2]
+    assert all(x != y for x, y in zip(na, nc, strict=True))
+    assert prefix_names(a[:47], 16) == na[:2] and prefix_names(a[:15], 16) == []
+    assert len({d for _, d in prefix_names(list(range(12_000)), 16)}) == 750
