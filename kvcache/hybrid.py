@@ -312,27 +312,24 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         starts = [len(t.get(sid, ())) for t in self.tables] if recording else None
         if hits is not None:
             self._add_hits(sid, hits, computed)
+        new: list[KVCacheBlock] = []
         bs = self.block_size
         mamba, go = self._mamba, self._group_of
-        if not mamba and not recording:  # every group's new blocks in one take, cut in group order
-            new = self._take_for_groups(sid, -(-num_slots // bs))
-        else:
-            new = []
-            for g in range(len(self.groups)):
-                table = self.tables[g].setdefault(sid, [])
-                if g in mamba:
-                    got = mamba[g].allocate(sid, table, num_slots)
-                else:
-                    n = -(-num_slots // bs) - len(table)
-                    if n <= 0:
-                        continue
-                    got = pool.get_new_blocks(n)
-                    table.extend(got)
-                new.extend(got)
-                self._hold(g, len(got))
-                if recording:
-                    for b in got:
-                        go[b.block_id] = g
+        for g in range(len(self.groups)):
+            table = self.tables[g].setdefault(sid, [])
+            if g in mamba:
+                got = mamba[g].allocate(sid, table, num_slots)
+            else:
+                n = -(-num_slots // bs) - len(table)
+                if n <= 0:
+                    continue
+                got = pool.get_new_blocks(n)
+                table.extend(got)
+            new.extend(got)
+            self._hold(g, len(got))
+            if recording:
+                for b in got:
+                    go[b.block_id] = g
         if recording:
             self._record_allocation(sid, starts, computed, computed + num_new_tokens)
         if num_new_tokens:  # the blocks written, counted as one group's (KVCacheManager._emit_writes)
@@ -340,21 +337,6 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         if self.enable_caching:
             self._cache(seq, min(computed + num_new_tokens, seq.num_tokens))
         return new
-
-    def _take_for_groups(self, sid: str, want: int) -> list[KVCacheBlock]:
-        """Grow every attention group's table of `sid` to `want` blocks, the new blocks taken in group
-        order in one pool take (the same blocks, in the same order, as one take a group: nothing
-        changes the pool between those takes); returns them."""
-        tables = [t.setdefault(sid, []) for t in self.tables]
-        counts = [max(want - len(t), 0) for t in tables]
-        got = self.pool.get_new_blocks(sum(counts)) if any(counts) else []
-        i = 0
-        for g, (table, n) in enumerate(zip(tables, counts, strict=True)):
-            if n:
-                table += got[i:i + n]
-                self._hold(g, n)
-                i += n
-        return got
 
     def _record_allocation(self, sid: str, starts: list[int], start: int, end: int) -> None:
         """Record an allocation's ops group by group: each table's entries from `starts[g]` on (hits,

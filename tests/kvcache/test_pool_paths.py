@@ -103,11 +103,13 @@ def hybrid_state(m: HybridKVCacheManager) -> tuple:
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "arc"])
-def test_hybrid_one_take_for_all_groups_matches_a_take_a_group(policy: str) -> None:
-    """Without recorded ops a chunk's new blocks are taken for every group in one pool take, cut in
-    group order (`HybridKVCacheManager._take_for_groups`); with them, a take a group, as vLLM's
-    coordinator allocates (vllm/v1/core/kv_cache_coordinator.py `allocate_new_blocks`, each manager's
-    `allocate_new_blocks` in turn). Random chunked prefills, decodes and frees leave both in one state."""
+def test_hybrid_counted_paths_match_recorded(policy: str) -> None:
+    """The same over vLLM's hybrid groups (two windows and a full group, one pool): with ops only
+    counted, the pool's one-pass takes and frees and the manager's counted allocation; with them
+    recorded, the general paths, group by group (vllm/v1/core/kv_cache_coordinator.py
+    `allocate_new_blocks`, each manager's in turn). Random chunked prefills, decodes and frees
+    leave both in one state: tables by group, ref counts, the free order, the cache map, the
+    groups' held, peak, freed-behind and evicted counts, and the id span."""
     groups = [GroupSpec("sliding_window", BS, 8), GroupSpec("full", BS), GroupSpec("sliding_window", BS, 8)]
 
     def same(a: HybridKVCacheManager, b: HybridKVCacheManager) -> None:
