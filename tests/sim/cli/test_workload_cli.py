@@ -171,3 +171,38 @@ def test_the_layout_ideal_reports_its_progress_every_thousand_requests():
     seen: list[int] = []
     layout_ideal(wl, SimConfig().validate(), describe(wl, 16), seen.append)
     assert seen == [1_000, 2_000]
+
+
+def test_the_ideal_replays_pool_is_what_each_group_may_hash():
+    """`pool_blocks` by hand: 10 requests, 100 full prompt blocks (40 of them ideal hits), 160
+    output tokens, the longest request 320 tokens, blocks of 16 (21 blocks for it, one partial).
+    A window of 64 under sparse retention hashes at most ceil(63 / 16) = 4 blocks at each of a
+    request's 2 boundaries: 80 + 21. A full group alone hashes what the ideal misses,
+    100 - 40 + 10 partial + 10 output + 10 + 21; beside other groups every prompt block (its hit
+    may be cut to theirs): 100 + 10 + 10 + 10 + 21. One null block."""
+    from types import SimpleNamespace
+
+    from kvsim.kvcache.groups import GroupSpec
+    from kvsim.sim.studies.layout_ideal import pool_blocks
+
+    stats = SimpleNamespace(block_size=16, requests=10, full_blocks=100, hit_blocks=40, output_tokens=160)
+    window, full = GroupSpec("sliding_window", 16, 64), GroupSpec("full", 16)
+    assert pool_blocks(stats, [full], 320, None) == 1 + 111
+    assert pool_blocks(stats, [window, full], 320, 0) == 1 + 101 + 151
+    assert pool_blocks(stats, [window, full], 320, None) == 1 + 2 * 151
+    assert pool_blocks(stats, [window, window, full], 320, 0) == 1 + 2 * 101 + 151
+
+
+def test_the_ideal_replay_evicts_nothing_where_a_window_cuts_the_full_groups_hit():
+    """gpt-oss-20b on a multi-turn workload: a turn's hit is cut to what its 128-token window kept,
+    so the full group recomputes blocks it holds and hashes them again. A pool that counted only
+    the ideal's distinct blocks for that group evicted 159 blocks here (the replay refuses that);
+    counting every prompt block, nothing is evicted."""
+    from kvsim.sim.api import generate_workload
+    from kvsim.sim.engine.config import SimConfig
+    from kvsim.sim.studies.layout_ideal import layout_ideal
+    from kvsim.workloads.stats import describe
+
+    wl = generate_workload("multi-turn", num_requests=300, seed=3)
+    got = layout_ideal(wl, SimConfig(model="gpt-oss-20b").validate(), describe(wl, 16))
+    assert (got["groups"], got["hit_tokens"], got["pool_blocks"]) == (2, 176_544, 26_208)
