@@ -155,7 +155,8 @@ class Cluster:
         n = len(managers)
         self.view = RouterView(n)
         self.router = router if router is not None else make_router(cfg.router, n, cfg.seed, cfg, managers[0].num_blocks)
-        self.events = DelayedEvents(cfg.kv_event_delay) if getattr(self.router, "reads_events", False) else None
+        self.events = DelayedEvents(cfg.kv_event_delay, self.router.index, lambda: env.now) \
+            if getattr(self.router, "reads_events", False) else None
         self._rows: dict[str, tuple[int, int]] = {}  # request id -> (replica, its row in that engine's log)
         self.view.prefilled = self._prefilled
         # (time, the request, or its id without `keep_requests`: a long run then keeps no token arrays)
@@ -191,8 +192,7 @@ class Cluster:
         now = self.env.now
         self.view.now = now
         if self.events is not None:
-            for batch in self.events.due(now):
-                self.router.index.apply(batch)
+            self.events.apply_due(now)
         i = self.router.pick(req, self.view)
         if not 0 <= i < len(self.inlets):
             raise RuntimeError(f"router {self.cfg.router} picked replica {i} of {len(self.inlets)}")

@@ -10,14 +10,15 @@ block is cached only while its request holds its parent), and llm-d's LRU caps (
 entries a key).
 
 `DelayedEvents` holds each batch until `ts + delay`, `ts` being the time the step that produced it
-ended (`EventBatch.ts`), and hands the router every batch due by the time it picks: a router
-reads its index only when it picks, so this is what a timed delivery would show it.
+ended (`EventBatch.ts`), and applies it to the router's index once it is due: by the time the router
+picks, every batch due by then is applied, in due order, which is what a timed delivery would show it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Sequence
 
 from kvsim.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -98,20 +99,41 @@ class PrefixIndex:
 
 
 class DelayedEvents:
-    """KV-event batches in flight to a router: each becomes visible `delay` seconds after its
-    step ended (`ts + delay`), in the order they become due (ties: the order they were sent)."""
+    """KV-event batches in flight to a router's `index`: each becomes visible `delay` seconds after
+    its step ended (`ts + delay`), in the order they become due (ties: the order they were sent).
 
-    def __init__(self, delay: float):
+    Each send applies to the index every batch already due by the simulated clock (`clock`), and
+    each pick first applies the rest due by then (`apply_due`). Applying them as they come due
+    rather than all at the next pick changes nothing the router sees. Engines send a step's batch
+    no earlier than the clock (`sim.cluster.event_stream`), so a batch sent at time T is due after
+    T. Every batch applied early therefore comes before it in due order, and all of them were due
+    by any later pick. It does bound what is held: with picks far apart, for example once the last
+    request has arrived, a run held every batch since the last pick, token ids included (gemma-3-27b
+    on 4 replicas and 1,000 Mooncake requests: 9,909 batches, 49.5M token ids, 2.3 GB)."""
+
+    def __init__(self, delay: float, index: PrefixIndex, clock: Callable[[], float]):
         self.delay = delay
+        self.index = index
+        self.clock = clock
         self._heap: list[tuple[float, int, EventBatch]] = []
         self._sent = 0
+        self._applied = -math.inf  # the due time of the last batch applied
 
     def send(self, batch: EventBatch) -> None:
-        heapq.heappush(self._heap, (batch.ts + self.delay, self._sent, batch))
+        due = batch.ts + self.delay
+        if due < self._applied:  # (never from an engine: it sends no batch behind the clock)
+            raise RuntimeError(f"KV events out of order: replica {batch.replica}'s step {batch.step} is due at "
+                               f"t={due!r}s, after a batch due at t={self._applied!r}s was applied")
+        heapq.heappush(self._heap, (due, self._sent, batch))
         self._sent += 1
+        self.apply_due(self.clock())
 
-    def due(self, now: float) -> Iterator[EventBatch]:
-        """The batches due at or before `now`, oldest due first; each is handed out once."""
-        heap = self._heap
+    def apply_due(self, now: float) -> None:
+        """Apply to the index, oldest due first, every batch due at or before `now`; each once."""
+        heap, index = self._heap, self.index
         while heap and heap[0][0] <= now:
-            yield heapq.heappop(heap)[2]
+            self._applied, _, batch = heapq.heappop(heap)
+            index.apply(batch)
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -174,7 +174,8 @@ class PDCluster:
         self.front = Frontend(env, workload, self._route, load=cfg.load, closed_loop=closed)
         self.inlets: list[ReplicaFront] = []
         reads = tuple(getattr(r, "reads_events", False) for r in self.routers)
-        self.events = tuple(DelayedEvents(cfg.kv_event_delay) if on else None for on in reads)
+        self.events = tuple(DelayedEvents(cfg.kv_event_delay, r.index, lambda: env.now) if on else None
+                            for r, on in zip(self.routers, reads, strict=True))
         self.engines: list[Engine] = []
         priority = cfg.scheduling == "priority"
         # each pool's `_prefill_backoff`, from its own model's layout
@@ -240,8 +241,7 @@ class PDCluster:
         router, view, events = self.routers[pool], self.views[pool], self.events[pool]
         view.now = self.env.now
         if events is not None:
-            for batch in events.due(view.now):
-                router.index.apply(batch)
+            events.apply_due(view.now)
         return router, view
 
     def _prefill_busy(self, req: Request) -> bool | None:
@@ -264,8 +264,7 @@ class PDCluster:
             return None
         events = self.events[1]
         if events is not None:
-            for batch in events.due(self.env.now):
-                index.apply(batch)
+            events.apply_due(self.env.now)
         overlaps = index.overlaps(block_keys(req.prompt, self.cfg.block_size))
         return max(overlaps, default=0) * self.cfg.block_size
 

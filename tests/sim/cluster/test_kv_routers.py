@@ -50,14 +50,27 @@ def test_index_follows_stores_removals_and_clears():
 
 
 def test_a_batch_is_due_only_delay_after_its_step_ended():
-    events = DelayedEvents(0.25)
-    events.send(stored(0, KEYS[:1], ts=0.5))
+    """A batch reaches the index `delay` after its step ended: applied by the pick that finds it
+    due, or by a later send once the clock has passed its time, so a run holds only the batches
+    not yet due. A batch due before one already applied would reorder the index: an error."""
+    now = [0.0]
+    index = PrefixIndex(2)
+    events = DelayedEvents(0.25, index, lambda: now[0])
     events.send(stored(1, KEYS[:1], ts=0.125))
-    assert list(events.due(0.374)) == []
-    assert [b.replica for b in events.due(0.375)] == [1]  # 0.125 + 0.25
-    assert list(events.due(0.7499)) == []
-    assert [b.replica for b in events.due(0.75)] == [0]
-    assert list(events.due(10.0)) == []  # each handed out once
+    events.send(stored(0, KEYS[:1], ts=0.5))
+    events.apply_due(0.374)
+    assert index.sizes == [0, 0] and len(events) == 2
+    events.apply_due(0.375)  # 0.125 + 0.25
+    assert index.sizes == [0, 1] and len(events) == 1
+    now[0] = 0.75  # the clock has passed the other's time: the next send applies it
+    events.send(stored(1, KEYS[1:2], ts=0.75))
+    assert index.sizes == [1, 1] and len(events) == 1
+    events.apply_due(10.0)
+    assert index.sizes == [1, 2] and len(events) == 0
+    events.apply_due(10.0)  # each applied once
+    assert index.sizes == [1, 2]
+    with pytest.raises(RuntimeError, match="KV events out of order: replica 0's step"):
+        events.send(stored(0, KEYS[2:3], ts=0.5))
 
 
 class IndexSpy(LlmdPrecise):
