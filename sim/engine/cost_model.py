@@ -374,59 +374,31 @@ class CostModel:
                chunks: Sequence[tuple[int, int]] = ()) -> tuple[float, float]:
         """(compute, memory) seconds of one forward over a batch (step_time's arguments) at this
         cost model's rates: FLOPs over peak x efficiency, bytes over bandwidth x efficiency. With
-        every efficiency 1 these are the roofline's bounds (`sim.studies.roofline`)."""
+        every efficiency 1 these are the roofline's bounds (`sim.studies.roofline`). With `chunks`,
+        each window's attention pairs are exact (`_exact_pairs`); without, estimated from the totals."""
         tokens = prefill_tokens + decode_tokens
         seqs = num_seqs if num_seqs > 0 else 1
         if chunks:
-            return self._bounds_of_chunks(tokens, decode_tokens, context_tokens, seqs, chunks)
-        prior = (context_tokens - tokens) / seqs
-        if prior < 0.0:
-            prior = 0.0
-        new_pairs = decode_tokens
-        if prefill_tokens:
-            chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
-            new_pairs += prefill_tokens * (prefill_tokens / chunks + 1) / 2
+            decode_ctx = context_tokens - sum(c + n for c, n in chunks)
+        else:
+            prior = (context_tokens - tokens) / seqs
+            if prior < 0.0:
+                prior = 0.0
+            new_pairs = decode_tokens
+            if prefill_tokens:
+                n_chunks = num_seqs - decode_tokens if num_seqs > decode_tokens else 1
+                new_pairs += prefill_tokens * (prefill_tokens / n_chunks + 1) / 2
         compute = tokens * self._s_per_token_flops
         memory = self._s_weights + seqs * self._s_state_per_seq
         for w, s_pair, s_kv in self._attention:  # each window reads at most its window
-            p, ctx = prior, context_tokens
-            if w is not None:
-                if p > w:
-                    p = w
-                if ctx > seqs * w:
-                    ctx = seqs * w
-            compute += (tokens * p + new_pairs) * s_pair
-            memory += (ctx + tokens) * s_kv
-        if self._moe:
-            memory += self.experts_touched(tokens) * self._s_per_expert
-        return compute, memory
-
-    def _bounds_of_chunks(self, tokens: int, decodes: int, context_tokens: int, seqs: int,
-                          chunks: Sequence[tuple[int, int]]) -> tuple[float, float]:
-        """`bounds` with each prefill chunk's (prior, new) known: attention pairs counted exactly, in
-        integers (so the chunks' order cannot change a step's time), each window capping each
-        query's keys; the decodes' pairs from their context, their priors spread evenly only where a
-        window caps some of them."""
-        decode_ctx = context_tokens
-        for c, n in chunks:
-            decode_ctx -= c + n
-        compute = tokens * self._s_per_token_flops
-        memory = self._s_weights + seqs * self._s_state_per_seq
-        for w, s_pair, s_kv in self._attention:
             ctx = context_tokens
-            if w is None:
-                pairs = decode_ctx
-                for c, n in chunks:
-                    pairs += n * c + n * (n + 1) // 2
-            else:  # a query scores at most w + 1 keys (as the estimate caps a decode's prior at w)
-                cap = w + 1
-                pairs = decode_ctx if decode_ctx <= decodes * cap else decodes * cap
-                for c, n in chunks:
-                    k = min(n, max(0, cap - c))  # queries whose keys all fit the window
-                    pairs += k * c + k * (k + 1) // 2 + (n - k) * cap
-                if ctx > seqs * w:
-                    ctx = seqs * w
-            compute += pairs * s_pair
+            if w is not None and ctx > seqs * w:
+                ctx = seqs * w
+            if chunks:
+                compute += _exact_pairs(w, decode_tokens, decode_ctx, chunks) * s_pair
+            else:
+                p = prior if w is None or prior <= w else w
+                compute += (tokens * p + new_pairs) * s_pair
             memory += (ctx + tokens) * s_kv
         if self._moe:
             memory += self.experts_touched(tokens) * self._s_per_expert
@@ -480,3 +452,19 @@ def smallest_tp(model: str, gpu: str, utilization: float = 0.9) -> int | None:
         if free >= 2 * cost.kv_bytes_per_block:
             return tp
     return None
+
+
+def _exact_pairs(window: int | None, decodes: int, decode_ctx: int, chunks: Sequence[tuple[int, int]]) -> int:
+    """The (query, key) pairs one attention layer kind scores in a step whose prefill chunks are
+    known, in integers (so the chunks' order cannot change a step's time): each chunk of n new
+    tokens after c scores n * c + n * (n + 1) / 2, the decodes their context `decode_ctx`; a
+    window w caps each query's keys at w + 1 (as the estimate caps a decode's prior at w), the
+    decodes' all at once (their priors spread evenly)."""
+    if window is None:
+        return decode_ctx + sum(n * c + n * (n + 1) // 2 for c, n in chunks)
+    cap = window + 1
+    pairs = decode_ctx if decode_ctx <= decodes * cap else decodes * cap
+    for c, n in chunks:
+        k = min(n, max(0, cap - c))  # queries whose keys all fit the window
+        pairs += k * c + k * (k + 1) // 2 + (n - k) * cap
+    return pairs
