@@ -24,6 +24,7 @@
 #              recorded and replayed with every step read whole and decode attention per window
 # A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
 # benchmarks/results/README.md). MOONCAKE names the trace (default ../shared/traces/...).
+# HOLDOUT (model:tp:kernel ...) and TESTS_TIMEOUT narrow the holdout and tests parts.
 # QUICK=1 shrinks everything to run on a CPU under Triton's interpreter (a smoke test of this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         ;;
     tests)
         say "cuda tests"
-        timeout 300 python3 -m pytest tests/gpu -m cuda -q -p no:cacheprovider -rs 2>&1 | tee "$out/cuda_tests.log" | tail -15
+        timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu -m cuda -q -p no:cacheprovider -rs 2>&1 | tee "$out/cuda_tests.log" | tail -15
         ;;
     bench)
         q=(); [ "$quick" = 1 ] && q=(--quick --allow-cpu)
@@ -135,7 +136,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
             timeout 120 python3 -m gpu.forward_step --quick --moe --out "$out/holdout_quick.json" 2>&1 | tail -3
         else
             # the MoE twice: its experts as one grouped GEMM (the default) and as the padded bmm
-            for mt in llama-3-8b:1:grouped llama-3-70b:2:grouped qwen3-30b-a3b:1:grouped qwen3-30b-a3b:1:bmm; do
+            for mt in ${HOLDOUT:-llama-3-8b:1:grouped llama-3-70b:2:grouped qwen3-30b-a3b:1:grouped qwen3-30b-a3b:1:bmm}; do
                 IFS=: read -r m tp kernel <<< "$mt"
                 name=holdout_${m}_tp${tp}; [ "$kernel" = bmm ] && name=${name}_bmm
                 say "holdout steps $m tp $tp ($kernel experts)"
