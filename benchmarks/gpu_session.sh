@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
 #       PART: env tests bench calibrate steps replay (the default set), or any of
-#             holdout graphs pd mooncake hybrid (GPU-LIST.md items 1-4, each alone)
+#             holdout graphs pd mooncake profile hybrid (GPU-LIST.md items 1-4, each alone)
 #
 # - tests:     every `cuda`-marked test (each kernel against its torch twin at real shapes)
 # - bench:     benchmarks/bench_gpu.py, fp16 at block size 16 and bf16 at block size 32
@@ -20,6 +20,8 @@
 # - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
 #              `--check touched` (each step reads back only the entries an op changed); over 300 s of
 #              H100 time (35,658 steps at ~10 ms each): run it alone in a call (REPLAY_TIMEOUT, 540 s)
+# - profile:   where the Mooncake replay's time goes on the GPU machine: py-spy (a wheel in .whl/)
+#              samples the first PROFILE_S (60) seconds of the `mooncake` part's replay
 # - hybrid:    gpt-oss-20b's and gemma-3-27b's KV-cache groups (first 80 Mooncake requests),
 #              recorded and replayed with every step read whole and decode attention per window
 # A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
@@ -152,6 +154,25 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --only "$only" --dtype float16 --block-size 16 \
             --json "$out/bench_${part}_fp16_b16.json" 2>&1 | tee "$out/bench_${part}_fp16_b16.log"
         ;;
+    profile)
+        runs=$out/runs_profile
+        mkdir -p "$runs"
+        n=2000; [ "$quick" = 1 ] && n=40
+        head -$n "$mooncake" > "$runs/trace.jsonl"
+        blocks=20000; [ "$quick" = 1 ] && blocks=400
+        say "record profile"
+        kvsim run "$runs/trace.jsonl" --num-gpu-blocks $blocks --num-cpu-blocks $blocks --defrag-threshold 256 \
+            --preemption swap --record-ops --no-plots --out "$runs/run" | grep -E "engine steps"
+        geometry=(--layers 4 --kv-heads 1 --head-dim 128 --q-per-kv 4)
+        [ "$quick" = 1 ] && geometry=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
+        say "profile replay (${PROFILE_S:-60} s)"
+        spy=$(command -v py-spy || echo /tmp/kvsim-site/bin/py-spy)
+        timeout $(( ${PROFILE_S:-60} + 60 )) "$spy" record -r 100 -d "${PROFILE_S:-60}" -f raw -o "$out/replay_profile.txt" -- \
+            python3 -m sim.cli.app gpu-replay "$runs/run" --device $device "${geometry[@]}" --check touched \
+            2>&1 | grep "^step " | tail -2
+        python3 benchmarks/spy_top.py "$out/replay_profile.txt" --top 30 | tee "$out/replay_profile_top.txt"
+        rm -rf "$runs"
+        ;;
     mooncake|hybrid)
         runs=$out/runs_$part
         mkdir -p "$runs"
@@ -192,7 +213,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         done
         rm -rf "$runs"
         ;;
-    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake hybrid)"; exit 2 ;;
+    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake profile hybrid)"; exit 2 ;;
     esac
     say "$part took $((SECONDS - start)) s"
 done
