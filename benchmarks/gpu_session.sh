@@ -18,8 +18,8 @@
 # - graphs:    bench_gpu.py's write and decode sections, eager and under CUDA graphs
 # - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's price
 # - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
-#              `--check touched` (each step reads back only the entries an op changed); over 300 s of
-#              H100 time (35,658 steps at ~10 ms each): run it alone in a call (REPLAY_TIMEOUT, 540 s)
+#              `--check touched` (each step reads back only the entries an op changed) and decode
+#              attention compared on one layer: run it alone in a call (REPLAY_TIMEOUT, 540 s)
 # - profile:   where the Mooncake replay's time goes on the GPU machine: py-spy (a wheel in .whl/)
 #              samples the first PROFILE_S (60) seconds of the `mooncake` part's replay
 # - hybrid:    gpt-oss-20b's and gemma-3-27b's KV-cache groups (first 80 Mooncake requests),
@@ -169,6 +169,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         spy=$(command -v py-spy || echo /tmp/kvsim-site/bin/py-spy)
         timeout $(( ${PROFILE_S:-60} + 60 )) "$spy" record -r 100 -d "${PROFILE_S:-60}" -f raw -o "$out/replay_profile.txt" -- \
             python3 -m sim.cli.app gpu-replay "$runs/run" --device $device "${geometry[@]}" --check touched \
+            --attention-layers "${MOONCAKE_ATTENTION:-1}" \
             2>&1 | grep "^step " | tail -2
         python3 benchmarks/spy_top.py "$out/replay_profile.txt" --top 30 | tee "$out/replay_profile_top.txt"
         rm -rf "$runs"
@@ -186,7 +187,9 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
                 cases=("default:--num-gpu-blocks 20000 --num-cpu-blocks 20000 --defrag-threshold 256 --preemption swap")
                 geometry=(--layers 4 --kv-heads 1 --head-dim 128 --q-per-kv 4)
             fi
-            check=(--check touched)
+            # decode attention compared on one layer (MOONCAKE_ATTENTION): the dense reference over every
+            # decode's whole context on all 4 layers made each step ~21 ms on the H100
+            check=(--check touched --attention-layers "${MOONCAKE_ATTENTION:-1}")
         else
             n=80; [ "$quick" = 1 ] && n=6
             head -$n "$mooncake" > "$runs/trace.jsonl"

@@ -114,11 +114,12 @@ class Checks:
             written = {s: w for s, w in written.items() if s not in self.states}
         checks = []  # (seq, tokens this step, extent, positions read, their blocks)
         decodes = []  # (seq, extent, every position, its blocks; None where attention does not run)
-        attends = bool(self.attention_layers) or self.kernels.measures
         for seq, (n_new, newest) in written.items():
             extent = newest + 1
             rep.sequence_checks += 1
-            if self.dirty is None or (attends and n_new == 1):
+            # every position is read for a full check, and for a decode whose attention output is
+            # compared (its span); the decode kernel alone needs only the table
+            if self.dirty is None or (self.attention_layers and n_new == 1):
                 pos, blocks, missing = self.tables.slots(seq, extent, bs)
             else:
                 pos = blocks = None
@@ -195,16 +196,16 @@ class Checks:
         n_layers = min(self.attention_layers, st.num_layers)
         if not (n_layers or self.kernels.measures):
             return
-        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
-        spans = [pos[pos >= n - window] if window else pos for _, n, pos, _ in decodes]
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
         pages = max(-(-n // bs) for n in ctx)
-        tables = torch.zeros((len(decodes), pages), dtype=torch.int32)
+        # each row's pages (a never-set -1 read as the null block 0); numpy takes a long row's list
+        # several times faster than a Python loop over it, at every decode step of a long context
+        rows = np.zeros((len(decodes), pages), dtype=np.int32)
         for i, (seq, n, _, _) in enumerate(decodes):
-            row = [max(b, 0) for b in self.tables.rows[seq][: -(-n // bs)]]
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        tables = tables.to(st.device)
+            row = np.asarray(self.tables.rows[seq][: -(-n // bs)], dtype=np.int32)
+            np.maximum(row, 0, out=rows[i, : len(row)])
+        tables = torch.from_numpy(rows).to(st.device)
         ctx_t = torch.tensor(ctx, dtype=torch.int32, device=st.device)
         last = np.array([self._keys[s][n - 1] for s, n in zip(seqs, ctx, strict=True)], dtype=np.uint64)
         q = self.values.query(device_keys(last, st.device))  # [B, layers, heads, dim]
@@ -213,6 +214,8 @@ class Checks:
         self.ex.launches += self.timer.launched(step, "attention", self.kernels.decode_launches(st, n_layers))
         if not n_layers:
             return
+        # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
+        spans = [pos[pos >= n - window] if window else pos for _, n, pos, _ in decodes]
         span = max(len(x) for x in spans)
         b, layers = len(decodes), n_layers
         kv = torch.zeros((b, layers, 2, span, st.num_kv_heads, st.head_dim), dtype=torch.float32, device=st.device)
