@@ -17,6 +17,7 @@ import json
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from kvsim.gpu.predict import Predictor
 from kvsim.sim.engine.catalog import ModelSpec, get_gpu
 from kvsim.sim.engine.cost_model import Calibration, CostModel
 from kvsim.sim.engine.hf_config import model_spec
+from kvsim.workloads.files import read_json
 
 _OFF = 1e12  # an efficiency that makes a term vanish
 
@@ -230,11 +232,7 @@ def load_step_rows(paths: Sequence[str]) -> list[dict]:
     which those with a measured step time)."""
     rows: list[dict] = []
     for path in paths:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a JSON file of step rows ({e})") from None
+        data = read_json(Path(path))
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
         rows += [r for r in data if "measured_s" in r]

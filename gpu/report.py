@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvsim.workloads.files import read_json
 
 KINDS = ("write", "copy", "swap_out", "swap_in", "move", "store", "load", "file_write", "file_read", "attention")
 MAX_LISTED = 100  # mismatches listed whole in the JSON report
@@ -118,14 +118,9 @@ def load_report(spec: str) -> dict:
     it holds, or for a report written before reports held one, `REPORT,CONFIG` names the run's
     config.json. Raises ValueError naming the file for anything else."""
     path, _, config_path = spec.partition(",")
-    try:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            report = json.load(f)
-        if config_path:
-            report["config"] = json.loads(Path(config_path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable replay report ({e})") from None
+    report = read_json(Path(path))
+    if isinstance(report, dict) and config_path:
+        report["config"] = read_json(Path(config_path))
     if not isinstance(report, dict) or "step_kinds" not in report:
         raise ValueError(f"{path}: not a report `kvsim gpu-replay --save` wrote (no step_kinds)")
     if not report.get("config"):

@@ -129,7 +129,7 @@ def test_holdout_cli_prints_a_table(tmp_path, capsys):
     assert json.loads(out.read_text())["A"] == HALF_A
     bad = tmp_path / "bad.json"
     bad.write_text('[{"measured_s": 1}]\n{"x": 2}\n')
-    for path, why in ((bad, "not a JSON file of step rows (Extra data"), (tmp_path / "none.json", "No such file"),
+    for path, why in ((bad, "not JSON (Extra data, line 2)"), (tmp_path / "none.json", "cannot read (No such file or directory)"),
                       (out, "expected a JSON list of rows, got dict")):
         with pytest.raises(SystemExit):
             main(["holdout", str(path)])
@@ -194,7 +194,7 @@ def test_calibrate_fits_launch_s_to_saved_replays(tmp_path):
     res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(with_config), "--out", str(out)])
     assert res.exit_code == 0 and json.loads(out.read_text())["launch_s"]["write"] == pytest.approx(5e-6, rel=1e-9)
     res = CliRunner().invoke(app, ["calibrate", "--refit", str(rows), "--replay", str(tmp_path / "nope.json")])
-    assert res.exit_code == 2 and "nope.json: not a readable replay report" in res.output
+    assert res.exit_code == 2 and "nope.json: cannot read (No such file or directory)" in res.output
 
 
 def test_a_replays_prediction_scales_bytes_but_not_launches():
