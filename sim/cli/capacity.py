@@ -21,7 +21,8 @@ from kvsim.sim.cli.run import run as _run_command
 
 # run's options that capacity does not take: its own output, and the targets it asks for itself
 ROUTERS = Annotated[str | None, typer.Option(help="the router (with --max-replicas: one or more, comma-separated, a search each) [default: round-robin]")]
-NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "kv_events", "slo_ttft", "slo_tpot", "skip_bad"}
+NOT_KNOBS = {"out", "plots", "record_ops", "debug_invariants", "kv_events", "slo_ttft", "slo_tpot", "skip_bad",
+             "workers"}  # (capacity has its own --workers: the searches it runs at once)
 
 
 def _capacity(

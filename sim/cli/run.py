@@ -329,6 +329,7 @@ def run(
     prefill_pool: Annotated[str | None, typer.Option("--prefill-pool", help="what the prefill pool sets apart, 'field=value,...' of gpu, tensor_parallel, num_gpu_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, max_num_scheduled_tokens, long_prefill_token_threshold, calibration (e.g. 'tensor_parallel=2,max_num_seqs=64')")] = None,
     decode_pool: Annotated[str | None, typer.Option("--decode-pool", help="what the decode pool sets apart, as --prefill-pool")] = None,
     kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); every step is then simulated in full")] = None,
+    workers: Annotated[int, typer.Option("--workers", help="a cluster whose replicas never interact (round-robin, random or session-affinity, arrivals open loop): run its replicas apart in this many processes, with the same results; 0: one per CPU, 1: all on one clock", min=0)] = 0,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
 ) -> None:
@@ -361,7 +362,7 @@ def run(
     if kv_events is not None:
         check_output(kv_events)
     if cfg.replicas > 1:
-        return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress, kv_events)
+        return run_cluster(wl, cfg, cost, out_dir, plots, bar, progress, kv_events, workers)
     if cfg.prefill_replicas:
         return run_pd(wl, cfg, cost, out_dir, plots, bar, progress)
     from kvsim.sim.studies.plot_workers import NAMES, PlotWorkers
@@ -426,9 +427,10 @@ def _events_sink(stack: ExitStack, path: Path) -> Any:
 
 
 def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any,
-                kv_events: Path | None = None) -> None:
+                kv_events: Path | None = None, workers: int = 0) -> None:
     """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table; with
-    `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step)."""
+    `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step);
+    replicas that never interact run apart in `workers` processes (0: one per CPU)."""
     from kvsim.sim.cli.report import cluster_table
     from kvsim.sim.cluster.run import simulate_cluster
     from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
@@ -437,7 +439,7 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     # each replica's steps stream into the scratch folder (flat memory), copied in whole; the KV
     # events into a file beside theirs, renamed into place only if the whole run is written
     with run_scratch(out_dir) as scratch, ExitStack() as stack:
-        streams: dict[str, Any] = {"steps_dir": scratch, "keep_requests": False}
+        streams: dict[str, Any] = {"steps_dir": scratch, "keep_requests": False, "workers": workers}
         if kv_events is not None:
             streams["kv_events"] = _events_sink(stack, kv_events)
         result = _simulated(simulate_cluster, wl, cfg, cost, bar, progress, **streams)

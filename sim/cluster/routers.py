@@ -57,7 +57,10 @@ class RouterView:
 
 
 class Router(Protocol):
-    """What the cluster asks of a router; `reads_metrics` (default False) asks for snapshots."""
+    """What the cluster asks of a router; `reads_metrics` (default False) asks for snapshots.
+    `oblivious` (default False): its picks depend only on the requests in order, its seed and its
+    own dispatch counts (`RouterView.dispatched`), never on what the replicas did, so the
+    replicas never interact and may run apart (`sim.cluster.parallel`)."""
 
     def pick(self, request: Request, view: RouterView) -> int: ...
 
@@ -65,6 +68,8 @@ class Router(Protocol):
 class RoundRobin:
     """Replica k mod N for the k-th request: vLLM production-stack's `RoundRobinRouter.route_request`
     (src/vllm_router/routers/routing_logic.py, commit 5ae0b10: `req_id % len(endpoints)`)."""
+
+    oblivious = True
 
     def __init__(self, num_replicas: int, seed: int = 0):
         self.num_replicas = num_replicas
@@ -80,6 +85,8 @@ class RandomPick:
     """A uniform draw: Vidur's `RandomGlobalScheduler.schedule`
     (vidur/scheduler/global_scheduler/random_global_scheduler.py, commit 3b2237e:
     `randint(1, num_replicas) - 1`), from a generator seeded by the config's seed."""
+
+    oblivious = True
 
     def __init__(self, num_replicas: int, seed: int = 0):
         self.num_replicas = num_replicas
@@ -176,6 +183,7 @@ class SessionAffinity:
     the lowest QPS over its stats window (`_qps_routing`)."""
 
     VNODES = 160
+    oblivious = True  # (a request with no session reads only the dispatch counts)
 
     def __init__(self, num_replicas: int, seed: int = 0):
         self.num_replicas = num_replicas

@@ -15,7 +15,7 @@ import simpy
 
 from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config
-from kvsim.sim.cluster.load import imbalance, in_flight
+from kvsim.sim.cluster.load import LoadChanges, imbalance, in_flight
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
@@ -66,6 +66,7 @@ def simulate_cluster(
     steps_dir: str | Path | None = None,
     keep_requests: bool = True,
     kv_events: Callable[[EventBatch], None] | None = None,
+    workers: int | None = 1,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
@@ -76,15 +77,29 @@ def simulate_cluster(
     arrival (`received`), not the requests (`received_workload` then refuses): a long run keeps no
     token arrays alive. With `cfg.kv_events`, every replica's KV-event batches are handed to
     `kv_events` in the order (ts, replica, step) (`sim.cluster.event_stream`), or kept on each
-    replica's result (`replicas[i].kv_events`, no sink given)."""
+    replica's result (`replicas[i].kv_events`, no sink given). With `workers` other than 1 (None
+    or 0: one per usable CPU), replicas that never interact (`sim.cluster.parallel.plan`) run apart
+    in that many processes, with the same result; others run on one clock regardless."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
+    name = getattr(workload, "name", "workload")
+    files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
+    if workers != 1 and cfg.replicas > 1:
+        from kvsim.sim.cluster import parallel
+
+        source = workload
+        routed, workload = parallel.plan(source, cfg)
+        if routed is not None:  # (the source read whole: its skipped lines are known)
+            n = parallel.workers_for(workers, cfg.replicas)
+            replicas, changes = parallel.run_apart(routed, cfg, cost_model, name, getattr(source, "skipped", 0),
+                                                   n, files, progress)
+            received = [[(t, r if keep_requests else r.id) for t, r in got] for got in routed.received]
+            return _result(cfg, name, replicas, received, changes, {}, keep_requests)
     managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
     env = simpy.Environment()
-    files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
         kept = [[] for _ in range(cfg.replicas)]
@@ -98,19 +113,25 @@ def simulate_cluster(
     cluster.event_stream.close()
     if progress is not None:
         progress(cluster.num_done)
-    name = getattr(workload, "name", "workload")
     skipped = getattr(workload, "skipped", 0)
     replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i],
                               None if kept is None else kept[i]) for i, e in enumerate(cluster.engines)]
-    rows = [(r if type(r) is str else r.id, t, i) for i, got in enumerate(cluster.received) for t, r in got]
+    return _result(cfg, name, replicas, cluster.received, cluster.load_events, cluster.expected, keep_requests)
+
+
+def _result(cfg: SimConfig, name: str, replicas: list[RunResult], got: list[list[tuple[float, Any]]],
+            changes: LoadChanges, expected: dict[str, int], keep_requests: bool) -> ClusterResult:
+    """The cluster's result from its replicas' runs, the (time, request or its id) each received,
+    and the router's in-flight changes: on one clock or apart, the same tables."""
+    rows = [(r if type(r) is str else r.id, t, i) for i, pairs in enumerate(got) for t, r in pairs]
     received = pd.DataFrame(rows, columns=["id", "arrival", "replica"]).astype(
         {"id": "string", "arrival": np.float64, "replica": np.int32})
     received = received.sort_values(["arrival", "replica"], kind="stable").reset_index(drop=True)
-    load = in_flight(cluster.load_events, cfg.replicas)
-    section = cluster_summary(replicas, load, cfg, cluster.expected)
+    load = in_flight(changes, cfg.replicas)
+    section = cluster_summary(replicas, load, cfg, expected)
     summary = {**replicas[0].summary, "cluster": section} if cfg.replicas == 1 else {
         "workload": name, "model": cfg.model, "gpu": cfg.gpu, "cluster": section}
-    return ClusterResult(cfg, name, replicas, received, load, summary, cluster.received if keep_requests else [])
+    return ClusterResult(cfg, name, replicas, received, load, summary, got if keep_requests else [])
 
 
 def cluster_point(params: dict[str, Any], workload: Any) -> dict[str, Any]:

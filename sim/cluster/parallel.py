@@ -1,0 +1,171 @@
+"""A cluster whose replicas never interact, simulated apart: one process a replica at a time.
+
+Behind an oblivious router (`Router.oblivious`: round-robin, random, session-affinity) each pick
+depends only on the requests in order, the seed and the router's own dispatch counts, so with
+open-loop arrivals every request's replica and the time it reaches it are known before anything
+runs. Each replica is then a lone engine given the requests it receives at those times, which
+gives exactly the tables it has in the cluster (`ClusterResult.received_workload`,
+`tests/sim/cluster/test_exact.py`), so the replicas can run in separate processes and the cluster
+is put together from their results: the same `ClusterResult`, table for table, as one clock gives
+(`tests/sim/cluster/test_parallel.py`).
+
+Not apart: a router that reads the replicas (metrics, KV events, finishes), closed-loop sessions
+whose later turns wait on an earlier turn's finish (the release time then depends on the replica
+that ran it), `kv_events`. `plan` says None for those, and `simulate_cluster` runs them on one clock.
+
+Worker processes are forked, so each inherits the requests routed to it instead of receiving a
+copy; each sends back its replica's `RunResult` with a `ManagerFacts` in place of its block
+manager (the figures the cluster's summary and run folder read of it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import simpy
+
+from kvsim.sim.cluster.cluster import STEP_SEGMENT
+from kvsim.sim.cluster.load import LoadChanges
+from kvsim.sim.cluster.routers import ROUTERS, RouterView, make_router
+from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.loop import Engine
+from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
+from kvsim.workloads.request import Request, Workload
+
+if TYPE_CHECKING:
+    from kvsim.sim.engine.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class ManagerFacts:
+    """What the parent reads of a replica's block manager once the replica ran in a worker: the
+    pool's size and block size, and its KV-cache groups' specs (`kvsim.sim.studies.run_folder`)."""
+
+    num_blocks: int
+    block_size: int
+    num_groups: int
+    groups: tuple
+
+    @classmethod
+    def of(cls, manager: Any) -> ManagerFacts:
+        return cls(manager.num_blocks, manager.block_size, getattr(manager, "num_groups", 1),
+                   tuple(getattr(manager, "groups", ())))
+
+
+@dataclass
+class Plan:
+    """Where every request goes: `received[i]` the (time, request) pairs replica i gets, in order."""
+
+    received: list[list[tuple[float, Request]]]
+
+
+def workers_for(requested: int | None, replicas: int) -> int:
+    """Processes to run `replicas` apart in: `requested`, or with None (or 0) this machine's usable
+    CPUs; never more than the replicas."""
+    if requested is not None and requested < 0:
+        raise ValueError(f"workers must be >= 0 (0: one per usable CPU), got {requested}")
+    if not requested:
+        requested = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(requested, replicas))
+
+
+def plan(workload: Iterable[Request], cfg: SimConfig) -> tuple[Plan | None, Iterable[Request]]:
+    """Route `workload` ahead of the run if its replicas never interact: (the plan, nothing left)
+    or, where they may, (None, the workload as it still is: what was read of it, then the rest)."""
+    if not getattr(ROUTERS[cfg.router], "oblivious", False) or cfg.kv_events:
+        return None, workload
+    router = make_router(cfg.router, cfg.replicas, cfg.seed, cfg)
+    closed = cfg.closed_loop_sessions and cfg.step_time is None
+    view = RouterView(cfg.replicas)
+    received: list[list[tuple[float, Request]]] = [[] for _ in range(cfg.replicas)]
+    read: list[Request] = []
+    stream: Iterator[Request] = iter(workload)
+    now, load = 0.0, cfg.load
+    for req in stream:
+        read.append(req)
+        if closed and req.session is not None and req.think_time is not None:
+            return None, chain(read, stream)  # a later turn waits on its previous one's finish
+        delay = req.arrival / load - now  # as `Frontend._arrivals` advances the clock
+        if delay > 0:
+            now = now + delay
+        view.now = now
+        i = router.pick(req, view)
+        view.dispatched[i] += 1
+        received[i].append((now, req))
+    return Plan(received), ()
+
+
+# the run a forked worker reads (set by `run_apart` before its pool forks, so each inherits it)
+_JOB: dict[str, Any] = {}
+
+
+def _replica(i: int) -> tuple[int, RunResult, array]:
+    """Replica `i` run alone (in a worker): its result, and when each of its requests finished or
+    was dropped (the router's view of its in-flight count)."""
+    job = _JOB
+    cfg: SimConfig = job["cfg"]
+    cost = job["cost"]
+    manager = make_manager(cfg, cost)
+    env = simpy.Environment()
+    requests = Workload.as_received(job["received"][i], job["name"])
+    files = job["files"]
+    engine = Engine(env, requests, cfg.replace(replicas=1, load=1.0), cost, manager,
+                    steps_file=None if files is None else files[i], steps_segment=STEP_SEGMENT)
+    done_at = array("d")
+    front_done = engine.front.done
+
+    def done(req: Request, now: float) -> None:
+        done_at.append(now)
+        front_done(req, now)
+
+    engine.front.done = done
+    with rare_collections():
+        env.run()
+    result = engine_result(engine, cfg, cost, job["name"], job["skipped"], None if files is None else files[i])
+    return i, replace(result, manager=ManagerFacts.of(manager)), done_at
+
+
+def run_apart(the_plan: Plan, cfg: SimConfig, cost: CostModel, name: str, skipped: int, workers: int,
+              steps_files: list[Path] | None = None,
+              progress: Callable[[int], None] | None = None) -> tuple[list[RunResult], LoadChanges]:
+    """Each replica of `the_plan` run alone, `workers` at a time in forked processes (in this one
+    with 1): their results in replica order, and the router's in-flight changes (+1 as a request
+    reaches its replica, -1 as it is done there). `progress(n)` as each replica ends."""
+    _JOB.update(cfg=cfg, cost=cost, received=the_plan.received, name=name, skipped=skipped, files=steps_files)
+    results: list[RunResult | None] = [None] * cfg.replicas
+    done_at: list[array] = [array("d")] * cfg.replicas
+    finished = 0
+    pool = None
+    try:
+        if workers == 1:
+            outcomes: Iterable[tuple[int, RunResult, array]] = map(_replica, range(cfg.replicas))
+        else:
+            pool = multiprocessing.get_context("fork").Pool(workers)
+            outcomes = pool.imap_unordered(_replica, range(cfg.replicas))
+        for i, result, times in outcomes:
+            results[i], done_at[i] = result, times
+            finished += len(times)
+            if progress is not None:
+                progress(finished)
+        if pool is not None:
+            pool.close()
+            pool.join()
+    finally:
+        if pool is not None:
+            pool.terminate()
+        _JOB.clear()
+    changes = LoadChanges()
+    for i, got in enumerate(the_plan.received):
+        for t, _ in got:
+            changes.add(t, i, 1)
+    for i, times in enumerate(done_at):
+        for t in times:
+            changes.add(t, i, -1)
+    return results, changes  # type: ignore[return-value]

@@ -1,0 +1,118 @@
+"""Replicas that never interact run apart (`sim.cluster.parallel`) with exactly the result one clock
+gives: every replica's tables, the received requests, the load table and the summary; anything
+else (a router that reads the replicas, closed-loop turns, KV events) still runs on one clock."""
+
+from pathlib import Path
+
+import pandas.testing as pt
+import pyarrow.parquet as pq
+import pytest
+
+from kvsim.sim.api import default_workload
+from kvsim.sim.cluster import parallel
+from kvsim.sim.cluster.run import simulate_cluster
+from kvsim.sim.engine.config import SimConfig
+from kvsim.workloads.request import Workload, make_request
+
+# open loop: every turn at its arrival time, so an oblivious router's replicas never interact
+CFG = SimConfig(num_gpu_blocks=200, replicas=3, closed_loop_sessions=False)
+
+
+def _workload() -> Workload:
+    """The default workload, plus a prompt longer than a replica's cache (rejected: its -1 in the
+    load table comes from a rejection, not a finish)."""
+    reqs = list(default_workload())
+    reqs.insert(40, make_request("too-long", reqs[40].arrival, list(range(200 * 16 + 5)), 4))
+    return Workload.from_list(reqs, "default+long")
+
+
+def _same(a, b) -> None:
+    pt.assert_frame_equal(a.received, b.received)
+    pt.assert_frame_equal(a.load, b.load)
+    assert a.summary == b.summary
+    for x, y in zip(a.replicas, b.replicas, strict=True):
+        pt.assert_frame_equal(x.requests, y.requests)
+        pt.assert_frame_equal(x.steps, y.steps)
+        assert x.summary == y.summary
+
+
+@pytest.mark.parametrize("router", ["round-robin", "random", "session-affinity"])
+def test_apart_is_one_clock_exactly(router):
+    cfg = CFG.replace(router=router)
+    one = simulate_cluster(_workload(), cfg)
+    apart = simulate_cluster(_workload(), cfg, workers=2)
+    _same(one, apart)
+    statuses = {s for r in one.replicas for s in r.requests["status"]}
+    assert statuses == {"finished", "rejected"}  # the long prompt's rejection is among them
+    assert one.summary["cluster"]["overall"]["requests"] == 301
+    for i in range(3):  # the requests kept, as one clock keeps them
+        assert [r.id for r in apart.received_workload(i)] == [r.id for r in one.received_workload(i)]
+
+
+def test_in_process_and_streamed_steps_match(tmp_path: Path):
+    """`run_apart` with one worker (no fork) and the steps streamed into files, against one clock
+    streaming them too; `progress` hears each replica's requests as it ends."""
+    cfg = CFG.replace(router="round-robin")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = simulate_cluster(_workload(), cfg, steps_dir=tmp_path / "a", keep_requests=False)
+    routed, rest = parallel.plan(_workload(), cfg)
+    assert rest == () and [len(r) for r in routed.received] == [101, 100, 100]
+    from kvsim.sim.engine.cost_model import CostModel
+
+    heard: list[int] = []
+    files = [tmp_path / "b" / f"steps-{i}.parquet" for i in range(3)]
+    replicas, changes = parallel.run_apart(routed, cfg, CostModel.from_config(cfg), "default+long", 0, 1, files,
+                                           heard.append)
+    assert heard == [101, 201, 301]
+    assert len(changes) == 2 * 301
+    for i, (x, y) in enumerate(zip(one.replicas, replicas, strict=True)):
+        pt.assert_frame_equal(x.requests, y.requests)
+        assert pq.read_table(tmp_path / "a" / f"steps-{i}.parquet").equals(pq.read_table(files[i]))
+    assert one.requests_by_replica == []
+    assert replicas[0].manager == parallel.ManagerFacts(200, 16, 1, ())
+
+
+def test_what_cannot_run_apart_runs_on_one_clock():
+    wl = list(_workload())
+    # a router that reads the replicas
+    assert parallel.plan(wl, CFG.replace(router="least-outstanding")) == (None, wl)
+    assert parallel.plan(wl, CFG.replace(router="round-robin", kv_events=True)) == (None, wl)
+    # closed-loop turns: the default workload's later turns wait on their previous turn's finish
+    closed = CFG.replace(router="round-robin", closed_loop_sessions=True)
+    routed, rest = parallel.plan(iter(wl), closed)
+    assert routed is None and list(rest) == wl  # what was read of the stream comes back first
+    _same(simulate_cluster(_workload(), closed), simulate_cluster(_workload(), closed, workers=2))
+
+
+def test_workers_for():
+    assert parallel.workers_for(4, 3) == 3
+    assert parallel.workers_for(2, 8) == 2
+    assert parallel.workers_for(1, 8) == 1
+    assert 1 <= parallel.workers_for(None, 64) == parallel.workers_for(0, 64) <= 64
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        parallel.workers_for(-1, 8)
+
+
+def test_cli_workers_write_the_same_folder(tmp_path: Path):
+    """`kvsim run --replicas 3 --router round-robin` on a trace (open loop): the folder written with
+    its replicas apart in two processes is byte for byte the folder one clock writes."""
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli.app import app
+
+    rows = [f"2023-11-16 18:{15 + i // 60:02d}:{i % 60:02d}.{(37 * i) % 1000:03d}0000,{100 + 53 * i % 900},"
+            f"{5 + 7 * i % 40}" for i in range(90)]
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    folders = {}
+    for workers in ("1", "2"):
+        out = folders[workers] = tmp_path / f"w{workers}"
+        r = CliRunner().invoke(app, ["run", str(trace), "--replicas", "3", "--router", "round-robin",
+                                     "--num-gpu-blocks", "64", "--workers", workers, "--no-plots", "-o", str(out)])
+        assert r.exit_code == 0, r.output
+    files = sorted(p.relative_to(folders["1"]) for p in folders["1"].rglob("*") if p.is_file())
+    assert len(files) == 4 + 3 * 4  # config, summary, received, load; each replica: config, summary, requests, steps
+    assert files == sorted(p.relative_to(folders["2"]) for p in folders["2"].rglob("*") if p.is_file())
+    for f in files:
+        assert (folders["1"] / f).read_bytes() == (folders["2"] / f).read_bytes(), f
