@@ -85,12 +85,12 @@ def simulate_cluster(
         from kvsim.sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
-    name = getattr(workload, "name", "workload")
+    source = workload  # (what `plan` leaves of it may be another iterable: its name and skipped lines are here)
+    name = getattr(source, "name", "workload")
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
     if workers != 1 and cfg.replicas > 1:
         from kvsim.sim.cluster import parallel
 
-        source = workload
         routed, workload = parallel.plan(source, cfg)
         if routed is not None:  # (the source read whole: its skipped lines are known)
             n = parallel.workers_for(workers, cfg.replicas)
@@ -113,7 +113,7 @@ def simulate_cluster(
     cluster.event_stream.close()
     if progress is not None:
         progress(cluster.num_done)
-    skipped = getattr(workload, "skipped", 0)
+    skipped = getattr(source, "skipped", 0)
     replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i],
                               None if kept is None else kept[i]) for i, e in enumerate(cluster.engines)]
     return _result(cfg, name, replicas, cluster.received, cluster.load_events, cluster.expected, keep_requests)

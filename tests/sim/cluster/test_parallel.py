@@ -82,7 +82,14 @@ def test_what_cannot_run_apart_runs_on_one_clock():
     closed = CFG.replace(router="round-robin", closed_loop_sessions=True)
     routed, rest = parallel.plan(iter(wl), closed)
     assert routed is None and list(rest) == wl  # what was read of the stream comes back first
-    _same(simulate_cluster(_workload(), closed), simulate_cluster(_workload(), closed, workers=2))
+    one, fallback = _workload(), _workload()
+    one.skipped = fallback.skipped = 2  # bad lines a loader skipped: each replica's summary counts them
+    one, fallback = simulate_cluster(one, closed), simulate_cluster(fallback, closed, workers=2)
+    _same(one, fallback)
+    assert fallback.replicas[0].summary["skipped_lines"] == 2
+    apart = _workload()
+    apart.skipped = 2
+    assert simulate_cluster(apart, CFG.replace(router="round-robin"), workers=2).replicas[2].summary["skipped_lines"] == 2
 
 
 def test_workers_for():
