@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
 #       PART: env tests bench calibrate steps replay (the default set), or any of
-#             holdout graphs pd mooncake profile hybrid (GPU-LIST.md items 1-4, each alone)
+#             holdout graphs pd mooncake profile fp8 hybrid (GPU-LIST.md items 1-4, each alone)
 #
 # - tests:     every `cuda`-marked test (each kernel against its torch twin at real shapes)
 # - bench:     benchmarks/bench_gpu.py, fp16 at block size 16 and bf16 at block size 32
@@ -22,6 +22,9 @@
 #              attention compared on one layer: run it alone in a call (REPLAY_TIMEOUT, 540 s)
 # - profile:   where the Mooncake replay's time goes on the GPU machine: py-spy (a wheel in .whl/)
 #              samples the first PROFILE_S (60) seconds of the `mooncake` part's replay
+# - fp8:       the default workload's run replayed with an FP8 cache (e4m3, K scale 0.5, V scale 2) and in
+#              fp16, Llama-3-8B's geometry, every step read whole, decode attention checked on one layer:
+#              0 mismatches and each kind's time, FP8 beside fp16 (GPU-LIST item 4)
 # - hybrid:    gpt-oss-20b's and gemma-3-27b's KV-cache groups (first 80 Mooncake requests),
 #              recorded and replayed with every step read whole and decode attention per window
 # A bare machine with torch and triton but no simpy installs the wheels in .whl/ (see
@@ -154,6 +157,27 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --only "$only" --dtype float16 --block-size 16 \
             --json "$out/bench_${part}_fp16_b16.json" 2>&1 | tee "$out/bench_${part}_fp16_b16.log"
         ;;
+    fp8)
+        runs=$out/runs_fp8
+        mkdir -p "$runs"
+        src=(--num-gpu-blocks 300 --num-cpu-blocks 2048 --defrag-threshold 32)
+        geometry=(--layers 32 --kv-heads 8 --head-dim 128 --q-per-kv 4)
+        if [ "$quick" = 1 ]; then
+            head -3 tests/golden/workloads/multi-turn.jsonl > "$runs/small.jsonl"
+            src=("$runs/small.jsonl" --num-gpu-blocks 24 --num-cpu-blocks 64 --defrag-threshold 2)
+            geometry=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
+        fi
+        say "record fp8"
+        kvsim run "${src[@]}" --preemption swap --record-ops --no-plots --out "$runs/run" | grep -E "engine steps"
+        for dt in fp8:0.5,2 float16:1; do
+            IFS=: read -r dtype scale <<< "$dt"
+            say "replay $dtype"
+            timeout 300 python3 -m sim.cli.app gpu-replay "$runs/run" --device $device "${geometry[@]}" --dtype "$dtype" \
+                --kv-scale "$scale" --attention-layers 1 --save "$out/replay_fp8_$dtype.json" 2>&1 | grep -v "^step "
+            echo "rc ${PIPESTATUS[0]}"
+        done
+        rm -rf "$runs"
+        ;;
     profile)
         runs=$out/runs_profile
         mkdir -p "$runs"
@@ -167,6 +191,11 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         [ "$quick" = 1 ] && geometry=(--layers 1 --kv-heads 1 --head-dim 16 --q-per-kv 2)
         say "profile replay (${PROFILE_S:-60} s)"
         spy=$(command -v py-spy || echo /tmp/kvsim-site/bin/py-spy)
+        if [ ! -x "$spy" ]; then
+            echo "profile: no py-spy (pip download py-spy into .whl/ and carry it): skipped"
+            rm -rf "$runs"
+            continue
+        fi
         timeout $(( ${PROFILE_S:-60} + 60 )) "$spy" record -r 100 -d "${PROFILE_S:-60}" -f raw -o "$out/replay_profile.txt" -- \
             python3 -m sim.cli.app gpu-replay "$runs/run" --device $device "${geometry[@]}" --check touched \
             --attention-layers "${MOONCAKE_ATTENTION:-1}" \
@@ -216,7 +245,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         done
         rm -rf "$runs"
         ;;
-    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake profile hybrid)"; exit 2 ;;
+    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake profile fp8 hybrid)"; exit 2 ;;
     esac
     say "$part took $((SECONDS - start)) s"
 done

@@ -28,11 +28,12 @@ class TorchBackend:
 
     def write(self, st: PagedKVStorage, slots: torch.Tensor, vals: torch.Tensor) -> int:
         """vals [n, layers, 2, heads, dim] into `slots`; returns launches (kernel calls) made."""
-        st.slots().index_copy_(2, slots, vals.permute(1, 2, 0, 3, 4))
+        st.scatter(slots, vals.permute(1, 2, 0, 3, 4))
         return 1
 
     def copy(self, st: PagedKVStorage, pairs: torch.Tensor) -> None:
-        st.gpu.index_copy_(2, pairs[:, 1], st.gpu.index_select(2, pairs[:, 0]))
+        cache = st.movable(st.gpu)
+        cache.index_copy_(2, pairs[:, 1], cache.index_select(2, pairs[:, 0]))
 
     def swap(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, method: str) -> None:
         rows = src.index_select(2, pairs[:, 0].to(src.device))
@@ -40,8 +41,9 @@ class TorchBackend:
 
     def exchange(self, st: PagedKVStorage, pairs: torch.Tensor) -> None:
         a, b = pairs[:, 0], pairs[:, 1]
-        both = st.gpu.index_select(2, torch.cat([a, b]))
-        st.gpu.index_copy_(2, torch.cat([b, a]), both)
+        cache = st.movable(st.gpu)
+        both = cache.index_select(2, torch.cat([a, b]))
+        cache.index_copy_(2, torch.cat([b, a]), both)
 
     def decode(self, q: torch.Tensor, st: PagedKVStorage, tables: torch.Tensor, ctx: torch.Tensor,
                window: int | None, max_context: int, layers: int) -> torch.Tensor:
@@ -50,7 +52,7 @@ class TorchBackend:
         b, _, hq, d = q.shape
         q = q[:, :layers]
         hkv = st.num_kv_heads
-        pages = st.gpu[:layers].index_select(2, tables.reshape(-1).long())  # [L, 2, B * pages, bs, H, D]
+        pages = st.decode(st.gpu[:layers].index_select(2, tables.reshape(-1).long()))  # [L, 2, B * pages, bs, H, D]
         kv = pages.view(layers, 2, b, -1, hkv, d)  # [L, 2, B, span, H, D]
         pos = torch.arange(kv.shape[3], device=q.device)
         valid = pos[None, :] < ctx[:, None]
@@ -80,20 +82,22 @@ class TritonBackend:
 
     def write(self, st: PagedKVStorage, slots: torch.Tensor, vals: torch.Tensor) -> int:
         """Every layer's K/V in one launch (`write_kv_layers`), as a step's writes are one op here."""
-        self.k.write_kv_layers(vals, st.gpu, slots)
+        self.k.write_kv_layers(vals, st.gpu, slots, st.scales if st.fp8 else None)
         return 1
 
     def copy(self, st: PagedKVStorage, pairs: torch.Tensor) -> None:
-        self.k.copy_blocks(st.gpu, st.gpu, pairs)
+        cache = st.movable(st.gpu)
+        self.k.copy_blocks(cache, cache, pairs)
 
     def swap(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, method: str) -> None:
         self.k.swap_blocks(src, dst, pairs, method)
 
     def exchange(self, st: PagedKVStorage, pairs: torch.Tensor) -> None:
-        self.k.exchange_blocks(st.gpu, pairs)
+        self.k.exchange_blocks(st.movable(st.gpu), pairs)
 
-    def any_wrong(self, planes: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, salts: torch.Tensor) -> bool:
-        return bool(self.k.count_wrong(planes, slots, keys, salts).any())
+    def any_wrong(self, planes: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, salts: torch.Tensor,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> bool:
+        return bool(self.k.count_wrong(planes, slots, keys, salts, kv_scales).any())
 
     def decode(self, q: torch.Tensor, st: PagedKVStorage, tables: torch.Tensor, ctx: torch.Tensor,
                window: int | None, max_context: int, layers: int) -> torch.Tensor:
@@ -101,7 +105,8 @@ class TritonBackend:
         out = torch.empty_like(q)
         for layer in range(st.num_layers):
             out[:, layer] = self.k.decode_attention(q[:, layer], st.key(layer), st.value(layer), tables, ctx,
-                                                    sliding_window=window, max_context=max_context)
+                                                    sliding_window=window, max_context=max_context,
+                                                    kv_scales=st.scales)
         return out
 
     def decode_launches(self, st: PagedKVStorage, layers: int) -> int:

@@ -140,10 +140,10 @@ class Checks:
         if self.kernels.derives_expected:  # the fused kernel derives each value from its key
             planes = st.gpu.view(st.num_layers * 2, -1, st.num_kv_heads * st.head_dim)
             keys = np.concatenate([self._keys[c[0]][c[3]] for c in checks])
-            wrong = self.kernels.any_wrong(planes, slots, device_keys(keys, st.device), self.values.kv_salts)
+            wrong = self.kernels.any_wrong(planes, slots, device_keys(keys, st.device), self.values.kv_salts, st.scales)
         else:
             expected = torch.cat([self.expected.at(c[0], c[3], c[2]) for c in checks], dim=2)
-            wrong = not torch.equal(st.slots().index_select(2, slots), expected)
+            wrong = not torch.equal(st.gather(slots), expected)
         bad = set()
         if wrong:
             for seq, _, extent, p, b in checks:
@@ -227,7 +227,7 @@ class Checks:
         ref = dense_decode(q[:, :layers].reshape(b * layers, self.num_heads, st.head_dim).float(),
                            fold[:, 0], fold[:, 1], valid.repeat_interleave(layers, 0))
         errs = attention_errors(out[:, :layers].reshape(b * layers, self.num_heads, -1), ref)
-        first = first_bad(errs.view(b, layers, -1).transpose(0, 1), st.dtype, step=step, seqs=seqs,
+        first = first_bad(errs.view(b, layers, -1).transpose(0, 1), st.compute_dtype, step=step, seqs=seqs,
                           positions=[n - 1 for n in ctx])
         if first is not None:
             self.mismatch(*first)

@@ -102,7 +102,7 @@ class OpExecutor:
         if kind in ("file_write", "file_read"):  # host <-> files: plain file I/O
             with self.timer(self.step, kind):
                 files = st.file_blocks()
-                (files.write if kind == "file_write" else files.read)(st.host, self._pairs)
+                (files.write if kind == "file_write" else files.read)(st.movable(st.host), self._pairs)
             self.launches += self.timer.launched(self.step, kind, 1)
             return
         on_host = kind in _TENSORS and self.swap_method == "torch"
@@ -113,7 +113,7 @@ class OpExecutor:
                 k.copy(st, pairs)
             elif kind in _TENSORS:
                 src, dst = _TENSORS[kind]
-                k.swap(getattr(st, src), getattr(st, dst), pairs, self.swap_method)
+                k.swap(st.movable(getattr(st, src)), st.movable(getattr(st, dst)), pairs, self.swap_method)
             else:
                 k.exchange(st, pairs)
         self.launches += self.timer.launched(self.step, kind, 1)

@@ -51,7 +51,8 @@ RUN_FILES = {
     "config.json": "write the run's config there (block_size, num_gpu_blocks, num_cpu_blocks)",
 }
 PROGRESS_S = 5.0  # seconds between progress lines
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # (vLLM's --kv-cache-dtype names for FP8)
 
 
 class RunFilesError(Exception):
@@ -98,10 +99,13 @@ def replay_run(
     kernels: str | None = None,
     check: str = "full",
     progress: Callable[[str], None] | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> ReplayReport:
     """Replay `run_dir`'s ops on `device` and verify them (see the module docstring).
 
-    dtype: float16 / bfloat16 / float32 (default float16 on CUDA, float32 on CPU).
+    dtype: float16 / bfloat16 / float32, or an FP8 cache, fp8 (e4m3) / fp8_e5m2, whose values are
+    stored over `kv_scales` (K, V: powers of two) as vLLM's k_scale and v_scale (default float16 on
+    CUDA, float32 on CPU).
     kernels: "triton" or "torch" (`gpu.backends`; default triton on CUDA, torch on CPU).
     strict: raise IntegrityError at the first mismatch; else count them in the report.
     attention_layers: layers whose decode output is checked against dense attention (default: all
@@ -112,7 +116,8 @@ def replay_run(
     ops, tokens, config = load_run(run_dir, rows=True)
     return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
                       q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir),
-                      attention_layers=attention_layers, kernels=kernels, check=check, progress=progress)
+                      attention_layers=attention_layers, kernels=kernels, check=check, progress=progress,
+                      kv_scales=kv_scales)
 
 
 def replay_ops(
@@ -134,6 +139,7 @@ def replay_ops(
     kernels: str | None = None,
     check: str = "full",
     progress: Callable[[str], None] | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> ReplayReport:
     """`replay_run` on ops, tokens and config already in memory (tests inject faults here)."""
     if check_every < 1:
@@ -150,7 +156,8 @@ def replay_ops(
     if attention_layers is None:
         attention_layers = layers if kern.measures else 0
     r = _Replayer(as_rows(ops), tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, kern,
-                  run=run, attention_layers=attention_layers, strict=strict, check=check, progress=progress)
+                  run=run, attention_layers=attention_layers, strict=strict, check=check, progress=progress,
+                  kv_scales=kv_scales)
     # NOTE: a replay issues many small tensor ops; on the CPU, torch's worker threads cost more
     # than they give (5x slower on a busy 2-core machine), so it runs on one.
     threads = torch.get_num_threads()
@@ -213,7 +220,7 @@ def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int, 
 
 class _Replayer:
     def __init__(self, rows, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
-                 swap_method, kernels, *, run, attention_layers, strict, check, progress):
+                 swap_method, kernels, *, run, attention_layers, strict, check, progress, kv_scales=(1.0, 1.0)):
         self.rows, self.tokens = rows, tokens
         self.groups = kv_groups(rows, config)
         self.mamba = {g for g, (kind, _) in enumerate(self.groups or ()) if kind == "mamba"}
@@ -224,10 +231,10 @@ class _Replayer:
         self._base: dict[str, tuple[str, int]] = {}  # table name -> (sequence, group)
         n_gpu, n_cpu, n_host = _sizes(rows, config)
         self.st = PagedKVStorage(layers, n_gpu, bs, kv_heads, head_dim, num_cpu_blocks=n_cpu,
-                                 num_host_blocks=n_host, dtype=dtype, device=device)
+                                 num_host_blocks=n_host, dtype=dtype, device=device, scales=kv_scales)
         self.num_heads = kv_heads * q_per_kv
         self.timer = Timer(device)
-        self.values = DeviceValues(layers, kv_heads, self.num_heads, head_dim, self.st.device, dtype)
+        self.values = DeviceValues(layers, kv_heads, self.num_heads, head_dim, self.st.device, self.st.compute_dtype)
         self.ex = OpExecutor(self.st, self.timer, self.values, kernels, swap_method)
         self.tables = BlockTables()
         self.pred = predictor(config)

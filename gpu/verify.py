@@ -54,7 +54,7 @@ def compare_kv(storage: PagedKVStorage, positions: np.ndarray, blocks: np.ndarra
     returns the number of wrong positions and the first of them."""
     bs = storage.block_size
     slots = torch.from_numpy(blocks * bs + positions % bs).to(storage.device)
-    got = storage.slots().index_select(2, slots).permute(2, 0, 1, 3, 4)
+    got = storage.gather(slots).permute(2, 0, 1, 3, 4)
     wrong = got != expected
     bad = wrong.flatten(1).any(1)
     n_bad = int(bad.sum())

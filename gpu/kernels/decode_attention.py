@@ -24,15 +24,17 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr,
-    scale_log2, window,
+    scale_log2, v_scale, window,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_tb,
     stride_ob, stride_oh,
     num_heads, num_splits, block_size, tiles_per_split,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
+    # FP8 caches hold K / k_scale and V / v_scale: k_scale is folded into scale_log2, v_scale applied
+    # to the accumulator once (the softmax weights sum over V's rows, so scaling V scales the output)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,6 +66,9 @@ def _decode_partial_kernel(
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -82,6 +87,8 @@ def _decode_partial_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
+    if FP8:
+        acc = acc * v_scale
     if SPLIT:  # partials [B, num_heads, num_splits, D] and (max, sum) pairs, both contiguous
         idx = (b * num_heads + heads) * num_splits + split
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
@@ -138,10 +145,12 @@ def decode_attention(
     num_splits: int | None = None,
     max_context: int | None = None,
     block_n: int = 64,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of q [B, num_heads, D] over each sequence's first context_lens[b] tokens
     (the last `sliding_window` of them if set), read through block_tables [B, max_blocks]
     from key/value_cache [num_blocks, block_size, num_kv_heads, D]. Returns [B, num_heads, D].
+    FP8 caches (`gpu.storage.FP8_DTYPES`) hold K and V over `kv_scales` (vLLM's k_scale, v_scale).
 
     Query head h uses KV head h // (num_heads // num_kv_heads). `max_context` (the
     largest context length) avoids a device sync when choosing `num_splits`.
@@ -172,6 +181,9 @@ def decode_attention(
     tiles_per_split = triton.cdiv(tiles, num_splits)
     num_splits = triton.cdiv(tiles, tiles_per_split)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8 and tuple(kv_scales) != (1.0, 1.0):
+        raise ValueError(f"kv_scales {kv_scales}: only an FP8 cache is scaled")
     split = num_splits > 1
     if split:
         acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -184,14 +196,14 @@ def decode_attention(
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q, key_cache, value_cache, block_tables, context_lens, out, acc, ml,
-        scale * LOG2E, window,
+        scale * LOG2E * kv_scales[0], kv_scales[1], window,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_heads, num_splits, block_size, tiles_per_split,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, SPLIT=split, DOT_F32=dot_f32,
+        BLOCK_N=block_n, SPLIT=split, DOT_F32=dot_f32, FP8=fp8,
         num_warps=4,
     )
     if split:

@@ -40,6 +40,20 @@ def _device(device: str | None, needs: tuple[str, ...] = ("torch", "triton")) ->
     return device
 
 
+def _scales(text: str | None) -> tuple[float, float]:
+    """`--kv-scale`: 'K,V' or one number for both (checked as a storage checks them)."""
+    if text is None:
+        return 1.0, 1.0
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise fail(f"--kv-scale {text!r}: a number, or two as K,V") from None
+    if len(values) not in (1, 2):
+        raise fail(f"--kv-scale {text!r}: a number, or two as K,V")
+    return (values[0], values[-1])
+
+
 def gpu_replay(
     run_dir: Annotated[Path, typer.Argument(help="run folder with ops.parquet, op_tokens.parquet, config.json")],
     device: Annotated[str | None, typer.Option("--device", "-d", help=_DEVICE_HELP)] = None,
@@ -50,7 +64,9 @@ def gpu_replay(
     check_every: Annotated[int, typer.Option("--check-every", help="verify every N-th step")] = 1,
     attention_layers: Annotated[int | None, typer.Option(
         "--attention-layers", help="layers whose decode output is checked against dense attention (default all)")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32, or an FP8 cache: fp8 (e4m3)|fp8_e5m2")] = None,
+    kv_scale: Annotated[str | None, typer.Option(
+        "--kv-scale", help="an FP8 cache's scales, 'K,V' or one for both (vLLM's k_scale, v_scale): powers of two [default: 1]")] = None,
     swap_method: Annotated[str, typer.Option("--swap-method", help="kernel|torch")] = "kernel",
     kernels: Annotated[str | None, typer.Option("--kernels", help=_KERNELS_HELP)] = None,
     check: Annotated[str, typer.Option(
@@ -103,7 +119,8 @@ def gpu_replay(
             ops, faults = inject(ops, inject_faults, seed, tokens=tokens, block_size=config["block_size"])
         rep = replay_ops(ops, tokens, config, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
                          swap_method=swap_method, strict=False, run=str(run_dir), attention_layers=attention_layers,
-                         kernels=kernels, check=check, progress=lambda line: typer.echo(line, err=True))
+                         kernels=kernels, check=check, progress=lambda line: typer.echo(line, err=True),
+                         kv_scales=_scales(kv_scale))
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
     report = rep.as_dict()

@@ -80,6 +80,21 @@ def test_gpu_replay_rejects_bad_options(run):
     assert r.exit_code == 2 and "unknown dtype 'int8'" in r.stderr
     r = runner.invoke(app, ["gpu-replay", str(run), "--kernels", "cuda"])
     assert r.exit_code == 2 and "--kernels must be triton or torch, got 'cuda'" in r.stderr
+    fp8 = ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--dtype", "fp8", "--kv-scale"]
+    for scale, why in (("half", "--kv-scale 'half': a number, or two as K,V"),
+                       ("1,2,4", "--kv-scale '1,2,4': a number, or two as K,V"),
+                       ("3", "K scale 3: a power of two from 2^-8 to 2^6")):
+        r = runner.invoke(app, [*fp8, scale])
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--kv-scale", "2"])
+    assert r.exit_code == 2 and "kv scales 2, 2: only an FP8 cache is scaled" in r.stderr
+
+
+def test_gpu_replay_fp8(run):
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--head-dim", "8",
+                            "--dtype", "fp8", "--kv-scale", "0.5,2"])
+    assert r.exit_code == 0, r.output
+    assert "(float8_e4m3fn; 1 layers x 2 KV heads x 8 dims" in r.stdout and "mismatches     0" in r.stdout
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message shown without a GPU")

@@ -134,3 +134,38 @@ def test_touched_check_reads_only_changed_entries_and_stays_clean(tmp_path, scen
     assert full.ok and touched.ok and touched.check == "touched"
     assert (touched.steps_checked, touched.sequence_checks) == (full.steps_checked, full.sequence_checks)
     assert (full.tokens_verified, touched.tokens_verified) == {"lifecycle": (265, 129), "simulated": (743, 251)}[scenario]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_cache_replays_clean_and_stores_values_over_their_scales(lifecycle, kernels, dtype):
+    """An FP8 cache (vLLM's --kv-cache-dtype fp8 / fp8_e5m2) holds each value over its plane's scale
+    (K 0.5, V 2): every op kind replays clean, decode attention included, and a stored byte is the
+    value over its scale."""
+    run, _ = lifecycle
+    rep = replay_run(run, DEVICE, kernels=kernels, layers=1, dtype=dtype, kv_scales=(0.5, 2.0),
+                     attention_layers=1, swap_method="torch" if dtype == "fp8_e5m2" else "kernel")
+    assert rep.ok and rep.tokens_verified == 265 and rep.decode_checks == 17
+    assert rep.dtype == {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[dtype]
+    assert rep.scale == 1 * 2 * 4 * 2 * 16 * 1 / ((128 << 10) * 4)  # one byte a value
+
+
+def test_fp8_storage_codec_and_scales():
+    import torch
+
+    from kvsim.gpu.storage import PagedKVStorage
+
+    st = PagedKVStorage(1, 4, 2, 1, 4, dtype=torch.float8_e4m3fn, device="cpu", scales=(0.25, 4.0))
+    assert (st.fp8, st.compute_dtype, st.block_bytes) == (True, torch.float16, 2 * 2 * 4)
+    quarters = torch.tensor([-1.0, -0.75, 0.5, 0.75], dtype=torch.float16)
+    planes = torch.stack([quarters, quarters]).view(1, 2, 1, 1, 4)
+    st.scatter(torch.tensor([5]), planes)
+    raw = st.slots()[0, :, 5, 0].float()
+    assert raw.tolist() == [[-4.0, -3.0, 2.0, 3.0], [-0.25, -0.1875, 0.125, 0.1875]]
+    assert torch.equal(st.gather(torch.tensor([5])), planes)
+    assert st.movable(st.gpu).dtype == torch.uint8
+    for scales, why in (((0.3, 1.0), "K scale 0.3: a power of two"), ((1.0, 128.0), "V scale 128: a power of two"),
+                        ((1.0,), "one for K and one for V")):
+        with pytest.raises(ValueError, match=why):
+            PagedKVStorage(1, 4, 2, 1, 4, dtype=torch.float8_e4m3fn, device="cpu", scales=scales)
+    with pytest.raises(ValueError, match="kv scales 2, 1: only an FP8 cache is scaled"):
+        PagedKVStorage(1, 4, 2, 1, 4, dtype=torch.float16, device="cpu", scales=(2.0, 1.0))

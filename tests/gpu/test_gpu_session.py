@@ -4,6 +4,7 @@ GPU session runs, end to end, so a broken part is found here and not in a lent m
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,17 @@ def test_the_session_script_runs_every_new_part(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(out), "holdout", "graphs", "pd", "mooncake",
-                        "hybrid"], env=env, capture_output=True, text=True, timeout=600)
+                        "hybrid", "fp8", "profile"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for part in ("holdout", "graphs", "pd", "mooncake", "hybrid"):
+    for part in ("holdout", "graphs", "pd", "mooncake", "hybrid", "fp8"):
         assert f"{part} took" in r.stdout, part
+    if shutil.which("py-spy", path=env["PATH"]):  # (a dev tool, not a test dependency)
+        assert "profile took" in r.stdout and (out / "replay_profile_top.txt").read_text().startswith("own time (")
+    else:
+        assert "profile: no py-spy" in r.stdout
+    for dtype, name in (("fp8", "float8_e4m3fn"), ("float16", "float16")):
+        report = json.loads((out / f"replay_fp8_{dtype}.json").read_text())
+        assert report["mismatches"] == 0 and report["dtype"] == name and report["tokens_verified"] > 0
     kernel = "grouped" if hasattr(torch, "_grouped_mm") else "bmm"  # bfloat16's default
     assert [row["moe_kernel"] for row in json.loads((out / "holdout_quick.json").read_text())] == [kernel] * 4
     for bench in ("graphs", "pd"):
@@ -44,4 +52,4 @@ def test_the_session_script_runs_every_new_part(tmp_path):
         report = json.loads((out / f"replay_{replay}.json").read_text())
         assert report["mismatches"] == 0 and report["steps"] == report["steps_checked"] > 0, replay
         assert report["config"]["block_size"] == 16  # a saved report holds its run's config
-    assert r.stdout.count("mismatches     0") == 3
+    assert r.stdout.count("mismatches     0") == 5

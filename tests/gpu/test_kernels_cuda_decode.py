@@ -194,3 +194,22 @@ def test_write_then_decode_through_storage(dtype, bs):
     ref = torch.stack([dense_attention(q[b], keys[b], values[b]) for b in range(2)])
     _assert_close(out, ref, dtype, f"llama-3-8b {dtype} bs {bs}")
     assert int(st.key(0).count_nonzero()) == 0  # other layers untouched
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("model", MODELS)
+def test_decode_attention_fp8_cache(model, fp8):
+    """An FP8 cache holding K / k_scale and V / v_scale (vLLM's --kv-cache-dtype fp8): the kernel's
+    output against the float64 reference over the values the cache stands for (FP8 x scale), with
+    fp16's tolerance, for one split and several."""
+    s = shape_of(model)
+    bs = BLOCK_SIZES[0]
+    ctx = _batch_contexts(bs, s.window, SIZES.batch, SIZES.max_ctx, seed=7)
+    q, kc, vc, tables, lens = _paged(s, torch.float16, bs, ctx, seed=7, q_scale=2.0)
+    scales = (0.5, 2.0)
+    k8, v8 = (kc / scales[0]).to(fp8), (vc / scales[1]).to(fp8)
+    ref = _dense_ref(q, k8.to(torch.float16) * scales[0], v8.to(torch.float16) * scales[1], tables, lens, s.window)
+    for splits in (None, 1):
+        out = decode_attention(q, k8, v8, tables, lens, sliding_window=s.window, max_context=max(ctx),
+                               num_splits=splits, kv_scales=scales)
+        _assert_close(out, ref, torch.float16, f"{model} {fp8} num_splits {splits}")
