@@ -104,11 +104,13 @@ def plan(workload: Iterable[Request], cfg: SimConfig) -> tuple[Plan | None, Iter
 
 # the run a forked worker reads (set by `run_apart` before its pool forks, so each inherits it)
 _JOB: dict[str, Any] = {}
+PROGRESS_S = 0.2  # how often the parent reads the workers' count of requests done
 
 
 def _replica(i: int) -> tuple[int, RunResult, array]:
     """Replica `i` run alone (in a worker): its result, and when each of its requests finished or
-    was dropped (the router's view of its in-flight count)."""
+    was dropped (the router's view of its in-flight count). Its finishes are added to the shared
+    count `done` as the engine reports them, for the parent's progress."""
     job = _JOB
     cfg: SimConfig = job["cfg"]
     cost = job["cost"]
@@ -116,7 +118,22 @@ def _replica(i: int) -> tuple[int, RunResult, array]:
     env = simpy.Environment()
     requests = Workload.as_received(job["received"][i], job["name"])
     files = job["files"]
+    told = [0]  # finishes added to the shared count so far
+    done_count = job["done"]
+
+    echo = job["echo"]  # (in this process: the caller's progress, told at once)
+
+    def tell(n: int) -> None:
+        if n == told[0]:
+            return
+        with done_count.get_lock():
+            done_count.value += n - told[0]
+        told[0] = n
+        if echo is not None:
+            echo(done_count.value)
+
     engine = Engine(env, requests, cfg.replace(replicas=1, load=1.0), cost, manager,
+                    None if done_count is None else tell,
                     steps_file=None if files is None else files[i], steps_segment=STEP_SEGMENT)
     done_at = array("d")
     front_done = engine.front.done
@@ -128,6 +145,8 @@ def _replica(i: int) -> tuple[int, RunResult, array]:
     engine.front.done = done
     with rare_collections():
         env.run()
+    if done_count is not None:
+        tell(len(done_at))
     result = engine_result(engine, cfg, cost, job["name"], job["skipped"], None if files is None else files[i])
     return i, replace(result, manager=ManagerFacts.of(manager)), done_at
 
@@ -137,24 +156,29 @@ def run_apart(the_plan: Plan, cfg: SimConfig, cost: CostModel, name: str, skippe
               progress: Callable[[int], None] | None = None) -> tuple[list[RunResult], LoadChanges]:
     """Each replica of `the_plan` run alone, `workers` at a time in forked processes (in this one
     with 1): their results in replica order, and the router's in-flight changes (+1 as a request
-    reaches its replica, -1 as it is done there). `progress(n)` as each replica ends."""
-    _JOB.update(cfg=cfg, cost=cost, received=the_plan.received, name=name, skipped=skipped, files=steps_files)
+    reaches its replica, -1 as it is done there). `progress(n)`: the requests done on every replica
+    so far, as the engines report them (every `PROGRESS_EVERY`) and as each replica ends."""
+    ctx = multiprocessing.get_context("fork")
+    done_count = ctx.Value("q", 0) if progress is not None else None
+    _JOB.update(cfg=cfg, cost=cost, received=the_plan.received, name=name, skipped=skipped, files=steps_files,
+                done=done_count, echo=progress if workers == 1 else None)
     results: list[RunResult | None] = [None] * cfg.replicas
     done_at: list[array] = [array("d")] * cfg.replicas
-    finished = 0
     pool = None
     try:
         if workers == 1:
-            outcomes: Iterable[tuple[int, RunResult, array]] = map(_replica, range(cfg.replicas))
+            for i in range(cfg.replicas):
+                _, results[i], done_at[i] = _replica(i)
         else:
-            pool = multiprocessing.get_context("fork").Pool(workers)
-            outcomes = pool.imap_unordered(_replica, range(cfg.replicas))
-        for i, result, times in outcomes:
-            results[i], done_at[i] = result, times
-            finished += len(times)
-            if progress is not None:
-                progress(finished)
-        if pool is not None:
+            pool = ctx.Pool(workers)
+            pending = [pool.apply_async(_replica, (i,)) for i in range(cfg.replicas)]
+            while pending:
+                pending[0].wait(PROGRESS_S)
+                for job in [job for job in pending if job.ready()]:
+                    i, results[i], done_at[i] = job.get()  # (a worker's error is raised here)
+                    pending.remove(job)
+                if progress is not None:
+                    progress(done_count.value)
             pool.close()
             pool.join()
     finally:

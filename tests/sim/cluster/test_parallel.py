@@ -40,8 +40,10 @@ def _same(a, b) -> None:
 def test_apart_is_one_clock_exactly(router):
     cfg = CFG.replace(router=router)
     one = simulate_cluster(_workload(), cfg)
-    apart = simulate_cluster(_workload(), cfg, workers=2)
+    heard: list[int] = []  # the workers' count of requests done, as the parent reads it
+    apart = simulate_cluster(_workload(), cfg, heard.append, workers=2)
     _same(one, apart)
+    assert heard[-1] == 301 and heard == sorted(heard)
     statuses = {s for r in one.replicas for s in r.requests["status"]}
     assert statuses == {"finished", "rejected"}  # the long prompt's rejection is among them
     assert one.summary["cluster"]["overall"]["requests"] == 301
@@ -51,7 +53,8 @@ def test_apart_is_one_clock_exactly(router):
 
 def test_in_process_and_streamed_steps_match(tmp_path: Path):
     """`run_apart` with one worker (no fork) and the steps streamed into files, against one clock
-    streaming them too; `progress` hears each replica's requests as it ends."""
+    streaming them too; `progress` hears the requests done on every replica so far as the engines
+    report them."""
     cfg = CFG.replace(router="round-robin")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -64,7 +67,7 @@ def test_in_process_and_streamed_steps_match(tmp_path: Path):
     files = [tmp_path / "b" / f"steps-{i}.parquet" for i in range(3)]
     replicas, changes = parallel.run_apart(routed, cfg, CostModel.from_config(cfg), "default+long", 0, 1, files,
                                            heard.append)
-    assert heard == [101, 201, 301]
+    assert heard == [64, 101, 165, 201, 265, 301]  # each engine's every 64 requests done, and its end
     assert len(changes) == 2 * 301
     for i, (x, y) in enumerate(zip(one.replicas, replicas, strict=True)):
         pt.assert_frame_equal(x.requests, y.requests)
