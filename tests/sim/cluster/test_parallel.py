@@ -126,3 +126,20 @@ def test_cli_workers_write_the_same_folder(tmp_path: Path):
     assert files == sorted(p.relative_to(folders["2"]) for p in folders["2"].rglob("*") if p.is_file())
     for f in files:
         assert (folders["1"] / f).read_bytes() == (folders["2"] / f).read_bytes(), f
+
+
+def test_hybrid_groups_apart_and_offloading_apart():
+    """A model in vLLM's hybrid groups (gpt-oss-20b: a window group and a full one), and KV offloading:
+    apart as on one clock, each replica's groups kept for its run folder (`ManagerFacts`)."""
+    cfg = CFG.replace(router="round-robin", model="gpt-oss-20b", num_gpu_blocks=400)
+    one = simulate_cluster(_workload(), cfg)
+    apart = simulate_cluster(_workload(), cfg, workers=2)
+    _same(one, apart)
+    facts = apart.replicas[1].manager
+    assert (facts.num_blocks, facts.num_groups) == (400, 2)
+    assert [(g.kind, g.window) for g in facts.groups] == [("sliding_window", 128), ("full", None)]
+    cfg = CFG.replace(router="session-affinity", kv_offloading_size=0.05, num_gpu_blocks=100)
+    one = simulate_cluster(_workload(), cfg)
+    apart = simulate_cluster(_workload(), cfg, workers=2)
+    _same(one, apart)
+    assert [r.summary["offload_hit_tokens"] for r in apart.replicas] == [1600, 1264, 1360]
