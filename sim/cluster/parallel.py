@@ -120,7 +120,6 @@ def _replica(i: int) -> tuple[int, RunResult, array]:
     files = job["files"]
     told = [0]  # finishes added to the shared count so far
     done_count = job["done"]
-
     echo = job["echo"]  # (in this process: the caller's progress, told at once)
 
     def tell(n: int) -> None:
