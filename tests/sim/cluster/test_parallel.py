@@ -12,6 +12,7 @@ from kvsim.sim.api import default_workload
 from kvsim.sim.cluster import parallel
 from kvsim.sim.cluster.run import simulate_cluster
 from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import simulate
 from kvsim.workloads.request import Workload, make_request
 
 # open loop: every turn at its arrival time, so an oblivious router's replicas never interact
@@ -93,6 +94,24 @@ def test_what_cannot_run_apart_runs_on_one_clock():
     apart = _workload()
     apart.skipped = 2
     assert simulate_cluster(apart, CFG.replace(router="round-robin"), workers=2).replicas[2].summary["skipped_lines"] == 2
+
+
+def test_a_rounding_tie_keeps_the_cluster_on_one_clock():
+    """Round-robin over 2 replicas: the 3rd request reaches the cluster, last at 0.0802..., at
+    0.0894...15, but replica 0's lone front end, last at 0.0183..., would reach 0.0894...13 (SimPy adds
+    a delay to the clock, and 0.0183 + (0.0894...15 - 0.0183) rounds to the even neighbour): `plan`
+    sees it, and the cluster runs on one clock."""
+    times = [0.01830855129861867, 0.08020555562669003, 0.08948467790810415, 2.924933405175646]
+    reqs = [make_request(f"r{k}", t, list(range(20 * k, 20 * k + 30)), 3) for k, t in enumerate(times)]
+    cfg = CFG.replace(replicas=2, router="round-robin")
+    assert parallel.plan(reqs, cfg)[0] is None
+    one = simulate_cluster(Workload.from_list(reqs, "tie"), cfg)
+    alone = simulate(one.received_workload(0), one.replay_config())
+    reached = one.received.set_index("id")["arrival"]
+    assert reached["r2"] == 0.08948467790810415
+    assert alone.requests.set_index("id").loc["r2", "arrival"] == 0.08948467790810413  # an ulp apart
+    _same(one, simulate_cluster(Workload.from_list(reqs, "tie"), cfg, workers=2))
+    assert parallel.plan(reqs[:2], cfg)[0] is not None
 
 
 def test_workers_for():
