@@ -208,22 +208,23 @@ def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] |
 
 
 def simulate_cluster(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,
-                     workers: int | None = 1, **knobs: Any) -> ClusterResult:
+                     workers: int | None = 1, apart: bool = True, **knobs: Any) -> ClusterResult:
     """Simulate `workload` through a cluster, as `kvsim run --replicas N --router NAME`: `replicas`
     exact copies of the engine the knobs describe behind `router` (`router_metrics_interval`: how
     stale its engine metrics are). Returns a `kvsim.sim.cluster.run.ClusterResult`: `summary`
     (its `cluster` section), `replicas` (each a run as `simulate`'s result holds it), `received`
     (the requests each replica got, with times), `load`; `kvsim.sim.studies.cluster_folder.write_cluster`
-    writes its folder. Deterministic for the same workload, knobs and seed. `workers` other than 1
-    (None or 0: one per CPU) runs replicas that never interact apart, in that many processes
-    (`kvsim.sim.cluster.parallel`), with the same result."""
+    writes its folder. Deterministic for the same workload, knobs and seed. Replicas that never
+    interact (an oblivious router, open-loop arrivals: `kvsim.sim.cluster.parallel`) run apart, with
+    the same result: in this process, or in `workers` forked ones (None or 0: one per CPU);
+    `apart=False` runs every replica on one clock."""
     from kvsim.sim.cluster.run import simulate_cluster as run
     from kvsim.sim.engine.cost_model import CostModel
 
     cfg = config(**knobs)
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
-    return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost, workers=workers)
+    return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost, workers=workers, apart=apart)
 
 
 def simulate_pd(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,

@@ -67,6 +67,7 @@ def simulate_cluster(
     keep_requests: bool = True,
     kv_events: Callable[[EventBatch], None] | None = None,
     workers: int | None = 1,
+    apart: bool = True,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
@@ -77,9 +78,10 @@ def simulate_cluster(
     arrival (`received`), not the requests (`received_workload` then refuses): a long run keeps no
     token arrays alive. With `cfg.kv_events`, every replica's KV-event batches are handed to
     `kv_events` in the order (ts, replica, step) (`sim.cluster.event_stream`), or kept on each
-    replica's result (`replicas[i].kv_events`, no sink given). With `workers` other than 1 (None
-    or 0: one per usable CPU), replicas that never interact (`sim.cluster.parallel.plan`) run apart
-    in that many processes, with the same result; others run on one clock regardless."""
+    replica's result (`replicas[i].kv_events`, no sink given). Replicas that never interact
+    (`sim.cluster.parallel.plan`) run apart, one lone engine each, with the same result: in this
+    process with `workers` 1, else in that many forked ones (None or 0: one per usable CPU); the
+    others, and all with `apart` False, run on one clock."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
@@ -88,7 +90,7 @@ def simulate_cluster(
     source = workload  # (what `plan` leaves of it may be another iterable: its name and skipped lines are here)
     name = getattr(source, "name", "workload")
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
-    if workers != 1 and cfg.replicas > 1:
+    if apart and cfg.replicas > 1:
         from kvsim.sim.cluster import parallel
 
         routed, workload = parallel.plan(source, cfg)

@@ -40,10 +40,11 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("router", ["round-robin", "random", "session-affinity"])
 def test_apart_is_one_clock_exactly(router):
     cfg = CFG.replace(router=router)
-    one = simulate_cluster(_workload(), cfg)
+    one = simulate_cluster(_workload(), cfg, apart=False)
     heard: list[int] = []  # the workers' count of requests done, as the parent reads it
     apart = simulate_cluster(_workload(), cfg, heard.append, workers=2)
     _same(one, apart)
+    _same(one, simulate_cluster(_workload(), cfg))  # (the default: apart, in this process)
     assert heard[-1] == 301 and heard == sorted(heard)
     statuses = {s for r in one.replicas for s in r.requests["status"]}
     assert statuses == {"finished", "rejected"}  # the long prompt's rejection is among them
@@ -59,7 +60,7 @@ def test_in_process_and_streamed_steps_match(tmp_path: Path):
     cfg = CFG.replace(router="round-robin")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    one = simulate_cluster(_workload(), cfg, steps_dir=tmp_path / "a", keep_requests=False)
+    one = simulate_cluster(_workload(), cfg, steps_dir=tmp_path / "a", keep_requests=False, apart=False)
     routed, rest = parallel.plan(_workload(), cfg)
     assert rest == () and [len(r) for r in routed.received] == [101, 100, 100]
     from kvsim.sim.engine.cost_model import CostModel
@@ -88,7 +89,7 @@ def test_what_cannot_run_apart_runs_on_one_clock():
     assert routed is None and list(rest) == wl  # what was read of the stream comes back first
     one, fallback = _workload(), _workload()
     one.skipped = fallback.skipped = 2  # bad lines a loader skipped: each replica's summary counts them
-    one, fallback = simulate_cluster(one, closed), simulate_cluster(fallback, closed, workers=2)
+    one, fallback = simulate_cluster(one, closed, apart=False), simulate_cluster(fallback, closed, workers=2)
     _same(one, fallback)
     assert fallback.replicas[0].summary["skipped_lines"] == 2
     apart = _workload()
@@ -105,7 +106,7 @@ def test_a_rounding_tie_keeps_the_cluster_on_one_clock():
     reqs = [make_request(f"r{k}", t, list(range(20 * k, 20 * k + 30)), 3) for k, t in enumerate(times)]
     cfg = CFG.replace(replicas=2, router="round-robin")
     assert parallel.plan(reqs, cfg)[0] is None
-    one = simulate_cluster(Workload.from_list(reqs, "tie"), cfg)
+    one = simulate_cluster(Workload.from_list(reqs, "tie"), cfg, apart=False)
     alone = simulate(one.received_workload(0), one.replay_config())
     reached = one.received.set_index("id")["arrival"]
     assert reached["r2"] == 0.08948467790810415
@@ -125,7 +126,8 @@ def test_workers_for():
 
 def test_cli_workers_write_the_same_folder(tmp_path: Path):
     """`kvsim run --replicas 3 --router round-robin` on a trace (open loop): the folder written with
-    its replicas apart in two processes is byte for byte the folder one clock writes."""
+    its replicas apart in two processes is byte for byte the folder written apart in one (which the
+    tests above hold to one clock's result)."""
     from typer.testing import CliRunner
 
     from kvsim.sim.cli.app import app
@@ -151,14 +153,14 @@ def test_hybrid_groups_apart_and_offloading_apart():
     """A model in vLLM's hybrid groups (gpt-oss-20b: a window group and a full one), and KV offloading:
     apart as on one clock, each replica's groups kept for its run folder (`ManagerFacts`)."""
     cfg = CFG.replace(router="round-robin", model="gpt-oss-20b", num_gpu_blocks=400)
-    one = simulate_cluster(_workload(), cfg)
+    one = simulate_cluster(_workload(), cfg, apart=False)
     apart = simulate_cluster(_workload(), cfg, workers=2)
     _same(one, apart)
     facts = apart.replicas[1].manager
     assert (facts.num_blocks, facts.num_groups) == (400, 2)
     assert [(g.kind, g.window) for g in facts.groups] == [("sliding_window", 128), ("full", None)]
     cfg = CFG.replace(router="session-affinity", kv_offloading_size=0.05, num_gpu_blocks=100)
-    one = simulate_cluster(_workload(), cfg)
+    one = simulate_cluster(_workload(), cfg, apart=False)
     apart = simulate_cluster(_workload(), cfg, workers=2)
     _same(one, apart)
     assert [r.summary["offload_hit_tokens"] for r in apart.replicas] == [1600, 1264, 1360]
