@@ -93,7 +93,7 @@ def run_name(workload: str, cfg: SimConfig) -> str:
               "replicas", "router", "router_metrics_interval", "kv_events", *ROUTER_OPTIONS,
               "kv_transfer_role", "kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration",
               "prefill_replicas", "decode_replicas", "pd_decider", "pd_threshold", "prefill_pool", "decode_pool",
-              "pd_busy_threshold"):
+              "pd_busy_threshold", "replica_pools"):
         if d[k] == getattr(default, k):
             del d[k]
     digest = hashlib.sha256(json.dumps([workload, d], sort_keys=True).encode()).hexdigest()
@@ -173,8 +173,8 @@ PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_uti
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
-               "router_metrics_interval", *ROUTER_OPTIONS, "prefill_replicas", "decode_replicas", "pd_decider",
-               "pd_threshold", "prefill_pool", "decode_pool")
+               "router_metrics_interval", *ROUTER_OPTIONS, "replica_pools", "prefill_replicas", "decode_replicas",
+               "pd_decider", "pd_threshold", "prefill_pool", "decode_pool")
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
             "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
@@ -311,6 +311,7 @@ def run(
     debug_invariants: Annotated[bool, typer.Option("--debug-invariants", help="check the manager every step (slow)")] = False,
     seed: Annotated[int | None, typer.Option(help="seed (of the embedded default workload, and a cluster's router)")] = None,
     replicas: Annotated[int | None, typer.Option(help="a cluster: this many exact replicas of the engine behind --router [default: 1]")] = None,
+    replica_pools: Annotated[str | None, typer.Option("--replica-pools", help="a cluster of replicas that differ: 'count:field=value,...;count:...', the counts summing to --replicas, each group's fields (gpu, tensor_parallel, num_gpu_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, max_num_scheduled_tokens, long_prefill_token_threshold, calibration) set apart from the rest, e.g. '2:gpu=a100-80g,tensor_parallel=2;2:'")] = None,
     router: Annotated[str | None, typer.Option(help="round-robin|random|least-outstanding|vllm-dp|vllm-dp-legacy|session-affinity|llm-d|llm-d-precise|dynamo|sglang-cache-aware [default: round-robin]")] = None,
     router_metrics_interval: Annotated[float | None, typer.Option("--router-metrics-interval", help="seconds between the engine-metric snapshots the router sees [default: 0.05]")] = None,
     kv_event_delay: Annotated[float | None, typer.Option("--kv-event-delay", help="seconds after its step ends that a replica's KV events reach an event-fed router (llm-d-precise, dynamo) [default: 0.001]")] = None,
@@ -449,9 +450,18 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
             raise cannot_write(out_dir, e) from None
     section = result.summary["cluster"]
     blocks = int(result.replicas[0].summary["num_gpu_blocks"])
-    head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} on "
-            f"{cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
-            f"eviction {cfg.eviction}")
+    if cfg.replica_pools:  # replicas that differ: each group's GPU, TP and blocks
+        groups: dict[tuple, int] = {}
+        for r in result.replicas:
+            key = (r.config.gpu, r.config.tensor_parallel, int(r.summary["num_gpu_blocks"]))
+            groups[key] = groups.get(key, 0) + 1
+        fleet = ", ".join(f"{n} on {g} x{tp} ({b:,} blocks)" for (g, tp, b), n in groups.items())
+        head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model}: "
+                f"{fleet}; blocks of {cost.block_size} tokens, eviction {cfg.eviction}")
+    else:
+        head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} "
+                f"on {cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
+                f"eviction {cfg.eviction}")
     lines = [head, cluster_table(section),
              "", f"run folder: {out_dir} (replica-<i>/: each replica's run folder; received.parquet: the requests "
              "each replica received)"]

@@ -149,7 +149,7 @@ class Cluster:
     def __init__(self, env: simpy.Environment, workload: Iterable[Request], cfg: SimConfig, cost, managers: list,
                  progress: Callable[[int], None] | None = None, router: Router | None = None,
                  steps_files: list[Path] | None = None, keep_requests: bool = True,
-                 kv_events: Callable[[EventBatch], None] | None = None):
+                 kv_events: Callable[[EventBatch], None] | None = None, costs: list | None = None):
         self.env = env
         self.cfg = cfg
         n = len(managers)
@@ -170,14 +170,17 @@ class Cluster:
         closed = cfg.closed_loop_sessions and cfg.step_time is None
         self.front = Frontend(env, workload, self._route, load=cfg.load, closed_loop=closed)
         self.inlets: list[ReplicaFront] = []
-        engine_cfg = engine_config(cfg) if self.events is not None else cfg
+        # each replica's own config and cost model (`SimConfig.replica_pools`: replicas that differ)
+        configs = cfg.replica_configs() if cfg.replica_pools else [cfg] * n
+        costs = costs if costs is not None else [cost] * n
         # one stream of every replica's batches: to the router, and to `kv_events` in order
         self.event_stream = EventStream(env, self.events.send if self.events is not None else None, kv_events)
         sink = self.event_stream.send if self.events is not None or kv_events is not None else None
         # with `steps_files`, each replica's steps table streams into its file (memory stays flat)
-        self.engines = [Engine(env, None, engine_cfg, cost, m, front=self._inlet, kv_events=sink, replica=i,
+        self.engines = [Engine(env, None, engine_config(c) if self.events is not None else c, costs[i], m,
+                               front=self._inlet, kv_events=sink, replica=i,
                                steps_file=None if steps_files is None else steps_files[i], steps_segment=STEP_SEGMENT)
-                        for i, m in enumerate(managers)]
+                        for i, (c, m) in enumerate(zip(configs, managers, strict=True))]
         env.process(self._close_after_source())
         if getattr(self.router, "reads_metrics", False):  # no snapshots where no router reads them
             env.process(self._snapshots(cfg.router_metrics_interval))

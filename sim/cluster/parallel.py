@@ -124,8 +124,8 @@ def _replica(i: int) -> tuple[int, RunResult, array]:
     was dropped (the router's view of its in-flight count). Its finishes are added to the shared
     count `done` as the engine reports them, for the parent's progress."""
     job = _JOB
-    cfg: SimConfig = job["cfg"]
-    cost = job["cost"]
+    cfg: SimConfig = job["configs"][i]  # (its `replica_pools` group's)
+    cost = job["costs"][i]
     manager = make_manager(cfg, cost)
     env = simpy.Environment()
     requests = Workload.as_received(job["received"][i], job["name"])
@@ -162,16 +162,17 @@ def _replica(i: int) -> tuple[int, RunResult, array]:
     return i, replace(result, manager=ManagerFacts.of(manager)), done_at
 
 
-def run_apart(the_plan: Plan, cfg: SimConfig, cost: CostModel, name: str, skipped: int, workers: int,
+def run_apart(the_plan: Plan, cfg: SimConfig, costs: list[CostModel], name: str, skipped: int, workers: int,
               steps_files: list[Path] | None = None,
               progress: Callable[[int], None] | None = None) -> tuple[list[RunResult], LoadChanges]:
     """Each replica of `the_plan` run alone, `workers` at a time in forked processes (in this one
     with 1): their results in replica order, and the router's in-flight changes (+1 as a request
-    reaches its replica, -1 as it is done there). `progress(n)`: the requests done on every replica
+    reaches its replica, -1 as it is done there); `costs[i]` is replica i's cost model (its config:
+    `cfg.replica_configs()[i]`). `progress(n)`: the requests done on every replica
     so far, as the engines report them (every `PROGRESS_EVERY`) and as each replica ends."""
     ctx = multiprocessing.get_context("fork")
     done_count = ctx.Value("q", 0) if progress is not None else None
-    _JOB.update(cfg=cfg, cost=cost, received=the_plan.received, name=name, skipped=skipped, files=steps_files,
+    _JOB.update(configs=cfg.replica_configs(), costs=costs, received=the_plan.received, name=name, skipped=skipped, files=steps_files,
                 done=done_count, echo=progress if workers == 1 else None)
     results: list[RunResult | None] = [None] * cfg.replicas
     done_at: list[array] = [array("d")] * cfg.replicas

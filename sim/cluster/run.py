@@ -16,7 +16,7 @@ import simpy
 from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config
 from kvsim.sim.cluster.load import LoadChanges, imbalance, in_flight
-from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request, Workload
@@ -51,10 +51,11 @@ class ClusterResult:
                              "as kvsim run runs it); `kvsim conform --cluster-run` rebuilds a replica's from the workload")
         return Workload.as_received(self.requests_by_replica[replica], f"{self.workload}-replica-{replica}")
 
-    def replay_config(self) -> SimConfig:
-        """The config a replica's `received_workload` replays under alone: this one with one replica
-        and `load` 1 (its arrivals are already the times the requests reached it)."""
-        return self.config.replace(replicas=1, load=1.0)
+    def replay_config(self, replica: int = 0) -> SimConfig:
+        """The config replica `replica`'s `received_workload` replays under alone: its own (its
+        `replica_pools` group's) with one replica and `load` 1 (its arrivals are already the times
+        the requests reached it)."""
+        return self.replicas[replica].config.replace(replicas=1, load=1.0)
 
 
 def simulate_cluster(
@@ -87,6 +88,7 @@ def simulate_cluster(
         from kvsim.sim.engine.cost_model import CostModel
 
         cost_model = CostModel.from_config(cfg)
+    configs, costs = cfg.replica_configs(), replica_costs(cfg, cost_model)
     source = workload  # (what `plan` leaves of it may be another iterable: its name and skipped lines are here)
     name = getattr(source, "name", "workload")
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
@@ -96,11 +98,12 @@ def simulate_cluster(
         routed, workload = parallel.plan(source, cfg)
         if routed is not None:  # (the source read whole: its skipped lines are known)
             n = parallel.workers_for(workers, cfg.replicas)
-            replicas, changes = parallel.run_apart(routed, cfg, cost_model, name, getattr(source, "skipped", 0),
+            replicas, changes = parallel.run_apart(routed, cfg, costs, name, getattr(source, "skipped", 0),
                                                    n, files, progress)
             received = [[(t, r if keep_requests else r.id) for t, r in got] for got in routed.received]
             return _result(cfg, name, replicas, received, changes, {}, keep_requests)
-    managers = [make_manager(engine_config(cfg), cost_model) for _ in range(cfg.replicas)]
+    managers = [make_manager(engine_config(c), k) for c, k in zip(configs, costs, strict=True)]
+    _check_router_sizes(cfg, managers)
     env = simpy.Environment()
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
@@ -109,16 +112,42 @@ def simulate_cluster(
         def kv_events(batch: EventBatch) -> None:
             kept[batch.replica].append(batch)
     cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files,
-                      keep_requests=keep_requests, kv_events=kv_events if cfg.kv_events else None)
+                      keep_requests=keep_requests, kv_events=kv_events if cfg.kv_events else None, costs=costs)
     with rare_collections():
         env.run()
     cluster.event_stream.close()
     if progress is not None:
         progress(cluster.num_done)
     skipped = getattr(source, "skipped", 0)
-    replicas = [engine_result(e, cfg, cost_model, name, skipped, None if files is None else files[i],
+    replicas = [engine_result(e, configs[i], costs[i], name, skipped, None if files is None else files[i],
                               None if kept is None else kept[i]) for i, e in enumerate(cluster.engines)]
     return _result(cfg, name, replicas, cluster.received, cluster.load_events, cluster.expected, keep_requests)
+
+
+def replica_costs(cfg: SimConfig, cost_model: CostModel) -> list[CostModel]:
+    """Each replica's cost model: `cost_model` for a replica that runs under `cfg` itself, its own for a
+    `replica_pools` group (one a group, shared by its replicas)."""
+    if not cfg.replica_pools:
+        return [cost_model] * cfg.replicas
+    from kvsim.sim.engine.cost_model import CostModel
+
+    own: dict[int, CostModel] = {}
+    out = []
+    for c in cfg.replica_configs():
+        if id(c) not in own:
+            same = c.replace(replica_pools=cfg.replica_pools) == cfg
+            own[id(c)] = cost_model if same else CostModel.from_config(c)
+        out.append(own[id(c)])
+    return out
+
+
+def _check_router_sizes(cfg: SimConfig, managers: list) -> None:
+    """Refuse a router that sizes its index by one replica's blocks over replicas of different sizes."""
+    sizes = {m.num_blocks for m in managers}
+    if len(sizes) > 1 and cfg.router == "llm-d":
+        raise ConfigError(f"router llm-d sizes each pod's approximate prefix LRU by one pod's blocks (its autoTune), "
+                          f"and these replicas have {', '.join(f'{n:,}' for n in sorted(sizes))} blocks: give every "
+                          "replica_pools group the same num_gpu_blocks, or pick another router")
 
 
 def _result(cfg: SimConfig, name: str, replicas: list[RunResult], got: list[list[tuple[float, Any]]],

@@ -88,6 +88,23 @@ POOL_FIELDS = ("gpu", "tensor_parallel", "num_gpu_blocks", "gpu_memory_utilizati
                "max_num_seqs", "max_num_scheduled_tokens", "long_prefill_token_threshold", "calibration")
 
 
+def parse_replica_pools(text: str) -> list[tuple[int, dict[str, Any]]]:
+    """`count:field=value,...;...` (`SimConfig.replica_pools`) as [(count, {field: value})], each group's
+    fields as `parse_pool` reads them; a ConfigError names the bad group."""
+    out = []
+    for k, group in enumerate(text.split(";")):
+        count, sep, fields = group.strip().partition(":")
+        try:
+            n = int(count)
+        except ValueError:
+            n = 0
+        if not sep or n < 1:
+            raise ConfigError(f"replica_pools: group {k + 1} {group.strip()!r}: expected count:field=value,... "
+                              "with a count >= 1 (e.g. '2:gpu=a100-80g,tensor_parallel=2;2:')")
+        out.append((n, parse_pool(fields, f"replica_pools group {k + 1}")))
+    return out
+
+
 def parse_pool(text: str | None, name: str = "prefill_pool") -> dict[str, Any]:
     """`field=value,...` (`SimConfig.prefill_pool` / `decode_pool`) as {field: value}, each value of its
     SimConfig field's type (`none` for an optional field's None); None or '': no changes. A ConfigError
@@ -241,6 +258,10 @@ class SimConfig:
     # TP, blocks and limits), e.g. 'tensor_parallel=4,max_num_seqs=512'; None: the config as it is
     prefill_pool: str | None = None
     decode_pool: str | None = None
+    # an aggregated cluster of replicas that differ: 'count:field=value,...;count:...' (POOL_FIELDS),
+    # the counts summing to `replicas`, e.g. '2:gpu=a100-80g,tensor_parallel=2;2:' (the first two on
+    # A100s at TP 2, the other two as the rest of this config); None: every replica alike
+    replica_pools: str | None = None
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
@@ -256,7 +277,19 @@ class SimConfig:
         if self.prefill_replicas:
             return (self.prefill_replicas * self.pool_config("prefill").tensor_parallel
                     + self.decode_replicas * self.pool_config("decode").tensor_parallel)
+        if self.replica_pools:
+            return sum(c.tensor_parallel for c in self.replica_configs())
         return self.tensor_parallel * self.replicas
+
+    def replica_configs(self) -> list[SimConfig]:
+        """The config each replica of an aggregated cluster runs under, in replica order: `replica_pools`'
+        groups, each this config with its fields, or every replica this one."""
+        if not self.replica_pools:
+            return [self] * self.replicas
+        out: list[SimConfig] = []
+        for count, changes in parse_replica_pools(self.replica_pools):
+            out += [self.replace(**changes, replica_pools=None)] * count
+        return out
 
     def pool_config(self, pool: str) -> SimConfig:
         """The config a P/D pool's engines run under ('prefill' or 'decode'): this one with the pool's
@@ -377,6 +410,8 @@ class SimConfig:
                 math.isfinite(interval) and interval > 0):
             raise ConfigError(f"router_metrics_interval must be a positive number of seconds, got {interval!r}")
         self._validate_router_options()
+        if self.replica_pools:
+            self._validate_replica_pools()
         if self.replicas > 1 and self.record_ops:
             raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
                               "run with replicas 1")
@@ -490,6 +525,19 @@ class SimConfig:
                 except ConfigError as e:
                     raise ConfigError(f"{pool}_pool: {e}") from None
             check_tp_pair(self.pool_config("prefill").tensor_parallel, self.pool_config("decode").tensor_parallel)
+
+    def _validate_replica_pools(self) -> None:
+        if self.replicas < 2:
+            raise ConfigError("replica_pools needs an aggregated cluster (replicas > 1)")
+        groups = parse_replica_pools(self.replica_pools)
+        total = sum(n for n, _ in groups)
+        if total != self.replicas:
+            raise ConfigError(f"replica_pools: its counts sum to {total}, but replicas is {self.replicas}")
+        for k, (_, changes) in enumerate(groups):
+            try:
+                self.replace(**changes, replica_pools=None).validate()
+            except ConfigError as e:
+                raise ConfigError(f"replica_pools group {k + 1}: {e}") from None
 
     def _validate_fs(self) -> None:
         if self.offload_store_threshold >= 2:  # vllm/v1/kv_offload/tiering/spec.py get_manager

@@ -67,7 +67,7 @@ def test_in_process_and_streamed_steps_match(tmp_path: Path):
 
     heard: list[int] = []
     files = [tmp_path / "b" / f"steps-{i}.parquet" for i in range(3)]
-    replicas, changes = parallel.run_apart(routed, cfg, CostModel.from_config(cfg), "default+long", 0, 1, files,
+    replicas, changes = parallel.run_apart(routed, cfg, [CostModel.from_config(cfg)] * 3, "default+long", 0, 1, files,
                                            heard.append)
     assert heard == [64, 101, 165, 201, 265, 301]  # each engine's every 64 requests done, and its end
     assert len(changes) == 2 * 301
