@@ -151,7 +151,7 @@ def cluster_table(section: dict[str, Any]) -> str:
     """A cluster's summary (`sim.cluster.run.cluster_summary`): a row a replica and one for all of
     them together (requests, hit rate, TTFT and TPOT p50/p99, goodput), then the load imbalance and a
     prefix-aware router's prediction against the hits."""
-    rows = [["replica", *FIGURES]] + [[str(i), *figure_cells(f)] for i, f in enumerate(section["per_replica"])]
+    rows = [["replica", *FIGURES]] + [[_replica_label(i, f), *figure_cells(f)] for i, f in enumerate(section["per_replica"])]
     lines = aligned(rows + [["all", *figure_cells(section["overall"])]])
     lines.append(f"router {section['router']} over {section['replicas']} replicas; load imbalance (most in-flight "
                  f"requests on one replica over the mean, time-averaged / peak): {_imbalance(section)}")
@@ -161,6 +161,11 @@ def cluster_table(section: dict[str, Any]) -> str:
                      f"{p['hit_tokens']:,} hit; more expected than hit on {p['over']:,} of {p['requests']:,} "
                      f"requests ({p['over_tokens']:,} tokens), fewer on {p['under']:,} ({p['under_tokens']:,})")
     return "\n".join(lines)
+
+
+def _replica_label(i: int, figures: dict[str, Any]) -> str:
+    """Replica i, with what it runs on where a cluster's replicas differ (`replica_pools`)."""
+    return f"{i} ({figures['pool']})" if "pool" in figures else str(i)
 
 
 def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
@@ -173,7 +178,7 @@ def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
             rows.append([label, "1", *figure_cells(s), "-"])
             continue
         rows.append([label, f"{s['replicas']} x {s['router']}", *figure_cells(s["overall"]), _imbalance(s)])
-        rows += [[f"  replica {i}", "", *figure_cells(f), ""] for i, f in enumerate(s["per_replica"])]
+        rows += [[f"  replica {_replica_label(i, f)}", "", *figure_cells(f), ""] for i, f in enumerate(s["per_replica"])]
     return "\n".join(aligned(rows))
 
 

@@ -219,6 +219,9 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
     same figures over every replica's requests together, the load imbalance, and for a
     prefix-aware router its `prediction` against the hits (`prediction`)."""
     per = [{k: r.summary[k] for k in REPLICA_FIGURES} for r in replicas]
+    if cfg.replica_pools:  # replicas that differ: what each runs on
+        for f, r in zip(per, replicas, strict=True):
+            f["pool"] = f"{r.config.gpu} x{r.config.tensor_parallel}, {int(r.summary['num_gpu_blocks']):,} blocks"
     requests = pd.concat([r.requests for r in replicas], ignore_index=True)
     done = requests["status"] == "finished"
     ends = [float(r.step_columns("time").iloc[-1, 0] + r.step_columns("duration").iloc[-1, 0])
