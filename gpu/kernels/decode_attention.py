@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvsim.gpu.kernels.mode import interpreting
+from kvsim.gpu.storage import FP8_DTYPES
 
 LOG2E = 1.4426950408889634
 
@@ -181,7 +182,7 @@ def decode_attention(
     tiles_per_split = triton.cdiv(tiles, num_splits)
     num_splits = triton.cdiv(tiles, tiles_per_split)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = key_cache.dtype in FP8_DTYPES
     if not fp8 and tuple(kv_scales) != (1.0, 1.0):
         raise ValueError(f"kv_scales {kv_scales}: only an FP8 cache is scaled")
     split = num_splits > 1

@@ -449,7 +449,6 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
         except OSError as e:
             raise cannot_write(out_dir, e) from None
     section = result.summary["cluster"]
-    blocks = int(result.replicas[0].summary["num_gpu_blocks"])
     if cfg.replica_pools:  # replicas that differ: each group's GPU, TP and blocks
         groups: dict[tuple, int] = {}
         for r in result.replicas:
@@ -459,6 +458,7 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
         head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model}: "
                 f"{fleet}; blocks of {cost.block_size} tokens, eviction {cfg.eviction}")
     else:
+        blocks = int(result.replicas[0].summary["num_gpu_blocks"])
         head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} "
                 f"on {cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
                 f"eviction {cfg.eviction}")

@@ -175,7 +175,7 @@ def run_apart(the_plan: Plan, cfg: SimConfig, costs: list[CostModel], name: str,
     _JOB.update(configs=cfg.replica_configs(), costs=costs, received=the_plan.received, name=name, skipped=skipped, files=steps_files,
                 done=done_count, echo=progress if workers == 1 else None)
     results: list[RunResult | None] = [None] * cfg.replicas
-    done_at: list[array] = [array("d")] * cfg.replicas
+    done_at = [array("d") for _ in range(cfg.replicas)]
     pool = None
     try:
         if workers == 1:

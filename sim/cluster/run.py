@@ -125,19 +125,13 @@ def simulate_cluster(
 
 
 def replica_costs(cfg: SimConfig, cost_model: CostModel) -> list[CostModel]:
-    """Each replica's cost model: `cost_model` for a replica that runs under `cfg` itself, its own for a
-    `replica_pools` group (one a group, shared by its replicas)."""
-    if not cfg.replica_pools:
-        return [cost_model] * cfg.replicas
+    """Each replica's cost model, in replica order: `cost_model` for a group that sets nothing apart,
+    its own for each other `replica_pools` group (shared by its replicas), as `simulate_pd` gives pools."""
     from kvsim.sim.engine.cost_model import CostModel
 
-    own: dict[int, CostModel] = {}
-    out = []
-    for c in cfg.replica_configs():
-        if id(c) not in own:
-            same = c.replace(replica_pools=cfg.replica_pools) == cfg
-            own[id(c)] = cost_model if same else CostModel.from_config(c)
-        out.append(own[id(c)])
+    out: list[CostModel] = []
+    for count, c, own in cfg.replica_groups():
+        out += [CostModel.from_config(c) if own else cost_model] * count
     return out
 
 

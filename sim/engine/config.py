@@ -281,15 +281,17 @@ class SimConfig:
             return sum(c.tensor_parallel for c in self.replica_configs())
         return self.tensor_parallel * self.replicas
 
-    def replica_configs(self) -> list[SimConfig]:
-        """The config each replica of an aggregated cluster runs under, in replica order: `replica_pools`'
-        groups, each this config with its fields, or every replica this one."""
+    def replica_groups(self) -> list[tuple[int, SimConfig, bool]]:
+        """An aggregated cluster's groups of replicas, in replica order: (how many, the config they run
+        under, whether it sets anything apart from this one): `replica_pools`' groups, or one of all."""
         if not self.replica_pools:
-            return [self] * self.replicas
-        out: list[SimConfig] = []
-        for count, changes in parse_replica_pools(self.replica_pools):
-            out += [self.replace(**changes, replica_pools=None)] * count
-        return out
+            return [(self.replicas, self, False)]
+        return [(count, self.replace(**changes, replica_pools=None), bool(changes))
+                for count, changes in parse_replica_pools(self.replica_pools)]
+
+    def replica_configs(self) -> list[SimConfig]:
+        """The config each replica of an aggregated cluster runs under, in replica order (`replica_groups`)."""
+        return [c for count, c, _ in self.replica_groups() for _ in range(count)]
 
     def pool_config(self, pool: str) -> SimConfig:
         """The config a P/D pool's engines run under ('prefill' or 'decode'): this one with the pool's
