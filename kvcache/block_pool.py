@@ -120,11 +120,20 @@ class BlockPool:
         if plain and self._lru is not None:
             if keys is not None or not self.ops.enabled:
                 return self._pop_counted(n, keys)
-            keys = []  # op records: the one-pass take, its evictions recorded after it (no hook between)
+        if self._on_evict is None and self._lru is not None and (plain or keys is None):
+            # op records or KV events: the one-pass take, its evictions recorded (and each queued as
+            # a `BlockRemoved`, in pop order) after it: no hook runs between
+            keys = []
             out = self._pop_counted(n, keys)
-            evicted = [b.block_id for b, key in zip(out, keys, strict=True) if key is not None]
-            if evicted:
-                self.ops.emit_evicts(evicted, [key for key in keys if key is not None])
+            if len(keys) - keys.count(None):
+                evicted = [b.block_id for b, key in zip(out, keys, strict=True) if key is not None]
+                gone = [key for key in keys if key is not None]
+                if self.ops.enabled:
+                    self.ops.emit_evicts(evicted, gone)
+                else:
+                    self.ops.counts["evict"] += len(evicted)
+                if self.events is not None:
+                    self.events.removed_keys(evicted, gone, self.group_of)
             return out
         if plain and keys is None and not self.ops.enabled:
             return self._take_counted(self.policy.pop_n(n))

@@ -141,10 +141,18 @@ class KVEventLog:
     def removed(self, blocks: list[KVCacheBlock], group_of: list[int] | None) -> None:
         """Cached `blocks` evicted (their keys still set), in order; `group_of`: each block's group
         (None: one group)."""
-        salts, queue = self.salts, self.queue
-        for b in blocks:
-            g = group_of[b.block_id] if group_of is not None else 0
-            queue.append(BlockRemoved([b.block_hash ^ salts[g]], MEDIUM_GPU, g))
+        self.removed_keys([b.block_id for b in blocks], [b.block_hash for b in blocks], group_of)
+
+    def removed_keys(self, ids: list[int], keys: list[int], group_of: list[int] | None) -> None:
+        """`removed` of the blocks `ids`, evicted in this order, whose keys were `keys` (salted)."""
+        queue = self.queue
+        if group_of is None:
+            queue += [BlockRemoved([key], MEDIUM_GPU, 0) for key in keys]
+            return
+        salts = self.salts
+        for i, key in zip(ids, keys, strict=True):
+            g = group_of[i]
+            queue.append(BlockRemoved([key ^ salts[g]], MEDIUM_GPU, g))
 
     def cleared(self) -> None:
         self.queue.append(AllBlocksCleared())

@@ -394,13 +394,15 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         at a block's first or last slot, unshared), in order: a new block where its token starts one,
         caching the block its token fills. No write is counted (the caller counts them in bulk).
         `num_new` > 0 (exact LRU only): the new blocks are taken in one go, which hands out the same
-        blocks as a take each, since caching between them pushes, pops and touches no free block.
+        blocks as a take each, since caching between them pushes, pops and touches no free block
+        (not with KV events: a take's removals are queued between the cachings, sequence by sequence).
         With op records, `_decode_recorded` (a sequence may then be at any slot)."""
         if self.ops.enabled:
             self._decode_recorded(seqs, num_new)
             return
         bs, tables, caching = self.block_size, self.req_blocks, self.enable_caching
-        take = iter(self.pool.get_new_blocks(num_new)) if num_new else None
+        # (with KV events a take each: a take's removals come between the cachings, as vLLM queues them)
+        take = iter(self.pool.get_new_blocks(num_new)) if num_new and self.events is None else None
         for seq in seqs:
             c = seq.num_computed_tokens
             blocks = tables[seq.seq_id]

@@ -57,8 +57,8 @@ class _Late(Event):
 
 def engine_config(cfg: SimConfig) -> SimConfig:
     """The config each replica's engine and block manager run under: with a router fed by KV events
-    (`EVENT_ROUTERS`), `kv_events` on, so each step's events are queued and every step's block calls
-    are vLLM's (no speed shortcuts)."""
+    (`EVENT_ROUTERS`), `kv_events` on, so each step's events are queued (the speed shortcuts keep
+    each step's batch as plain stepping queues it: tests/sim/engine/test_events_shortcuts.py)."""
     return cfg.replace(kv_events=True) if cfg.router in EVENT_ROUTERS else cfg
 
 

@@ -35,25 +35,37 @@ class PrefixIndex:
         """One replica's batch, in order (llm-d-kv-cache `Pool.processEventBatch`: a stored block
         adds the pod's entry of the event's medium, lower-cased; a removed one drops it; a clear
         drops every entry of the pod)."""
-        replica = batch.replica
+        replica, holders, sizes = batch.replica, self.holders, self.sizes
         for event in batch.events:
-            if isinstance(event, BlockStored):
+            kind = type(event)
+            if kind is BlockStored:
+                medium = event.medium.lower()
+                for h in event.block_hashes:  # (`_add`, inline: a prompt's blocks come by the thousand)
+                    pods = holders.get(h)
+                    if pods is None:
+                        holders[h] = {replica: {medium}}
+                        sizes[replica] += 1
+                    elif replica in pods:
+                        pods[replica].add(medium)
+                    else:
+                        pods[replica] = {medium}
+                        sizes[replica] += 1
+            elif kind is BlockRemoved:  # (`_remove`, inline: one hash an event, one event an eviction)
+                medium = event.medium.lower()
                 for h in event.block_hashes:
-                    self._add(h, replica, event.medium.lower())
-            elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    self._remove(h, replica, event.medium.lower())
-            elif isinstance(event, AllBlocksCleared):
+                    pods = holders.get(h)
+                    mediums = pods.get(replica) if pods is not None else None
+                    if mediums is not None:
+                        mediums.discard(medium)
+                        if not mediums:
+                            del pods[replica]
+                            sizes[replica] -= 1
+                            if not pods:
+                                del holders[h]
+            elif kind is AllBlocksCleared:
                 for h in [h for h, pods in self.holders.items() if replica in pods]:
                     for medium in list(self.holders[h][replica]):
                         self._remove(h, replica, medium)
-
-    def _add(self, h: int, replica: int, medium: str) -> None:
-        pods = self.holders.setdefault(h, {})
-        if replica not in pods:
-            pods[replica] = set()
-            self.sizes[replica] += 1
-        pods[replica].add(medium)
 
     def _remove(self, h: int, replica: int, medium: str) -> None:
         pods = self.holders.get(h)

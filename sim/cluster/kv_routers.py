@@ -139,11 +139,16 @@ class Dynamo:
         keys = block_keys(request.prompt, self.block_size)
         overlaps = self.index.overlaps(keys)
         out = []
+        distinct = set(keys)
         for i in range(self.num_replicas):
             new_tokens = max(request.prompt_len - overlaps[i] * self.block_size, 0)
             prefill_blocks = (self.prefill_tokens[i] + new_tokens) / self.block_size
             held = self.blocks[i]
-            decode_blocks = len(held) + sum(1 for k in keys if k not in held)
+            # the request's blocks not held (each key counted as often as it comes)
+            if len(distinct) == len(keys):
+                decode_blocks = len(held) + len(keys) - len(held.keys() & distinct)
+            else:
+                decode_blocks = len(held) + sum(1 for k in keys if k not in held)
             out.append(self.overlap_weight * prefill_blocks + decode_blocks)
         return out, keys
 

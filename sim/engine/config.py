@@ -265,7 +265,7 @@ class SimConfig:
     # outputs
     record_ops: bool = False
     debug_invariants: bool = False
-    # vLLM's KV events (kvcache.events), taken once a step; every step is taken in full (no speed shortcuts)
+    # vLLM's KV events (kvcache.events), taken once a step (the shortcuts keep each step's batch as it is)
     kv_events: bool = False
     slo_ttft: float | None = None  # seconds, for goodput
     slo_tpot: float | None = None

@@ -222,7 +222,8 @@ class Engine:
         sync = not cfg.async_scheduling
         depth = 1 if sync else 2
         busy = sched.has_work if sync else sched.has_requests
-        quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done, usage)
+        quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done, usage,
+                                self._take_events if self.kv_events is not None else None)
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x

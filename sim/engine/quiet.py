@@ -38,7 +38,10 @@ before a step whose poll could find a read or a release done (`next_change`, aft
 connector holds, or after a yield to SimPy), so beside reads in flight each quiet step's poll would
 find nothing, and the holding queue's scan, every held request skipped, changes nothing (its skip is
 recorded only for the prefill cadence, which has no quiet runs); a request that reaches the engine
-meanwhile is a new head, decided again. (An earlier attempt at runs beside reads made `kvsim conform
+meanwhile is a new head, decided again. With KV events each quiet step hands on the batch its
+decodes queued, as the general step does (`events`), and `decode_in_place` takes each new block
+with its sequence, so a take's `BlockRemoved`s fall between the cachings as vLLM queues them.
+(An earlier attempt at runs beside reads made `kvsim conform
 --random 147:148 --pd` differ; with the link's reads moved from event to event and the gate alone
 lifted, that case and the `--pd` random cases conform.)
 """
@@ -68,9 +71,11 @@ class QuietRuns:
     """One engine's quiet runs: the scheduler, manager and logs they drive, and steps taken so far."""
 
     def __init__(self, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
-                 drain: Callable[[float], int], usage: GroupUsage | None = None):
+                 drain: Callable[[float], int], usage: GroupUsage | None = None,
+                 events: Callable[[float, int], None] | None = None):
         self.sched, self.env, self.cost, self.steps, self.drain = sched, env, cost, steps, drain
         self.usage = usage  # each group's blocks after each step (vLLM's hybrid groups), or None
+        self.events = events  # (end, step): hands on the step's KV events (the engine's `_take_events`), or None
         self.fast = sched.fast
         self.m = m = sched.m
         self.bs = m.block_size
@@ -89,15 +94,16 @@ class QuietRuns:
 
     @classmethod
     def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
-              drain: Callable[[float], int], usage: GroupUsage | None = None) -> QuietRuns | None:
-        """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`), or None where
-        they do not apply (see the module docstring)."""
+              drain: Callable[[float], int], usage: GroupUsage | None = None,
+              events: Callable[[float, int], None] | None = None) -> QuietRuns | None:
+        """Quiet runs for an engine's step loop (`drain(now)`: its `_drain_done`; `events(end, step)`:
+        its `_take_events`, with KV events), or None where they do not apply (see the module docstring)."""
         if not sched.fast.decodes or sched.prefill.cadence or getattr(sched.m, "has_mamba", False) \
                 or (sched.m.records_ops and sched.m.num_groups > 1):
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
-        return cls(sched, env, cost, steps, drain, usage)
+        return cls(sched, env, cost, steps, drain, usage, events)
 
     def _admission(self, n: int) -> tuple[bool, int | None, bool]:
         """Whether the admission after this step's decodes (n running) must do nothing; if so
@@ -327,6 +333,8 @@ class QuietRuns:
                 free = m.num_free_blocks
                 span = m.id_space_fragmentation()
             sched.internal_fragmentation = frag
+            if self.events is not None:  # as the general step hands them on: after the output, before the drain
+                self.events(clock, k)
             done = drain(clock) if sched.done else 0
             evicted = count("evict", 0)
             record((

@@ -85,9 +85,9 @@ class Scheduler:
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
-        # (KV events: every step's block calls as vLLM makes them, so no shortcut)
-        # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them)
-        on = cfg.shortcuts and not cfg.kv_events and self.output.shortcuts and \
+        # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them;
+        # with KV events each cache stays in its step, `Shortcuts`)
+        on = cfg.shortcuts and self.output.shortcuts and \
             (connector is None or getattr(connector, "allows_shortcuts", False))
         self.fast = Shortcuts(manager, on, self.lookahead, self.priority,
                               whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)

@@ -12,7 +12,8 @@
   look its key up while its sequence holds it, so it is cached when the
   sequence's blocks are freed or swapped out (`Shortcuts.free`, `preempted`), or
   when a later block of it is cached, not at the step that filled it; with
-  defragmentation or an eviction policy that hooks caching (FIFO, ARC) each
+  defragmentation, an eviction policy that hooks caching (FIFO, ARC) or KV
+  events (a `BlockStored` belongs to the step that filled its block) each
   cache stays in its step. With op records, the filling slot's write is
   recorded late like the others (caching records no op). When the token budget binds and a
   lazy sequence comes after a prefill in RUNNING order (the prefill may take
@@ -221,8 +222,9 @@ class Shortcuts:
         if self.records:
             self.lazy.record = self._record
             m.keep_late_ops(self.bs)  # late writes: a lazy run lasts at most bs - 1 steps
-        if self.decodes and m.defrag is None and not m.caching_hooks_policy and m.num_groups == 1:
-            self.lazy.fills = True  # (defrag and such policies keep each cache in its step)
+        if self.decodes and m.defrag is None and not m.caching_hooks_policy and m.num_groups == 1 \
+                and not m.emits_events:
+            self.lazy.fills = True  # (defrag, such policies and KV events keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted

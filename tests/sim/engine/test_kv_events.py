@@ -26,7 +26,7 @@ def test_each_step_that_queued_events_is_one_stamped_batch() -> None:
 
 
 def test_events_change_nothing_and_name_every_eviction() -> None:
-    """Events on (every step in full: no speed shortcuts) give the same tables as off; every
+    """Events on give the same tables as off; every
     eviction is one BlockRemoved, handed to the sink given instead of kept on the result."""
     cfg = _stress(parallel_sampling="fork")
     off = simulate(_mixed(), cfg, cost_model=FlatCost(0.01))
