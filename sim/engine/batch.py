@@ -12,7 +12,7 @@ class Live:
     """One sequence in flight: the request it answers, its KV sequence, and its final length."""
 
     __slots__ = ("req", "row", "seq", "target", "order", "since", "wake", "keys", "parent", "admitted", "prefilling",
-                 "arrival", "ph", "inflight", "stale", "fin", "limit", "last_seq")
+                 "arrival", "ph", "inflight", "stale", "fin", "limit", "last_seq", "uid")
 
     def __init__(self, req: Request, row: int, max_len: int | None = None):
         self.req = req
@@ -21,6 +21,7 @@ class Live:
         self.arrival = req.arrival  # when it reached the engine (set by `Scheduler.add`): priority's tie-break
         self.row = row  # the request's row in the RequestLog (arrival order; shared by its samples)
         self.seq: Sequence | None = None  # made (prompt materialised) at first admission
+        self.uid = 0  # its sequence's uid (`Scheduler.add`: by arrival, whatever the admission order)
         self.keys: tuple[list[int], int] | None = None  # its prompt's block keys, hashed ahead (WaitQueue.hash_ahead)
         self.target = req.prompt_len + max(req.output_len, 1)  # tokens when done
         if max_len is not None and self.target > max_len:

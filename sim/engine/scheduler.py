@@ -101,7 +101,7 @@ class Scheduler:
         self.swapped: list[tuple[int, int, Live]] = []  # heap by arrival: the oldest resumes first
         self.done: list[Request] = []  # requests finished or dropped since the caller last drained it
         self._open: dict[int, int] = {}  # row -> samples not yet done, of a request with n > 1
-        self._uid = 0
+        self._uid = 0  # sequence uids handed out so far (`add`)
         self._finished = False  # vLLM's finished_req_ids: some request finished since the last batch
         self.internal_fragmentation = 0  # allocated slots not holding a token, after `update`
         # vLLM 0.33 Scheduler.__init__ (defer_block_free): with batches in flight (async output) and a
@@ -138,6 +138,11 @@ class Scheduler:
         """A request arrives: queue it (fanned out if n > 1), or drop it at once if it can never run."""
         self.output.check(req)
         row = self.log.add(req.id, now, req.prompt_len, req.output_len, req.n, req.priority)
+        # NOTE: n sequence uids a request, in arrival order, so its decoded tokens' stand-ins (and the
+        # keys of blocks holding them) are the request's own, not the admission order's (priority
+        # scheduling admits out of order); as `kvcache.replay` and the conform drivers number them
+        uid = self._uid
+        self._uid += req.n
         reason = self._never_fits(req)
         if reason:
             self.log.status[row] = REJECTED
@@ -145,15 +150,15 @@ class Scheduler:
             self.log.finish[row] = now
             self.done.append(req)
             return
-        if req.n == 1 or self.fork:
+        if req.n == 1 or self.fork:  # (a fork's children take the uids after its own)
             live = Live(req, row, self.max_len)
-            live.arrival = now
+            live.arrival, live.uid = now, uid
             self.waiting.push(live)
             return
         self._open[row] = req.n
-        for sample in fan_out(req):
+        for j, sample in enumerate(fan_out(req)):
             live = Live(sample, row, self.max_len)
-            live.parent, live.arrival = req, now
+            live.parent, live.arrival, live.uid = req, now, uid + j
             self.waiting.push(live)
 
     def _never_fits(self, req: Request) -> str:
@@ -178,8 +183,8 @@ class Scheduler:
             child = Live(req, live.row, self.max_len)
             child.arrival = live.arrival
             child.admitted = True  # its prompt came with the fork: a later re-admission is not a first one
-            child.seq = self.m.fork(live.seq, f"{req.id}/{j}", self._uid)
-            self._uid += 1
+            child.uid = live.uid + j
+            child.seq = self.m.fork(live.seq, f"{req.id}/{j}", child.uid)
             self._join(child)
         return req.n
 
@@ -504,8 +509,7 @@ class Scheduler:
         if live.keys is None and self.m.enable_caching:  # with the prompts next in line, at once
             self.waiting.hash_ahead(live, self.m.block_size)
         r = live.req
-        live.seq = Sequence(r.id, r.prompt, uid=self._uid, output=r.output, keys=live.keys)
-        self._uid += 1
+        live.seq = Sequence(r.id, r.prompt, uid=live.uid, output=r.output, keys=live.keys)
         return live.seq
 
     # ------------------------------------------------------------- output

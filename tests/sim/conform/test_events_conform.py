@@ -170,6 +170,18 @@ def test_offloading_random_cases_match_vllms_events(seed: int, steps: int, async
 
 
 @needs_vllm
+@pytest.mark.parametrize(("seed", "steps"), [(71017, 23), (70035, 218)])
+def test_priority_scheduling_matches_vllms_events(seed: int, steps: int) -> None:
+    """Priority admits out of arrival order; a request's decoded tokens are still its own (their
+    stand-ins numbered by arrival, as the driver feeds vLLM `token_ids(request, index)`), so a block
+    holding them stores the same tokens and hash as vLLM's. Both seeds differed (7 and 89 steps)
+    while kvsim numbered sequences in admission order; the second is gpt-oss-20b's two groups."""
+    case = random_case(seed)
+    assert case.cfg.scheduling == "priority" and case.cfg.step_time is not None
+    assert compare_events(case.requests, case.cfg).format() == f"events    {steps:,} steps, 0 differ"
+
+
+@needs_vllm
 def test_missing_or_misordered_cpu_events_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative controls: no host-tier events, or a removal's keys out of eviction order, differ."""
     requests, cfg = _offload_cases()["tier-too-small"]

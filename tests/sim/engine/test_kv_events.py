@@ -39,3 +39,19 @@ def test_events_change_nothing_and_name_every_eviction() -> None:
     assert removed == off.summary["evictions"] == 699
     steps = [b.step for b in got]
     assert steps == sorted(set(steps)) and all(b.replica == 0 and b.events for b in got)
+
+
+def test_decoded_tokens_are_numbered_by_arrival_not_admission() -> None:
+    """Priority scheduling runs b (priority 0) before a (priority 1), which arrived first; each
+    request's decoded stand-ins still carry its arrival index (a 0, b 1), as `kvcache.replay` and
+    the conform drivers number them (`token_ids(request, index)`), so the tokens a block stores
+    do not depend on the admission order. Block [4, 8) of each holds prompt tokens 4, 5 and
+    decoded tokens 6, 7: -(1 + (uid << 24 | position))."""
+    a, b = req("a", 0.0, list(range(6)), 4, priority=1), req("b", 0.0, list(range(10, 16)), 4, priority=0)
+    res = run([a, b], kv_events=True, scheduling="priority", max_num_seqs=1, num_gpu_blocks=12)
+    stored = [(batch.step, e.token_ids) for batch in res.kv_events for e in batch.events
+              if isinstance(e, BlockStored) and len(e.token_ids) == 4 and e.token_ids[0] in (4, 14)]
+    first_b, first_a = stored
+    assert first_b[1] == [14, 15, -(1 + (1 << 24 | 6)), -(1 + (1 << 24 | 7))]
+    assert first_a[1] == [4, 5, -7, -8]
+    assert first_b[0] < first_a[0]  # b ran first
