@@ -45,10 +45,10 @@ class ApproxPrefixIndex:
         if len(text) < size:
             return []
         text = text[:self.max_blocks * size]
-        out, prev = [], self.root_hash
-        for start in range(0, len(text), size):
-            prev = _hash(text[start:start + size] + prev.to_bytes(8, "little"))
-            out.append(prev)
+        out, prev, blake = [], self.root_hash.to_bytes(8, "little"), hashlib.blake2b
+        for start in range(0, len(text), size):  # (`_hash`, inline: the chain kept as its bytes)
+            prev = blake(text[start:start + size] + prev, digest_size=8).digest()
+            out.append(int.from_bytes(prev, "little"))
         return out
 
     def match(self, hashes: list[int]) -> dict[int, int]:
@@ -65,23 +65,26 @@ class ApproxPrefixIndex:
 
     def add(self, hashes: list[int], pod: int) -> None:
         """`indexer.Add`: each hash to the front of the pod's LRU (evicting its least recent beyond
-        capacity, which drops the pod from that hash's pods), then the pod to every hash's pods."""
+        capacity, which drops the pod from that hash's pods: `makeEvictionFn`, a hash no pod holds
+        leaving the map), then the pod to every hash's pods."""
         lru = self.pod_lru.setdefault(pod, OrderedDict())
+        capacity, hash_to_pods = self.lru_capacity, self.hash_to_pods
         for h in hashes:
             if h in lru:
                 lru.move_to_end(h)
                 continue
             lru[h] = None
-            if len(lru) > self.lru_capacity:
-                old, _ = lru.popitem(last=False)
-                self._evicted(old, pod)
+            if len(lru) > capacity:  # (the eviction callback, inline: a pod's LRU is full once warm)
+                old = lru.popitem(last=False)[0]
+                pods = hash_to_pods.get(old)
+                if pods is not None:
+                    pods.discard(pod)
+                    if not pods:
+                        del hash_to_pods[old]
         for h in hashes:
-            self.hash_to_pods.setdefault(h, set()).add(pod)
+            pods = hash_to_pods.get(h)
+            if pods is None:
+                hash_to_pods[h] = {pod}
+            else:
+                pods.add(pod)
 
-    def _evicted(self, h: int, pod: int) -> None:
-        """`makeEvictionFn`: the pod no longer holds `h`; a hash no pod holds leaves the map."""
-        pods = self.hash_to_pods.get(h)
-        if pods is not None:
-            pods.discard(pod)
-            if not pods:
-                del self.hash_to_pods[h]
