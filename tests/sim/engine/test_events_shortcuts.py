@@ -133,3 +133,28 @@ def test_a_router_fed_by_events_routes_the_same_with_the_shortcuts(router: str) 
         pd.testing.assert_frame_equal(fast.steps, slow.steps)
         pd.testing.assert_frame_equal(fast.requests, slow.requests)
     assert len(lines[True]) > 1000 and lines[True] == lines[False]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(["shared-prefix", "multi-turn", "agent"]),
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([5.0, 50.0]),
+    router=st.sampled_from(["dynamo", "llm-d-precise"]),
+    replicas=st.integers(2, 3),
+    num_gpu_blocks=st.integers(40, 200),
+    delay=st.sampled_from([0.0, 0.001, 0.05]),
+)
+def test_event_fed_routers_over_random_workloads_route_the_same_with_the_shortcuts(
+        kind: str, seed: int, rate: float, router: str, replicas: int, num_gpu_blocks: int, delay: float) -> None:
+    """The same, over random workloads (closed-loop turns too), cache sizes and event delays: where
+    each request went and every replica's tables, with the shortcuts on and off."""
+    cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=4, num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=256, max_num_seqs=16, replicas=replicas, router=router,
+                    kv_event_delay=delay, seed=seed)
+    wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
+    fast, slow = (simulate_cluster(wl, cfg.replace(shortcuts=on)) for on in (True, False))
+    assert fast.received.equals(slow.received)
+    for a, b in zip(fast.replicas, slow.replicas, strict=True):
+        pd.testing.assert_frame_equal(a.steps, b.steps)
+        pd.testing.assert_frame_equal(a.requests, b.requests)
