@@ -329,7 +329,7 @@ def run(
     pd_threshold: Annotated[int | None, typer.Option("--pd-threshold", help="llm-d's nonCachedTokens: disaggregate when at least this many prompt tokens are not cached on the decode replica [default: 16]")] = None,
     prefill_pool: Annotated[str | None, typer.Option("--prefill-pool", help="what the prefill pool sets apart, 'field=value,...' of gpu, tensor_parallel, num_gpu_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, max_num_scheduled_tokens, long_prefill_token_threshold, calibration (e.g. 'tensor_parallel=2,max_num_seqs=64')")] = None,
     decode_pool: Annotated[str | None, typer.Option("--decode-pool", help="what the decode pool sets apart, as --prefill-pool")] = None,
-    kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); every step is then simulated in full")] = None,
+    kv_events: Annotated[Path | None, typer.Option("--kv-events", help="write vLLM's KV events to this file, a JSON line a step (BlockStored, BlockRemoved, AllBlocksCleared; a cluster: every replica's, by time); the same tables as without")] = None,
     workers: Annotated[int, typer.Option("--workers", help="a cluster whose replicas never interact (round-robin, random or session-affinity, arrivals open loop): run its replicas apart in this many processes, with the same results (0: one per CPU, 1: this process)", min=0)] = 0,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="run folder (default: runs/<name from workload and config>)")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="write PNG plots")] = True,
