@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops|pd] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops|pd|routers] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -23,7 +23,10 @@ of the medians. With `--only pd`, issue 39's: a P/D cluster (2 prefill + 2 decod
 round-robin, every request disaggregated) against 4 aggregated replicas on the first 2,000 Mooncake
 conversation requests (Llama-3-8B on H100, `--no-plots`), alternated run by run: target <= 1x per
 simulated request, the ratio of the median CPU times per user request and per engine request (a
-disaggregated request runs as two: its prefill request and its decode request).
+disaggregated request runs as two: its prefill request and its decode request). With `--only
+routers`, no target: the Azure case's 8 replicas in one process (`--workers 1`, `--no-plots`) behind
+each router that reads the replicas, which run on one clock, against round-robin (run apart),
+alternated run by run: each router's median wall and its ratio to round-robin's.
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -99,7 +102,8 @@ def commit() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops", "pd"])
+    ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops", "pd",
+                                       "routers"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -117,6 +121,8 @@ def main() -> None:
         return record_ops(azure, args.runs, sha)
     if args.only == "pd":
         return pd(mooncake, args.runs, sha)
+    if args.only == "routers":
+        return routers(azure, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -234,6 +240,24 @@ def cluster(azure: Path, runs: int, sha: str) -> None:
                           "peak_mb": {k: round(max(v)) for k, v in peaks.items()}, "x_8_replicas": round(ratio, 2),
                           "x_8_replicas_cpu": round(cpu_ratio, 2), "target": "x_8_replicas <= 9", "met": ratio <= 9}),
               flush=True)
+
+
+ROUTERS = ("round-robin", "least-outstanding", "vllm-dp", "sglang-cache-aware", "llm-d", "llm-d-precise", "dynamo")
+
+
+def routers(azure: Path, runs: int, sha: str) -> None:
+    """No target: what each router that reads the replicas costs, its 8 replicas on one clock in one
+    process, against round-robin's replicas run apart in that process (the Azure case's knobs)."""
+    common = ["run", str(azure), *AZURE_KNOBS, "--no-plots", "--replicas", "8", "--workers", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        walls, peaks, cpus = alternated({r: [*common, "--router", r] for r in ROUTERS}, runs, tmp)
+    base = statistics.median(walls["round-robin"])
+    print(json.dumps({"case": "routers", "commit": sha, "command": " ".join(["kvsim", *common, "--router", "R"]),
+                      "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
+                      "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
+                      "peak_mb": {k: round(max(v)) for k, v in peaks.items()},
+                      "x_round_robin": {k: round(statistics.median(v) / base, 2) for k, v in walls.items()},
+                      "target": None}), flush=True)
 
 
 def record_ops(azure: Path, runs: int, sha: str) -> None:
