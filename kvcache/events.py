@@ -30,28 +30,79 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvsim.kvcache.block import KVCacheBlock
+
+
+class TokenSource(Protocol):
+    """What a `TokenSpan` reads its ids from (a `kvcache.sequence.Sequence`)."""
+
+    def token_ids(self, start: int, end: int) -> np.ndarray: ...
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 
 
+class TokenSpan:
+    """A sequence's token ids at positions [start, end), read from it only when asked for: a
+    prompt's `BlockStored` carries thousands, which a router fed by the events never reads (Dynamo's
+    replicas on the Azure trace spent an eighth of their run listing them). Equal to the list of
+    those ids, and listed by `ids()`. The positions are computed or decoded when the event is made,
+    and a sequence's ids there never change (a fork gives the child a lineage of its own)."""
+
+    __slots__ = ("_seq", "_start", "_end", "_ids")
+
+    def __init__(self, seq: TokenSource, start: int, end: int):
+        self._seq: TokenSource | None = seq
+        self._start, self._end = start, end
+        self._ids: list[int] | None = None
+
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            self._ids = self._seq.token_ids(self._start, self._end).tolist()
+            self._seq = None
+        return self._ids
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, i):
+        return self.ids()[i]
+
+    def __iter__(self):
+        return iter(self.ids())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenSpan):
+            return self.ids() == other.ids()
+        return self.ids() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # (as a list's)
+
+    def __repr__(self) -> str:
+        return repr(self.ids())
+
+
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks newly cached by one caching call of a group (vLLM's `BlockStored`)."""
+    """Blocks newly cached by one caching call of a group (vLLM's `BlockStored`); `token_ids` a list
+    or a `TokenSpan`, equal either way."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[int] | TokenSpan
     block_size: int
     medium: str = MEDIUM_GPU
     group_idx: int = 0
 
     def as_dict(self) -> dict:
+        ids = self.token_ids
         return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
-                "token_ids": self.token_ids, "block_size": self.block_size, "medium": self.medium,
-                "group_idx": self.group_idx}
+                "token_ids": ids if type(ids) is list else ids.ids(), "block_size": self.block_size,
+                "medium": self.medium, "group_idx": self.group_idx}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +182,8 @@ class KVEventLog:
         self.salts = tuple(salts)
 
     def stored(self, blocks: list[KVCacheBlock], keys: list[int], ranges: list[tuple[int, int]], start: int,
-               end: int, token_ids: list[int], block_size: int, null: KVCacheBlock, group: int = 0) -> None:
+               end: int, token_ids: list[int] | TokenSpan, block_size: int, null: KVCacheBlock,
+               group: int = 0) -> None:
         """A caching call over blocks [start, end) that hashed `ranges` of them (vLLM's
         `cache_full_blocks` with its block mask): one event even if it hashed none."""
         hashes = [keys[i] for a, b in ranges for i in range(a, b) if blocks[i] is not null]

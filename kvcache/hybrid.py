@@ -43,7 +43,7 @@ from types import MappingProxyType
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
-from kvsim.kvcache.events import KVEventLog
+from kvsim.kvcache.events import KVEventLog, TokenSpan
 from kvsim.kvcache.eviction import EvictionPolicy, make_policy
 from kvsim.kvcache.groups import (
     GroupSpec,
@@ -536,7 +536,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
             if kept is None:
                 kept = ranges[memo] = cached_ranges(spec, n_cached, n_full, boundaries, self.retention_interval)
             if self.events is not None:
-                self.events.stored(table, keys, kept, n_cached, n_full, seq.token_ids(n_cached * bs, n_full * bs).tolist(),
+                self.events.stored(table, keys, kept, n_cached, n_full, TokenSpan(seq, n_cached * bs, n_full * bs),
                                    bs, self.null_block, g)
             for a, b in kept:
                 # (only a cached block can be evicted: the pool sets its group here)

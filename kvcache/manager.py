@@ -22,7 +22,7 @@ from kvsim.kvcache.admission import AllocStatus, watermark_status
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.block_pool import BlockPool, check_memory
 from kvsim.kvcache.defrag import Defragmenter
-from kvsim.kvcache.events import KVEventLog
+from kvsim.kvcache.events import KVEventLog, TokenSpan
 from kvsim.kvcache.eviction import EvictionPolicy, make_policy
 from kvsim.kvcache.fork import Forking
 from kvsim.kvcache.id_span import IdSpan
@@ -315,7 +315,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             self.pool.cache_blocks(blocks, hashes, a, b, chain)
         if self.events is not None:
             self.events.stored(blocks, hashes, ranges, n_cached, n_full,
-                               seq.token_ids(n_cached * bs, n_full * bs).tolist(), bs, self.null_block)
+                               TokenSpan(seq, n_cached * bs, n_full * bs), bs, self.null_block)
         self.num_cached_block[sid] = n_full
 
     def _remove_skipped_blocks(self, sid: str, num_computed: int) -> None:

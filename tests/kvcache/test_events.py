@@ -3,6 +3,8 @@ reset, and a hybrid window group caching under sparse retention."""
 
 import json
 
+import numpy as np
+
 from kvsim.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvsim.kvcache.groups import GroupSpec, group_salt
 from kvsim.kvcache.hashing import block_keys, unique_keys
@@ -80,3 +82,30 @@ def test_a_batch_is_one_json_line_in_vllms_field_names() -> None:
         {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 1},
         {"type": "AllBlocksCleared"}]}
     assert batch.json_line().count("\n") == 1
+
+
+def test_a_stored_events_token_ids_are_read_only_when_asked_for() -> None:
+    """`TokenSpan`: a prompt's ids are listed from its sequence only when the event is written or
+    compared (a router reads only the hashes); the list then equals the sequence's ids, decoded
+    stand-ins included, however many tokens the sequence has decoded since."""
+    from kvsim.kvcache.events import TokenSpan
+    from kvsim.kvcache.sequence import Sequence
+
+    class Counted(Sequence):
+        __slots__ = ("reads",)
+
+        def token_ids(self, start: int, end: int):
+            self.reads += 1
+            return super().token_ids(start, end)
+
+    s = Counted("a", np.arange(6), uid=3)
+    s.reads = 0
+    span = TokenSpan(s, 4, 8)
+    s.append_tokens(5)  # decoded on: the span's positions keep their ids
+    event = BlockStored([1], None, span, 4)
+    assert (len(span), s.reads) == (4, 0)  # its length needs no ids
+    want = [4, 5, -(1 + (3 << 24 | 6)), -(1 + (3 << 24 | 7))]
+    assert event.as_dict()["token_ids"] == want and s.reads == 1
+    assert event == BlockStored([1], None, want, 4) and span == TokenSpan(s, 4, 8) and s.reads == 2
+    assert list(span) == want and span[2] == want[2] and repr(span) == repr(want) and s.reads == 2
+    assert span != [4, 5] and span != tuple(want)
