@@ -24,89 +24,81 @@ from kvsim.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, Ev
 
 
 class PrefixIndex:
-    """Block hash -> {replica: mediums holding it}, from KV events; `sizes[i]` counts the hashes
-    replica i holds (Dynamo's radix-tree size a worker)."""
+    """Block hash -> {replica: mediums holding it}, from KV events, kept a replica at a time (`at[i]`:
+    hash -> the mediums replica i holds it on: each event touches one replica's, with one lookup a
+    hash); `sizes[i]` counts the hashes replica i holds (Dynamo's radix-tree size a worker)."""
 
     def __init__(self, num_replicas: int):
-        self.holders: dict[int, dict[int, set[str]]] = {}
-        self.sizes = [0] * num_replicas
+        self.at: list[dict[int, set[str]]] = [{} for _ in range(num_replicas)]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(held) for held in self.at]
+
+    @property
+    def holders(self) -> dict[int, dict[int, set[str]]]:
+        """The index hash first: hash -> {replica: mediums} (a view built on each call)."""
+        out: dict[int, dict[int, set[str]]] = {}
+        for i, held in enumerate(self.at):
+            for h, mediums in held.items():
+                out.setdefault(h, {})[i] = mediums
+        return out
 
     def apply(self, batch: EventBatch) -> None:
         """One replica's batch, in order (llm-d-kv-cache `Pool.processEventBatch`: a stored block
         adds the pod's entry of the event's medium, lower-cased; a removed one drops it; a clear
         drops every entry of the pod)."""
-        replica, holders, sizes = batch.replica, self.holders, self.sizes
+        held = self.at[batch.replica]
         for event in batch.events:
             kind = type(event)
             if kind is BlockStored:
                 medium = event.medium.lower()
-                for h in event.block_hashes:  # (`_add`, inline: a prompt's blocks come by the thousand)
-                    pods = holders.get(h)
-                    if pods is None:
-                        holders[h] = {replica: {medium}}
-                        sizes[replica] += 1
-                    elif replica in pods:
-                        pods[replica].add(medium)
+                for h in event.block_hashes:
+                    mediums = held.get(h)
+                    if mediums is None:
+                        held[h] = {medium}
                     else:
-                        pods[replica] = {medium}
-                        sizes[replica] += 1
-            elif kind is BlockRemoved:  # (`_remove`, inline: one hash an event, one event an eviction)
+                        mediums.add(medium)
+            elif kind is BlockRemoved:
                 medium = event.medium.lower()
                 for h in event.block_hashes:
-                    pods = holders.get(h)
-                    mediums = pods.get(replica) if pods is not None else None
+                    mediums = held.get(h)
                     if mediums is not None:
                         mediums.discard(medium)
                         if not mediums:
-                            del pods[replica]
-                            sizes[replica] -= 1
-                            if not pods:
-                                del holders[h]
+                            del held[h]
             elif kind is AllBlocksCleared:
-                for h in [h for h, pods in self.holders.items() if replica in pods]:
-                    for medium in list(self.holders[h][replica]):
-                        self._remove(h, replica, medium)
-
-    def _remove(self, h: int, replica: int, medium: str) -> None:
-        pods = self.holders.get(h)
-        if pods is None or replica not in pods:
-            return
-        pods[replica].discard(medium)
-        if not pods[replica]:
-            del pods[replica]
-            self.sizes[replica] -= 1
-            if not pods:
-                del self.holders[h]
+                held.clear()
 
     def weighted_prefix(self, keys: Sequence[int], weights: dict[str, float]) -> dict[int, float]:
         """Each replica's longest run of `keys` from the first, each block counted at the largest
         weight of the mediums holding it there (a medium not in `weights`: 1.0): llm-d-kv-cache's
         `LongestPrefixScorer.Score` (pkg/kvcache/kvblock_scorer.go, commit 7be76e1). Replicas
-        holding none of the first block are absent."""
+        holding none of the first block are absent (the rest in replica order)."""
         scores: dict[int, float] = {}
-        active: set[int] | None = None
-        for h in keys:
-            pods = self.holders.get(h, {})
-            current = {i: max(weights.get(m, 1.0) for m in mediums) for i, mediums in pods.items()}
-            active = set(current) if active is None else active & set(current)
-            if not active:
-                break
-            for i in sorted(active):
-                scores[i] = scores.get(i, 0.0) + current[i]
+        for i, held in enumerate(self.at):
+            score, run = 0.0, 0
+            for h in keys:
+                mediums = held.get(h)
+                if mediums is None:
+                    break
+                score += max(weights.get(m, 1.0) for m in mediums)
+                run += 1
+            if run:
+                scores[i] = score
         return scores
 
     def overlaps(self, keys: Sequence[int]) -> list[int]:
         """Each replica's count of `keys` it holds consecutively from the first (Dynamo's
         `RadixTree::find_matches` scores, any medium)."""
-        counts = [0] * len(self.sizes)
-        active = None
-        for h in keys:
-            pods = self.holders.get(h, {})
-            active = set(pods) if active is None else active & set(pods)
-            if not active:
-                break
-            for i in active:
-                counts[i] += 1
+        counts = []
+        for held in self.at:
+            n = 0
+            for h in keys:
+                if h not in held:
+                    break
+                n += 1
+            counts.append(n)
         return counts
 
 
