@@ -128,6 +128,7 @@ class Dynamo:
         self.blocks: list[dict[int, int]] = [{} for _ in range(num_replicas)]  # hash -> active requests holding it
         self.prefill_tokens = [0] * num_replicas
         self.active: dict[str, tuple[int, list[int], int]] = {}  # id -> (replica, keys, prefill tokens left)
+        self.prefilling: dict[str, None] = {}  # of those, the ids with prefill tokens left (in `active`'s order)
 
     @classmethod
     def from_config(cls, cfg: SimConfig, num_replicas: int, num_blocks: int = 0) -> Dynamo:
@@ -164,6 +165,8 @@ class Dynamo:
         self.expected_tokens = overlap  # what it expects the replica to hit (its overlap)
         new_tokens = max(request.prompt_len - overlap, 0)
         self.active[request.id] = (chosen, keys, new_tokens)
+        if new_tokens:
+            self.prefilling[request.id] = None
         self.prefill_tokens[chosen] += new_tokens
         held = self.blocks[chosen]
         for k in keys:
@@ -191,7 +194,8 @@ class Dynamo:
         tied = [i for i in range(n) if logits[i] == best]
         if len(tied) == 1:
             return tied[0]
-        sizes = [self.index.sizes[i] for i in tied]
+        every = self.index.sizes
+        sizes = [every[i] for i in tied]
         if all(s == sizes[0] for s in sizes):
             return tied[self.rng.randrange(len(tied))]
         return tied[sizes.index(min(sizes))]
@@ -199,16 +203,18 @@ class Dynamo:
     def _catch_up(self, view: RouterView) -> None:
         """What the router has heard by now: first tokens end a request's prefill tokens, finishes
         free its blocks (`mark_prefill_completed`, `free`)."""
-        for rid in [rid for rid, (_, _, left) in self.active.items() if left and view.prefilled(rid)]:
+        for rid in [rid for rid in self.prefilling if view.prefilled(rid)]:
             replica, keys, left = self.active[rid]
             self.prefill_tokens[replica] -= left
             self.active[rid] = (replica, keys, 0)
+            del self.prefilling[rid]
 
     def finished(self, request: Request, replica: int) -> None:
         """`request` finished (or was dropped) on `replica`: its prefill tokens and blocks go."""
         entry = self.active.pop(request.id, None)
         if entry is None:
             return
+        self.prefilling.pop(request.id, None)
         _, keys, left = entry
         self.prefill_tokens[replica] -= left
         held = self.blocks[replica]
