@@ -9,7 +9,6 @@ of `kvsim conform` see each request at the same simulated time.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -79,7 +78,6 @@ class Frontend:
         self.load = load
         self.sessions = Sessions(env, self._release) if closed_loop else None
         self.source_done = False
-        self.next_at = 0.0  # when the stream's next request arrives (its pending timeout's time; inf: none left)
         self._wake: simpy.Event | None = None
         env.process(self._arrivals(iter(workload)))
 
@@ -88,13 +86,11 @@ class Frontend:
         for req in stream:
             delay = req.arrival / load - env.now
             if delay > 0:
-                self.next_at = env.now + delay  # (the sum SimPy schedules the timeout at)
                 yield env.timeout(delay)
             if sessions is not None and req.session is not None:
                 sessions.arrive(req)
             else:
                 self._release(req)
-        self.next_at = math.inf
         self.source_done = True
         self._poke()
 

@@ -138,38 +138,11 @@ def test_a_router_sees_engine_metrics_only_as_of_the_last_snapshot():
     cost = CostModel.from_config(cfg)
     spy = Spy(1, env)
     cluster = Cluster(env, reqs, cfg, cost, [make_manager(cfg, cost)], router=spy)
-    taken = []
-    metrics = cluster.metrics
-    cluster.metrics = lambda i: (taken.append(env.now), metrics(i))[1]
     env.run()
     # r0 runs from 0.1 (40 steps of 0.1 s), but until the snapshot at 1.0 the router sees nothing;
     # at 1.05 it sees r0, r1 and r2 (the snapshot at 1.0), at 2.5 the same three (2.0's)
     assert spy.seen == [("r0", 0.0, 0), ("r1", 0.0, 0), ("r2", 0.0, 0), ("r3", 1.0, 3), ("r4", 2.0, 4)]
     assert cluster.view.finished == [5]
-    # a snapshot no pick can read is counted, not taken: after 2.0 no request arrives before the
-    # next one, so those at 3.0 to 7.0 (the last, once every replica has ended) are never read
-    assert (taken, cluster.view.snapshots, cluster.view.metrics_time) == ([0.0, 1.0, 2.0], 8, 2.0)
-
-
-@pytest.mark.parametrize("kind", ["shared-prefix", "default"])
-def test_snapshots_no_pick_reads_change_nothing(workload, monkeypatch, kind):
-    """Taking every snapshot or only those a pick can read gives the same run, for each router that
-    reads them: open-loop arrivals sparser than the snapshots, and closed-loop turns (there every
-    one is taken once a session has begun)."""
-    from kvsim.sim.engine.frontend import Frontend
-    from kvsim.workloads.build import build_workload
-
-    if kind != "default":
-        workload = build_workload(kind, 150, 4.0, "poisson", 1.0, 3, {})
-    cfg = CFG.replace(replicas=3, num_gpu_blocks=128)
-    for router in ("vllm-dp", "llm-d", "llm-d-precise"):
-        fast = simulate_cluster(workload, cfg.replace(router=router))
-        with monkeypatch.context() as m:  # every snapshot read: the next arrival always before the next one
-            m.setattr(Frontend, "next_at", property(lambda self: 0.0, lambda self, v: None), raising=False)
-            every = simulate_cluster(workload, cfg.replace(router=router))
-        assert fast.received.equals(every.received), router
-        for a, b in zip(fast.replicas, every.replicas, strict=True):
-            pt.assert_frame_equal(a.requests, b.requests)
 
 
 @pytest.mark.parametrize(("change", "message"), [
