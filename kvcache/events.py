@@ -197,11 +197,11 @@ class KVEventLog:
 
     def removed_keys(self, ids: list[int], keys: list[int], group_of: list[int] | None) -> None:
         """`removed` of the blocks `ids`, evicted in this order, whose keys were `keys` (salted)."""
-        queue = self.queue
+        queue, salts = self.queue, self.salts
         if group_of is None:
-            queue += [BlockRemoved([key], MEDIUM_GPU, 0) for key in keys]
+            salt = salts[0]
+            queue += [BlockRemoved([key ^ salt], MEDIUM_GPU, 0) for key in keys]
             return
-        salts = self.salts
         for i, key in zip(ids, keys, strict=True):
             g = group_of[i]
             queue.append(BlockRemoved([key ^ salts[g]], MEDIUM_GPU, g))
