@@ -117,10 +117,10 @@ class BlockPool:
         if n > len(self.policy):
             raise OutOfBlocksError(f"asked for {n} blocks, only {len(self.policy)} free")
         plain = self._on_evict is None and self.events is None  # no hook to tell of each eviction
-        if plain and self._lru is not None:
-            if keys is not None or not self.ops.enabled:
-                return self._pop_counted(n, keys)
-        if self._on_evict is None and self._lru is not None and (plain or keys is None):
+        one_pass = self._on_evict is None and self._lru is not None  # exact LRU: `_pop_counted`
+        if one_pass and plain and (keys is not None or not self.ops.enabled):
+            return self._pop_counted(n, keys)
+        if one_pass and keys is None:
             # op records or KV events: the one-pass take, its evictions recorded (and each queued as
             # a `BlockRemoved`, in pop order) after it: no hook runs between
             keys = []

@@ -1,6 +1,11 @@
-"""Helpers for the engine, scheduler and run tests: a flat cost model, tiny requests, a stepper."""
+"""Helpers for the engine, scheduler and run tests: a flat cost model, tiny requests, a stepper, and
+catalog models with a small window (the `window_models` fixture of this folder's conftest)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +16,9 @@ from kvsim.sim.engine.metrics import RequestLog
 from kvsim.sim.engine.run import RunResult, simulate
 from kvsim.sim.engine.scheduler import Scheduler
 from kvsim.workloads.request import Request, Workload, make_request
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def mamba_turns() -> list[Request]:
@@ -76,3 +84,19 @@ def step(s: Scheduler, t: float) -> list[tuple[str, int]]:
                    key=lambda e: pos[id(e[0])])
     s.update(b, t + 1)
     return [(live.seq.seq_id, n) for live, n in batch]
+
+
+def small_window_model(tmp_path_factory: pytest.TempPathFactory, window: int, base: str) -> str:
+    """A catalog model's published config with a small window (`window` tokens), so short requests
+    move it: gpt-oss-20b (a window group and a full one) or gemma-3-12b (five window groups, one full)."""
+    import kvsim.sim.engine as engine
+
+    d = json.loads((Path(engine.__file__).parent / "configs" / f"{base}.json").read_text())
+    d.get("text_config", d)["sliding_window"] = window
+    path = tmp_path_factory.mktemp(f"{base}-w{window}") / "config.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+GROUPS = {"gpt-oss-20b": 2, "gemma-3-12b": 6}  # each small-window model's KV-cache groups
+WINDOW_MODELS = [(w, base) for w in (32, 48) for base in GROUPS]

@@ -25,21 +25,8 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.cost_model import CostModel
 from kvsim.sim.engine.run import RunResult, simulate
 from kvsim.workloads.build import build_workload
-from tests.sim.engine.engine_fixtures import FlatCost
-from tests.sim.engine.test_quiet_runs import (
-    GROUPS,
-    HYBRID_SHAPES,
-    SHAPES,
-    WINDOW_MODELS,
-    _same,
-    _small_window_model,
-    _taken,
-)
-
-
-@pytest.fixture(scope="module")
-def small_windows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], str]:
-    return {(w, base): _small_window_model(tmp_path_factory, w, base) for w, base in WINDOW_MODELS}
+from tests.sim.engine.engine_fixtures import GROUPS, WINDOW_MODELS, FlatCost
+from tests.sim.engine.test_quiet_runs import HYBRID_SHAPES, SHAPES, _same, _taken
 
 
 def _same_events(fast: RunResult, slow: RunResult) -> None:
@@ -90,13 +77,13 @@ def test_events_with_the_shortcuts_are_plain_steppings(kind: str, seed: int, rat
     max_seqs=st.sampled_from([4, 16]),
     retention=st.sampled_from([0, None]),
 )
-def test_a_hybrid_models_events_with_the_shortcuts_are_plain_steppings(small_windows, kind: str, seed: int,
+def test_a_hybrid_models_events_with_the_shortcuts_are_plain_steppings(window_models, kind: str, seed: int,
                                                                        rate: float, model: tuple[int, str],
                                                                        num_gpu_blocks: int, max_seqs: int,
                                                                        retention: int | None) -> None:
     """vLLM's hybrid groups: each group's caching call is its own `BlockStored` (its `group_idx`), and
     a window's blocks let go between two takes come back first."""
-    cfg = SimConfig(model=small_windows[model], gpu="h100-sxm", num_gpu_blocks=num_gpu_blocks,
+    cfg = SimConfig(model=window_models[model], gpu="h100-sxm", num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=256, max_num_seqs=max_seqs, prefix_cache_retention_interval=retention,
                     kv_events=True)
     wl = build_workload(kind, 24, rate, "poisson", 1.0, seed, dict(HYBRID_SHAPES[kind]))

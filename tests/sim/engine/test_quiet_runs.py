@@ -16,7 +16,7 @@ from kvsim.sim.engine.cost_model import CostModel
 from kvsim.sim.engine.run import RunResult, simulate
 from kvsim.workloads.build import build_workload
 from kvsim.workloads.request import Workload
-from tests.sim.engine.engine_fixtures import FlatCost, req
+from tests.sim.engine.engine_fixtures import GROUPS, WINDOW_MODELS, FlatCost, req
 
 SHAPES: dict[str, dict[str, Any]] = {  # small requests, so a few dozen fill a small cache
     "shared-prefix": {"prefix_len": "fixed:48", "user_len": "lognormal:24,1.0", "output_len": "lognormal:40,1.0",
@@ -223,30 +223,6 @@ HYBRID_SHAPES: dict[str, dict[str, Any]] = {  # prompts and answers long enough 
                       "num_prefixes": 2},
     "unique": {"user_len": "lognormal:90,1.0", "output_len": "lognormal:80,1.0"},
 }
-
-
-def _small_window_model(tmp_path_factory: pytest.TempPathFactory, window: int, base: str) -> str:
-    """A catalog model's published config with a small window (`window` tokens), so short requests
-    move it: gpt-oss-20b (a window group and a full one) or gemma-3-12b (five window groups, one full)."""
-    import json
-    from pathlib import Path
-
-    import kvsim.sim.engine as engine
-
-    d = json.loads((Path(engine.__file__).parent / "configs" / f"{base}.json").read_text())
-    d.get("text_config", d)["sliding_window"] = window
-    path = tmp_path_factory.mktemp(f"{base}-w{window}") / "config.json"
-    path.write_text(json.dumps(d))
-    return str(path)
-
-
-GROUPS = {"gpt-oss-20b": 2, "gemma-3-12b": 6}
-WINDOW_MODELS = [(w, base) for w in (32, 48) for base in GROUPS]
-
-
-@pytest.fixture(scope="module")
-def window_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], str]:
-    return {(w, base): _small_window_model(tmp_path_factory, w, base) for w, base in WINDOW_MODELS}
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
