@@ -280,14 +280,18 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         *,
         watermark: bool = False,
         full_sequence_must_fit: bool = False,
+        in_flight: int = 0,
     ) -> list[KVCacheBlock] | None:
         """`KVCacheManager.allocate_slots` over every group (vllm/v1/core/kv_cache_manager.py
         `allocate_slots`): the whole-sequence gate (capped per windowed group), then each group's
         skipped blocks back to the pool, then the sum over groups against the free blocks; the
         hits are taken by every group before any group takes new blocks, and new blocks are taken
-        group by group. Returns the new blocks of all groups, or None (only skipped blocks freed)."""
+        group by group. Returns the new blocks of all groups, or None (only skipped blocks freed).
+        `in_flight`: the request's scheduled tokens whose output is not applied yet (vLLM's
+        `num_in_flight_tokens`, only ever nonzero under async scheduling): the windows let go of
+        blocks on the processed-token basis, `computed - in_flight`, as vLLM 0.33 does."""
         if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens and not full_sequence_must_fit:
-            decoded = self.decode_slot(seq, watermark)
+            decoded = self.decode_slot(seq, watermark, in_flight)
             if decoded is not False:
                 return decoded
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
@@ -304,7 +308,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
                 return None
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         pool = self.pool
-        self.remove_skipped_blocks(seq, computed)
+        self.remove_skipped_blocks(seq, max(0, computed - in_flight))
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
@@ -362,18 +366,19 @@ class HybridKVCacheManager(PoolView, HybridLoads):
             ops.emit_span(sid, [table[(end - 1) // bs].block_id], end - 1, end, bs, g)
         ops.counts["write"] = counted
 
-    def decode_slot(self, seq: Sequence, watermark: bool = False) -> list[KVCacheBlock] | None | bool:
+    def decode_slot(self, seq: Sequence, watermark: bool = False, in_flight: int = 0) -> list[KVCacheBlock] | None | bool:
         """`allocate_slots(seq, 1)` for a running sequence's next token, the same effects in fewer
         steps: every group's table has one length (null blocks hold a window's place), so the token
         takes a block in every group or in none; the windows' skipped blocks go back first, as in
         the general path; a Mamba group's new block is its running state (`MambaAlign.decoded`).
-        False: the general path must decide (a sequence with no blocks yet)."""
-        got = self._decode(seq, watermark)
+        False: the general path must decide (a sequence with no blocks yet). `in_flight`: as
+        `allocate_slots` takes it."""
+        got = self._decode(seq, watermark, in_flight)
         if got is not None and got is not False:
             self.ops.counts["write"] += 1
         return got
 
-    def _decode(self, seq: Sequence, watermark: bool) -> list[KVCacheBlock] | None | bool:
+    def _decode(self, seq: Sequence, watermark: bool, in_flight: int = 0) -> list[KVCacheBlock] | None | bool:
         """`decode_slot` without counting its write (`decode_slot` counts it; quiet runs count them in bulk)."""
         sid, bs = seq.seq_id, self.block_size
         tables = self.tables
@@ -382,7 +387,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         if first is None or c // bs > len(first):
             return False
         pool = self.pool
-        self.remove_skipped_blocks(seq)
+        self.remove_skipped_blocks(seq, max(0, c - in_flight) if in_flight else None)
         new: list[KVCacheBlock] = []
         if c // bs == len(first):  # the token starts a block in every group, taken in group order
             n = len(tables)

@@ -182,6 +182,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         *,
         watermark: bool = False,
         full_sequence_must_fit: bool = False,
+        in_flight: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` to be computed (plus lookahead slots).
 
@@ -192,6 +193,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         is running) also keeps the watermark free. `full_sequence_must_fit`
         (vLLM's `scheduler_reserve_full_isl` admission gate) also asks that the
         blocks for all of the sequence's known tokens be free, not just the chunk's.
+        `in_flight`: the request's scheduled tokens whose output is not applied yet (vLLM's
+        `num_in_flight_tokens`, nonzero only under async scheduling): a sliding window lets its
+        blocks go on the processed tokens, `computed - in_flight` (vLLM 0.33 `allocate_slots`).
         """
         if num_new_tokens == 1 and not new_computed_blocks and not num_lookahead_tokens \
                 and self.sliding_window is None and not full_sequence_must_fit:
@@ -219,7 +223,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
                 return None
         if blocks is not None and self.sliding_window is not None:
             # NOTE: as in vLLM V1, dead blocks go back even if this allocation then fails
-            self._remove_skipped_blocks(sid, num_computed)
+            self._remove_skipped_blocks(sid, max(0, num_computed - in_flight))
         free = self.pool.num_free_blocks
         n_alloc = self.num_blocks_to_allocate(seq, num_slots, new_computed_blocks)
         if n_alloc + reserve > free:

@@ -131,6 +131,7 @@ def random_case(seed: int, pd: bool = False) -> Case:
         kw["prefix_cache_retention_interval"] = r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
     if not pd:
         kw.update(_hybrid(r, kw, bs))
+        kw.update(_async_window(r, kw, bs))
     kw.update(_disaggregation(r, kw, requests, pd))
     if pd:  # drawn after its side, so a P/D case's knobs are what they were before hybrid P/D
         kw.update(_hybrid(r, kw, bs, pd=True))
@@ -144,16 +145,19 @@ MAMBA_MODELS = ("qwen3-next-80b-a3b",)  # (vLLM runs them with prefix caching an
 
 
 def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) -> dict[str, object]:
-    """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading, async scheduling,
-    or window of their own) take a catalog model mixing layer kinds, with its windows, its groups'
-    blocks in one pool (as many times the blocks as it has groups) and a retention interval (drawn
-    last, so the knobs above are what they were); `pd`: a P/D side's, either side with Mamba state."""
-    if "kv_offloading_size" in kw or kw["async_scheduling"] or "sliding_window" in kw or r.random() >= 1 / 3:
+    """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading or window of their
+    own) take a catalog model mixing layer kinds, with its windows, its groups' blocks in one pool (as
+    many times the blocks as it has groups) and a retention interval (drawn last, so the knobs above
+    are what they were); `pd`: a P/D side's, either side with Mamba state. Async cases draw last of
+    all (they took no model before async ran with groups, so the other cases are what they were) and
+    take no Mamba model (kvsim refuses its state under async)."""
+    if "kv_offloading_size" in kw or "sliding_window" in kw or r.random() >= 1 / 3:
         return {}
     from kvsim.sim.engine.cost_model import CostModel
 
+    asynchronous = kw["async_scheduling"]
     models = [m for m in sorted(HYBRID_MODELS) if m not in MAMBA_MODELS
-              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"])]
+              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"] and not asynchronous)]
     model = r.choice(models)
     tp, extra = HYBRID_MODELS[model]
     out = {"model": model, "tensor_parallel": tp, **extra}
@@ -167,6 +171,16 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) 
         blocks = max(-(-blocks * bs // cost.block_size), 3)
     out["num_gpu_blocks"] = blocks * len(cost.layout.groups)
     return out
+
+
+def _async_window(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, object]:
+    """Three in ten of the async cases with neither a hybrid model nor offloading take one group's
+    sliding window and vLLM's retention interval (drawn after the hybrid draw: async cases took no
+    window before async ran with one, so every other case is what it was)."""
+    if not kw["async_scheduling"] or "model" in kw or "kv_offloading_size" in kw or r.random() >= 0.3:
+        return {}
+    return {"sliding_window": r.choice([8, 17, 64, 500]),
+            "prefix_cache_retention_interval": r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])}
 
 
 def _disaggregation(r: random.Random, kw: dict[str, object], requests: list[Request], pd: bool) -> dict[str, object]:

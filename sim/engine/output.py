@@ -16,7 +16,10 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
   engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No speed shortcut
   applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
-  end fans n > 1 out), recompute preemption only, no lookahead slots or sliding window.
+  end fans n > 1 out), recompute preemption only, no lookahead slots. With a sliding window (one
+  group's, or vLLM's hybrid groups without Mamba state) the scheduler passes each running request's
+  in-flight tokens to `allocate_slots`, so its windows let blocks go on the processed tokens (vLLM
+  0.33 `KVCacheManager.allocate_slots`), and their admission cap counts two batches in flight.
 """
 
 from __future__ import annotations
@@ -104,8 +107,6 @@ class AsyncOutput:
             raise ConfigError("async_scheduling needs preemption='recompute' (vLLM V1 has no swap)")
         if sched.lookahead:
             raise ConfigError("async_scheduling does not model lookahead slots (num_lookahead_tokens must be 0)")
-        if sched.m.sliding_window is not None:
-            raise ConfigError(f"async_scheduling does not model a sliding window (got {sched.m.sliding_window})")
         self.s = sched
 
     def check(self, req: Request) -> None:

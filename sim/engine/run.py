@@ -86,8 +86,8 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
         vllm_version=cfg.vllm_version,
         kv_events=cfg.kv_events,
     )
-    if window is not None:  # vLLM's admission cap: the window and one step's tokens (no async: one step in flight)
-        in_flight = window - 1 + cfg.batch_limits()[0]
+    if window is not None:  # vLLM's admission cap: the window and a step's tokens a batch in flight (two under async)
+        in_flight = window - 1 + cfg.batch_limits()[0] * (2 if cfg.async_scheduling else 1)
         m.admission_tokens = in_flight if cfg.max_model_len is None else min(in_flight, cfg.max_model_len)
     return m
 
@@ -95,8 +95,7 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
 HYBRID_REFUSES = (("num_cpu_blocks", "swap space"), ("defrag_threshold", "defragmentation"),
                   # vLLM 0.33's OffloadingConnector supports the hybrid manager (SupportsHMA,
                   # offloading_connector.py), so vLLM keeps the groups with it on; kvsim not yet
-                  ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"),
-                  ("async_scheduling", "async scheduling"))
+                  ("kv_offloading_size", "KV offloading (vLLM's OffloadingConnector offloads each group)"))
 
 
 def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager:
@@ -120,6 +119,10 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "
                               f"keeps {len(cost.layout.groups)}); set disable_hybrid_kv_cache_manager "
                               "(--disable-hybrid-kv-cache-manager) to run it with one group")
+    if layout.has_mamba and cfg.async_scheduling:
+        raise ConfigError(f"async_scheduling: {cfg.model}'s Mamba state under async scheduling (vLLM's align mode "
+                          "settles its state blocks on processed tokens) is not modelled; run it without "
+                          "--async-scheduling (vLLM's --no-async-scheduling)")
     if cfg.parallel_sampling == "fork" or cfg.preemption == "swap":
         raise ConfigError("vLLM's hybrid KV-cache groups run V1's scheduler: parallel_sampling 'fanout' and "
                           "preemption 'recompute' only")
@@ -130,7 +133,8 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         eviction=cfg.eviction,
         watermark=cfg.watermark,
         prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
-        in_flight_tokens=cfg.batch_limits()[0],  # one step in flight (sync output)
+        # vLLM's `VllmConfig.max_in_flight_tokens`: a step's budget for each batch in flight (two under async)
+        in_flight_tokens=cfg.batch_limits()[0] * (2 if cfg.async_scheduling else 1),
         max_model_len=cfg.max_model_len,
         mamba_checkpoint_alignment=layout.checkpoint_alignment,
         record_ops=cfg.record_ops,

@@ -204,6 +204,27 @@ def test_a_window_returns_its_blocks_as_the_request_decodes():
     assert m.group_block_counts() == [2, 6]
 
 
+def test_under_async_output_a_window_lets_go_on_the_processed_tokens():
+    # vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.33): remove_skipped_blocks at
+    # max(0, computed - num_in_flight_tokens). With 8 of 24 computed tokens in flight, the window of 8
+    # skips the blocks of 16 - 7 = 9 processed tokens (2 of 4 tokens), not of 24 - 7 = 17 (4)
+    def run(in_flight):
+        m = HybridKVCacheManager(64, [SW8, FULL])
+        s = _seq("s", range(24))
+        m.allocate_slots(s, 24, 0, m.get_computed_blocks(s)[0])
+        s.num_computed_tokens = 24
+        s.append_tokens(1)
+        assert m.allocate_slots(s, 1, in_flight=in_flight) is not None  # the decode path
+        t = _seq("t", range(100, 130))
+        m.allocate_slots(t, 20, 0, m.get_computed_blocks(t)[0])
+        t.num_computed_tokens = 20
+        assert m.allocate_slots(t, 10, in_flight=in_flight) is not None  # the general path
+        return m.block_ids("s", 0).count(0), m.block_ids("t", 0).count(0)
+
+    assert run(0) == (4, 3)  # 24 - 7 = 17 tokens: 4 blocks; 20 - 7 = 13: 3 blocks
+    assert run(8) == (2, 1)  # 16 - 7 = 9: 2 blocks; 12 - 7 = 5: 1 block
+
+
 def test_refuses_groups_of_different_block_sizes_and_retention_without_a_window():
     with pytest.raises(ValueError, match="different block sizes"):
         HybridKVCacheManager(64, [GroupSpec("full", 16), GroupSpec("sliding_window", 32, 64)])

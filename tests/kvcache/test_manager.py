@@ -315,6 +315,24 @@ def test_sliding_window_returns_blocks_outside_the_window():
     check(m)
 
 
+def test_under_async_output_a_window_lets_go_on_the_processed_tokens():
+    # vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots (0.33): remove_skipped_blocks at
+    # max(0, computed - num_in_flight_tokens). 24 computed, 8 of them in flight, window 8: blocks of
+    # 16 - 7 = 9 processed tokens go (2 of 4 tokens), not of 24 - 7 = 17 (4)
+    def run(in_flight: int) -> list[int]:
+        m = KVCacheManager(20, 4, sliding_window=8)
+        a = seq("a", range(24))
+        prefill(m, a)
+        a.append_tokens(1)
+        assert m.allocate_slots(a, 1, in_flight=in_flight) is not None
+        check(m)
+        return m.block_ids("a")[:4]
+
+    assert run(0) == [0, 0, 0, 0]
+    assert run(8)[:2] == [0, 0] and 0 not in run(8)[2:]
+    assert run(30) == run(24) and 0 not in run(24)  # nothing processed past the window yet
+
+
 def test_errors_are_clear(lru):
     a = seq("a", range(4))
     with pytest.raises(KeyError, match="unknown sequence 'a'"):

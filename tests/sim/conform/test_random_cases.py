@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvsim.sim.cli.app import app
 from kvsim.sim.conform import vllm_setup
-from kvsim.sim.conform.random_cases import KINDS, random_case
+from kvsim.sim.conform.random_cases import HYBRID_MODELS, KINDS, random_case
 
 needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, failed in CI
 
@@ -34,7 +34,8 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(not c.enable_chunked_prefill for c in cfgs) == 12
     assert sum(c.scheduling == "priority" for c in cfgs) == 11
     assert sum(not c.enable_prefix_caching for c in cfgs) == 9
-    assert sum(c.sliding_window is not None for c in cfgs) == 9
+    assert sum(c.sliding_window is not None for c in cfgs) == 10
+    assert sum(c.sliding_window is not None and c.async_scheduling for c in cfgs) == 1  # seed 18
     assert sum(c.max_model_len is not None for c in cfgs) == 15
     assert sum(any(r.n > 1 for r in c.requests) for c in cases) == 11
     assert sum(c.max_num_active_seqs is not None for c in cfgs) == 10
@@ -45,6 +46,7 @@ def test_every_request_fits_and_the_seeds_cover_the_knobs():
     assert sum(c.step_time is None and c.closed_loop_sessions for c in cfgs) == 43  # the cost clock
     assert sum(c.step_time is None and c.kv_offloading_size is not None for c in cfgs) == 13
     assert sum(c.async_scheduling and c.kv_offloading_size is not None for c in cfgs) == 11
+    assert sum(c.async_scheduling and c.model in HYBRID_MODELS for c in cfgs) == 5  # hybrid groups under async
     assert sum(c.max_num_scheduled_tokens is not None and c.max_num_scheduled_tokens < c.batch_limits()[1]
                for c in cfgs) == 2
 
@@ -63,7 +65,8 @@ def test_random_cases_match_vllm():
     # seeds 20-29 draw every knob: 1 offloading (async), 1 windowed, 2 priority, 5 async, 4 max_model_len,
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
     # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence,
-    # 3 with max_num_scheduled_tokens (one with an adaptive cap); 6 on the cost clock (2 of them async)
+    # 3 with max_num_scheduled_tokens (one with an adaptive cap); 6 on the cost clock (2 of them async);
+    # 1 in hybrid groups under async (23: gpt-oss-20b)
     r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()

@@ -197,3 +197,19 @@ def test_kvsim_run_takes_the_flag(tmp_path: Path):
                                  "--num-cpu-blocks", "8", "--no-plots", "--out", str(tmp_path / "s")])
     assert (r.exit_code, r.output) == (2, "error: async_scheduling needs preemption='recompute' "
                                           "(vLLM V1 has no swap), got 'swap'\n")
+
+
+@needs_vllm
+@pytest.mark.parametrize("seed", [81, 698])
+def test_one_groups_sliding_window_matches_vllm_under_async(seed):
+    """A sliding window under async output (vLLM 0.33): its blocks go on the processed tokens, computed
+    less in flight (vllm/v1/core/kv_cache_manager.py `KVCacheManager.allocate_slots`, its
+    `remove_skipped_blocks` call), and its admission cap counts two budgets in flight
+    (vllm/config/vllm.py `VllmConfig.max_in_flight_tokens`). Both random cases differ from vLLM
+    when either rule is dropped."""
+    from kvsim.sim.conform.random_cases import random_case
+
+    case = random_case(seed)
+    assert case.cfg.async_scheduling and case.cfg.sliding_window == 500, case.describe()
+    diffs = conform(case.requests, case.cfg, "both", max_running=case.max_running)
+    assert [d.format() for d in diffs if not d.ok] == [], case.describe()
