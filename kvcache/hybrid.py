@@ -387,7 +387,12 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         if first is None or c // bs > len(first):
             return False
         pool = self.pool
-        self.remove_skipped_blocks(seq, max(0, c - in_flight) if in_flight else None)
+        if in_flight:  # (async output) on the processed tokens; a 1-token chunk exports no checkpoint
+            for ma in self._mamba.values():
+                ma.checkpoints.pop(sid, None)
+            self.remove_skipped_blocks(seq, max(0, c - in_flight))
+        else:
+            self.remove_skipped_blocks(seq)
         new: list[KVCacheBlock] = []
         if c // bs == len(first):  # the token starts a block in every group, taken in group order
             n = len(tables)

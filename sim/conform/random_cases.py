@@ -148,16 +148,14 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) 
     """A third of the cases vLLM's hybrid KV-cache groups can run (no offloading or window of their
     own) take a catalog model mixing layer kinds, with its windows, its groups' blocks in one pool (as
     many times the blocks as it has groups) and a retention interval (drawn last, so the knobs above
-    are what they were); `pd`: a P/D side's, either side with Mamba state. Async cases draw last of
-    all (they took no model before async ran with groups, so the other cases are what they were) and
-    take no Mamba model (kvsim refuses its state under async)."""
+    are what they were); `pd`: a P/D side's, either side with Mamba state. Async cases draw here too
+    (they took no model before async ran with groups; no draw after this one changes a sync case)."""
     if "kv_offloading_size" in kw or "sliding_window" in kw or r.random() >= 1 / 3:
         return {}
     from kvsim.sim.engine.cost_model import CostModel
 
-    asynchronous = kw["async_scheduling"]
     models = [m for m in sorted(HYBRID_MODELS) if m not in MAMBA_MODELS
-              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"] and not asynchronous)]
+              or (kw["enable_prefix_caching"] and kw["enable_chunked_prefill"])]
     model = r.choice(models)
     tp, extra = HYBRID_MODELS[model]
     out = {"model": model, "tensor_parallel": tp, **extra}

@@ -17,9 +17,9 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No speed shortcut
   applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
   end fans n > 1 out), recompute preemption only, no lookahead slots. With a sliding window (one
-  group's, or vLLM's hybrid groups without Mamba state) the scheduler passes each running request's
-  in-flight tokens to `allocate_slots`, so its windows let blocks go on the processed tokens (vLLM
-  0.33 `KVCacheManager.allocate_slots`), and their admission cap counts two batches in flight.
+  group's) or vLLM's hybrid groups the scheduler passes each running request's in-flight tokens to
+  `allocate_slots`, so windows and Mamba states let blocks go on the processed tokens (vLLM 0.33
+  `KVCacheManager.allocate_slots`), and the windows' admission cap counts two batches in flight.
 """
 
 from __future__ import annotations

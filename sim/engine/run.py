@@ -119,10 +119,6 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
             raise ConfigError(f"{field}: {what} is not modelled with vLLM's hybrid KV-cache groups ({cfg.model} "
                               f"keeps {len(cost.layout.groups)}); set disable_hybrid_kv_cache_manager "
                               "(--disable-hybrid-kv-cache-manager) to run it with one group")
-    if layout.has_mamba and cfg.async_scheduling:
-        raise ConfigError(f"async_scheduling: {cfg.model}'s Mamba state under async scheduling (vLLM's align mode "
-                          "settles its state blocks on processed tokens) is not modelled; run it without "
-                          "--async-scheduling (vLLM's --no-async-scheduling)")
     if cfg.parallel_sampling == "fork" or cfg.preemption == "swap":
         raise ConfigError("vLLM's hybrid KV-cache groups run V1's scheduler: parallel_sampling 'fanout' and "
                           "preemption 'recompute' only")

@@ -66,7 +66,7 @@ def test_random_cases_match_vllm():
     # 2 without chunking, 1 without caching, 1 with parallel sampling, 2 with max_num_active_seqs,
     # 2 adaptive long-prefill caps, 1 without the full-isl reserve, 1 with a prefill cadence,
     # 3 with max_num_scheduled_tokens (one with an adaptive cap); 6 on the cost clock (2 of them async);
-    # 1 in hybrid groups under async (23: gpt-oss-20b)
+    # 1 in hybrid groups under async (23: llama-4-scout)
     r = CliRunner().invoke(app, ["conform", "--random", "20:30"])
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
