@@ -298,7 +298,8 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
-        if self.enable_caching:
+        # (the count checked here first: the scheduler asks again each step under async output)
+        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[seq.seq_id]:
             self._cache_full_blocks(seq, self.req_blocks[seq.seq_id], num_tokens)
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
@@ -466,5 +467,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
     # ---------------------------------------------------------------- metrics
     def internal_fragmentation(self, seqs: list[Sequence]) -> int:
         """Allocated slots not holding a token, over the given live sequences."""
-        bs, tables = self.block_size, self.req_blocks
-        return sum(max(0, len(tables.get(s.seq_id, ())) * bs - s.num_tokens) for s in seqs)
+        bs, tables, total = self.block_size, self.req_blocks, 0
+        for s in seqs:  # (a plain loop: asked over every running sequence each step under async output)
+            f = len(tables.get(s.seq_id, ())) * bs - s.num_tokens
+            if f > 0:
+                total += f
+        return total
