@@ -14,8 +14,8 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   tokens are appended, placeholders resolved, blocks cached up to computed - in-flight tokens,
   finished requests freed; stale output from before a preemption still appends and may finish a
   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
-  engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No speed shortcut
-  applies: every running sequence is visited every step. One sequence per request (vLLM V1's front
+  engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No lazy decode or
+  quiet run applies: every running sequence is visited every step (the blocked-head skip does). One sequence per request (vLLM V1's front
   end fans n > 1 out), recompute preemption only, no lookahead slots. With a sliding window (one
   group's) or vLLM's hybrid groups the scheduler passes each running request's in-flight tokens to
   `allocate_slots`, so windows and Mamba states let blocks go on the processed tokens (vLLM 0.33
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 class SyncOutput:
     """A step's output is applied when the step ends (vLLM's `Scheduler`)."""
 
-    shortcuts = True  # the speed shortcuts may run (sim.engine.shortcuts)
+    shortcuts = True  # lazy decodes and quiet runs may run (sim.engine.shortcuts)
     caches_known = False  # allocate_slots' own caching is all a scheduled chunk needs
 
     def __init__(self, sched: Scheduler):
@@ -99,7 +99,7 @@ class SyncOutput:
 class AsyncOutput:
     """A batch's output is applied after the next batch is chosen (vLLM's `AsyncScheduler`)."""
 
-    shortcuts = False
+    shortcuts = False  # no lazy decodes or quiet runs (the blocked head still runs)
     caches_known = True  # blocks are cached only up to the known tokens (`num_tokens_to_cache`)
 
     def __init__(self, sched: Scheduler):

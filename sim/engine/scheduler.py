@@ -20,7 +20,7 @@ What varies is held, not subclassed (as vLLM's own `Scheduler` holds `self.conne
 - the prefill rules (`sim.engine.prefill`: the long-prefill cap and the prefill cadence), built
   from the release profile of `cfg.vllm_version`;
 - the exact speed shortcuts (`sim.engine.shortcuts`: lazy decodes and the blocked head), on only
-  with sync output and no connector.
+  with no connector (or the NIXL one); the async output takes the blocked head only.
 
 A request with n > 1 arrives as n requests (vLLM 0.33's fan-out, `fan_out`), or, v0-style, runs as
 one sequence whose samples fork after its prefill (`SimConfig.parallel_sampling = "fork"`); either
@@ -91,11 +91,10 @@ class Scheduler:
         self._in_flight = cfg.async_scheduling and (manager.num_groups > 1 or manager.sliding_window is not None)
         # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them;
         # with KV events each cache stays in its step, `Shortcuts`)
-        on = cfg.shortcuts and self.output.shortcuts and \
-            (connector is None or getattr(connector, "allows_shortcuts", False))
-        self.fast = Shortcuts(manager, on, self.lookahead, self.priority,
-                              whole_fit=self.whole_fit, decodes_fit=self.max_seqs <= self.max_tokens)
-        if connector is not None and on:
+        on = cfg.shortcuts and (connector is None or getattr(connector, "allows_shortcuts", False))
+        self.fast = Shortcuts(manager, on, self.lookahead, self.priority, whole_fit=self.whole_fit,
+                              decodes_fit=self.max_seqs <= self.max_tokens, lazy=self.output.shortcuts)
+        if connector is not None and on and self.output.shortcuts:
             connector.free_seq = self.fast.free  # its held blocks go back as a finished request's do
         self.waiting = WaitQueue(self.priority)
         self.running: list[Live] = []

@@ -32,7 +32,8 @@ visited, and a Mamba group of its previous state on a block's second slot, visit
 blocks fill eagerly (not `fills`: a window may drop a block before a deferred caching). The
 blocked-head skip stays off with one group's window; over vLLM's hybrid groups it uses the hybrid
 manager's own count of what the head lacks and a watch on its hit (`allocation_deficit`,
-`watch_hit`), with no lookahead slots. The async scheduler takes neither (`Scheduler.has_shortcuts`).
+`watch_hit`), with no lookahead slots. The async output takes the blocked head only: a head's
+retry fails or not by the manager's state, whichever output mode applies the steps.
 """
 
 from __future__ import annotations
@@ -200,13 +201,14 @@ class Shortcuts:
     ones, and the blocked head. With the switch off it only keeps `active` (= RUNNING)."""
 
     def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True,
-                 decodes_fit: bool = True):
+                 decodes_fit: bool = True, lazy: bool = True):
         self.m = m
         self.bs, self.tables = m.block_size, m.block_tables
         self.lookahead = lookahead
         # NOTE: lazy decodes assume a step's budget holds every running decode (`decodes_fit`:
         # max_num_seqs <= the step budget); a smaller max_num_scheduled_tokens turns them off
-        self.decodes = on and decodes_fit and m.decode_shortcuts and not (lookahead or priority)
+        # (`lazy` False: the async output, whose every step visits every running sequence)
+        self.decodes = on and lazy and decodes_fit and m.decode_shortcuts and not (lookahead or priority)
         self.decode_slot = m.decode_slot if self.decodes else None
         self.windows = m.num_groups > 1  # (one group's window turns lazy decodes off)
         # a Mamba group lets the previous state go at a block's second slot: visited, lazy after it

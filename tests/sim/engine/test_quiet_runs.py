@@ -105,6 +105,57 @@ def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size
     _same(fast, slow)
 
 
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(sorted(SHAPES)),
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([20.0, 200.0]),
+    block_size=st.sampled_from([4, 8, 16]),
+    num_gpu_blocks=st.integers(12, 120),
+    budget=st.sampled_from([32, 64, 512]),
+    max_seqs=st.sampled_from([4, 16, 32]),
+    eviction=st.sampled_from(["lru", "arc", "s3fifo"]),
+    caching=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.05]),
+    model=st.sampled_from([None, *WINDOW_MODELS]),
+    real_cost=st.booleans(),
+)
+def test_async_output_gives_the_same_tables_with_the_blocked_head_skip_on_and_off(
+        window_models, kind: str, seed: int, rate: float, block_size: int, num_gpu_blocks: int, budget: int,
+        max_seqs: int, eviction: str, caching: bool, watermark: float, model, real_cost: bool) -> None:
+    """Under async output the blocked-head skip is the only shortcut (`Shortcuts(lazy=False)`): whether
+    a head's retry fails is the manager's state, whichever output mode applies the steps. Every table is
+    the same with it on and off, over one group and vLLM's hybrid groups (small windows that move)."""
+    groups = {"model": "llama-3-8b"} if model is None else \
+        {"model": window_models[model], "prefix_cache_retention_interval": 0}
+    blocks = num_gpu_blocks * (1 if model is None else GROUPS[model[1]])
+    cfg = SimConfig(**groups, gpu="h100-sxm", block_size=block_size, num_gpu_blocks=blocks,
+                    max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs, eviction=eviction,
+                    enable_prefix_caching=caching, watermark=watermark, async_scheduling=True)
+    _same(_run(kind, seed, rate, cfg, real_cost), _run(kind, seed, rate, cfg.replace(shortcuts=False), real_cost))
+
+
+def test_async_output_skips_a_blocked_heads_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skip above is not idle: on a tight cache under async output it answers for the head many
+    times (each a lookup and an allocation plain stepping makes and sees fail), and changes nothing."""
+    from kvsim.sim.engine import shortcuts
+
+    skipped = []
+    still = shortcuts.BlockedHead.still
+
+    def spy(self, live, budget, watermark):
+        out = still(self, live, budget, watermark)
+        skipped.append(out)
+        return out
+
+    monkeypatch.setattr(shortcuts.BlockedHead, "still", spy)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16,
+                    async_scheduling=True)
+    fast = _run("unique", 7, 200.0, cfg, True)
+    assert sum(skipped) == 1018
+    _same(fast, _run("unique", 7, 200.0, cfg.replace(shortcuts=False), True))
+
+
 @pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu", "cost", "pinned", "arc", "s3fifo"])
 def test_every_eviction_policy_gives_the_same_tables(eviction: str) -> None:
     """A block of unique decoded tokens may fill lazily and be cached a step or more late, which
