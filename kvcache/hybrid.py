@@ -516,8 +516,16 @@ class HybridKVCacheManager(PoolView, HybridLoads):
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens, in every group."""
-        if self.enable_caching:
-            self._cache(seq, num_tokens)
+        if not self.enable_caching:
+            return
+        if not self._mamba:  # no group with a block to cache: `_cache` would do nothing (async asks each step)
+            n_full, sid = num_tokens // self.block_size, seq.seq_id
+            for counts in self.num_cached:
+                if n_full > counts.get(sid, 0):
+                    break
+            else:
+                return
+        self._cache(seq, num_tokens)
 
     def _cache(self, seq: Sequence, num_tokens: int) -> None:
         """Each group hashes its newly full blocks (`KVCacheCoordinator.cache_blocks`): all of them,
