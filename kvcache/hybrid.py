@@ -308,7 +308,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
                 return None
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         pool = self.pool
-        self.remove_skipped_blocks(seq, max(0, computed - in_flight))
+        self.remove_skipped_blocks(seq, computed, in_flight)
         need = self.num_blocks_to_allocate(seq, num_slots, hits or self.empty_hit, num_computed=computed)
         if need + reserve > pool.num_free_blocks:
             return None
@@ -387,12 +387,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         if first is None or c // bs > len(first):
             return False
         pool = self.pool
-        if in_flight:  # (async output) on the processed tokens; a 1-token chunk exports no checkpoint
-            for ma in self._mamba.values():
-                ma.checkpoints.pop(sid, None)
-            self.remove_skipped_blocks(seq, max(0, c - in_flight))
-        else:
-            self.remove_skipped_blocks(seq)
+        self.remove_skipped_blocks(seq, in_flight=in_flight)
         new: list[KVCacheBlock] = []
         if c // bs == len(first):  # the token starts a block in every group, taken in group order
             n = len(tables)
@@ -432,12 +427,16 @@ class HybridKVCacheManager(PoolView, HybridLoads):
             if got is None or got is False:
                 raise AssertionError(f"{seq.seq_id}: decode_in_place with no block for its token")
 
-    def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+    def remove_skipped_blocks(self, seq: Sequence, computed: int | None = None, in_flight: int = 0) -> None:
         """Return the blocks `seq`'s windows and Mamba states no longer need at `computed` tokens
-        (default: its computed tokens) to the pool, each group's last first (vLLM's
-        `remove_skipped_blocks`, which `allocate_slots` runs first). A window whose last skipped
-        block is null already has none to give."""
-        sid, c = seq.seq_id, seq.num_computed_tokens if computed is None else computed
+        (default: its computed tokens, a decode's: a 1-token chunk exports no checkpoint) less
+        `in_flight` (async output: on the processed tokens, as `allocate_slots` takes it) to the pool,
+        each group's last first (vLLM's `remove_skipped_blocks`, which `allocate_slots` runs first).
+        A window whose last skipped block is null already has none to give."""
+        sid = seq.seq_id
+        c = seq.num_computed_tokens if computed is None else computed
+        if in_flight:  # (async output) on the processed tokens
+            c = max(0, c - in_flight)
         null, tables, recording, removed = self.null_block, self.tables, self.ops.enabled, []
         spans = self._skipped_spans(sid, c)
         for g, _, _, _, ma in self._skipping:

@@ -110,7 +110,7 @@ def random_case(seed: int, pd: bool = False) -> Case:
     max_running = r.choice([1, 1, 4, 16])
     # drawn last, so the knobs above are what they were before windows were drawn
     if "kv_offloading_size" not in kw and not kw["async_scheduling"] and r.random() < 0.3 and not pd:
-        kw["sliding_window"] = r.choice([8, 17, 64, 500])
+        kw["sliding_window"] = r.choice(WINDOWS)
     if kw["scheduling"] == "priority":  # the generators give every request priority 0
         requests = [replace(q, priority=r.choice([0, 0, 1, 2])) for q in requests]
     if r.random() < 0.2:  # a max_model_len that cuts answers; longer prompts are left out (vLLM refuses them)
@@ -128,7 +128,7 @@ def random_case(seed: int, pd: bool = False) -> Case:
     kw.update(_step_budget(r, kw))
     kw.update(_clock(r, kw, pd))
     if kw.get("sliding_window") is not None:  # drawn last: vLLM's retention interval, its default 0 most often
-        kw["prefix_cache_retention_interval"] = r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
+        kw["prefix_cache_retention_interval"] = _retention(r, bs)
     if not pd:
         kw.update(_hybrid(r, kw, bs))
         kw.update(_async_window(r, kw, bs))
@@ -171,14 +171,22 @@ def _hybrid(r: random.Random, kw: dict[str, object], bs: int, pd: bool = False) 
     return out
 
 
+WINDOWS = [8, 17, 64, 500]  # one group's sliding windows a case draws
+
+
+def _retention(r: random.Random, bs: int) -> int | None:
+    """vLLM's retention interval for a window case: its default 0 most often, dense (None), or a
+    multiple of the block size."""
+    return r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])
+
+
 def _async_window(r: random.Random, kw: dict[str, object], bs: int) -> dict[str, object]:
     """Three in ten of the async cases with neither a hybrid model nor offloading take one group's
     sliding window and vLLM's retention interval (drawn after the hybrid draw: async cases took no
     window before async ran with one, so every other case is what it was)."""
     if not kw["async_scheduling"] or "model" in kw or "kv_offloading_size" in kw or r.random() >= 0.3:
         return {}
-    return {"sliding_window": r.choice([8, 17, 64, 500]),
-            "prefix_cache_retention_interval": r.choice([0, 0, None, bs * r.choice([1, 2, 8, 40])])}
+    return {"sliding_window": r.choice(WINDOWS), "prefix_cache_retention_interval": _retention(r, bs)}
 
 
 def _disaggregation(r: random.Random, kw: dict[str, object], requests: list[Request], pd: bool) -> dict[str, object]:

@@ -85,10 +85,6 @@ class Scheduler:
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
         self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
-        # a window under async output (vLLM's hybrid groups, or one group's): a running request's windows
-        # let go of blocks on the processed-token basis (its in-flight tokens passed on; none are in
-        # flight under sync output)
-        self._in_flight = cfg.async_scheduling and (manager.num_groups > 1 or manager.sliding_window is not None)
         # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them;
         # with KV events each cache stays in its step, `Shortcuts`)
         on = cfg.shortcuts and (connector is None or getattr(connector, "allows_shortcuts", False))
@@ -283,8 +279,8 @@ class Scheduler:
                 n = self._mamba_chunk(seq, c, n)
             if n <= 0:
                 continue
-            if (alloc(seq, n, 0, None, la, in_flight=live.inflight) if self._in_flight
-                    else alloc(seq, n, 0, None, la)) is None:
+            # (its in-flight tokens: a window lets go on the processed ones; none are in flight under sync output)
+            if alloc(seq, n, 0, None, la, in_flight=live.inflight) is None:
                 was = fast.lazy.n
                 if not self._make_room(live, n, b, now):
                     if self.priority and not m.holds_blocks(seq.seq_id):
@@ -339,8 +335,7 @@ class Scheduler:
             self._preempt(victim, b)
             if victim is live:
                 return False
-            if (self.m.allocate_slots(live.seq, n, 0, None, self.lookahead, in_flight=live.inflight) if self._in_flight
-                    else self.m.allocate_slots(live.seq, n, 0, None, self.lookahead)) is not None:
+            if self.m.allocate_slots(live.seq, n, 0, None, self.lookahead, in_flight=live.inflight) is not None:
                 return True
 
     def _preempt(self, live: Live, b: Batch) -> None:
