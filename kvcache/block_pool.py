@@ -153,12 +153,12 @@ class BlockPool:
                     self.ops.emit_evicts([b.block_id for b in evicted], [b.block_hash for b in evicted])
                 else:
                     self.ops.counts["evict"] += len(evicted)
-            go, eg = self.group_of, self.evicted_by_group
+            eg = self.evicted_by_group
             if self.events is not None:  # (before their keys go)
-                self.events.removed(evicted, go)
+                self.events.removed(evicted, self.group_of)
             for b in evicted:
-                if go is not None:
-                    eg[go[b.block_id]] += 1
+                if eg is not None:
+                    eg[b.group] += 1
                 self._evict(b)
             self.num_evictions += len(evicted)
             self.num_cached_free -= len(evicted)
@@ -187,22 +187,21 @@ class BlockPool:
             self._taken(out, 0, top)
             return out
         block = q.front()
-        cached, evicted = self.cached, 0
-        go, eg = self.group_of, self.evicted_by_group
+        pop, evicted = self.cached.pop, 0
+        groups = [] if self.evicted_by_group is not None else None  # each eviction's group, counted after
         for _ in range(rest):
             b = block
             block = b.next
             b.prev = b.next = None
             key = b.block_hash
             if key is not None:
-                if cached[key] is b:
-                    del cached[key]
-                else:
-                    self._unshare(key, b)
+                hit = pop(key)  # (one lookup: a key shared with other blocks goes back without this one)
+                if hit is not b:
+                    self._unshare_popped(key, hit, b)
                 b.block_hash = None
                 evicted += 1
-                if go is not None:
-                    eg[go[b.block_id]] += 1
+                if groups is not None:
+                    groups.append(b.group)
             if keys is not None:
                 keys.append(key)
             b.ref_cnt = 1
@@ -210,30 +209,39 @@ class BlockPool:
                 top = b.block_id
             out.append(b)
         q.detach_front(block, rest)
+        if groups:
+            self._count_groups(groups)
         self._taken(out, evicted, top, keys is None)
         return out
+
+    def _count_groups(self, groups: list[int]) -> None:
+        """Count evictions for the groups `groups` names, one entry an evicted block."""
+        eg = self.evicted_by_group
+        for g in range(len(eg)):
+            eg[g] += groups.count(g)
 
     def _take_counted(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`get_new_blocks` when ops are only counted and the policy has no eviction hook: the
         same effects in one pass (each popped block's key dropped in pop order)."""
-        cached, evicted, top = self.cached, 0, 0
-        go, eg = self.group_of, self.evicted_by_group
+        pop, evicted, top = self.cached.pop, 0, 0
+        groups = [] if self.evicted_by_group is not None else None  # each eviction's group, counted after
         for b in blocks:
             if b.ref_cnt:
                 raise AssertionError(f"free block {b.block_id} has ref count {b.ref_cnt}")
             key = b.block_hash
             if key is not None:
-                if cached[key] is b:
-                    del cached[key]
-                else:
-                    self._unshare(key, b)
+                hit = pop(key)
+                if hit is not b:
+                    self._unshare_popped(key, hit, b)
                 b.block_hash = None
                 evicted += 1
-                if go is not None:
-                    eg[go[b.block_id]] += 1
+                if groups is not None:
+                    groups.append(b.group)
             b.ref_cnt = 1
             if b.block_id > top:
                 top = b.block_id
+        if groups:
+            self._count_groups(groups)
         self._taken(blocks, evicted, top)
         return blocks
 
@@ -255,10 +263,13 @@ class BlockPool:
 
     def _unshare(self, key: int, block: KVCacheBlock) -> None:
         """Drop `block` from `key`'s entry in the cache map, which other blocks share with it."""
-        hit = self.cached[key]
+        self._unshare_popped(key, self.cached[key], block)
+
+    def _unshare_popped(self, key: int, hit: dict[int, KVCacheBlock], block: KVCacheBlock) -> None:
+        """`_unshare` of `key`'s entry `hit` (the blocks sharing it, by id; taken out of the cache
+        map or still in it): the others stay mapped, in their order, one alone as itself."""
         del hit[block.block_id]
-        if len(hit) == 1:
-            self.cached[key] = next(iter(hit.values()))
+        self.cached[key] = next(iter(hit.values())) if len(hit) == 1 else hit
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's key from the cache map (counted by the caller)."""
@@ -478,21 +489,24 @@ class BlockPool:
                      chain: int = 0, salt: int = 0, group: int | None = None) -> None:
         """Register just-filled `blocks[start:end]` under `keys[start:end]` (null blocks skipped),
         each XORed with `salt` (a KV-cache group's, `groups.group_salt`); `chain` is the caching
-        sequence's prompt length in blocks; `group`: the KV-cache group they are counted for in
-        `group_of` (several groups)."""
+        sequence's prompt length in blocks; `group`: the KV-cache group an eviction of them is
+        counted for (several groups: `KVCacheBlock.group`, and `group_of` where op records or KV
+        events name an evicted block's group)."""
         cached = self.cached
         null = self.null_block
         on_cache = self._on_cache
-        go = self.group_of if group is not None else None
+        go = self.group_of if group is not None and (self.ops.enabled or self.events is not None) else None
         for i in range(start, end):
             b = blocks[i]
             if b is null:
                 continue
             if b.block_hash is not None:
                 raise AssertionError(f"block {b.block_id} is already cached")
-            if go is not None:
-                go[b.block_id] = group
-            key = keys[i] ^ salt
+            if group is not None:
+                b.group = group
+                if go is not None:
+                    go[b.block_id] = group
+            key = keys[i] ^ salt if salt else keys[i]  # (group 0's salt is 0: no new int)
             b.block_hash = key
             if key in cached:  # cached already: it maps to both
                 self._cache_again(key, b)

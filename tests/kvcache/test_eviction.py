@@ -94,8 +94,10 @@ def test_cost_aware_trims_a_prefix_from_its_tail():
 
 
 def test_a_block_carries_only_vllms_fields():
-    # every policy keeps its per-block data itself, keyed by block id
-    assert KVCacheBlock.__slots__ == ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    # every policy keeps its per-block data itself, keyed by block id; `group` is the group id vLLM
+    # 0.33 keeps in the block's key (vllm/v1/core/kv_cache_utils.py: `KVCacheBlock._block_hash` is a
+    # `BlockHashWithGroupId`, `make_block_hash_with_group_id`), which kvsim's salted key cannot give back
+    assert KVCacheBlock.__slots__ == ("block_id", "ref_cnt", "block_hash", "prev", "next", "group")
     for name in POLICIES:
         m = KVCacheManager(6, 4, eviction=name)
         a = seq("a", range(9))

@@ -25,9 +25,15 @@ PROMPTS = [np.arange(k * 100, k * 100 + 30, dtype=np.int32) for k in range(3)]
 ANSWER = np.arange(7000, 7040, dtype=np.int32)  # a known answer: equal decodes fill equal blocks
 
 
+def cache_map(pool) -> list:
+    """The cache map's content: each key's blocks in their order (lookup returns the first). The keys'
+    order is no part of it: an eviction that pops a shared key puts the key back at the end."""
+    return sorted((k, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for k, hit in pool.cached.items())
+
+
 def state(m: KVCacheManager) -> tuple:
     pool, policy = m.pool, m.pool.policy
-    cached = [(k, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for k, hit in pool.cached.items()]
+    cached = cache_map(pool)
     free = policy.queue.block_ids() if isinstance(policy, LRU) else (policy.plain.block_ids(), policy.num_cached)
     tracker = pool.tracker
     return (
@@ -95,7 +101,7 @@ def test_counted_paths_match_recorded(policy: str, defrag: int | None) -> None:
 
 def hybrid_state(m: HybridKVCacheManager) -> tuple:
     pool = m.pool
-    cached = [(k, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for k, hit in pool.cached.items()]
+    cached = cache_map(pool)
     free = pool.policy.queue.block_ids() if isinstance(pool.policy, LRU) else len(pool.policy)
     return ([{sid: m.block_ids(sid, g) for sid in m.block_tables} for g in range(m.num_groups)],
             [b.ref_cnt for b in pool.blocks[1:]], free, cached, pool.num_evictions, pool.num_free_blocks,
