@@ -290,7 +290,7 @@ def run(
     max_num_scheduled_tokens: MaxNumScheduledTokens = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs")] = False,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling, `vllm serve` 0.33's default on a GPU (kvsim's default is sync, vLLM's step-by-step scheduler): batch k+1 is scheduled while batch k runs")] = False,
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
