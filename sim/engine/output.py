@@ -150,7 +150,7 @@ class AsyncOutput:
                 continue
             seq = live.seq
             had_ph = live.ph > 0
-            seq.append_tokens(1)
+            seq.num_tokens += 1  # (`append_tokens(1)` inline: every running request, every step)
             if not stale and had_ph:
                 live.ph -= 1
             row = live.row  # (a fanned-out request's first token is its first sample's)

@@ -250,6 +250,9 @@ class Scheduler:
         active, decode = fast.active, fast.decodes and fast.decode
         alloc, la, max_len = m.allocate_slots, self.lookahead, self.max_len
         cache = m.cache_blocks if self.output.caches_known else None
+        # a one-token chunk's slot straight from `decode_slot`, which `allocate_slots` calls first for it
+        # (one group, no window, no lookahead: every running request, every step, under async output)
+        slot = m.decode_slot if not la and m.num_groups == 1 and m.sliding_window is None else None
         prefill = self.prefill
         chunk, hold = self._chunk, prefill.held
         i, end = 0, len(active)
@@ -279,8 +282,10 @@ class Scheduler:
                 n = self._mamba_chunk(seq, c, n)
             if n <= 0:
                 continue
-            # (its in-flight tokens: a window lets go on the processed ones; none are in flight under sync output)
-            if alloc(seq, n, 0, None, la, in_flight=live.inflight) is None:
+            got = slot(seq) if n == 1 and slot is not None else False
+            if got is False:  # (its in-flight tokens: a window lets go on the processed ones; 0 under sync output)
+                got = alloc(seq, n, 0, None, la, in_flight=live.inflight)
+            if got is None:
                 was = fast.lazy.n
                 if not self._make_room(live, n, b, now):
                     if self.priority and not m.holds_blocks(seq.seq_id):
