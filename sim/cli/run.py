@@ -407,8 +407,10 @@ def run(
 
 def _simulated(simulate_fn: Any, wl: Any, cfg: SimConfig, cost: Any, bar: Any, progress: Any, **streams: Any) -> Any:
     """`simulate_fn(wl, cfg, ...)` (one engine, a cluster or a P/D cluster) under the progress bar if
-    there is one; a bad config or workload found on the way is one line on the command line."""
+    there is one; a bad config or workload found on the way, or one the engine stalls on, is one line on
+    the command line."""
     from kvsim.sim.engine.config import ConfigError
+    from kvsim.sim.engine.loop import Stalled
     from kvsim.workloads.errors import WorkloadError
 
     try:
@@ -416,7 +418,7 @@ def _simulated(simulate_fn: Any, wl: Any, cfg: SimConfig, cost: Any, bar: Any, p
             with bar:
                 return simulate_fn(wl, cfg, progress, cost_model=cost, **streams)
         return simulate_fn(wl, cfg, cost_model=cost, **streams)
-    except (ConfigError, WorkloadError) as e:
+    except (ConfigError, WorkloadError, Stalled) as e:
         raise fail(str(e)) from None
 
 

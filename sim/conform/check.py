@@ -182,7 +182,6 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
     """kvsim's engine against vLLM's Scheduler (with its OffloadingConnector when `cfg` offloads)."""
     if cfg.kv_offloading_size is not None:
         return run_offload_scheduler(requests, cfg)
-    ours = kvsim_scheduler(requests, cfg)
     if cfg.step_time is None:
         from kvsim.sim.conform.vllm_nixl import Nixl
         from kvsim.sim.conform.vllm_timed import run_timed
@@ -192,14 +191,18 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         args = _scheduler_args(cfg)
         del args["step_time"]
         nixl = Nixl.from_config(cfg, BlockBytes.of(CostModel.from_config(cfg)))  # P/D's connector, or None
-        theirs = run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
-                           load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
+
+        def vllm_side() -> list[dict]:
+            return run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
+                             load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
     else:
         from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
-        theirs = vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg),
-                                    async_scheduling=cfg.async_scheduling)
-    return compare("scheduler", ours, by_request(requests, theirs), SCHEDULER_FIELDS)
+        def vllm_side() -> list[dict]:
+            return vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg),
+                                      async_scheduling=cfg.async_scheduling)
+    ours = _both_or_neither_stall(lambda: kvsim_scheduler(requests, cfg), vllm_side)
+    return compare("scheduler", ours, by_request(requests, vllm_side()), SCHEDULER_FIELDS)
 
 
 def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int, list[tuple[int, int]]], float]:
@@ -392,8 +395,9 @@ def _shown(event: dict) -> dict:
 
 def _both_or_neither_stall(ours: Callable[[], Any], theirs: Callable[[], Any]) -> Any:
     """`ours()`, kvsim's run; if kvsim's engine stalls (it made no progress for its stall limit of
-    batches), vLLM's run too: a case on which both stall is refused (ConfigError), as one vLLM stalls
-    on alone is; a stall of kvsim's alone is kvsim's error."""
+    batches, or its requests preempt each other in a cycle: `sim.engine.loop.Stalled`), vLLM's run
+    too: a case on which both stall or cycle is refused (ConfigError), as one vLLM stalls on alone is;
+    a stall of kvsim's alone is kvsim's error."""
     try:
         return ours()
     except RuntimeError as e:
@@ -402,7 +406,7 @@ def _both_or_neither_stall(ours: Callable[[], Any], theirs: Callable[[], Any]) -
         try:
             theirs()
         except RuntimeError as v:
-            if "scheduled nothing" in str(v):
+            if "scheduled nothing" in str(v) or str(v).startswith("vLLM cycled"):
                 raise ConfigError(f"kvsim and vLLM both stall on this case (kvsim: {e}; vLLM: {v})") from None
             raise
         raise

@@ -26,6 +26,7 @@ from kvsim.sim.conform.vllm_setup import (
     token_ids,
     vllm_request,
 )
+from kvsim.sim.engine import loop
 from kvsim.sim.engine.loop import grid_index  # the engine's own grid, so both sides queue alike
 
 
@@ -209,6 +210,7 @@ class _SchedRun:
         self.nxt = 0
         self.live: dict[str, tuple[Any, list[int]]] = {}  # id -> (vLLM request, all its tokens)
         self.step = 0  # the step whose output is being applied
+        self.churn = 0  # preemptions since a batch last decoded a token or a request last finished
 
     def _handed(self, out, start: float):
         """Step `out` is handed to the KV connector's worker at `start`: the connector output its
@@ -242,6 +244,24 @@ class _SchedRun:
             f"requests left ({stuck}); a request that can never fit in {num_gpu_blocks} "
             f"blocks of {block_size} stalls vLLM")
 
+    def cycled(self, out) -> None:
+        """Count batch `out`'s preemptions unless it decodes a token, as kvsim's engine counts them
+        (`Engine._steps`, `LIVELOCK_PREEMPTIONS`): that many in a row, none of them followed by a
+        decoded token or a finished request, and the requests preempt each other in a cycle that
+        never ends (RuntimeError). `schedule()` has already advanced each request's computed tokens."""
+        live = self.live
+        for rid, n in out.num_scheduled_tokens.items():
+            vreq = live[rid][0]
+            if n == 1 and vreq.num_computed_tokens > vreq.num_prompt_tokens:  # a decode
+                self.churn = 0
+                return
+        if out.preempted_req_ids:
+            self.churn += len(out.preempted_req_ids)
+            if self.churn >= loop.LIVELOCK_PREEMPTIONS:
+                stuck = ", ".join(sorted(live)[:5])
+                raise RuntimeError(f"vLLM cycled: {self.churn:,} preemptions in a row with no token decoded and no "
+                                   f"request finished, up to step {self.step} ({stuck} left)")
+
     def run_sync(self, num_gpu_blocks: int, block_size: int) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
 
@@ -261,6 +281,7 @@ class _SchedRun:
     def sync_step(self, out, step: int, output_cls, kv_connector_output=None) -> list[str]:
         """Run `out` as step `step` of the sync loop: sample, apply, record; the ids it scheduled."""
         live, recs = self.live, self.recs
+        self.cycled(out)
         _record_admissions(out, live, recs, step)
         ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -281,6 +302,7 @@ class _SchedRun:
                 rec["finish_step"] = step
                 rec["preemptions"] = vreq.num_preemptions
                 del live[rid]
+                self.churn = 0
         return ids
 
     def run_async(self, queue_size: int, num_gpu_blocks: int, block_size: int) -> None:
@@ -300,6 +322,7 @@ class _SchedRun:
             if sched.has_requests():
                 start = max(free_slot, clock)  # the slot it would run in
                 out = sched.schedule()
+                self.cycled(out)
                 kv_out, _ = self._handed(out, start * self.step_time)
                 mro = self._fake_async_output(out, ModelRunnerOutput)
                 mro.kv_connector_output = kv_out
@@ -342,6 +365,7 @@ class _SchedRun:
                 rec["preemptions"] = vreq.num_preemptions
                 del live[rid]
                 done.append(rid)
+                self.churn = 0
         return done
 
     def _fake_async_output(self, out, output_cls):

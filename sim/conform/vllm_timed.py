@@ -197,6 +197,7 @@ class _TimedRun(_OffloadRun):
                     if sync:
                         output = kv_out  # sampled when it is applied (sync_step)
                     else:
+                        self.cycled(out)  # (sync: when it is applied, sync_step)
                         self._ended(end)
                         output = self._fake_async_output(out, ModelRunnerOutput)
                         output.kv_connector_output = kv_out

@@ -45,6 +45,15 @@ if TYPE_CHECKING:
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
 STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
+# recompute or swap preemptions in a row with no token decoded and no request finished: the running and
+# waiting requests preempt each other in a cycle that never ends (vLLM 0.33's scheduler cycles alike)
+LIVELOCK_PREEMPTIONS = 50_000
+
+
+class Stalled(RuntimeError):
+    """The engine can make no more progress on its configuration: nothing is scheduled and nothing
+    will arrive, or requests preempt each other in a cycle. vLLM 0.33's scheduler stalls or cycles
+    on the same configuration (`kvsim conform` checks that both sides do); the message says which."""
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
 _COUNTED = ("evict", *CHARGED_KINDS)  # the op counts a step records
 _ZEROS = (0,) * len(_COUNTED)
@@ -190,6 +199,16 @@ class Engine:
         if events:
             self.kv_events(EventBatch(now, self.replica, step, events))
 
+    def _cycle(self, churn: int, t: float, step: int) -> str:
+        """What `Stalled` says of a preemption cycle: how long, and the requests caught in it."""
+        sched = self.sched
+        caught = [*sched.running[:4], *([sched.waiting.peek()] if sched.waiting else [])]
+        names = ", ".join(dict.fromkeys(x.req.id for x in caught))
+        return (f"scheduler made no progress: {churn:,} preemptions in a row with no token decoded and no request "
+                f"finished, up to t={t:.6f}s (step {step}); requests {names} preempt each other in a cycle, as "
+                "vLLM 0.33's scheduler does on this configuration: give more --num-gpu-blocks or a larger "
+                "--max-num-batched-tokens")
+
     # ---------------------------------------------------------------- steps
     def _steps(self):
         """vLLM's EngineCore busy loop (`step_with_batch_queue`, vllm/v1/engine/core.py) over either
@@ -235,6 +254,7 @@ class Engine:
         k = 0  # batches run so far
         prev = _ZEROS  # the op counts when the last batch that ran was scheduled
         empties = 0
+        churn = 0  # preemptions since a batch last decoded a token or a request last finished
         # NOTE: on the cost clock the engine yields to SimPy only when an event falls before the
         # clock, or to sleep: back-to-back steps cost no event each
         while True:
@@ -262,6 +282,12 @@ class Engine:
                     m.defragment(sched.materialize if m.records_ops else None)
                 b = sched.schedule(at(start))
                 dropped = self._drain_done(at(start)) if sched.done else 0
+                if b.decode_tokens:
+                    churn = 0
+                elif b.preempted_recompute or b.preempted_swap:
+                    churn += b.preempted_recompute + b.preempted_swap
+                    if churn >= LIVELOCK_PREEMPTIONS:
+                        raise Stalled(self._cycle(churn, at(start), step))
                 if b.num_seqs or (sync and (b.preempted_recompute or b.preempted_swap)):
                     now = _counts(count)
                     deltas = tuple(a - p for a, p in zip(now, prev, strict=True))
@@ -285,7 +311,7 @@ class Engine:
                     t0 = at(start)
                     until = sched.idle_until(t0) if sched.has_work() else t0
                     if until is None:
-                        raise RuntimeError(f"scheduler made no progress at t={t0:.6f}s (step {step})")
+                        raise Stalled(f"scheduler made no progress at t={t0:.6f}s (step {step})")
                     if self.kv_events is not None:  # vLLM applies an empty step's output too
                         self._take_events(t0, step)
                     if grid:  # an empty step takes its slot; none polls before the transfer ends
@@ -296,7 +322,7 @@ class Engine:
                 else:
                     empties += 1
                     if empties >= STALL_STEPS:
-                        raise RuntimeError(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
+                        raise Stalled(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
                     if all(q[1] is None for q in queue):
                         clock += spin  # nothing running: the engine spins
                         if not grid:
@@ -319,6 +345,8 @@ class Engine:
             if self.kv_events is not None:
                 self._take_events(at(end), step)
             done = dropped + (self._drain_done(at(end)) if sched.done else 0)
+            if done:
+                churn = 0
             record(step_row(at(start), dt, sched, b, deltas, done))
             if usage is not None:
                 usage.add(m.held)

@@ -151,3 +151,20 @@ def test_kv_events_to_an_unwritable_path_or_a_failed_run_leave_no_file(tmp_path:
                             "--kv-events", str(events)])
     assert r.exit_code == 2 and "too small" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_engine_that_stalls_is_one_line_and_leaves_no_run_folder(tmp_path, monkeypatch):
+    # a preemption cycle (tests/sim/engine/test_async_scheduling.py) or an empty schedule with nothing
+    # left to arrive: `kvsim run` says so on one line, exit 2, and writes nothing
+    from kvsim.sim.engine import loop
+    from kvsim.sim.engine import run as engine_run
+
+    said = "scheduler made no progress: 50,000 preemptions in a row with no token decoded and no request finished"
+
+    def stalls(*args, **kwargs):
+        raise loop.Stalled(said)
+
+    monkeypatch.setattr(engine_run, "simulate", stalls)
+    out = tmp_path / "r"
+    r = runner.invoke(app, ["run", "--no-plots", "-o", str(out)])
+    assert (r.exit_code, r.stderr, out.exists()) == (2, f"error: {said}\n", False)

@@ -165,3 +165,10 @@ def test_a_case_both_sides_stall_on_is_refused_and_a_stall_of_kvsims_alone_is_an
     with pytest.raises(RuntimeError, match="^scheduler made no progress"):
         _both_or_neither_stall(kvsim_stalls, lambda: [])
     assert _both_or_neither_stall(lambda: "ours", vllm_stalls) == "ours"
+
+    def vllm_cycles():  # (its requests preempt each other forever: sim/conform/vllm_scheduler.py `cycled`)
+        raise RuntimeError("vLLM cycled: 300 preemptions in a row with no token decoded and no request finished")
+
+    with pytest.raises(ConfigError, match=r"^kvsim and vLLM both stall on this case \(kvsim: scheduler made no "
+                                          r"progress for 1000 batches at t=0\.057745s; vLLM: vLLM cycled: 300"):
+        _both_or_neither_stall(kvsim_stalls, vllm_cycles)

@@ -213,3 +213,43 @@ def test_one_groups_sliding_window_matches_vllm_under_async(seed):
     assert case.cfg.async_scheduling and case.cfg.sliding_window == 500, case.describe()
     diffs = conform(case.requests, case.cfg, "both", max_running=case.max_running)
     assert [d.format() for d in diffs if not d.ok] == [], case.describe()
+
+
+# Seed 86435 of `kvsim conform --random` (gemma-3-27b in hybrid groups, 994 blocks of 8, caching off,
+# priority scheduling, async, 200-token long-prefill chunks): from about step 1,000 on, 1_par-17 and
+# two lower-priority prompts take turns being preempted, every batch a prefill chunk, and nothing is
+# ever decoded again. vLLM 0.33's own AsyncScheduler cycles the same way (the test below); both
+# engines would step forever. The engine stops once LIVELOCK_PREEMPTIONS preemptions come in a row
+# with no token decoded and no request finished (here lowered to 300, to keep the test short).
+CYCLING_SEED = 86435
+
+
+def test_a_preemption_cycle_stops_the_engine_with_an_error_naming_its_requests(monkeypatch):
+    from kvsim.sim.conform.random_cases import random_case
+    from kvsim.sim.engine import loop
+    from kvsim.sim.engine.run import simulate
+
+    monkeypatch.setattr(loop, "LIVELOCK_PREEMPTIONS", 300)
+    case = random_case(CYCLING_SEED)
+    with pytest.raises(loop.Stalled) as e:
+        simulate(case.requests, case.cfg)
+    assert str(e.value) == (
+        "scheduler made no progress: 300 preemptions in a row with no token decoded and no request finished, "
+        "up to t=65.000000s (step 1300); requests 1_par-17, 0_par-17 preempt each other in a cycle, as vLLM "
+        "0.33's scheduler does on this configuration: give more --num-gpu-blocks or a larger "
+        "--max-num-batched-tokens")
+
+
+@needs_vllm
+def test_a_case_both_engines_cycle_on_is_refused_by_conform(monkeypatch):
+    """vLLM's driver counts the same preemptions (sim/conform/vllm_scheduler.py `_SchedRun.cycled`,
+    from SchedulerOutput.preempted_req_ids): both cycle, so the case is refused, not failed."""
+    from kvsim.sim.conform.random_cases import random_case
+    from kvsim.sim.engine import loop
+
+    monkeypatch.setattr(loop, "LIVELOCK_PREEMPTIONS", 300)
+    case = random_case(CYCLING_SEED)
+    with pytest.raises(ConfigError, match=r"^kvsim and vLLM both stall on this case \(kvsim: scheduler made no "
+                                          r"progress: 300 preemptions in a row .*; vLLM: vLLM cycled: 300 "
+                                          r"preemptions in a row with no token decoded and no request finished"):
+        conform(case.requests, case.cfg, "scheduler")
