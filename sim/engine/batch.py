@@ -61,6 +61,7 @@ class Batch:
 
     lazy: int = 0  # lazy decodes (see sim.engine.shortcuts)
     start: float = 0.0  # when it was scheduled (and starts to run)
+    k: int = 0  # the scheduler's step number for it (`Scheduler.steps_scheduled`)
     sampled: list[bool] = field(default_factory=list)  # async output: per sequence, whether it samples a token
 
     @property

@@ -14,8 +14,9 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   tokens are appended, placeholders resolved, blocks cached up to computed - in-flight tokens,
   finished requests freed; stale output from before a preemption still appends and may finish a
   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
-  engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No lazy decode or
-  quiet run applies: every running sequence is visited every step (the blocked-head skip does). One sequence per request (vLLM V1's front
+  engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). No quiet
+  run applies; over one group a request decoding mid-block is counted, not visited, by lazy decodes of its
+  own (`sim.engine.shortcuts.AsyncLazy`), and the blocked-head skip applies. One sequence per request (vLLM V1's front
   end fans n > 1 out), recompute preemption only, no lookahead slots. With a sliding window (one
   group's) or vLLM's hybrid groups the scheduler passes each running request's in-flight tokens to
   `allocate_slots`, so windows and Mamba states let blocks go on the processed tokens (vLLM 0.33
@@ -99,7 +100,7 @@ class SyncOutput:
 class AsyncOutput:
     """A batch's output is applied after the next batch is chosen (vLLM's `AsyncScheduler`)."""
 
-    shortcuts = False  # no lazy decodes or quiet runs (the blocked head still runs)
+    shortcuts = False  # no sync lazy decodes or quiet runs (its own lazy decodes and the blocked head run)
     caches_known = True  # blocks are cached only up to the known tokens (`num_tokens_to_cache`)
 
     def __init__(self, sched: Scheduler):
@@ -167,4 +168,9 @@ class AsyncOutput:
                 stopped = True
         if stopped:
             s.drop_retired()
-        s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running])
+        lazy = s.fast.lazy if s.fast.async_decodes else None
+        if lazy is not None and lazy.n:  # (lazy decodes lag: `AsyncLazy.applied_slots`)
+            s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running if x.since < 0]) \
+                + lazy.applied_slots(b.k)
+        else:
+            s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running])

@@ -20,7 +20,8 @@ What varies is held, not subclassed (as vLLM's own `Scheduler` holds `self.conne
 - the prefill rules (`sim.engine.prefill`: the long-prefill cap and the prefill cadence), built
   from the release profile of `cfg.vllm_version`;
 - the exact speed shortcuts (`sim.engine.shortcuts`: lazy decodes and the blocked head), on only
-  with no connector (or the NIXL one); the async output takes the blocked head only.
+  with no connector (or the NIXL one); the async output takes the blocked head and, with no
+  connector, lazy decodes of its own (`AsyncLazy`).
 
 A request with n > 1 arrives as n requests (vLLM 0.33's fan-out, `fan_out`), or, v0-style, runs as
 one sequence whose samples fork after its prefill (`SimConfig.parallel_sampling = "fork"`); either
@@ -88,8 +89,13 @@ class Scheduler:
         # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them;
         # with KV events each cache stays in its step, `Shortcuts`)
         on = cfg.shortcuts and (connector is None or getattr(connector, "allows_shortcuts", False))
+        self.last_batch = Batch()  # the batch scheduled last (under async output, in flight while the next is chosen)
+        # the async output's lazy decodes (`AsyncLazy`) bring a sequence up to date in the batch in flight
+        last = (lambda: self.last_batch) if cfg.async_scheduling and connector is None \
+            and not cfg.debug_invariants else None
         self.fast = Shortcuts(manager, on, self.lookahead, self.priority, whole_fit=self.whole_fit,
-                              decodes_fit=self.max_seqs <= self.max_tokens, lazy=self.output.shortcuts)
+                              decodes_fit=self.max_seqs <= self.max_tokens, lazy=self.output.shortcuts,
+                              last_batch=last)
         if connector is not None and on and self.output.shortcuts:
             connector.free_seq = self.fast.free  # its held blocks go back as a finished request's do
         self.waiting = WaitQueue(self.priority)
@@ -194,7 +200,7 @@ class Scheduler:
         conn, prefill = self.connector, self.prefill
         if conn is not None:
             conn.begin_step(now)
-        b = Batch(start=now)
+        b = Batch(start=now, k=self.steps_scheduled)
         if self.mamba is not None:
             self.m.new_step_starts()
         self._chunk = prefill.chunk_cap(self.eligible()) if prefill.long_prefill else 0
@@ -217,6 +223,7 @@ class Scheduler:
             self.sched_seq += 1
         self.output.after_schedule(b)
         self._finished = False
+        self.last_batch = b
         return b
 
     @staticmethod
@@ -248,6 +255,7 @@ class Scheduler:
         k, fast, m = self.steps_scheduled, self.fast, self.m
         budget = fast.begin(k, self.max_tokens, self.running)
         active, decode = fast.active, fast.decodes and fast.decode
+        lazy_after = fast.async_decodes
         alloc, la, max_len = m.allocate_slots, self.lookahead, self.max_len
         cache = m.cache_blocks if self.output.caches_known else None
         # a one-token chunk's slot straight from `decode_slot`, which `allocate_slots` calls first for it
@@ -299,6 +307,8 @@ class Scheduler:
             if cache is not None:
                 cache(seq, min(c + n, seq.num_tokens))
             self._add(b, live, n)
+            if lazy_after and n == 1 and c >= seq.num_prompt_tokens:
+                fast.after(live, c, k)
             budget -= n
             if live.prefilling:
                 prefill.carried = True

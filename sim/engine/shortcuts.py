@@ -32,8 +32,10 @@ visited, and a Mamba group of its previous state on a block's second slot, visit
 blocks fill eagerly (not `fills`: a window may drop a block before a deferred caching). The
 blocked-head skip stays off with one group's window; over vLLM's hybrid groups it uses the hybrid
 manager's own count of what the head lacks and a watch on its hit (`allocation_deficit`,
-`watch_hit`), with no lookahead slots. The async output takes the blocked head only: a head's
-retry fails or not by the manager's state, whichever output mode applies the steps.
+`watch_hit`), with no lookahead slots. The async output takes the blocked head (a head's retry fails
+or not by the manager's state, whichever output mode applies the steps) and, over one group with no
+window, lookahead, priority, connector, op records or KV events, lazy decodes of its own
+(`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date.
 """
 
 from __future__ import annotations
@@ -143,6 +145,105 @@ class LazyDecodes:
         return self._frag - self.n * k + (self._fills.pop(k, 0) if self._fills else 0)
 
 
+class AsyncLazy:
+    """Lazy decodes under the async output (vLLM's AsyncScheduler behind EngineCore's two-deep batch
+    queue): the same idea as `LazyDecodes`, with the async counters.
+
+    A running request that decodes at step k with its previous token's batch in flight (at rest
+    before the step: computed = known tokens, one placeholder, one token in flight) and whose next
+    positions fall inside its last block needs no block, copy or cache entry until that block fills:
+    it is scheduled at k as usual, then counted, not visited, at steps k + 1 .. wake - 1, and neither
+    `after_schedule` nor `update` sees it there. (Under async a block is cached when the token after
+    it is scheduled, so the last slot may be lazy too.) Batches k - 1 and k still carry it, so once
+    both are applied its `seq` and counters rest at c1 computed (after step k), c1 + 1 known, nothing
+    in flight. `drop` brings it up to date before step K's schedule: c1 + d computed and known
+    (d = K - since, the steps it was counted at), one placeholder and one token in flight, in batch
+    K - 1 (the scheduler's `last_batch`, not applied yet), which it joins: that batch's output then
+    samples its token as plain stepping's does. The lazy ones never finish, take a block, cache one,
+    free one or decode a shared block, so nothing else depends on the order they join it in.
+    """
+
+    fills = False  # (a block is cached in its step: `LazyDecodes.fills`)
+    record = None  # (no op records: `Shortcuts`)
+
+    def __init__(self, block_size: int, last_batch: Callable[[], Batch]):
+        self.bs = block_size
+        self.last_batch = last_batch  # the batch scheduled last: in flight while the next is chosen
+        self.n = 0
+        self._ctx = 0  # sum of (c1 + 1 - since): a lazy one's length after step k is c1 + 1 + k - since
+        self._slots = 0  # sum of (blocks * bs - c1 + since - 2): its empty slots after batch j's output
+        self.wakes: dict[int, list[Lazy]] = {}
+        self._c1: dict[int, tuple[int, int]] = {}  # id(live) -> (c1, its blocks)
+
+    def add(self, live: Lazy, k: int, last: int, c1: int, blocks: int) -> None:
+        """`live`, scheduled at step k (c1 computed tokens after it), is counted at the `last` steps
+        after k and visited again at k + last + 1; `blocks`: its table's length."""
+        since = k + 1
+        live.since, live.wake = since, since + last
+        self.n += 1
+        self._ctx += c1 + 1 - since
+        self._slots += blocks * self.bs - c1 + since - 2
+        self._c1[id(live)] = (c1, blocks)
+        w = self.wakes.get(live.wake)
+        if w is None:
+            self.wakes[live.wake] = [live]
+        else:
+            w.append(live)
+
+    def drop(self, live: Lazy, k: int) -> None:
+        """Bring `live` up to date before step k's schedule (see the class docstring); not lazy after."""
+        c1, blocks = self._c1.pop(id(live))
+        since = live.since
+        self.n -= 1
+        self._ctx -= c1 + 1 - since
+        self._slots -= blocks * self.bs - c1 + since - 2
+        live.since = -1
+        d = k - since
+        if d <= 0:  # dropped at the step after its visit: batch k - 1 still carries it, nothing lags
+            return
+        seq = live.seq
+        seq.num_computed_tokens = c1 + d
+        seq.num_tokens = c1 + d
+        live.ph = live.inflight = 1
+        b = self.last_batch()
+        b.lives.append(live)
+        b.tokens.append(1)
+        b.sampled.append(True)
+        b.lazy -= 1  # (counted there as lazy, now a member)
+
+    def due(self, k: int) -> list[Lazy]:
+        """Drop and return the sequences to visit again from step k on."""
+        woken = self.wakes.pop(k, None) if self.wakes else None
+        if not woken:
+            return []
+        out = []
+        for live in woken:
+            if live.since >= 0 and live.wake == k:  # else dropped early (and maybe lazy again)
+                self.drop(live, k)
+                out.append(live)
+        return out
+
+    def drop_all(self, lives: list[Lazy], k: int) -> None:
+        """Drop every lazy sequence among `lives` before step k's schedule."""
+        for live in lives:
+            if live.since >= 0:
+                self.drop(live, k)
+        self.wakes.clear()
+
+    def context_tokens(self, k: int) -> int:
+        """Sum of the lazy sequences' lengths after step k."""
+        return self._ctx + self.n * k
+
+    def empty_slots(self, k: int) -> int:
+        """(The async output counts empty slots when a batch's output is applied: `applied_slots`.)"""
+        return 0
+
+    def applied_slots(self, j: int) -> int:
+        """Allocated slots of the lazy sequences not holding a token, once batch j's output is applied
+        (batch j + 1 scheduled): each knows c1 + 2 + j - since tokens then."""
+        return self._slots - self.n * j
+
+
 class BlockedHead:
     """The head of WAITING failed to allocate; tells cheaply, and exactly, when a retry must fail too.
 
@@ -201,7 +302,7 @@ class Shortcuts:
     ones, and the blocked head. With the switch off it only keeps `active` (= RUNNING)."""
 
     def __init__(self, m: KVCacheManager, on: bool, lookahead: int, priority: bool, *, whole_fit: bool = True,
-                 decodes_fit: bool = True, lazy: bool = True):
+                 decodes_fit: bool = True, lazy: bool = True, last_batch: Callable[[], Batch] | None = None):
         self.m = m
         self.bs, self.tables = m.block_size, m.block_tables
         self.lookahead = lookahead
@@ -219,6 +320,13 @@ class Shortcuts:
         self.heads = on and m.sliding_window is None and whole_fit and (m.num_groups == 1 or not lookahead) \
             and not getattr(m, "has_mamba", False)
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
+        # the async output (`last_batch`: the scheduler's batch in flight): lazy decodes of its own
+        # (`AsyncLazy`), over one group with no window, lookahead, priority, op records or KV events
+        self.async_decodes = on and last_batch is not None and decodes_fit and not (lookahead or priority) \
+            and m.num_groups == 1 and m.sliding_window is None and not m.records_ops and not m.emits_events \
+            and m.defrag is None
+        if self.async_decodes:
+            self.lazy = AsyncLazy(m.block_size, last_batch)
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
         self.records = self.decodes and m.records_ops
         if self.records:
@@ -228,6 +336,7 @@ class Shortcuts:
                 and not m.emits_events:
             self.lazy.fills = True  # (defrag, such policies and KV events keep each cache in its step)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
+        self._going: list[tuple] = []  # the async output's lives going lazy after this step (`after`)
         self.blocked: BlockedHead | None = None
         self._counted = 0  # this step's decodes whose write `decode_slot` counted
 
@@ -294,9 +403,22 @@ class Shortcuts:
             b.frag += bs - r - 2  # its last block's empty slots
         return True
 
+    def after(self, live: Live, c: int, k: int) -> None:
+        """The async output (`async_decodes`): `live`, c computed before its decode token was just
+        scheduled at step k, decodes lazily after k if it was at rest (one token in flight, computed
+        = known) and its next positions stay in its last block, short of the request's last tokens."""
+        seq = live.seq
+        if live.ph != 1 or live.inflight != 1 or live.stale or c != seq.num_tokens:
+            return
+        last = self.bs - 1 - c % self.bs
+        if live.target - c - 4 < last:
+            last = live.target - c - 4
+        if last > 0:  # (counted from step k + 1 on: `end` adds it once step k's totals are taken)
+            self._going.append((live, k, last, c + 1, len(self.tables[seq.seq_id])))
+
     def end(self, b: Batch, k: int) -> None:
-        """End step k's pass over RUNNING: count the lazy decodes into the batch and the manager."""
-        self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
+        """End step k's pass over RUNNING: count the lazy decodes into the batch and the manager (under
+        the async output, then those that go lazy after it join them)."""
         lazies = self.lazy
         nl = b.lazy = lazies.n
         # NOTE: one write per decode applied here or lazy now, less those decode_slot counted
@@ -308,6 +430,12 @@ class Shortcuts:
             b.decode_tokens += nl
             b.context_tokens += lazies.context_tokens(k)
             b.frag += lazies.empty_slots(k)
+        if self._going:
+            for live, *args in self._going:
+                if live.order >= 0:
+                    lazies.add(live, *args)
+            self._going.clear()
+        self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
 
     def _record(self, live: Lazy, k: int) -> None:
         """Record the writes `live` made lazily, at steps since..k-1 (the op log puts them in place)."""

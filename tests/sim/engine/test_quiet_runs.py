@@ -123,9 +123,10 @@ def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size
 def test_async_output_gives_the_same_tables_with_the_blocked_head_skip_on_and_off(
         window_models, kind: str, seed: int, rate: float, block_size: int, num_gpu_blocks: int, budget: int,
         max_seqs: int, eviction: str, caching: bool, watermark: float, model, real_cost: bool) -> None:
-    """Under async output the blocked-head skip is the only shortcut (`Shortcuts(lazy=False)`): whether
-    a head's retry fails is the manager's state, whichever output mode applies the steps. Every table is
-    the same with it on and off, over one group and vLLM's hybrid groups (small windows that move)."""
+    """Under async output the shortcuts are the blocked-head skip (whether a head's retry fails is the
+    manager's state, whichever output mode applies the steps) and, over one group, the async output's
+    own lazy decodes (`AsyncLazy`). Every table is the same with them on and off, over one group and
+    vLLM's hybrid groups (small windows that move)."""
     groups = {"model": "llama-3-8b"} if model is None else \
         {"model": window_models[model], "prefix_cache_retention_interval": 0}
     blocks = num_gpu_blocks * (1 if model is None else GROUPS[model[1]])
@@ -154,6 +155,64 @@ def test_async_output_skips_a_blocked_heads_retries(monkeypatch: pytest.MonkeyPa
     fast = _run("unique", 7, 200.0, cfg, True)
     assert sum(skipped) == 1018
     _same(fast, _run("unique", 7, 200.0, cfg.replace(shortcuts=False), True))
+
+
+def _spy_async_lazy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count what the async output's lazy decodes do: sequences going lazy, brought up to date in the
+    batch in flight (`drop` after at least one lazy step), preempted while lazy, and all of them
+    brought up to date because the step budget binds (`materialize`)."""
+    from kvsim.sim.engine import shortcuts
+
+    seen = {"lazy": 0, "joined": 0, "preempted": 0, "materialized": 0}
+    add, drop, pre, mat = (shortcuts.AsyncLazy.add, shortcuts.AsyncLazy.drop, shortcuts.Shortcuts.preempted,
+                           shortcuts.Shortcuts.materialize)
+
+    def add_spy(self, *args):
+        seen["lazy"] += 1
+        return add(self, *args)
+
+    def drop_spy(self, live, k):
+        seen["joined"] += k > live.since
+        return drop(self, live, k)
+
+    def pre_spy(self, live, k):
+        seen["preempted"] += live.since >= 0
+        return pre(self, live, k)
+
+    def mat_spy(self, running, k):
+        seen["materialized"] += self.lazy.n > 0
+        return mat(self, running, k)
+
+    monkeypatch.setattr(shortcuts.AsyncLazy, "add", add_spy)
+    monkeypatch.setattr(shortcuts.AsyncLazy, "drop", drop_spy)
+    monkeypatch.setattr(shortcuts.Shortcuts, "preempted", pre_spy)
+    monkeypatch.setattr(shortcuts.Shortcuts, "materialize", mat_spy)
+    return seen
+
+
+def test_async_output_decodes_lazily_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The async output's lazy decodes (`AsyncLazy`) on a tight cache: sequences go lazy 191
+    times, rejoin the batch in flight when due, and some are preempted while lazy (brought up to date
+    first); every table is plain stepping's."""
+    seen = _spy_async_lazy(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=120, max_num_batched_tokens=64, max_num_seqs=32,
+                    async_scheduling=True)
+    fast = _run("multi-turn", 7, 50.0, cfg, False)
+    assert seen == {"lazy": 191, "joined": 190, "preempted": 3, "materialized": 0}
+    _same(fast, _run("multi-turn", 7, 50.0, cfg.replace(shortcuts=False), False))
+
+
+def test_async_output_brings_lazy_decodes_up_to_date_when_the_budget_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt admitted first takes 16-token chunks while two short requests behind it in
+    RUNNING decode lazily; a step whose budget (32 tokens) cannot give the prompt its chunk after them
+    brings every lazy one up to date (vLLM hands the budget out in RUNNING order)."""
+    seen = _spy_async_lazy(monkeypatch)
+    reqs = [req("long", 0.0, 300, 40), req("short", 0.5, 6, 60), req("short2", 0.7, 5, 50)]
+    cfg = SimConfig(block_size=4, num_gpu_blocks=200, max_num_batched_tokens=32, max_num_seqs=8,
+                    long_prefill_token_threshold=16, async_scheduling=True)
+    fast = simulate(Workload.from_list(reqs, "t"), cfg, cost_model=FlatCost(1.0))
+    assert seen == {"lazy": 44, "joined": 30, "preempted": 0, "materialized": 10}
+    _same(fast, simulate(Workload.from_list(reqs, "t"), cfg.replace(shortcuts=False), cost_model=FlatCost(1.0)))
 
 
 @pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu", "cost", "pinned", "arc", "s3fifo"])
