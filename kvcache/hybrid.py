@@ -189,6 +189,16 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         block's last slot (a chunk on its first)."""
         return all(w % self.block_size == 0 for _, _, _, w, ma in self._skipping if ma is None)
 
+    @property
+    def async_decode_shortcuts(self) -> bool:
+        """`decode_shortcuts` under async output, where a running request's last token is in flight
+        and its groups let go on the processed tokens, one behind: a window's let-go moves to a
+        block's first slot, still visited, but a chunk's to its second; so only sliding windows that
+        are multiples of the block size, and no Mamba group (left out, as by the sync shortcuts'
+        quiet runs)."""
+        return not self._mamba and all(sliding and w % self.block_size == 0
+                                       for _, _, sliding, w, ma in self._skipping)
+
     def new_step_starts(self) -> None:
         """A scheduling step begins: hits hashed in the last one may be taken again
         (`KVCacheManager.new_step_starts`, which vLLM's `Scheduler.schedule` calls first)."""

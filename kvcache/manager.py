@@ -124,6 +124,11 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         unshared block leaves the tables, the pool and the cache as they are (no window to slide)."""
         return self.sliding_window is None
 
+    @property
+    def async_decode_shortcuts(self) -> bool:
+        """`decode_shortcuts` under async output (a running request's last token in flight): the same."""
+        return self.sliding_window is None
+
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `seq` in whole blocks, and its token count.

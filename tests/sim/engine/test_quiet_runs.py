@@ -396,3 +396,19 @@ def test_quiet_runs_record_the_plain_ops(monkeypatch: pytest.MonkeyPatch, kind: 
     a, b = fast.manager.ops.records(), slow.manager.ops.records()
     assert len(a) == len(b) == fast.manager.ops.counts.total()
     same_stream(a, b)
+
+
+def test_async_output_visits_a_chunked_local_groups_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under async output a group lets go on the processed tokens, one behind the computed ones: a
+    window of whole blocks at a block's first slot (visited), but Llama 4's 8,192-token chunks (vLLM's
+    hybrid groups with chunked local attention) at a block's second slot, which a lazy decode would
+    skip (its free-block counts then differ from plain stepping's). So the async output's lazy decodes
+    stay off there (`async_decode_shortcuts`), and on over windows (gpt-oss-20b's 128 tokens)."""
+    seen = _spy_async_lazy(monkeypatch)
+    reqs = [req(f"r{i}", 0.01 * i, 8150 + 7 * i, 120 + i) for i in range(12)]  # decodes across 8,192
+    for model, groups in (("llama-4-scout", {"tensor_parallel": 4, "hybrid_chunked_local": True}),
+                          ("gpt-oss-20b", {})):
+        cfg = SimConfig(model=model, gpu="h100-sxm", num_gpu_blocks=20000, async_scheduling=True, **groups)
+        fast = simulate(Workload.from_list(reqs, "t"), cfg)
+        _same(fast, simulate(Workload.from_list(reqs, "t"), cfg.replace(shortcuts=False)))
+        assert (model, seen["lazy"]) == {"llama-4-scout": (model, 0), "gpt-oss-20b": (model, 103)}[model]
