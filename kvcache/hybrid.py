@@ -143,9 +143,8 @@ class HybridKVCacheManager(PoolView, HybridLoads):
         # blocks a window let go of, and the hit tokens each group alone offered the requests hitting
         n = len(groups)
         self.held, self.peak, self.freed_behind, self.own_hits = [0] * n, [0] * n, [0] * n, [0] * n
-        # each block's group, for the evictions by group (set as a block is cached: only a cached block
-        # is evicted), a deferred free (set as it is popped) and, when ops are recorded, the group of a
-        # recorded free or evict (set for every block taken)
+        # each block's group where a deferred free (set as it is popped), a recorded op or a KV event names it
+        # (an eviction is counted for `KVCacheBlock.group`, which the pool sets as it caches the block)
         self.pool.group_of = self.ops.group_of = self._group_of = [0] * num_gpu_blocks
         self.pool.evicted_by_group = [0] * n
         self._own: dict[str, list[int]] = {}  # seq id -> its last lookup's per-group hit tokens
@@ -184,20 +183,15 @@ class HybridKVCacheManager(PoolView, HybridLoads):
 
     @property
     def decode_shortcuts(self) -> bool:
-        """Whether a decode token landing mid-block leaves everything as it is: where every window
-        is a multiple of the block size, a window lets go of a block only when a token lands on a
-        block's last slot (a chunk on its first)."""
+        """Whether a decode token landing mid-block leaves everything as it is: windows that are multiples
+        of the block size let a block go only at a block's last slot (a chunk at its first)."""
         return all(w % self.block_size == 0 for _, _, _, w, ma in self._skipping if ma is None)
 
     @property
     def async_decode_shortcuts(self) -> bool:
-        """`decode_shortcuts` under async output, where a running request's last token is in flight
-        and its groups let go on the processed tokens, one behind: a window's let-go moves to a
-        block's first slot, still visited, but a chunk's to its second; so only sliding windows that
-        are multiples of the block size, and no Mamba group (left out, as by the sync shortcuts'
-        quiet runs)."""
-        return not self._mamba and all(sliding and w % self.block_size == 0
-                                       for _, _, sliding, w, ma in self._skipping)
+        """`decode_shortcuts` with the last token in flight (async), a let-go one token behind: a window's
+        at a block's first slot (visited), a chunk's at its second; so only windows, and no Mamba."""
+        return not self._mamba and all(s and w % self.block_size == 0 for _, _, s, w, _ in self._skipping)
 
     def new_step_starts(self) -> None:
         """A scheduling step begins: hits hashed in the last one may be taken again
@@ -499,8 +493,7 @@ class HybridKVCacheManager(PoolView, HybridLoads):
     def _free_group(self, g: int, ordered: list[KVCacheBlock]) -> None:
         """`free_blocks(ordered)` of group g's blocks; those it returned to the free set leave the
         group's count (a block shared by requests is in use until its last one lets it go)."""
-        pool = self.pool
-        before = pool.num_free_blocks
+        pool, before = self.pool, self.pool.num_free_blocks
         pool.free_blocks(ordered)
         self.held[g] -= pool.num_free_blocks - before
 
