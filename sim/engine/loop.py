@@ -54,6 +54,8 @@ class Stalled(RuntimeError):
     """The engine can make no more progress on its configuration: nothing is scheduled and nothing
     will arrive, or requests preempt each other in a cycle. vLLM 0.33's scheduler stalls or cycles
     on the same configuration (`kvsim conform` checks that both sides do); the message says which."""
+
+
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)
 _COUNTED = ("evict", *CHARGED_KINDS)  # the op counts a step records
 _ZEROS = (0,) * len(_COUNTED)
