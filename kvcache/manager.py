@@ -126,8 +126,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
 
     @property
     def async_decode_shortcuts(self) -> bool:
-        """`decode_shortcuts` under async output (a running request's last token in flight): the same."""
-        return self.sliding_window is None
+        """`decode_shortcuts` with the last token in flight (async output): a window lets go on the
+        processed tokens, one behind, so one of whole blocks at a block's first slot (visited)."""
+        return self.sliding_window is None or self.sliding_window % self.block_size == 0
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:

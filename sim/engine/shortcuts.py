@@ -34,8 +34,8 @@ blocked-head skip stays off with one group's window; over vLLM's hybrid groups i
 manager's own count of what the head lacks and a watch on its hit (`allocation_deficit`,
 `watch_hit`), with no lookahead slots. The async output takes the blocked head (a head's retry fails
 or not by the manager's state, whichever output mode applies the steps) and, with no lookahead,
-priority, connector or op records, over one group with no window or hybrid groups whose
-windows are sliding ones of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
+priority, connector or op records, where every window (one group's, or vLLM's hybrid groups') is a
+sliding one of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
 (`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date.
 """
 
@@ -322,9 +322,8 @@ class Shortcuts:
             and not getattr(m, "has_mamba", False)
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         # the async output (`last_batch`: the scheduler's batch in flight): lazy decodes of its own
-        # (`AsyncLazy`), with no lookahead, priority or op records, over one group with no
-        # window or vLLM's hybrid groups whose windows are multiples of the block size
-        # (`async_decode_shortcuts`: a window lets go at a block's first slot then, which is visited)
+        # (`AsyncLazy`), with no lookahead, priority or op records, where every window is a sliding one
+        # of whole blocks (`async_decode_shortcuts`: it lets go at a block's first slot then, visited)
         self.async_decodes = on and last_batch is not None and decodes_fit and not (lookahead or priority) \
             and m.async_decode_shortcuts and not m.records_ops and m.defrag is None
         if self.async_decodes:

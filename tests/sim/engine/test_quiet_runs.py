@@ -412,3 +412,18 @@ def test_async_output_visits_a_chunked_local_groups_let_go(monkeypatch: pytest.M
         fast = simulate(Workload.from_list(reqs, "t"), cfg)
         _same(fast, simulate(Workload.from_list(reqs, "t"), cfg.replace(shortcuts=False)))
         assert (model, seen["lazy"]) == {"llama-4-scout": (model, 0), "gpt-oss-20b": (model, 103)}[model]
+
+
+@pytest.mark.parametrize("window, lazy", [(32, 150), (30, 0)])
+def test_async_output_decodes_lazily_beside_one_groups_window_of_whole_blocks(
+        monkeypatch: pytest.MonkeyPatch, window: int, lazy: int) -> None:
+    """One group's sliding window under async output lets go on the processed tokens, one behind the
+    computed ones: a window of whole blocks at a block's first slot, which is visited, so lazy decodes
+    run beside it (`KVCacheManager.async_decode_shortcuts`); any other window lets go mid-block, and
+    every sequence is visited. Either way every table is plain stepping's."""
+    seen = _spy_async_lazy(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=150, max_num_batched_tokens=128, max_num_seqs=16,
+                    sliding_window=window, async_scheduling=True)
+    fast = _run("multi-turn", 3, 20.0, cfg, False)
+    assert seen["lazy"] == lazy
+    _same(fast, _run("multi-turn", 3, 20.0, cfg.replace(shortcuts=False), False))
