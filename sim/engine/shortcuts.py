@@ -60,6 +60,39 @@ class Lazy(Protocol):
     wake: int  # the first step it must be visited again
 
 
+class Wakes(dict):
+    """Step -> the lazy sequences whose laziness ends there, stale ones too (dropped early, and maybe
+    lazy again since: skipped when that step comes). What both kinds of lazy decodes share
+    (`LazyDecodes`, `AsyncLazy`); each brings a sequence up to date its own way (`drop`)."""
+
+    def add(self, live: Lazy) -> None:
+        """`live` is due at its `wake`."""
+        w = self.get(live.wake)
+        if w is None:
+            self[live.wake] = [live]
+        else:
+            w.append(live)
+
+    def due(self, k: int, drop: Callable[[Lazy, int], None]) -> list[Lazy]:
+        """`drop(live, k)` and return the sequences due at step k."""
+        woken = self.pop(k, None) if self else None
+        if not woken:
+            return []
+        out = []
+        for live in woken:
+            if live.since >= 0 and live.wake == k:  # else dropped early (and maybe lazy again)
+                drop(live, k)
+                out.append(live)
+        return out
+
+    def drop_all(self, lives: list[Lazy], k: int, drop: Callable[[Lazy, int], None]) -> None:
+        """`drop(live, k)` every lazy sequence among `lives`; none is due after."""
+        for live in lives:
+            if live.since >= 0:
+                drop(live, k)
+        self.clear()
+
+
 class LazyDecodes:
     """The lazy sequences' count, their batch totals, and when each must be visited again."""
 
@@ -68,7 +101,7 @@ class LazyDecodes:
         self.n = 0
         self._ctx = 0  # sum of (computed + 1 - since)
         self._frag = 0  # sum of (bs - 2 - computed % bs + since)
-        self.wakes: dict[int, list[Lazy]] = {}  # step -> sequences whose laziness ends there (stale ones too)
+        self.wakes = Wakes()
         self._fills: dict[int, int] = {}  # step -> lazy sequences whose block fills at it
         self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
         self.fills = False  # a block of unique decoded tokens may fill lazily (cached when freed)
@@ -84,11 +117,7 @@ class LazyDecodes:
         self._frag += self.bs - 2 - c % self.bs + k
         if (c + last + 1) % self.bs == 0:  # a full block holds no empty slot, not -1
             self._fills[k + last] = self._fills.get(k + last, 0) + 1
-        w = self.wakes.get(k + last + 1)
-        if w is None:
-            self.wakes[k + last + 1] = [live]
-        else:
-            w.append(live)
+        self.wakes.add(live)
 
     def window(self, seq: Sequence, c: int) -> int:
         """Steps `seq`, decoding position c now, may decode lazily after this one: to its block's
@@ -119,22 +148,11 @@ class LazyDecodes:
 
     def due(self, k: int) -> list[Lazy]:
         """Drop and return the sequences to visit again from step k on."""
-        woken = self.wakes.pop(k, None) if self.wakes else None
-        if not woken:
-            return []
-        out = []
-        for live in woken:
-            if live.since >= 0 and live.wake == k:  # else dropped early (and maybe lazy again)
-                self.drop(live, k)
-                out.append(live)
-        return out
+        return self.wakes.due(k, self.drop)
 
     def drop_all(self, lives: list[Lazy], k: int) -> None:
         """Drop every lazy sequence among `lives` at the start of step k."""
-        for live in lives:
-            if live.since >= 0:
-                self.drop(live, k)
-        self.wakes.clear()
+        self.wakes.drop_all(lives, k, self.drop)
         self._fills.clear()
 
     def context_tokens(self, k: int) -> int:
@@ -173,7 +191,7 @@ class AsyncLazy:
         self.n = 0
         self._ctx = 0  # sum of (c1 + 1 - since): a lazy one's length after step k is c1 + 1 + k - since
         self._slots = 0  # sum of (blocks * bs - c1 + since - 2): its empty slots after batch j's output
-        self.wakes: dict[int, list[Lazy]] = {}
+        self.wakes = Wakes()
         self._c1: dict[int, tuple[int, int]] = {}  # id(live) -> (c1, its blocks)
 
     def add(self, live: Lazy, k: int, last: int, c1: int, blocks: int) -> None:
@@ -185,11 +203,7 @@ class AsyncLazy:
         self._ctx += c1 + 1 - since
         self._slots += blocks * self.bs - c1 + since - 2
         self._c1[id(live)] = (c1, blocks)
-        w = self.wakes.get(live.wake)
-        if w is None:
-            self.wakes[live.wake] = [live]
-        else:
-            w.append(live)
+        self.wakes.add(live)
 
     def drop(self, live: Lazy, k: int) -> None:
         """Bring `live` up to date before step k's schedule (see the class docstring); not lazy after."""
@@ -214,22 +228,11 @@ class AsyncLazy:
 
     def due(self, k: int) -> list[Lazy]:
         """Drop and return the sequences to visit again from step k on."""
-        woken = self.wakes.pop(k, None) if self.wakes else None
-        if not woken:
-            return []
-        out = []
-        for live in woken:
-            if live.since >= 0 and live.wake == k:  # else dropped early (and maybe lazy again)
-                self.drop(live, k)
-                out.append(live)
-        return out
+        return self.wakes.due(k, self.drop)
 
     def drop_all(self, lives: list[Lazy], k: int) -> None:
         """Drop every lazy sequence among `lives` before step k's schedule."""
-        for live in lives:
-            if live.since >= 0:
-                self.drop(live, k)
-        self.wakes.clear()
+        self.wakes.drop_all(lives, k, self.drop)
 
     def context_tokens(self, k: int) -> int:
         """Sum of the lazy sequences' lengths after step k."""
