@@ -197,7 +197,7 @@ class BlockPool:
             if key is not None:
                 hit = pop(key)  # (one lookup: a key shared with other blocks goes back without this one)
                 if hit is not b:
-                    self._unshare_popped(key, hit, b)
+                    self._unshare(key, hit, b)
                 b.block_hash = None
                 evicted += 1
                 if groups is not None:
@@ -232,7 +232,7 @@ class BlockPool:
             if key is not None:
                 hit = pop(key)
                 if hit is not b:
-                    self._unshare_popped(key, hit, b)
+                    self._unshare(key, hit, b)
                 b.block_hash = None
                 evicted += 1
                 if groups is not None:
@@ -261,23 +261,18 @@ class BlockPool:
             else:
                 tracker.use_distinct([b.block_id for b in blocks])
 
-    def _unshare(self, key: int, block: KVCacheBlock) -> None:
-        """Drop `block` from `key`'s entry in the cache map, which other blocks share with it."""
-        self._unshare_popped(key, self.cached[key], block)
-
-    def _unshare_popped(self, key: int, hit: dict[int, KVCacheBlock], block: KVCacheBlock) -> None:
-        """`_unshare` of `key`'s entry `hit` (the blocks sharing it, by id; taken out of the cache
-        map or still in it): the others stay mapped, in their order, one alone as itself."""
+    def _unshare(self, key: int, hit: dict[int, KVCacheBlock], block: KVCacheBlock) -> None:
+        """`key`'s entry `hit`, just popped from the cache map, was the blocks sharing it (by id):
+        put back the others without `block`, in their order, one alone as itself."""
         del hit[block.block_id]
         self.cached[key] = next(iter(hit.values())) if len(hit) == 1 else hit
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a reused block's key from the cache map (counted by the caller)."""
         key = block.block_hash
-        if self.cached[key] is block:
-            del self.cached[key]
-        else:
-            self._unshare(key, block)
+        hit = self.cached.pop(key)  # (one lookup, as the counted takes do)
+        if hit is not block:
+            self._unshare(key, hit, block)
         if self._on_evict is not None:
             self._on_evict(block)
         block.block_hash = None
