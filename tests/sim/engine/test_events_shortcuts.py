@@ -34,15 +34,29 @@ def _same_events(fast: RunResult, slow: RunResult) -> None:
     assert fast.kv_events == slow.kv_events  # batch by batch: time, step and every event's fields
 
 
+ONE_GROUP = {  # one group's workload and cache, drawn by both output modes' tests below
+    "kind": st.sampled_from(sorted(SHAPES)),
+    "seed": st.integers(0, 10_000),
+    "rate": st.sampled_from([2.0, 20.0, 200.0]),
+    "block_size": st.sampled_from([1, 2, 4, 16]),
+    "slots": st.integers(200, 2_000),
+    "budget": st.sampled_from([32, 64, 512]),
+    "max_seqs": st.sampled_from([4, 16, 32]),
+}
+
+
+def _events_alike(kind: str, seed: int, rate: float, cfg: SimConfig, real_cost: bool) -> None:
+    """The run's events (and tables) with the shortcuts on are plain stepping's."""
+    wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
+    cost = CostModel.from_config(cfg) if real_cost else FlatCost(0.05)
+    fast = simulate(wl, cfg, cost_model=cost)
+    assert fast.kv_events, "a run with no events would prove nothing"
+    _same_events(fast, simulate(wl, cfg.replace(shortcuts=False), cost_model=cost))
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(
-    kind=st.sampled_from(sorted(SHAPES)),
-    seed=st.integers(0, 10_000),
-    rate=st.sampled_from([2.0, 20.0, 200.0]),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    slots=st.integers(200, 2_000),
-    budget=st.sampled_from([32, 64, 512]),
-    max_seqs=st.sampled_from([4, 16, 32]),
+    **ONE_GROUP,
     eviction=st.sampled_from(["lru", "lru", "arc", "fifo", "lfu"]),
     chunked=st.booleans(),
     watermark=st.sampled_from([0.0, 0.05]),
@@ -60,24 +74,11 @@ def test_events_with_the_shortcuts_are_plain_steppings(kind: str, seed: int, rat
                     max_num_batched_tokens=max(budget if chunked else 512, max_seqs), max_num_seqs=max_seqs,
                     eviction=eviction, enable_chunked_prefill=chunked, watermark=watermark, closed_loop_sessions=closed,
                     long_prefill_token_threshold=long_prefill, scheduler_reserve_full_isl=reserve, kv_events=True)
-    wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
-    cost = CostModel.from_config(cfg) if real_cost else FlatCost(0.05)
-    fast = simulate(wl, cfg, cost_model=cost)
-    assert fast.kv_events, "a run with no events would prove nothing"
-    _same_events(fast, simulate(wl, cfg.replace(shortcuts=False), cost_model=cost))
+    _events_alike(kind, seed, rate, cfg, real_cost)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
-@given(
-    kind=st.sampled_from(sorted(SHAPES)),
-    seed=st.integers(0, 10_000),
-    rate=st.sampled_from([2.0, 20.0, 200.0]),
-    block_size=st.sampled_from([1, 2, 4, 16]),
-    slots=st.integers(200, 2_000),
-    budget=st.sampled_from([32, 64, 512]),
-    max_seqs=st.sampled_from([4, 16, 32]),
-    real_cost=st.booleans(),
-)
+@given(**ONE_GROUP, real_cost=st.booleans())
 def test_async_events_with_the_shortcuts_are_plain_steppings(kind: str, seed: int, rate: float, block_size: int,
                                                              slots: int, budget: int, max_seqs: int,
                                                              real_cost: bool) -> None:
@@ -86,11 +87,7 @@ def test_async_events_with_the_shortcuts_are_plain_steppings(kind: str, seed: in
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=slots // block_size + 2,
                     max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs, kv_events=True,
                     async_scheduling=True)
-    wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
-    cost = CostModel.from_config(cfg) if real_cost else FlatCost(0.05)
-    fast = simulate(wl, cfg, cost_model=cost)
-    assert fast.kv_events, "a run with no events would prove nothing"
-    _same_events(fast, simulate(wl, cfg.replace(shortcuts=False), cost_model=cost))
+    _events_alike(kind, seed, rate, cfg, real_cost)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
