@@ -4,7 +4,7 @@
     KVSIM_BLIS=/path/to/blis python benchmarks/bench_blis.py --prepare DIR   # write inputs, print commands
 
 The Azure 2023 conversation trace on Llama-3-70B, TP 2, A100-80GB, block 16, 1,643 KV blocks a
-replica, an 8,192-token budget and 256 sequences a step, behind round-robin: `kvsim run ... --no-plots`
+replica, an 8,192-token budget and 256 sequences a step, behind round-robin: `kvsim run ... --no-plots --no-async-scheduling`
 against `blis replay` of the same requests (the trace written as BLIS's TraceV2 pair: each row's
 arrival in microseconds since the first row, its prompt and output lengths, no prefix group, no
 deadline). Runs alternate kvsim, BLIS, kvsim, ... so a drift in the machine's speed hits both; each
@@ -131,7 +131,9 @@ def prepare(binary: Path, azure: Path, work: Path, replicas: int, latency_model:
             "--horizon", str(HORIZON_US), "--model-config-folder", str(models),
             "--defaults-filepath", str(data / "defaults.yaml"), "--hardware-config", str(data / "hardware_config.json"),
             *(["--latency-model", latency_model] if latency_model else [])]
-    kvsim = [sys.executable, "-m", "kvsim", "run", str(azure), *AZURE_KNOBS, "--no-plots",
+    # BLIS steps its instances as vLLM's synchronous Scheduler does (no batch scheduled while one runs),
+    # so kvsim runs that scheduler too, not `vllm serve`'s async default
+    kvsim = [sys.executable, "-m", "kvsim", "run", str(azure), *AZURE_KNOBS, "--no-plots", "--no-async-scheduling",
              "--router", "round-robin", "--replicas", str(replicas), "--out", str(work / f"kvsim-{replicas}")]
     if replicas == 1:
         kvsim = kvsim[: kvsim.index("--router")] + kvsim[kvsim.index("--replicas") + 2:]

@@ -86,9 +86,9 @@ def test_commands_carry_the_same_knobs_to_both_simulators(tmp_path):
     }
     assert blis[:2] == [str(binary), "replay"] and lone["blis"] == [*blis[:-11], "1", *blis[-10:]]
     assert cluster["kvsim"][1:] == ["-m", "kvsim", "run", str(azure), *bench_blis.AZURE_KNOBS, "--no-plots",
-                                    "--router", "round-robin", "--replicas", "8", "--out", str(tmp_path / "work/kvsim-8")]
+                                    "--no-async-scheduling", "--router", "round-robin", "--replicas", "8", "--out", str(tmp_path / "work/kvsim-8")]
     assert lone["kvsim"][1:] == ["-m", "kvsim", "run", str(azure), *bench_blis.AZURE_KNOBS, "--no-plots",
-                                 "--out", str(tmp_path / "work/kvsim-1")]
+                                 "--no-async-scheduling", "--out", str(tmp_path / "work/kvsim-1")]
     roofline = bench_blis.prepare(binary, azure, tmp_path / "work", 8, "roofline")["blis"]
     assert roofline == [*blis, "--latency-model", "roofline"]
     config = json.loads((tmp_path / "work/model_configs/llama-3-70b/config.json").read_text())

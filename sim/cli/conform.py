@@ -10,6 +10,7 @@ import typer
 
 from kvsim.sim.cli.common import fail, open_workload
 from kvsim.sim.cli.options import (
+    AsyncScheduling,
     DisableHybrid,
     HybridChunkedLocal,
     KvLeaseDuration,
@@ -66,7 +67,7 @@ def conform(
     max_model_len: Annotated[int | None, typer.Option(help="scheduler mode: tokens per sequence; longer answers stop there (default: no limit)")] = None,
     gpu: Annotated[str, typer.Option(help="GPU name (picks vLLM's default batch limits)")] = "h100-sxm",
     step_time: Annotated[float | None, typer.Option("--step-time", help="scheduler mode: seconds per step on a fixed grid, sessions open loop (default: each step as long as the cost model says for its batch, closed-loop sessions, as `kvsim run`)")] = None,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="scheduler mode: vLLM's AsyncScheduler (batch k+1 scheduled while batch k runs)")] = False,
+    async_scheduling: AsyncScheduling = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="kvsim's rules (default: the installed vLLM's release)")] = None,
     kv_offloading_size: KvOffloadingSize = None,
     offload_eviction_policy: OffloadEvictionPolicy = None,
@@ -149,7 +150,7 @@ def conform(
         typer.echo(f"kvsim vs vLLM {installed} on {name}: {len(requests):,} requests, {cfg.model}, block size "
                    f"{cost.block_size}{raised}, {cfg.num_gpu_blocks:,} blocks, budget {tokens:,} tokens / {seqs:,} seqs, "
                    + ("the cost model's clock" if cfg.step_time is None else f"a {cfg.step_time:g} s step grid")
-                   + (", async scheduling" if cfg.async_scheduling else "")
+                   + (", async scheduling" if cfg.runs_async else ", sync scheduling")
                    + (f", a {cfg.sliding_window}-token sliding window" if cfg.sliding_window is not None else "")
                    + (f", vLLM's hybrid KV-cache groups: {layout.describe()}" if layout is not None else "")
                    + (f", {cfg.kv_offloading_size:g} GiB KV offloading" if cfg.kv_offloading_size is not None else "")

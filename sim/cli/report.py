@@ -114,14 +114,19 @@ def format_table(summaries: list[dict[str, Any]], headers: list[str] | None = No
 
 
 def header(result: RunResult) -> str:
-    """What was simulated: workload, model, GPU, cache size (blocks and tokens), eviction policy."""
+    """What was simulated: workload, model, GPU, cache size (blocks and tokens), eviction policy, scheduler mode."""
     c, s = result.config, result.summary
     blocks = int(s.get("num_gpu_blocks") or 0)
     return (
         f"{result.workload} ({s.get('requests', 0):,} requests): {c.model} on {c.gpu} x{c.tensor_parallel}, "
         f"KV cache {blocks:,} blocks x {c.block_size} tokens = {blocks * c.block_size:,} tokens, "
-        f"eviction {c.eviction}"
+        f"eviction {c.eviction}, {scheduling(c)}"
     )
+
+
+def scheduling(c: Any) -> str:
+    """The scheduler's mode as a header names it: 'async scheduling' (`vllm serve` 0.33's default) or 'sync'."""
+    return "async scheduling" if c.runs_async else "sync scheduling"
 
 
 FIGURES = ("requests", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput")

@@ -21,6 +21,7 @@ from kvsim.sim.cli.common import (
     staged_file,
 )
 from kvsim.sim.cli.options import (
+    AsyncScheduling,
     BlockSize,
     DisableHybrid,
     Eviction,
@@ -174,10 +175,10 @@ PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_uti
                "max_num_batched_tokens", "load", "max_model_len", "long_prefill_token_threshold", "vllm_version",
                "step_time", "calibration", "slo_ttft", "slo_tpot", "seed", "replicas", "router",
                "router_metrics_interval", *ROUTER_OPTIONS, "replica_pools", "prefill_replicas", "decode_replicas",
-               "pd_decider", "pd_threshold", "prefill_pool", "decode_pool")
+               "pd_decider", "pd_threshold", "prefill_pool", "decode_pool", "async_scheduling")
 # switches: option -> (SimConfig field, value when given)
 SWITCHES = {"no_prefix_caching": ("enable_prefix_caching", False), "no_chunked_prefill": ("enable_chunked_prefill", False),
-            "async_scheduling": ("async_scheduling", True), "record_ops": ("record_ops", True),
+            "record_ops": ("record_ops", True),
             "debug_invariants": ("debug_invariants", True)}
 
 
@@ -290,7 +291,7 @@ def run(
     max_num_scheduled_tokens: MaxNumScheduledTokens = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="vLLM release whose rules to follow, 0.23-0.33 (default 0.33)")] = None,
     step_time: Annotated[float | None, typer.Option("--step-time", help="every step takes exactly this many seconds, on a grid (no cost model)")] = None,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="vLLM's async scheduling, `vllm serve` 0.33's default on a GPU (kvsim's default is sync, vLLM's step-by-step scheduler): batch k+1 is scheduled while batch k runs")] = False,
+    async_scheduling: AsyncScheduling = None,
     calibration: Annotated[Path | None, typer.Option(help="calibration profile (JSON) from `kvsim calibrate`")] = None,
     slo_ttft: Annotated[float | None, typer.Option(help="TTFT SLO for goodput, seconds")] = None,
     slo_tpot: Annotated[float | None, typer.Option(help="TPOT SLO for goodput, seconds")] = None,
@@ -434,7 +435,7 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table; with
     `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step);
     replicas that never interact run apart in `workers` processes (0: one per CPU)."""
-    from kvsim.sim.cli.report import cluster_table
+    from kvsim.sim.cli.report import cluster_table, scheduling
     from kvsim.sim.cluster.run import simulate_cluster
     from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
     from kvsim.sim.studies.run_folder import run_scratch
@@ -458,12 +459,12 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
             groups[key] = groups.get(key, 0) + 1
         fleet = ", ".join(f"{n} on {g} x{tp} ({b:,} blocks)" for (g, tp, b), n in groups.items())
         head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model}: "
-                f"{fleet}; blocks of {cost.block_size} tokens, eviction {cfg.eviction}")
+                f"{fleet}; blocks of {cost.block_size} tokens, eviction {cfg.eviction}, {scheduling(cfg)}")
     else:
         blocks = int(result.replicas[0].summary["num_gpu_blocks"])
         head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} "
                 f"on {cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
-                f"eviction {cfg.eviction}")
+                f"eviction {cfg.eviction}, {scheduling(cfg)}")
     lines = [head, cluster_table(section),
              "", f"run folder: {out_dir} (replica-<i>/: each replica's run folder; received.parquet: the requests "
              "each replica received)"]

@@ -4,7 +4,7 @@ Two modes. `manager`: the cache-replay loop (`kvcache.replay`) over kvsim's
 KVCacheManager and over vLLM's real KVCacheManager; per request, the hit
 tokens, output tokens, status and preemptions must agree. `scheduler`: a
 step-time run of kvsim's engine against vLLM's real Scheduler with a fake
-model runner (`sim.conform.vllm_scheduler`; with `SimConfig.async_scheduling`, vLLM's
+model runner (`sim.conform.vllm_scheduler`; when `SimConfig.runs_async`, vLLM's
 AsyncScheduler behind EngineCore's batch queue; with `SimConfig.kv_offloading_size`, vLLM's
 OffloadingConnector with a fake worker timed as kvsim's, `sim.conform.vllm_offload`); per
 request, the steps that first scheduled it, sampled its first token and finished it, its
@@ -193,14 +193,14 @@ def run_scheduler(requests: list, cfg: SimConfig) -> Diff:
         nixl = Nixl.from_config(cfg, BlockBytes.of(CostModel.from_config(cfg)))  # P/D's connector, or None
 
         def vllm_side() -> list[dict]:
-            return run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=cfg.async_scheduling,
+            return run_timed(requests, **args, step_seconds=step_seconds(cfg), async_scheduling=vllm_async(cfg),
                              load=cfg.load, closed_loop=cfg.closed_loop_sessions, nixl=nixl)
     else:
         from kvsim.sim.conform.vllm_scheduler import run_scheduler as vllm_run_scheduler
 
         def vllm_side() -> list[dict]:
             return vllm_run_scheduler(fanned_out(requests), **_scheduler_args(cfg),
-                                      async_scheduling=cfg.async_scheduling)
+                                      async_scheduling=vllm_async(cfg))
     ours = _both_or_neither_stall(lambda: kvsim_scheduler(requests, cfg), vllm_side)
     return compare("scheduler", ours, by_request(requests, vllm_side()), SCHEDULER_FIELDS)
 
@@ -214,6 +214,14 @@ def step_seconds(cfg: SimConfig) -> Callable[[int, int, int, int, list[tuple[int
 
     cost, none = CostModel.from_config(cfg), dict.fromkeys(CHARGED_KINDS, 0)
     return lambda prefill, decode, context, seqs, chunks: cost.step_time(prefill, decode, context, seqs, none, chunks)
+
+
+def vllm_async(cfg: SimConfig) -> bool | None:
+    """What vLLM's `SchedulerConfig.async_scheduling` is given: None where kvsim resolves its own None
+    to async (`SimConfig.runs_async`), so that `VllmConfig` resolves it as `vllm serve` does (and the
+    driver fails if vLLM says sync); else kvsim's mode, as a flag (a sync one where kvsim models only
+    sync, e.g. a P/D side, which vLLM itself would run async)."""
+    return None if cfg.async_scheduling is None and cfg.runs_async else cfg.runs_async
 
 
 def _scheduler_args(cfg: SimConfig) -> dict[str, Any]:
@@ -283,10 +291,10 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
 
         def vllm_side() -> list[dict]:
             return run_timed(requests, **args, offloading=off, step_seconds=step_seconds(cfg),
-                             async_scheduling=cfg.async_scheduling, load=cfg.load, closed_loop=cfg.closed_loop_sessions)
+                             async_scheduling=vllm_async(cfg), load=cfg.load, closed_loop=cfg.closed_loop_sessions)
     else:
         def vllm_side() -> list[dict]:
-            return vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=cfg.async_scheduling)
+            return vllm_run_offload(fanned_out(requests), offloading=off, **args, async_scheduling=vllm_async(cfg))
     ours, summary = _both_or_neither_stall(lambda: simulate_scheduler(requests, cfg), vllm_side)
     if summary["host_chunks"] != chunks:
         raise RuntimeError(f"kvsim's tier has {summary['host_chunks']} chunks, conform computed {chunks}")
@@ -331,9 +339,9 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
         from kvsim.sim.conform.vllm_offload import run_offload_scheduler as vllm_run_offload
 
         off, args = _offload_args(cfg, args)
-        vllm_run_offload(requests, offloading=off, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
+        vllm_run_offload(requests, offloading=off, **args, async_scheduling=vllm_async(cfg), kv_events=published)
     else:
-        vllm_run_scheduler(requests, **args, async_scheduling=cfg.async_scheduling, kv_events=published)
+        vllm_run_scheduler(requests, **args, async_scheduling=vllm_async(cfg), kv_events=published)
     theirs: dict[int, list[dict]] = {}
     for step, events in published:
         theirs.setdefault(step, []).extend(events)

@@ -46,7 +46,7 @@ class Case:
         knobs += [] if c.enable_prefix_caching else ["caching off"]
         knobs += [] if c.enable_chunked_prefill else ["chunking off"]
         knobs += ["priority"] if c.scheduling == "priority" else []
-        knobs += ["async"] if c.async_scheduling else []
+        knobs += ["async"] if c.runs_async else []
         knobs += [f"window {c.sliding_window}"] if c.sliding_window is not None else []
         hybrid = c.model in HYBRID_MODELS
         where = f" on {c.gpu}" if c.model in MAMBA_MODELS else ""  # (its block size follows the GPU)

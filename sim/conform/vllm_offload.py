@@ -156,7 +156,7 @@ def run_offload_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs", max_model_len: int | None = None,
-    scheduler_extra: dict[str, Any] | None = None, async_scheduling: bool = False, kv_events: list | None = None,
+    scheduler_extra: dict[str, Any] | None = None, async_scheduling: bool | None = False, kv_events: list | None = None,
 ) -> list[dict]:
     """vLLM's Scheduler (AsyncScheduler with `async_scheduling`, behind EngineCore's batch queue) with
     the OffloadingConnector and the fake worker, one step per `step_time`; records in workload order,
@@ -184,7 +184,7 @@ def run_offload_scheduler(
             if not enable_prefix_caching:
                 raise ValueError("KV events are compared with prefix caching on")
             sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
-        if async_scheduling:
+        if queue_size > 1:  # async
             if not sched.defer_block_free:
                 raise RuntimeError("expected vLLM to defer block frees with async scheduling and a KV connector")
             run.run_async(queue_size, num_gpu_blocks, block_size)  # _SchedRun's, handing each step to the worker

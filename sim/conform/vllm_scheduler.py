@@ -33,12 +33,13 @@ from kvsim.sim.engine.loop import grid_index  # the engine's own grid, so both s
 def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_model_len: int,
                      max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool,
                      enable_prefix_caching: bool, long_prefill_token_threshold: int,
-                     watermark: float, scheduling: str, async_scheduling: bool = False,
+                     watermark: float, scheduling: str, async_scheduling: bool | None = False,
                      offloading: tuple[float, dict[str, Any]] | None = None, sliding_window: int | None = None,
                      scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
                      layers: Any = None, mamba_checkpoints: bool = False, kv_events: bool = False,
                      kv_transfer: dict[str, Any] | None = None):
-    """vLLM's Scheduler (AsyncScheduler if `async_scheduling`) for a one-layer Llama in `tmp`;
+    """vLLM's Scheduler (AsyncScheduler if `async_scheduling`; None: as `VllmConfig` resolves it for
+    `vllm serve`, which must be async, kvsim's reading of that default) for a one-layer Llama in `tmp`;
     `offloading` (GiB, extra config): with `--kv-offloading-size` and its OffloadingConnector;
     `sliding_window`: the layer attends to that many tokens (vLLM's SlidingWindowSpec); `layers`:
     instead, a model's layers mixing kinds, in vLLM's hybrid KV-cache groups (`vllm_setup.layer_specs`);
@@ -80,8 +81,12 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     kv_config.hash_block_size = hash_bs
     kv_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
         kv_config, vllm_config, sched_bs, hash_bs)
+    resolved = vllm_config.scheduler_config.async_scheduling  # VllmConfig.__post_init__ decided a None
+    if async_scheduling is None and resolved is not True:
+        raise RuntimeError(f"vLLM resolved async_scheduling=None to {resolved!r} here, where kvsim resolves it "
+                           "to async (SimConfig.runs_async)")
     # EngineCore picks the class the same way (vllm/v1/engine/core.py).
-    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    scheduler_cls = AsyncScheduler if resolved else Scheduler
     scheduler = scheduler_cls(
         vllm_config=vllm_config, kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -91,8 +96,8 @@ def _build_scheduler(tmp: str, *, block_size: int, num_gpu_blocks: int, max_mode
     hasher = block_hasher(hash_bs, vllm_config.cache_config.prefix_caching_hash_algo) \
         if enable_prefix_caching or offloading is not None or kv_transfer is not None else None
     queue_size = vllm_config.max_concurrent_batches
-    if queue_size != (2 if async_scheduling else 1):  # the drivers' batch queues: one in flight, or two
-        raise RuntimeError(f"expected vLLM's batch queue of {2 if async_scheduling else 1}, got {queue_size}")
+    if queue_size != (2 if resolved else 1):  # the drivers' batch queues: one in flight, or two
+        raise RuntimeError(f"expected vLLM's batch queue of {2 if resolved else 1}, got {queue_size}")
     return scheduler, hasher, queue_size
 
 
@@ -101,7 +106,7 @@ def run_scheduler(
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
     watermark: float = 0.0, step_time: float = 1.0, scheduling: str = "fcfs",
-    async_scheduling: bool = False, sliding_window: int | None = None, max_model_len: int | None = None,
+    async_scheduling: bool | None = False, sliding_window: int | None = None, max_model_len: int | None = None,
     scheduler_extra: dict[str, Any] | None = None, prefix_cache_retention_interval: int | None = 0,
     layers: Any = None, mamba_checkpoints: bool = False, kv_events: list | None = None,
 ) -> list[dict]:
@@ -123,7 +128,8 @@ def run_scheduler(
     <= k * step_time and its output is applied before step k+1 is scheduled; a step that
     schedules nothing still takes its slot.
 
-    Async (`async_scheduling=True`): vLLM's AsyncScheduler, driven as EngineCore's
+    Async (`async_scheduling=True`, or None, which `VllmConfig` resolves to async as `vllm serve`
+    0.33 does): vLLM's AsyncScheduler, driven as EngineCore's
     `step_with_batch_queue` drives it with a batch queue of vllm_config.max_concurrent_batches
     (2). Each engine iteration at clock time T adds the arrivals <= T; if the scheduler has
     requests it schedules a batch and queues it, and if the queue is not full and (the batch
@@ -159,7 +165,7 @@ def run_scheduler(
             if hasher is None:
                 raise ValueError("KV events are compared with prefix caching on")
             sched.kv_event_publisher = _EventSink(run, prefixes(tokens, hasher, block_size), kv_events)
-        if async_scheduling:
+        if queue_size > 1:  # async
             run.run_async(queue_size, num_gpu_blocks, block_size)
         else:
             run.run_sync(num_gpu_blocks, block_size)

@@ -45,7 +45,7 @@ def run_timed(
     requests: Iterable[Request], *, step_seconds: StepSeconds, block_size: int, num_gpu_blocks: int,
     max_num_batched_tokens: int, max_num_seqs: int, enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0, watermark: float = 0.0,
-    scheduling: str = "fcfs", async_scheduling: bool = False, sliding_window: int | None = None,
+    scheduling: str = "fcfs", async_scheduling: bool | None = False, sliding_window: int | None = None,
     max_model_len: int | None = None, scheduler_extra: dict[str, Any] | None = None,
     load: float = 1.0, closed_loop: bool = True, offloading: Offloading | None = None,
     prefix_cache_retention_interval: int | None = 0, layers: Any = None, mamba_checkpoints: bool = False,

@@ -186,8 +186,9 @@ class SimConfig:
     # cache; "fork", vLLM v0's samples forked after the prefill (copy-on-write of the last block)
     parallel_sampling: str = "fanout"
     # vLLM's --async-scheduling: batch k+1 is scheduled before batch k's output is applied
-    # (sim.engine.scheduler.AsyncOutput); recompute preemption only, no lookahead slots
-    async_scheduling: bool = False
+    # (sim.engine.output.AsyncOutput); recompute preemption only, no lookahead slots. None: as
+    # `vllm serve` 0.33 resolves it, on unless this config asks what only sync runs (`runs_async`)
+    async_scheduling: bool | None = None
     # the scheduler's exact speed shortcuts (sim.engine.shortcuts: lazy decodes, blocked-head
     # skips); off: every running sequence is visited and the head retried every step, same results
     shortcuts: bool = True
@@ -565,6 +566,19 @@ class SimConfig:
         elif not self.enable_chunked_prefill and self.max_model_len is not None:
             tokens = max(tokens, self.max_model_len)
         return tokens, self.max_num_seqs if self.max_num_seqs is not None else min(seqs, tokens)
+
+    @property
+    def runs_async(self) -> bool:
+        """Whether batch k+1 is scheduled while batch k runs: `async_scheduling` when set, else what
+        vLLM 0.33 makes of its `None` (`VllmConfig.__post_init__`, vllm/config/vllm.py: on, unless
+        pipeline parallelism, a pooling model or a speculative method it cannot overlap). kvsim keeps
+        the step-by-step scheduler where it models no async one: another release's rules, swap
+        preemption or forked samples (vLLM v0's), lookahead slots, and a NIXL side or P/D cluster."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return not (profile(self.vllm_version).version != "0.33" or self.preemption != "recompute"
+                    or self.parallel_sampling != "fanout" or self.num_lookahead_tokens
+                    or self.kv_transfer_role is not None or self.prefill_replicas or self.decode_replicas)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -240,7 +240,7 @@ class Engine:
         check = check_invariants if cfg.debug_invariants else None
         S = cfg.step_time
         grid = S is not None
-        sync = not cfg.async_scheduling
+        sync = not sched.output.overlaps
         depth = 1 if sync else 2
         busy = sched.has_work if sync else sched.has_requests
         quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done, usage,

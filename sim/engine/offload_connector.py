@@ -62,7 +62,7 @@ class OffloadConnector:
                         prompt_only=cfg.offload_prompt_only, seconds_per_block=seconds_per_block,
                         bytes_per_block=bytes_per_block * world, prefix_caching=cfg.enable_prefix_caching,
                         ops=manager.op_log if manager.records_ops else None)
-        return cls(off, manager, cfg.scheduling == "priority", overlapping=cfg.async_scheduling)
+        return cls(off, manager, cfg.scheduling == "priority", overlapping=cfg.runs_async)
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:

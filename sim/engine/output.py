@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 class SyncOutput:
     """A step's output is applied when the step ends (vLLM's `Scheduler`)."""
 
+    overlaps = False  # one batch in flight: the step loop waits for its output before scheduling
     shortcuts = True  # lazy decodes and quiet runs may run (sim.engine.shortcuts)
     caches_known = False  # allocate_slots' own caching is all a scheduled chunk needs
 
@@ -100,6 +101,7 @@ class SyncOutput:
 class AsyncOutput:
     """A batch's output is applied after the next batch is chosen (vLLM's `AsyncScheduler`)."""
 
+    overlaps = True  # two batches in flight: batch k+1 is scheduled while batch k runs
     shortcuts = False  # no sync lazy decodes or quiet runs (its own lazy decodes and the blocked head run)
     caches_known = True  # blocks are cached only up to the known tokens (`num_tokens_to_cache`)
 

@@ -87,7 +87,7 @@ def make_manager(cfg: SimConfig, cost: CostModel) -> KVCacheManager | HybridKVCa
         kv_events=cfg.kv_events,
     )
     if window is not None:  # vLLM's admission cap: the window and a step's tokens a batch in flight (two under async)
-        in_flight = window - 1 + cfg.batch_limits()[0] * (2 if cfg.async_scheduling else 1)
+        in_flight = window - 1 + cfg.batch_limits()[0] * (2 if cfg.runs_async else 1)
         m.admission_tokens = in_flight if cfg.max_model_len is None else min(in_flight, cfg.max_model_len)
     return m
 
@@ -130,7 +130,7 @@ def make_hybrid_manager(cfg: SimConfig, cost: CostModel) -> HybridKVCacheManager
         watermark=cfg.watermark,
         prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
         # vLLM's `VllmConfig.max_in_flight_tokens`: a step's budget for each batch in flight (two under async)
-        in_flight_tokens=cfg.batch_limits()[0] * (2 if cfg.async_scheduling else 1),
+        in_flight_tokens=cfg.batch_limits()[0] * (2 if cfg.runs_async else 1),
         max_model_len=cfg.max_model_len,
         mamba_checkpoint_alignment=layout.checkpoint_alignment,
         record_ops=cfg.record_ops,

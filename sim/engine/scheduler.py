@@ -85,13 +85,13 @@ class Scheduler:
         self.max_prefill = min(self.max_tokens, limit) if limit > 0 else self.max_tokens
         self.max_active = cfg.max_num_active_seqs or self.max_seqs  # admissions into RUNNING stop here
         self.whole_fit = cfg.scheduler_reserve_full_isl  # a WAITING request's whole known context must fit
-        self.output = AsyncOutput(self) if cfg.async_scheduling else SyncOutput(self)
+        self.output = AsyncOutput(self) if cfg.runs_async else SyncOutput(self)
         # (a connector that reads no running sequence between its admissions, the NIXL one, keeps them;
         # with KV events each cache stays in its step, `Shortcuts`)
         on = cfg.shortcuts and (connector is None or getattr(connector, "allows_shortcuts", False))
         self.last_batch = Batch()  # the batch scheduled last (under async output, in flight while the next is chosen)
         # the async output's lazy decodes (`AsyncLazy`) bring a sequence up to date in the batch in flight
-        last = (lambda: self.last_batch) if cfg.async_scheduling and connector is None \
+        last = (lambda: self.last_batch) if cfg.runs_async and connector is None \
             and not cfg.debug_invariants else None
         self.fast = Shortcuts(manager, on, self.lookahead, self.priority, whole_fit=self.whole_fit,
                               decodes_fit=self.max_seqs <= self.max_tokens, lazy=self.output.shortcuts,
@@ -112,7 +112,7 @@ class Scheduler:
         # vLLM 0.33 Scheduler.__init__ (defer_block_free): with batches in flight (async output) and a
         # connector that may load into freed blocks (a KV consumer; offloading runs as kv_both), a
         # request's blocks go back to the pool only once the steps that wrote them are processed
-        self.defer_frees = cfg.async_scheduling and connector is not None
+        self.defer_frees = cfg.runs_async and connector is not None
         self.sched_seq = 0  # steps with tokens scheduled (vLLM sched_step_seq)
         self.processed_seq = 0  # of those, the ones whose output was applied (processed_step_seq)
         self._deferred: deque[tuple[int, list]] = deque()  # (fence, blocks) awaiting their step

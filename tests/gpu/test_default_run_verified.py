@@ -21,6 +21,6 @@ def test_default_run_verifies_with_zero_mismatches(tmp_path):
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["kernels"] == "torch" and rep["mismatches"] == 0 and rep["first_mismatches"] == []
-    assert rep["steps"] == rep["steps_checked"] == 9414
+    assert rep["steps"] == rep["steps_checked"] == 9707
     assert rep["tokens_verified"] == 28_048_648 and rep["sequence_checks"] == 41_101
-    assert rep["ops"] == {"write": 44_508, "table": 12_991, "free": 9_431, "evict": 5_477}
+    assert rep["ops"] == {"write": 44_517, "table": 12_992, "free": 9_440, "evict": 5_486}

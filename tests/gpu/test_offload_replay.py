@@ -22,9 +22,10 @@ from tests.sim.engine.test_offload import MIB, HostLinkCost, _evicted_prefix
 
 
 def _record(tmp_path, requests, link_s: float = 0.0, chunks: int = 16, **cfg):
-    """Simulate `requests` with a tier of `chunks` 1 MiB chunks and the ops recorded; the run folder."""
+    """Simulate `requests` with a tier of `chunks` 1 MiB chunks and the ops recorded; the run folder.
+    Sync scheduling: the steps below are tests/sim/engine/test_offload.py's, worked out for vLLM's `Scheduler`."""
     c = SimConfig(**{"block_size": 4, "num_gpu_blocks": 8, "kv_offloading_size": chunks * MIB / (1 << 30),
-                     "record_ops": True, **cfg})
+                     "record_ops": True, "async_scheduling": False, **cfg})
     res = simulate(Workload.from_list(requests, "test"), c, cost_model=HostLinkCost(link_s))
     return save_run(res.manager, tmp_path)
 

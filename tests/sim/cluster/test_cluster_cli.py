@@ -23,7 +23,7 @@ def test_run_a_cluster_writes_its_folder_and_table(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0] == ("default (300 requests): 2 replicas of llama-3-8b on h100-sxm x1, KV cache 512 blocks x 16 "
-                        "tokens each, eviction lru")
+                        "tokens each, eviction lru, async scheduling")
     assert lines[1].split() == ["replica", "requests", "hit", "rate", "TTFT", "p50", "TTFT", "p99", "TPOT", "p50",
                                 "TPOT", "p99", "goodput"]
     assert [ln.split()[0] for ln in lines[2:5]] == ["0", "1", "all"]
@@ -67,8 +67,9 @@ def test_bad_router_scorers_are_one_error_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+# (sync scheduling: the table below is the sync scheduler's)
 SMALL = ["--num-gpu-blocks", "40", "--max-num-batched-tokens", "256", "--load", "4", "--slo-ttft", "0.1",
-         "--slo-tpot", "0.02", "--no-plots"]
+         "--slo-tpot", "0.02", "--no-plots", "--no-async-scheduling"]
 
 
 def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path, golden_head) -> None:
@@ -96,9 +97,9 @@ def test_compare_sets_a_cluster_beside_a_lone_run(tmp_path: Path, golden_head) -
 
 def test_a_prefix_aware_routers_prediction_is_printed(tmp_path):
     """llm-d's approximate index against the replicas' hits on the default workload (3 replicas of
-    200 blocks): it expected more than it got on 30 requests and less on 56."""
+    200 blocks, sync scheduling): it expected more than it got on 30 requests and less on 56."""
     r = runner.invoke(app, ["run", "--replicas", "3", "--router", "llm-d", "--num-gpu-blocks", "200", "--no-plots",
-                            "-o", str(tmp_path / "c")])
+                            "--no-async-scheduling", "-o", str(tmp_path / "c")])
     assert r.exit_code == 0, r.output
     assert ("its prefix prediction: 108,592 prompt tokens expected to hit, 106,352 hit; more expected than hit on "
             "30 of 300 requests (8,048 tokens), fewer on 56 (5,808)\n") in r.output

@@ -233,8 +233,9 @@ def test_dynamo_temperature_samples_softmax_of_the_scaled_costs():
     assert [round(p, 4) for p in probs] == [0.0750, 0.5538, 0.3712]
 
 
-# the embedded workload (shared system prompts and chat sessions) over 3 replicas of 200 blocks
-CLUSTER = SimConfig(num_gpu_blocks=200, replicas=3)
+# the embedded workload (shared system prompts and chat sessions) over 3 replicas of 200 blocks,
+# sync scheduling (the hit rates below are the sync scheduler's)
+CLUSTER = SimConfig(num_gpu_blocks=200, replicas=3, async_scheduling=False)
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,8 @@ def test_hybrid_groups_apart_and_offloading_apart():
     facts = apart.replicas[1].manager
     assert (facts.num_blocks, facts.num_groups) == (400, 2)
     assert [(g.kind, g.window) for g in facts.groups] == [("sliding_window", 128), ("full", None)]
-    cfg = CFG.replace(router="session-affinity", kv_offloading_size=0.05, num_gpu_blocks=100)
+    # (sync scheduling: the tier hits below are the sync scheduler's)
+    cfg = CFG.replace(router="session-affinity", kv_offloading_size=0.05, num_gpu_blocks=100, async_scheduling=False)
     one = simulate_cluster(_workload(), cfg, apart=False)
     apart = simulate_cluster(_workload(), cfg, workers=2)
     _same(one, apart)

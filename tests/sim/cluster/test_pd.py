@@ -125,8 +125,10 @@ def test_never_disaggregating_is_the_aggregated_cluster_of_the_decode_pool():
     wl = lambda: _workload(sorted(rng.uniform(0, 0.5, 40)), prompts)  # noqa: E731
     arrivals_wl = wl()
     reqs = list(arrivals_wl)
+    # (sync, as kvsim runs a P/D cluster: the aggregated cluster would default to async scheduling)
     agg = simulate_cluster(Workload.from_list(reqs), SimConfig(model="llama-3-8b", block_size=16, num_gpu_blocks=64,
-                                                               replicas=2, router="round-robin").validate())
+                                                               replicas=2, router="round-robin",
+                                                               async_scheduling=False).validate())
     pdr = simulate_pd(Workload.from_list(reqs), _cfg(decode_replicas=2, pd_decider="never"))
     assert not pdr.paths["remote"].any()
     cols = ["id", "arrival", "first_scheduled", "first_token", "finish", "hit_tokens", "output_tokens", "status"]

@@ -70,7 +70,8 @@ def test_cli_replica_pools(tmp_path: Path):
                                  "--no-plots", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[0] == ("default (300 requests): 3 replicas of llama-3-8b: 1 on a100-80g x2 (90 "
-                                        "blocks), 2 on h100-sxm x1 (200 blocks); blocks of 16 tokens, eviction lru")
+                                        "blocks), 2 on h100-sxm x1 (200 blocks); blocks of 16 tokens, eviction lru, "
+                                        "async scheduling")
     assert [line.split(")")[0] + ")" for line in r.stdout.splitlines()[2:5]] == [
         "0 (a100-80g x2, 90 blocks)", "1 (h100-sxm x1, 200 blocks)", "2 (h100-sxm x1, 200 blocks)"]
     configs = [json.loads((out / f"replica-{i}" / "config.json").read_text()) for i in range(3)]

@@ -27,7 +27,9 @@ needs_vllm = pytest.mark.needs_vllm
 
 
 def _cfg(**kw) -> SimConfig:
-    return SimConfig(block_size=16, step_time=None, closed_loop_sessions=True, **kw).validate()
+    """The sync scheduler (where the quiet runs and lazy decodes fire) unless a case asks for async."""
+    base = {"block_size": 16, "step_time": None, "closed_loop_sessions": True, "async_scheduling": False}
+    return SimConfig(**{**base, **kw}).validate()
 
 
 def _wl(name: str) -> list:
@@ -153,7 +155,8 @@ def test_step_seconds_is_the_cost_model_without_charged_ops():
 def test_the_cli_default_is_the_cost_clock():
     r = CliRunner().invoke(app, ["conform", "--mode", "scheduler", "--num-gpu-blocks", "300"])
     assert r.exit_code == 0, r.output
-    assert r.stdout.splitlines()[0].endswith("budget 8,192 tokens / 1,024 seqs, the cost model's clock")
+    assert r.stdout.splitlines()[0].endswith("budget 8,192 tokens / 1,024 seqs, the cost model's clock, "
+                                             "async scheduling")
     assert r.stdout.splitlines()[1:] == ["scheduler 300 requests, 0 differ", "identical"]
 
 

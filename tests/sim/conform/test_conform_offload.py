@@ -35,10 +35,11 @@ LINK = _COST.op_cost_s["store"]  # seconds a block takes on the host link, each 
 
 
 def _cfg(chunks: int, steps_per_block: float = 1.0, **kw) -> SimConfig:
-    """A tier of `chunks` chunks; a block takes `steps_per_block` steps on the host link."""
+    """A tier of `chunks` chunks; a block takes `steps_per_block` steps on the host link. The step
+    numbers worked out below are the sync scheduler's: the async cases pass async_scheduling=True."""
     bpc = kw.get("offload_blocks_per_chunk", 1)
     base = {"block_size": 16, "num_gpu_blocks": 9, "max_num_batched_tokens": 256, "max_num_seqs": 8,
-            "step_time": LINK / steps_per_block, "closed_loop_sessions": False,
+            "step_time": LINK / steps_per_block, "closed_loop_sessions": False, "async_scheduling": False,
             "kv_offloading_size": chunks * BLOCK_BYTES * bpc / (1 << 30)}
     return SimConfig(**{**base, **kw}).validate()
 
@@ -320,7 +321,7 @@ def test_a_landed_load_resumed_with_one_token_must_fit_its_whole_prompt():
     cfg = SimConfig(block_size=8, num_gpu_blocks=183, max_num_batched_tokens=64, max_num_seqs=4,
                     step_time=2 * cost.op_cost_s["store"], closed_loop_sessions=False,
                     kv_offloading_size=200 * cost.kv_bytes_per_block * 4 / (1 << 30),
-                    offload_blocks_per_chunk=4, offload_prompt_only=False).validate()
+                    offload_blocks_per_chunk=4, offload_prompt_only=False, async_scheduling=False).validate()
     s = _same(reqs, cfg)
     assert (s["offload_hit_tokens"], s["preemptions"]) == (224, 0)
 

@@ -31,10 +31,11 @@ needs_vllm = pytest.mark.needs_vllm
 
 
 def _storm(n: int | None = None) -> tuple[list, SimConfig]:
-    """Shared system prompts in 31 usable blocks: every request evicts (conform's eviction storm)."""
+    """Shared system prompts in 31 usable blocks: every request evicts (conform's eviction storm).
+    Sync: the async case replaces it."""
     wl = list(load_workload(GOLDEN / "shared-prefix.jsonl"))[:n]
     cfg = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=32,
-                    max_num_batched_tokens=256).validate()
+                    max_num_batched_tokens=256, async_scheduling=False).validate()
     return wl, cfg
 
 
@@ -55,7 +56,8 @@ def test_gpt_oss_window_and_full_groups_match_vllms_events() -> None:
     """Its two groups, tight: the window group's masked calls are BlockStored events with no hash
     (372 of them), as vLLM's `cache_full_blocks` publishes them."""
     blocks = 170 * len(CostModel.from_config(_cfg("gpt-oss-20b", 500, 0)).layout.groups)
-    cfg = _cfg("gpt-oss-20b", blocks, 0, step_time=0.05, closed_loop_sessions=False, max_num_batched_tokens=512)
+    cfg = _cfg("gpt-oss-20b", blocks, 0, step_time=0.05, closed_loop_sessions=False,
+               max_num_batched_tokens=512).replace(async_scheduling=False)
     reqs = _turns()
     res = simulate(reqs, cfg.replace(kv_events=True))
     stored = [e for b in res.kv_events for e in b.events if type(e).__name__ == "BlockStored"]
@@ -222,7 +224,8 @@ def test_kvsim_conform_mode_events_compares_the_streams_with_offloading(tmp_path
     write_jsonl(requests, path)
     r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--num-gpu-blocks", "9",
                                  "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
-                                 "--step-time", repr(cfg.step_time), "--kv-offloading-size", repr(cfg.kv_offloading_size)])
+                                 "--step-time", repr(cfg.step_time), "--kv-offloading-size", repr(cfg.kv_offloading_size),
+                                 "--no-async-scheduling"])
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[1:] == ["events    33 steps, 0 differ", "identical"]
     r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--kv-offloading-size", "0.03125"])

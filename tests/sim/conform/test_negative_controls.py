@@ -27,7 +27,9 @@ PROMPT = list(range(100, 132))  # two full blocks of 16
 
 
 def _config(**kw) -> SimConfig:
-    return SimConfig(**{"block_size": 16, "step_time": 0.05, "closed_loop_sessions": False, **kw}).validate()
+    """The sync scheduler unless a control asks for async (its expected diffs are the sync ones)."""
+    base = {"block_size": 16, "step_time": 0.05, "closed_loop_sessions": False, "async_scheduling": False}
+    return SimConfig(**{**base, **kw}).validate()
 
 
 def _scheduler(requests: list, **kw) -> Diff:

@@ -160,7 +160,8 @@ def test_random_tight_caches_match_vllm(seed: int):
 def test_sync_kvsim_against_the_async_vllm_differs():
     # the comparison is not blind: one step of lag shows up
     reqs = list(default_workload(0))[:60]
-    sync = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=300)
+    sync = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=300,
+                     async_scheduling=False)
     from kvsim.sim.conform.check import SCHEDULER_FIELDS, compare, kvsim_scheduler
     from kvsim.sim.conform.vllm_scheduler import run_scheduler
 

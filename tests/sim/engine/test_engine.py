@@ -10,11 +10,20 @@ from hypothesis import strategies as st
 
 from kvsim.sim.engine import shortcuts
 from kvsim.sim.engine.config import SimConfig
-from kvsim.sim.engine.run import simulate
+from kvsim.sim.engine.run import RunResult, simulate
 from kvsim.sim.engine.shortcuts import BlockedHead, LazyDecodes, Shortcuts
 from kvsim.workloads.request import Workload
 from kvsim.workloads.shapes import parallel, shared_prefix
-from tests.sim.engine.engine_fixtures import FlatCost, req, run
+from tests.sim.engine import engine_fixtures
+from tests.sim.engine.engine_fixtures import FlatCost, req
+
+# the steps, times and shortcuts below are worked out for vLLM's step-by-step (sync) scheduler
+SYNC = {"async_scheduling": False}
+
+
+def run(requests: list, step_s: float = 1.0, **cfg) -> RunResult:
+    """`engine_fixtures.run` under the sync scheduler unless `cfg` says otherwise."""
+    return engine_fixtures.run(requests, step_s, **{**SYNC, **cfg})
 
 
 def test_latencies_follow_the_steps() -> None:
@@ -40,7 +49,7 @@ def test_a_request_arriving_mid_step_waits_for_the_next_step() -> None:
 def test_cost_model_sees_the_step_totals() -> None:
     cost = FlatCost()
     simulate(Workload.from_list([req("a", 0, 6, 2), req("b", 0, 3, 2)]),
-             SimConfig(block_size=4, num_gpu_blocks=16), cost_model=cost)
+             SimConfig(block_size=4, num_gpu_blocks=16, **SYNC), cost_model=cost)
     ops = {"copy": 0, "swap_out": 0, "swap_in": 0, "move": 0}
     assert cost.calls == [(9, 0, 9, 2, ops), (0, 2, 7 + 4, 2, ops)]
     assert cost.chunks == [[(0, 6), (0, 3)], []]  # each prefill chunk's (prior, new); decodes none
@@ -51,7 +60,7 @@ def test_cost_model_sees_each_chunk_with_its_prior_context() -> None:
     model's exact attention pairs, sim/engine/cost_model.py CostModel.bounds), beside a decode."""
     cost = FlatCost()
     simulate(Workload.from_list([req("a", 0, 3, 3), req("b", 0.5, 10, 1)]),
-             SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=6), cost_model=cost)
+             SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=6, **SYNC), cost_model=cost)
     assert [c[:4] for c in cost.calls] == [(3, 0, 3, 1), (5, 1, 4 + 5, 2), (5, 1, 5 + 10, 2)]
     assert cost.chunks == [[(0, 3)], [(0, 5)], [(5, 5)]]
 
@@ -97,7 +106,7 @@ def test_recompute_preemption_is_counted_per_step_and_request() -> None:
 
 
 def _stress(**cfg) -> SimConfig:
-    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64}
+    base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64, **SYNC}
     return SimConfig(**{**base, **cfg})
 
 
@@ -241,8 +250,8 @@ def test_load_scales_open_loop_arrivals():
     from kvsim.workloads.request import make_request
 
     reqs = [make_request(f"r{i}", 10.0 * i, np.arange(40, dtype=np.int32) + 100 * i, 4) for i in range(3)]
-    base = simulate(reqs, SimConfig(num_gpu_blocks=200)).requests["arrival"].tolist()
-    double = simulate(reqs, SimConfig(num_gpu_blocks=200, load=2.0)).requests["arrival"].tolist()
+    base = simulate(reqs, SimConfig(num_gpu_blocks=200, **SYNC)).requests["arrival"].tolist()
+    double = simulate(reqs, SimConfig(num_gpu_blocks=200, load=2.0, **SYNC)).requests["arrival"].tolist()
     assert base == [0.0, 10.0, 20.0] and double == [0.0, 5.0, 10.0]
 
 
@@ -271,7 +280,7 @@ def test_shortcuts_change_nothing_on_random_configs(seed: int, block_size: int, 
 
     cfg = SimConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
                     max_num_seqs=16, enable_chunked_prefill=chunked, preemption="swap" if swap else "recompute",
-                    num_cpu_blocks=300 if swap else 0)
+                    num_cpu_blocks=300 if swap else 0, **SYNC)
     fast = simulate(workload(), cfg)
     slow = simulate(workload(), cfg.replace(shortcuts=False))
     pd.testing.assert_frame_equal(fast.steps, slow.steps)
@@ -292,7 +301,7 @@ def test_shortcuts_change_nothing_with_hybrid_groups(model: str, block_size: int
     from kvsim.sim.engine.cost_model import CostModel
 
     cfg = SimConfig(model=model, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=32,
-                    prefix_cache_retention_interval=retention, **HYBRID[model])
+                    prefix_cache_retention_interval=retention, **HYBRID[model], **SYNC)
     groups = len(CostModel.from_config(cfg).layout.groups)
     cfg = cfg.replace(num_gpu_blocks=groups_blocks * groups * 16 // block_size + 2 * groups)
     fast = simulate(_mixed(), cfg)
@@ -306,7 +315,7 @@ def test_hybrid_groups_decode_lazily_under_preemption(monkeypatch: pytest.Monkey
     lazy = []
     drop = LazyDecodes.drop
     monkeypatch.setattr(LazyDecodes, "drop", lambda lazies, live, k: (lazy.append(k), drop(lazies, live, k)))
-    cfg = SimConfig(model="gpt-oss-20b", num_gpu_blocks=90, max_num_batched_tokens=64, max_num_seqs=32)
+    cfg = SimConfig(model="gpt-oss-20b", num_gpu_blocks=90, max_num_batched_tokens=64, max_num_seqs=32, **SYNC)
     fast = simulate(_mixed(), cfg)
     assert lazy and fast.summary["preemptions"] > 0
     pd.testing.assert_frame_equal(fast.steps, simulate(_mixed(), cfg.replace(shortcuts=False)).steps)
@@ -325,7 +334,7 @@ def test_shortcuts_change_nothing_with_mamba_groups(monkeypatch: pytest.MonkeyPa
     drop = LazyDecodes.drop
     monkeypatch.setattr(LazyDecodes, "drop", lambda lazies, live, k: (lazy.append(k), drop(lazies, live, k)))
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu=gpu, max_num_batched_tokens=budget,
-                    max_num_seqs=32)
+                    max_num_seqs=32, **SYNC)
     cfg = cfg.replace(num_gpu_blocks=groups_blocks * len(CostModel.from_config(cfg).layout.groups))
     fast = simulate(_mixed(), cfg)
     slow = simulate(_mixed(), cfg.replace(shortcuts=False))
@@ -339,7 +348,7 @@ def test_shortcuts_change_nothing_with_mamba_groups(monkeypatch: pytest.MonkeyPa
 def test_each_groups_blocks_in_use_and_evictions_add_up_to_the_pools(model: str, knobs: dict) -> None:
     """The per-group usage behind blocks.png: distinct blocks some request references, so the groups'
     counts sum to the pool's used blocks after every step, under preemption and shared hits."""
-    r = simulate(_mixed(), SimConfig(model=model, max_num_batched_tokens=256, max_num_seqs=32, **knobs))
+    r = simulate(_mixed(), SimConfig(model=model, max_num_batched_tokens=256, max_num_seqs=32, **knobs, **SYNC))
     usage = r.group_usage
     assert list(usage.columns) == [f"held_{g}" for g in range(len(r.summary["kv_cache_groups"]))]
     assert len(usage) == len(r.steps) > 0

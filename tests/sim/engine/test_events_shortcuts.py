@@ -73,7 +73,8 @@ def test_events_with_the_shortcuts_are_plain_steppings(kind: str, seed: int, rat
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=slots // block_size + 2,
                     max_num_batched_tokens=max(budget if chunked else 512, max_seqs), max_num_seqs=max_seqs,
                     eviction=eviction, enable_chunked_prefill=chunked, watermark=watermark, closed_loop_sessions=closed,
-                    long_prefill_token_threshold=long_prefill, scheduler_reserve_full_isl=reserve, kv_events=True)
+                    long_prefill_token_threshold=long_prefill, scheduler_reserve_full_isl=reserve, kv_events=True,
+                    async_scheduling=False)
     _events_alike(kind, seed, rate, cfg, real_cost)
 
 
@@ -108,7 +109,7 @@ def test_a_hybrid_models_events_with_the_shortcuts_are_plain_steppings(window_mo
     a window's blocks let go between two takes come back first."""
     cfg = SimConfig(model=window_models[model], gpu="h100-sxm", num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=256, max_num_seqs=max_seqs, prefix_cache_retention_interval=retention,
-                    kv_events=True)
+                    kv_events=True, async_scheduling=False)
     wl = build_workload(kind, 24, rate, "poisson", 1.0, seed, dict(HYBRID_SHAPES[kind]))
     fast = simulate(wl, cfg)
     assert fast.manager.num_groups == GROUPS[model[1]]
@@ -120,7 +121,7 @@ def test_quiet_steps_hand_on_their_events(monkeypatch: pytest.MonkeyPatch) -> No
     batches are in the stream, the same as plain stepping's."""
     made = _taken(monkeypatch)
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=4, num_gpu_blocks=60, max_num_batched_tokens=64,
-                    max_num_seqs=16, kv_events=True)
+                    max_num_seqs=16, kv_events=True, async_scheduling=False)
     wl = build_workload("unique", 30, 200.0, "poisson", 1.0, 3, dict(SHAPES["unique"]))
     fast = simulate(wl, cfg, cost_model=FlatCost(0.05))
     assert len(made) == 1 and made[0].taken > len(fast.steps) // 2
@@ -133,7 +134,7 @@ def test_quiet_steps_hand_on_their_events(monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_router_fed_by_events_routes_the_same_with_the_shortcuts(router: str) -> None:
     """The routers that read KV events see the same batches at the same times, so they route every
     request alike: every replica's tables and the event stream are those of plain stepping."""
-    cfg = SimConfig(num_gpu_blocks=200, replicas=3, router=router, kv_events=True)
+    cfg = SimConfig(num_gpu_blocks=200, replicas=3, router=router, kv_events=True, async_scheduling=False)
     wl = default_workload()
     lines: dict[bool, list[str]] = {True: [], False: []}
     runs = {on: simulate_cluster(wl, cfg.replace(shortcuts=on), kv_events=lambda b, on=on: lines[on].append(b.json_line()))
@@ -161,7 +162,7 @@ def test_event_fed_routers_over_random_workloads_route_the_same_with_the_shortcu
     each request went and every replica's tables, with the shortcuts on and off."""
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=4, num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=256, max_num_seqs=16, replicas=replicas, router=router,
-                    kv_event_delay=delay, seed=seed)
+                    kv_event_delay=delay, seed=seed, async_scheduling=False)
     wl = build_workload(kind, 30, rate, "poisson", 1.0, seed, dict(SHAPES[kind]))
     fast, slow = (simulate_cluster(wl, cfg.replace(shortcuts=on)) for on in (True, False))
     assert fast.received.equals(slow.received)

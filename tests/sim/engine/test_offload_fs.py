@@ -2,9 +2,9 @@
 secondary tier, vllm/v1/kv_offload/tiering/): probes that defer admissions, cascades of stored
 chunks to files, promotions of file hits into the host tier, and a disk that fills up.
 
-Every run here: blocks of 4 tokens, 8 GPU blocks, a 6-chunk host tier, 1 MiB chunks moved in
-1 s by one I/O thread and files probed in 0.25 s each; the host link is instant. The workload is
-tests/sim/engine/test_offload.py's: a (16 tokens) at 0, f (24) at 10, b (a's 16 + 4) at 20.
+Every run here: the sync scheduler, blocks of 4 tokens, 8 GPU blocks, a 6-chunk host tier, 1 MiB
+chunks moved in 1 s by one I/O thread and files probed in 0.25 s each; the host link is instant. The
+workload is tests/sim/engine/test_offload.py's: a (16 tokens) at 0, f (24) at 10, b (a's 16 + 4) at 20.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ FS = {"offload_fs": True, "offload_fs_gbps": MIB / 1e9, "offload_fs_probe_s": 0.
 
 def _run(disk_chunks: int | None = None):
     cfg = SimConfig(block_size=4, num_gpu_blocks=8, kv_offloading_size=6 * MIB / (1 << 30), **FS,
-                    offload_fs_size=None if disk_chunks is None else disk_chunks * MIB / (1 << 30))
+                    offload_fs_size=None if disk_chunks is None else disk_chunks * MIB / (1 << 30),
+                    async_scheduling=False)
     res = simulate(Workload.from_list(_evicted_prefix(), "test"), cfg, cost_model=HostLinkCost())
     return res.requests.set_index("id"), res.summary
 

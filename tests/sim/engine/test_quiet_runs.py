@@ -99,7 +99,8 @@ def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size
                     closed_loop_sessions=closed, max_num_active_seqs=None if active is None else min(active, max_seqs),
                     long_prefill_token_threshold=long_prefill, long_prefill_token_threshold_adaptive=adaptive,
                     scheduler_reserve_full_isl=reserve, prefill_schedule_interval=interval,
-                    max_num_scheduled_tokens=None if scheduled is None or not chunked else max_seqs >> scheduled)
+                    max_num_scheduled_tokens=None if scheduled is None or not chunked else max_seqs >> scheduled,
+                    async_scheduling=False)
     fast = _run(kind, seed, rate, cfg, real_cost)
     slow = _run(kind, seed, rate, cfg.replace(shortcuts=False), real_cost)
     _same(fast, slow)
@@ -223,7 +224,7 @@ def test_every_eviction_policy_gives_the_same_tables(eviction: str) -> None:
     under FIFO and ARC before that rule."""
     for kind, seed in (("parallel", 0), ("unique", 1)):
         cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=8, num_gpu_blocks=30,
-                        max_num_batched_tokens=64, max_num_seqs=16, eviction=eviction)
+                        max_num_batched_tokens=64, max_num_seqs=16, eviction=eviction, async_scheduling=False)
         _same(_run(kind, seed, 20.0, cfg, False), _run(kind, seed, 20.0, cfg.replace(shortcuts=False), False))
 
 
@@ -231,7 +232,8 @@ def test_every_eviction_policy_gives_the_same_tables(eviction: str) -> None:
 def test_most_steps_of_a_loaded_engine_are_quiet(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """A cache a few requests fill: quiet runs take many steps, and change nothing."""
     made = _taken(monkeypatch)
-    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16,
+                    async_scheduling=False)
     fast = _run(kind, 7, 50.0, cfg, True)
     assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
     _same(fast, _run(kind, 7, 50.0, cfg.replace(shortcuts=False), True))
@@ -243,7 +245,8 @@ def test_most_steps_of_a_loaded_engine_are_quiet(monkeypatch: pytest.MonkeyPatch
 def test_quiet_runs_stay_off_where_the_general_step_is_needed(monkeypatch: pytest.MonkeyPatch,
                                                              extra: dict[str, Any]) -> None:
     made = _taken(monkeypatch)
-    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, **extra)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16,
+                    **{"async_scheduling": False, **extra})  # sync, where quiet runs are taken, unless async
     _run("unique", 3, 50.0, cfg, True)
     assert made == []
 
@@ -255,7 +258,7 @@ def test_a_decode_caching_the_blocked_heads_next_key_ends_the_run(monkeypatch: p
     prompt, answer = np.arange(100, 108), np.arange(500, 524)
     reqs = [req("a", 0, prompt, 24, output=answer), req("c", 0, 16, 20),
             req("b", 1.5, np.concatenate([prompt, answer, np.arange(900, 908)]), 4)]
-    cfg = SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=64, max_num_seqs=8)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=16, max_num_batched_tokens=64, max_num_seqs=8, async_scheduling=False)
 
     def go(c: SimConfig) -> RunResult:
         return simulate(Workload.from_list(reqs, "t"), c, cost_model=FlatCost(1.0))
@@ -276,7 +279,7 @@ def test_a_finish_is_a_quiet_step_and_the_blocked_head_is_decided_again(monkeypa
     after it retries d: it fails at steps 11 and 21, and admits d at step 31, where plain
     stepping does. General steps: 0 (prefill), 1 (d's first try), 11, 21 and 31."""
     reqs = [req("a", 0, 8, 11), req("b", 0, 8, 21), req("c", 0, 8, 31), req("d", 0.5, 64, 4)]
-    cfg = SimConfig(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=128, max_num_seqs=8)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=128, max_num_seqs=8, async_scheduling=False)
 
     def go(c: SimConfig) -> RunResult:
         return simulate(Workload.from_list(reqs, "t"), c, cost_model=FlatCost(1.0))
@@ -301,7 +304,7 @@ def test_without_the_full_isl_reserve_a_blocked_head_is_retried_every_step() -> 
 
     golden = Path(__file__).resolve().parents[2] / "golden" / "workloads" / "multi-turn.jsonl"
     cfg = SimConfig(block_size=16, step_time=0.05, closed_loop_sessions=False, num_gpu_blocks=60,
-                    max_num_batched_tokens=256, scheduler_reserve_full_isl=False)
+                    max_num_batched_tokens=256, scheduler_reserve_full_isl=False, async_scheduling=False)
 
     def go(c: SimConfig) -> RunResult:
         return simulate(load_workload(golden), c)
@@ -360,7 +363,7 @@ def test_quiet_runs_of_hybrid_groups_change_nothing(window_models, kind: str, se
     cfg = SimConfig(model=window_models[model], gpu="h100-sxm", num_gpu_blocks=num_gpu_blocks,
                     max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs,
                     enable_prefix_caching=caching, watermark=watermark, closed_loop_sessions=closed,
-                    prefix_cache_retention_interval=retention if caching else 0)
+                    prefix_cache_retention_interval=retention if caching else 0, async_scheduling=False)
     wl = build_workload(kind, 24, rate, "poisson", 1.0, seed, dict(HYBRID_SHAPES[kind]))
     fast, slow = simulate(wl, cfg), simulate(wl, cfg.replace(shortcuts=False))
     assert fast.manager.num_groups == GROUPS[model[1]]
@@ -372,7 +375,7 @@ def test_a_hybrid_models_decodes_run_quiet(monkeypatch: pytest.MonkeyPatch, wind
     of a decode-heavy load, with the same tables."""
     made = _taken(monkeypatch)
     cfg = SimConfig(model=window_models[32, "gemma-3-12b"], gpu="h100-sxm", num_gpu_blocks=400,
-                    max_num_batched_tokens=256, max_num_seqs=16)
+                    max_num_batched_tokens=256, max_num_seqs=16, async_scheduling=False)
     wl = build_workload("unique", 30, 20.0, "poisson", 1.0, 5, dict(HYBRID_SHAPES["unique"]))
     fast = simulate(wl, cfg)
     assert fast.manager.num_groups == 6 and fast.manager.freed_behind[0] > 0  # the window moved
@@ -388,7 +391,8 @@ def test_quiet_runs_record_the_plain_ops(monkeypatch: pytest.MonkeyPatch, kind: 
     from tests.sim.engine.test_record_ops import same_stream
 
     made = _taken(monkeypatch)
-    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, record_ops=True)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=256, max_num_seqs=16, record_ops=True,
+                    async_scheduling=False)
     fast = _run(kind, 7, 50.0, cfg, True)
     assert len(made) == 1 and made[0].taken > len(fast.steps) // 4
     slow = _run(kind, 7, 50.0, cfg.replace(shortcuts=False), True)

@@ -46,7 +46,8 @@ CASES = {
 
 def _cfg(**kw) -> SimConfig:
     base = {"num_gpu_blocks": 40, "max_num_seqs": 32, "max_num_batched_tokens": 64, "record_ops": True,
-            "parallel_sampling": "fork"}  # v0-style samples: copy-on-write ops are recorded too
+            "parallel_sampling": "fork",  # v0-style samples: copy-on-write ops are recorded too
+            "async_scheduling": False}  # the sync scheduler's lazy decodes (`LazyDecodes`), recorded late
     return SimConfig(**{**base, **kw})
 
 
@@ -183,7 +184,7 @@ def test_hybrid_groups_record_the_plain_ops_with_shortcuts(monkeypatch: pytest.M
 
     late = _late_writes(monkeypatch, HybridKVCacheManager)
     cfg = SimConfig(model=model, tensor_parallel=tp, num_gpu_blocks=blocks, record_ops=True,
-                    max_num_batched_tokens=256, max_num_seqs=8)
+                    max_num_batched_tokens=256, max_num_seqs=8, async_scheduling=False)
     fast = simulate(_hybrid_workload(), cfg)
     assert sum(late) > 50 and max(late) > 1
     slow = simulate(_hybrid_workload(), cfg.replace(shortcuts=False))

@@ -12,12 +12,18 @@ import pytest
 
 from kvsim.kvcache.ops import read_ops
 from kvsim.sim.engine.metrics import STEP_FIELDS
-from kvsim.sim.engine.run import rare_collections
+from kvsim.sim.engine.run import RunResult, rare_collections
 from kvsim.sim.studies.plots import PLOTS
 from kvsim.sim.studies.run_folder import load_run, write_run
-from tests.sim.engine.engine_fixtures import req, run
+from tests.sim.engine import engine_fixtures
+from tests.sim.engine.engine_fixtures import req
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run(requests: list, step_s: float = 1.0, **cfg) -> RunResult:
+    """`engine_fixtures.run` under the sync scheduler (the steps and latencies below are worked out for it)."""
+    return engine_fixtures.run(requests, step_s, **{"async_scheduling": False, **cfg})
 
 
 def shared_prefix_requests() -> list:

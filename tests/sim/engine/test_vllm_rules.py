@@ -24,9 +24,14 @@ def req(rid: str, arrival: float, prompt_len: int, output_len: int):
     return make_request(rid, arrival, range(start, start + prompt_len), output_len)
 
 
+# the steps below are worked out for vLLM's step-by-step (sync) scheduler, `Scheduler.schedule`
+# applying each step's output before the next is scheduled (not `vllm serve` 0.33's async default)
+SYNC = {"async_scheduling": False}
+
+
 def steps(reqs, **cfg) -> dict[str, tuple[int, int, int, int]]:
-    """id -> (first_scheduled_step, first_token_step, finish_step, preemptions)."""
-    base = {"step_time": 1.0, "block_size": 4, "closed_loop_sessions": False}
+    """id -> (first_scheduled_step, first_token_step, finish_step, preemptions), under the sync scheduler."""
+    base = {"step_time": 1.0, "block_size": 4, "closed_loop_sessions": False, **SYNC}
     res = simulate(reqs, SimConfig(**{**base, **cfg}))
     rq = res.requests
     cols = ["first_scheduled_step", "first_token_step", "finish_step", "preemptions"]
@@ -91,7 +96,7 @@ def test_hit_tokens_are_those_of_the_first_scheduling():
     a = make_request("a", 0, range(1000, 1010), 1)
     b = make_request("b", 1, [*range(1000, 1008), 7, 8], 1)
     c = make_request("c", 2, range(1000, 1008), 1)
-    res = simulate([a, b, c], SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20))
+    res = simulate([a, b, c], SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20, **SYNC))
     assert res.requests["hit_tokens"].tolist() == [0, 8, 4]
 
 
@@ -100,7 +105,7 @@ def test_a_fanned_out_request_counts_each_samples_prompt_and_hit():
     # Fanned out (vllm/v1/engine/parallel_sampling.py), each of the 3 samples schedules the
     # 6-token prompt and the later two hit the first one's full block; forked (v0), only one does
     reqs = [make_request("a", 0, range(100, 106), 3, n=3)]
-    cfg = SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20)
+    cfg = SimConfig(step_time=1.0, block_size=4, num_gpu_blocks=20, **SYNC)
     fan = simulate(reqs, cfg).summary
     fork = simulate(reqs, cfg.replace(parallel_sampling="fork")).summary
     assert (fan["prompt_tokens"], fan["hit_tokens"], fan["hit_rate"], fan["block_hit_rate"]) == (18, 8, 8 / 18, 2 / 6)

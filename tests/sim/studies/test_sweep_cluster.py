@@ -25,7 +25,9 @@ from kvsim.sim.studies.sweep import load_sweep, run_sweep, simulate_point
 from kvsim.workloads.traces import load_workload
 
 runner = CliRunner()
-BASE = {"num_gpu_blocks": 40, "max_num_batched_tokens": 256, "load": 8.0, "slo_ttft": 0.05, "slo_tpot": 0.01}
+# (sync scheduling: the figures below are the sync scheduler's)
+BASE = {"num_gpu_blocks": 40, "max_num_batched_tokens": 256, "load": 8.0, "slo_ttft": 0.05, "slo_tpot": 0.01,
+        "async_scheduling": False}
 OVERALL = ("requests", "finished", "hit_rate", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
            "goodput_rps", "slo_attainment", "duration_s")
 
@@ -36,7 +38,7 @@ def trace(golden_head) -> Path:
 
 
 def sweep_file(folder: Path, trace: Path, grid: str) -> Path:
-    base = "\n".join(f"{k} = {v!r}" for k, v in BASE.items())
+    base = "\n".join(f"{k} = {json.dumps(v)}" for k, v in BASE.items())  # (TOML's false)
     path = folder / "grid.toml"
     path.write_text(f'[base]\nworkload = "{trace}"\n{base}\n[grid]\n{grid}\n')
     return path
