@@ -28,6 +28,10 @@ routers`, no target: the Azure case's 8 replicas in one process (`--workers 1`, 
 each router that reads the replicas, which run on one clock, against round-robin (run apart),
 alternated run by run: each router's median wall and its ratio to round-robin's.
 
+Every `kvsim run` runs kvsim's default scheduler, async as `vllm serve` 0.33's (since 2026-11-27),
+or with `--sync` vLLM's step-by-step one (`--no-async-scheduling`), in which the figures before
+that date were taken; a P/D cluster runs sync, so the aggregated cluster it is set against does too.
+
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
 Prints one JSON line per case, with the commit measured.
@@ -74,9 +78,14 @@ def tile_azure(src: Path, dst: Path, copies: int) -> int:
     return copies * len(rows)
 
 
+MODE: list[str] = []  # what `--sync` adds to every `kvsim run`: ["--no-async-scheduling"]
+
+
 def measure(argv: list[str]) -> tuple[float, float, float]:
     """Wall seconds, peak resident MB and CPU seconds (user + system, its waited-for children
-    included) of one whole `kvsim` process."""
+    included) of one whole `kvsim` process (a `run` in `MODE`)."""
+    if argv[0] == "run":
+        argv = [*argv, *MODE]
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvsim", *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -108,7 +117,11 @@ def main() -> None:
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--no-plots", action="store_true", help="pass --no-plots (the default command writes plots)")
+    ap.add_argument("--sync", action="store_true",
+                    help="every `kvsim run` with --no-async-scheduling (vLLM's step-by-step Scheduler; kvsim's "
+                         "default before 2026-11-27, when the figures in docs/benchmarks.md up to then were taken)")
     args = ap.parse_args()
+    MODE[:] = ["--no-async-scheduling"] if args.sync else []
     azure = args.traces / "azure2023/AzureLLMInferenceTrace_conv.csv"
     mooncake = args.traces / "mooncake/conversation_trace.jsonl"
     plots = ["--no-plots"] if args.no_plots else []
@@ -155,7 +168,7 @@ def main() -> None:
             if requests is None:
                 requests = json.loads((tmp / f"{name}-0/summary.json").read_text())["requests"]
             row = {
-                "case": name, "commit": sha, "command": " ".join(["kvsim", *argv]), "runs": runs,
+                "case": name, "commit": sha, "command": " ".join(["kvsim", *argv, *MODE]), "runs": runs,
                 "wall_s": round(wall, 2), "walls_s": [round(w, 2) for w in walls], "peak_mb": round(peak),
                 "simulated_requests_per_wall_s": round(requests / wall), "target": target,
                 "met": met(wall, peak),
@@ -175,7 +188,7 @@ def hybrid(mooncake: Path, plots: list[str], runs: int, sha: str) -> None:
                 walls["hybrid"].append(measure([*argv, "--out", f"{tmp}/h{i}"])[0])
                 walls["one group"].append(measure([*argv, "--disable-hybrid-kv-cache-manager", "--out", f"{tmp}/d{i}"])[0])
             ratio = statistics.median(walls["hybrid"]) / statistics.median(walls["one group"])
-            print(json.dumps({"case": f"hybrid {model}", "commit": sha, "command": " ".join(["kvsim", *argv]),
+            print(json.dumps({"case": f"hybrid {model}", "commit": sha, "command": " ".join(["kvsim", *argv, *MODE]),
                               "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                               "x_one_group": round(ratio, 2), "target": "x_one_group <= 2", "met": ratio <= 2}),
                   flush=True)
@@ -208,10 +221,10 @@ def pd(mooncake: Path, runs: int, sha: str) -> None:
             dst.writelines(itertools.islice(src, PD_REQUESTS))
         common = ["run", str(trace), "--no-plots", "--router", "round-robin"]
         argv = {"P/D 2+2": [*common, "--prefill-replicas", "2", "--decode-replicas", "2", "--pd-decider", "always"],
-                "aggregated 4": [*common, "--replicas", "4"]}
+                "aggregated 4": [*common, "--replicas", "4", "--no-async-scheduling"]}  # as the P/D pools run
         walls, _, cpus = alternated(argv, runs, tmp)
         per_user = statistics.median(cpus["P/D 2+2"]) / statistics.median(cpus["aggregated 4"])
-        print(json.dumps({"case": "pd", "commit": sha, "commands": {k: " ".join(["kvsim", *v]) for k, v in argv.items()},
+        print(json.dumps({"case": "pd", "commit": sha, "commands": {k: " ".join(["kvsim", *v, *MODE]) for k, v in argv.items()},
                           "runs": runs, "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
                           "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                           "x_aggregated_per_user_request": round(per_user, 2),
@@ -234,7 +247,7 @@ def cluster(azure: Path, runs: int, sha: str) -> None:
         # (CPU seconds too: on a shared machine they move less than the walls)
         cpu_ratio = statistics.median(cpus["64 replicas"]) / statistics.median(cpus["8 replicas"])
         print(json.dumps({"case": "cluster", "commit": sha,
-                          "commands": {k: " ".join(["kvsim", *v]) for k, v in argv.items()}, "runs": runs,
+                          "commands": {k: " ".join(["kvsim", *v, *MODE]) for k, v in argv.items()}, "runs": runs,
                           "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                           "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
                           "peak_mb": {k: round(max(v)) for k, v in peaks.items()}, "x_8_replicas": round(ratio, 2),
@@ -252,7 +265,7 @@ def routers(azure: Path, runs: int, sha: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         walls, peaks, cpus = alternated({r: [*common, "--router", r] for r in ROUTERS}, runs, tmp)
     base = statistics.median(walls["round-robin"])
-    print(json.dumps({"case": "routers", "commit": sha, "command": " ".join(["kvsim", *common, "--router", "R"]),
+    print(json.dumps({"case": "routers", "commit": sha, "command": " ".join(["kvsim", *common, "--router", "R", *MODE]),
                       "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
                       "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
                       "peak_mb": {k: round(max(v)) for k, v in peaks.items()},
@@ -272,7 +285,7 @@ def record_ops(azure: Path, runs: int, sha: str) -> None:
                 figures[name]["wall"].append(wall)
                 figures[name]["cpu"].append(cpu)
     ratio = {k: statistics.median(figures["record-ops"][k]) / statistics.median(figures["plain"][k]) for k in ("wall", "cpu")}
-    print(json.dumps({"case": "record-ops", "commit": sha, "command": " ".join(["kvsim", *argv, "[--record-ops]"]),
+    print(json.dumps({"case": "record-ops", "commit": sha, "command": " ".join(["kvsim", *argv, *MODE, "[--record-ops]"]),
                       "runs": runs, "seconds": {k: {f: [round(x, 2) for x in v] for f, v in d.items()}
                                                 for k, d in figures.items()},
                       "x_plain": {k: round(v, 2) for k, v in ratio.items()},

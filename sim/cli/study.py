@@ -11,6 +11,7 @@ import typer
 
 from kvsim.sim.cli.common import cannot_write, check_output, fail
 from kvsim.sim.cli.options import (
+    AsyncScheduling,
     Gpu,
     KvOffloadingSize,
     Model,
@@ -125,9 +126,11 @@ def curve(
     offload_store_threshold: OffloadStoreThreshold = None,
     offload_blocks_per_chunk: OffloadBlocksPerChunk = None,
     offload_all: OffloadAll = False,
+    async_scheduling: AsyncScheduling = None,
 ) -> None:
     """Prefix hit rate and fragmentation against cache capacity, one line per eviction policy
-    (with --kv-offloading-size, over a host tier too: its hits and the total hit rate)."""
+    (with --kv-offloading-size, over a host tier too: its hits and the total hit rate; the
+    scheduler's mode, in sim mode, as `kvsim run` takes it)."""
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.studies.curves import capacity_curve, check_points, format_table, write_curve
@@ -142,6 +145,11 @@ def curve(
         changes = {**hardware_changes(model, gpu, tp), **offload_changes(
             kv_offloading_size, offload_eviction_policy, offload_store_threshold, offload_blocks_per_chunk,
             offload_all)}
+        if async_scheduling is not None:
+            if mode != "sim":
+                raise ConfigError(f"--{'' if async_scheduling else 'no-'}async-scheduling needs --mode sim "
+                                  f"(mode {mode} replays the cache alone, with no scheduler)")
+            changes["async_scheduling"] = async_scheduling
         base = SimConfig(vllm_version=vllm_version, block_size=block_size).replace(**changes).validate()
         if changes:  # an unknown model, or one that TP does not split, fails here
             CostModel.from_config(base)

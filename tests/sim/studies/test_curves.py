@@ -131,6 +131,8 @@ def test_curve_cli(acb: WorkloadSpec, tmp_path: Path) -> None:
         (["-c", "1,8"], "error: capacity must be at least 2 blocks (block 0 is reserved), got 1\n"),
         (["-c", "8", "-p", "lru,nope"], "error: unknown eviction policy 'nope'; choose from "),
         (["-c", "8,x"], "error: --capacities must be comma-separated integers, got '8,x'\n"),
+        (["-c", "8", "--no-async-scheduling"], "error: --no-async-scheduling needs --mode sim (mode replay "
+                                              "replays the cache alone, with no scheduler)\n"),
     ],
 )
 def test_curve_cli_errors(acb: WorkloadSpec, args: list[str], message: str) -> None:
@@ -145,3 +147,16 @@ def test_curve_cli_missing_workload(tmp_path: Path) -> None:
     res = runner.invoke(app, ["curve", str(tmp_path / "none.jsonl"), "-c", "8"])
     assert res.exit_code == 2
     assert res.output == f"error: {tmp_path / 'none.jsonl'}: no such file or directory\n"
+
+
+def test_curve_sim_mode_takes_the_scheduler_mode(tmp_path: Path) -> None:
+    """Sim mode runs `kvsim run`'s default scheduler, async as `vllm serve` 0.33; the flags pick either
+    (the golden multi-turn workload at 32 blocks: 29.13% async, 29.78% sync, as tests/golden pins)."""
+    golden = Path(__file__).resolve().parents[2] / "golden/workloads/multi-turn.jsonl"
+    rows = {}
+    for flag in ("", "--async-scheduling", "--no-async-scheduling"):
+        res = runner.invoke(app, ["curve", str(golden), "-c", "32", "-m", "sim", "-w", "1",
+                                  "-o", str(tmp_path / (flag or "default")), *([flag] if flag else [])])
+        assert res.exit_code == 0, res.output
+        rows[flag] = res.stdout.splitlines()[4].split()
+    assert rows == {"": ["32", "29.13"], "--async-scheduling": ["32", "29.13"], "--no-async-scheduling": ["32", "29.78"]}
