@@ -342,6 +342,9 @@ class SimConfig:
             raise ConfigError("preemption='swap' needs num_cpu_blocks > 0")
         if self.prefill_schedule_interval > 1 and self.preemption != "recompute":
             raise ConfigError("prefill_schedule_interval needs preemption='recompute' (vLLM V1 has no swap)")
+        for name in ("async_scheduling", "disable_hybrid_kv_cache_manager"):  # (None: as vLLM decides)
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true, false or none (as vLLM decides), got {getattr(self, name)!r}")
         if self.async_scheduling and self.preemption != "recompute":
             raise ConfigError(f"async_scheduling needs preemption='recompute' (vLLM V1 has no swap), got {self.preemption!r}")
         if self.async_scheduling and self.num_lookahead_tokens:

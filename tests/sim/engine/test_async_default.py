@@ -44,6 +44,13 @@ def test_none_keeps_sync_where_kvsim_models_only_sync(changes):
     assert cfg.async_scheduling is None and cfg.runs_async is False
 
 
+@pytest.mark.parametrize("value", ["yes", 1, 0])
+def test_the_mode_is_a_flag_or_none(value):
+    with pytest.raises(ConfigError, match=f"^async_scheduling must be true, false or none \\(as vLLM decides\\), "
+                                          f"got {value!r}$"):
+        SimConfig(async_scheduling=value).validate()
+
+
 def test_asking_async_where_kvsim_models_only_sync_is_refused():
     with pytest.raises(ConfigError, match="async_scheduling needs preemption='recompute'"):
         SimConfig(async_scheduling=True, preemption="swap", num_cpu_blocks=64).validate()
