@@ -326,7 +326,10 @@ class Shortcuts:
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         # the async output (`last_batch`: the scheduler's batch in flight): lazy decodes of its own
         # (`AsyncLazy`), with no lookahead, priority or op records, where every window is a sliding one
-        # of whole blocks (`async_decode_shortcuts`: it lets go at a block's first slot then, visited)
+        # of whole blocks (`async_decode_shortcuts`: it lets go at a block's first slot then, visited).
+        # NOTE: not with op records: under async output a step's ops come in two runs (its schedule's,
+        # then its output's after the next step's schedule), and the op log's late writes are merged
+        # by step, which would reorder those runs; the replay then differs (gemma-3-27b, 2026-11-27)
         self.async_decodes = on and last_batch is not None and decodes_fit and not (lookahead or priority) \
             and m.async_decode_shortcuts and not m.records_ops and m.defrag is None
         if self.async_decodes:
