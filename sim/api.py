@@ -196,8 +196,9 @@ def default_cache(cfg: SimConfig, derived: int, workload_given: bool, knobs: Map
 def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] | None = None,
              **knobs: Any) -> Run:
     """Simulate `workload` (None: the embedded default, in the cache `kvsim run` gives it) through
-    the engine the knobs describe; deterministic for the same workload, knobs and seed.
-    `progress(n)` is called as requests finish."""
+    the engine the knobs describe; deterministic for the same workload, knobs and seed. Its scheduler
+    runs as `vllm serve` 0.33's does, asynchronously (`async_scheduling=False`: vLLM's step-by-step
+    one; `run.config.runs_async` says which ran). `progress(n)` is called as requests finish."""
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.engine.run import simulate as run
 
