@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
+from operator import sub
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -292,7 +293,7 @@ class Engine:
                         raise Stalled(self._cycle(churn, at(start), step))
                 if b.num_seqs or (sync and (b.preempted_recompute or b.preempted_swap)):
                     now = _counts(count)
-                    deltas = tuple(a - p for a, p in zip(now, prev, strict=True))
+                    deltas = tuple(map(sub, now, prev))
                     prev = now
                     if grid:
                         end = start + 1
@@ -340,7 +341,8 @@ class Engine:
                     self._take_events(b.start, step)
                 continue
             clock = max(clock, end)
-            yield from self.front.upto(at(clock))  # arrivals while it ran are queued before its output
+            if env.peek() <= at(clock):  # arrivals while it ran are queued before its output
+                yield from self.front.upto(at(clock))
             sched.step = step
             m.set_step(step)
             sched.update(b, at(end))
