@@ -197,7 +197,7 @@ def pd_lines(summary: dict[str, Any]) -> list[str]:
              + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
                           "blocks)" for name, p in s["pools"].items())
              + f" replicas, router {s['router']}, decider {s['decider']}{link}, sync scheduling"
-             " (kvsim models the NIXL connector under vLLM's step-by-step scheduler; `vllm serve` runs it async)",
+             " (kvsim models a P/D cluster's pools under vLLM's step-by-step scheduler; `vllm serve` runs them async)",
              f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
              f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
              f"p99 {ms(s['tpot_p99'])}",

@@ -11,8 +11,9 @@ third of the seeds turn on KV offloading (tier size, chunk width, policy, store 
 speed; half of them under async scheduling, as `vllm serve` runs it by default). A third of the
 cost-clock cases P/D disaggregation's NIXL connector can take stand alone as its decode or prefill
 side (read bandwidth, latency and lease); with `--pd` every seed's case is one side, a third of them
-with a hybrid model (its attention and sliding-window groups, or Mamba state). The same seed always
-gives the same case.
+with a hybrid model (its attention and sliding-window groups, or Mamba state), half of them under async
+scheduling (since 2026-11-27; before, every `--pd` case ran sync). The same seed always gives the same
+case.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def random_case(seed: int, pd: bool = False) -> Case:
     kw.update(_disaggregation(r, kw, requests, pd))
     if pd:  # drawn after its side, so a P/D case's knobs are what they were before hybrid P/D
         kw.update(_hybrid(r, kw, bs, pd=True))
+        # drawn last, likewise: half the sides run async, as `vllm serve` runs a NIXL side (since 2026-11-27)
+        kw["async_scheduling"] = r.random() < 0.5
     return Case(seed, kind, requests, SimConfig(**kw).validate(), max_running)
 
 

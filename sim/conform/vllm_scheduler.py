@@ -227,6 +227,10 @@ class _SchedRun:
     def _ended(self, end: float) -> None:
         """The step last handed runs its forward until `end` (its start, without one)."""
 
+    def _in_flight(self, now: float) -> bool:
+        """Whether the connector's worker has a transfer in flight at `now` (none here: no connector)."""
+        return False
+
     def pending(self) -> bool:
         return self.nxt < len(self.order)
 
@@ -340,7 +344,8 @@ class _SchedRun:
                     self._ended((slot + 1) * self.step_time)
                 else:
                     self._ended(start * self.step_time)  # no forward
-                    empties += 1
+                    # (as kvsim's loop: a transfer in flight lands later, `Scheduler.in_flight`)
+                    empties = 0 if self._in_flight(start * self.step_time) else empties + 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, clock, num_gpu_blocks, block_size)
                     if all(s is None for _, _, s, _ in queue):

@@ -485,14 +485,14 @@ class SimConfig:
         if role not in ("decode", "prefill"):
             raise ConfigError(f"kv_transfer_role must be 'decode' or 'prefill', got {role!r}")
         for bad, why in ((self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
-                         (self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+                         (self.preemption != "recompute", "swap preemption"),
                          (self.replicas > 1, "replicas (P/D pools are not modelled yet)"),
                          (self.defrag_threshold is not None, "defragmentation"),
                          (self.parallel_sampling != "fanout", "parallel_sampling 'fork'"),
                          (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"kv_transfer_role cannot be combined with {why}: kvsim models vLLM 0.33's NIXL "
-                                  "connector with its sync scheduler, recompute preemption and one connector")
+                                  "connector with recompute preemption and one connector")
 
     def _validate_pd(self) -> None:
         p, d = self.prefill_replicas, self.decode_replicas
@@ -576,12 +576,12 @@ class SimConfig:
         vLLM 0.33 makes of its `None` (`VllmConfig.__post_init__`, vllm/config/vllm.py: on, unless
         pipeline parallelism, a pooling model or a speculative method it cannot overlap). kvsim keeps
         the step-by-step scheduler where it models no async one: another release's rules, swap
-        preemption or forked samples (vLLM v0's), lookahead slots, and a NIXL side or P/D cluster."""
+        preemption or forked samples (vLLM v0's), lookahead slots, and a P/D cluster."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return not (profile(self.vllm_version).version != "0.33" or self.preemption != "recompute"
                     or self.parallel_sampling != "fanout" or self.num_lookahead_tokens
-                    or self.kv_transfer_role is not None or self.prefill_replicas or self.decode_replicas)
+                    or self.prefill_replicas or self.decode_replicas)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

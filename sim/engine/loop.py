@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from kvsim.sim.engine.cost_model import CostModel
 
 PROGRESS_EVERY = 64  # report progress every this many requests done
-STALL_STEPS = 1000  # async: consecutive empty batches with nothing running before giving up
+STALL_STEPS = 1000  # async: consecutive empty batches with nothing running or in flight before giving up
 # recompute or swap preemptions in a row with no token decoded and no request finished: the running and
 # waiting requests preempt each other in a cycle that never ends (vLLM 0.33's scheduler cycles alike)
 LIVELOCK_PREEMPTIONS = 50_000
@@ -323,7 +323,7 @@ class Engine:
                         clock = yield from self.front.idle_wait(t0, until)
                     continue
                 else:
-                    empties += 1
+                    empties = 0 if sched.in_flight(b.start) else empties + 1  # (a transfer lands later)
                     if empties >= STALL_STEPS:
                         raise Stalled(f"scheduler made no progress for {empties} batches at t={at(clock):.6f}s")
                     if all(q[1] is None for q in queue):

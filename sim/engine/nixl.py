@@ -252,6 +252,11 @@ class NixlConnector:
         the decode side (vLLM's engine keeps stepping: `Scheduler.has_requests`, `has_finished_requests`)."""
         return bool(self.holding or self._reads or self._planned or self._held)
 
+    def in_flight(self, now: float) -> bool:
+        """Whether a read is in flight or a finished request's blocks are held for the decode side: an
+        empty batch then waits for it (the engine spins), it does not stall."""
+        return bool(self._reads or self._held)
+
     def holds_finished(self) -> bool:
         """Whether finished requests' blocks are held for the decode side (a request that does not fit
         waits for them, as vLLM's does)."""

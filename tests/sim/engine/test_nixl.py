@@ -22,6 +22,11 @@ Rules pinned (vLLM 0.33.0):
   one for the SSM state, per layer slot holding Mamba state, `_ssm_region_indices`) and
   `_compute_desc_ids` (a Mamba group's block read across those regions), sized by
   ssm_conv_transfer_utils.py `derive_mamba_conv_split`'s `ssm_sizes`.
+
+The cases are worked by hand for vLLM's sync `Scheduler` (`SYNC`): a lone side now runs async by
+default, as `vllm serve` does, where an empty step spins for an empty forward's time while a read is in
+flight, so reads land on that cadence rather than at their end (tests/sim/conform/test_conform_nixl.py
+conforms the async side against vLLM's AsyncScheduler).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ BLOCK_BYTES = 2 * 1024 * 1024  # llama-3-8b, block 16: 32 layers x 8 KV heads x 
 # gpt-oss-20b, block 16: two groups of 12 layers (sliding window 128, full attention); a block of the
 # pool is one group's 12 pages: 12 layers x 8 KV heads x 64 x K and V x 2 bytes x 16 tokens
 GPT_OSS_BLOCK_BYTES = 12 * 8 * 64 * 2 * 2 * 16
+# the step numbers, read and hold times below are worked for the sync scheduler, made explicit now that
+# a lone side's async_scheduling None resolves to async (SimConfig.runs_async)
+SYNC = {"async_scheduling": False}
 
 
 def _requests(arrivals: list[float], prompt: int = 100, output: int = 5) -> Workload:
@@ -49,7 +57,7 @@ def _requests(arrivals: list[float], prompt: int = 100, output: int = 5) -> Work
 
 
 def _run(role: str | None, arrivals: list[float], **kw):
-    cfg = SimConfig(model="llama-3-8b", kv_transfer_role=role, block_size=16, **({"num_gpu_blocks": 64} | kw))
+    cfg = SimConfig(model="llama-3-8b", kv_transfer_role=role, block_size=16, **(SYNC | {"num_gpu_blocks": 64} | kw))
     return simulate(_requests(arrivals), cfg.validate())
 
 
@@ -113,7 +121,10 @@ def test_prefill_side_hold_is_bounded_by_the_lease():
 
 @pytest.mark.parametrize("kw, field", [
     ({"kv_transfer_role": "both"}, "kv_transfer_role must be"),
-    ({"kv_transfer_role": "decode", "async_scheduling": True}, "async_scheduling"),
+    ({"kv_transfer_role": "decode", "preemption": "swap", "num_cpu_blocks": 64}, "swap preemption"),
+    ({"kv_transfer_role": "prefill", "defrag_threshold": 0.5}, "defragmentation"),
+    ({"kv_transfer_role": "decode", "parallel_sampling": "fork"}, "parallel_sampling 'fork'"),
+    ({"kv_transfer_role": "prefill", "vllm_version": "0.32"}, "vllm_version 0.32"),
     ({"kv_transfer_role": "decode", "kv_offloading_size": 1.0}, "kv_offloading_size"),
     ({"kv_transfer_role": "prefill", "replicas": 2}, "replicas"),
     ({"kv_transfer_gbps": 0.0}, "kv_transfer_gbps"),
@@ -126,8 +137,24 @@ def test_bad_settings_are_refused_in_one_line(kw, field):
     assert "\n" not in str(e.value)
 
 
+def test_a_lone_side_runs_async_as_vllm_serve_does_and_a_pd_cluster_stays_sync():
+    """vLLM 0.33 vllm/config/vllm.py `VllmConfig.__post_init__`: async_scheduling None resolves to
+    True unless a pooling model, an executor without it, ROCm DeepEP high-throughput DBO or the V1
+    runner's incompatibilities (pipeline parallelism, some speculative methods); a KV connector
+    (kv_transfer_config) is not among them, so a lone NIXL side runs vllm/v1/core/sched/async_scheduler.py
+    `AsyncScheduler` by default, and takes async_scheduling=True. kvsim's P/D cluster stays sync."""
+    for role in ("decode", "prefill"):
+        assert SimConfig(kv_transfer_role=role).runs_async is True
+        assert SimConfig(kv_transfer_role=role, async_scheduling=False).runs_async is False
+    SimConfig(kv_transfer_role="prefill", async_scheduling=True).validate()
+    SimConfig(kv_transfer_role="decode", async_scheduling=True).validate()
+    assert SimConfig(prefill_replicas=1, decode_replicas=1).runs_async is False
+    with pytest.raises(ConfigError, match="async_scheduling"):
+        SimConfig(prefill_replicas=1, decode_replicas=1, async_scheduling=True).validate()
+
+
 def _gpt_oss(role: str, arrivals: list[float], **kw):
-    cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role=role, block_size=16, **({"num_gpu_blocks": 400} | kw))
+    cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role=role, block_size=16, **(SYNC | {"num_gpu_blocks": 400} | kw))
     return simulate(_requests(arrivals, prompt=1000), cfg.validate())
 
 
@@ -163,7 +190,7 @@ QWEN3_NEXT_STATE_BYTES = 12 * ((256 + 256 + 512) * 3 * 2 + 4 * 128 * 128 * 2)
 
 
 def _qwen3_next(role: str, prompt: int, **kw):
-    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, kv_transfer_role=role, **({"num_gpu_blocks": 400} | kw))
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, kv_transfer_role=role, **(SYNC | {"num_gpu_blocks": 400} | kw))
     req = Request(id="r0", arrival=0.0, prompt_len=prompt, output_len=5, _prompt=np.arange(prompt, dtype=np.int32))
     return simulate(Workload.from_list([req]), cfg.validate())
 
@@ -227,7 +254,7 @@ def test_a_mamba_decode_side_takes_full_attentions_deeper_hit_with_a_load_and_re
     # 2 attention blocks + 3 state blocks. r2 (r0's first 384 + 1): full attention hits 384 = all it
     # would read, so nothing is loaded and the hit is reconciled to 0 (scheduler.py `schedule`:
     # `hit_diverged and num_external_computed_tokens == 0` -> `get_computed_blocks`): computed here
-    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode")
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu="h100-sxm", kv_transfer_role="decode", **SYNC)
     r = simulate(Workload.from_list(mamba_turns()), cfg.validate())
     rq = r.requests.set_index("id")
     assert list(rq["hit_tokens"]) == [0, 384, 0] and list(rq["output_tokens"]) == [5, 5, 5]
