@@ -259,7 +259,7 @@ class _OffloadRun(_SchedRun):
     worker: FakeWorker | None = None
 
     def _in_flight(self, now: float) -> bool:
-        return self.worker.busy_until(now) is not None
+        return self.worker is not None and self.worker.busy_until(now) is not None
 
     def _handed(self, out, start: float):
         """Step `out` is handed to the fake worker at `start` (its flushes, jobs and poll): the

@@ -224,7 +224,7 @@ class _TimedRun(_OffloadRun):
                     output.kv_connector_output = kv_out
                     self._ended(start)  # no forward: its loads start at once
                     # (as kvsim's loop: a transfer in flight lands later, `Scheduler.in_flight`)
-                    empties = 0 if worker is not None and worker.busy_until(start) is not None else empties + 1
+                    empties = 0 if self._in_flight(start) else empties + 1
                     if empties >= STALL_STEPS:
                         raise self.stalled(STALL_STEPS, k, *self.cache)
                     if all(q[2] is None for q in queue):
