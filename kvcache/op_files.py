@@ -30,6 +30,7 @@ SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
 SEG_TABLE = 1  # b = p + i (the i-th row of the run); c, pos -1
 SEG_SPAN = 2  # writes of positions [p, q) in blocks of r slots, a block a row: slots and positions follow
 SEG_EXPLICIT = 3  # b, c, pos kept a row
+MARK = -1  # the kind code of an empty run marking where a step's schedule begins (`OpLog.set_step`)
 SEG_EDGE = 4  # a decode token's new block: [its eviction (no sequence),] its table entry q, the write of
 #              position p (r slots a block): 2 or 3 rows of one block, their kinds by their place
 
@@ -59,18 +60,39 @@ class LateRuns(NamedTuple):
 
 
 def ops_table(main: Runs, late: LateRuns | None, coded: bool = False):
-    """One table of `schema(coded)`: `main`'s rows (in step order) and `late`'s, stably ordered by step
-    (a late row after every row of `main` of its step). The two are merged as integer rows, before
-    any string column is made, so the sort moves numbers only."""
+    """One table of `schema(coded)`: `main`'s rows in emission order, `late`'s among them, each late
+    write of step s where step s's schedule's rows end (`merge_keys`). The two are merged as integer
+    rows, before any string column is made, so the sort moves numbers only."""
     ints, which, seqs = run_rows(main)
     if late is not None and len(late.runs):
         late_ints, late_which = late_rows(late.runs)
+        keys = np.concatenate(merge_keys(main, late_ints[:, 0]))
         ints = np.concatenate([ints, late_ints])
         which = np.concatenate([which, late_which + len(seqs)])
         seqs = [*seqs, *late.seqs]
-        order = np.argsort(ints[:, 0], kind="stable")
+        order = np.argsort(keys, kind="stable")
         ints, which = ints[order], which[order]
     return rows_table(ints, (_coded_names if coded else _names)(seqs, which), main.hashes, KINDS, coded)
+
+
+def merge_keys(r: Runs, late_steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort keys, never decreasing along `r`'s rows, and the keys of late writes of `late_steps`,
+    by which the late writes merge among the rows.
+
+    Each schedule's ops begin with a mark (`OpLog.set_step`), so the rows fall into stretches, one
+    a schedule, of its step s: first the schedule's rows, of step s (with the sync output, then its
+    output's too), then, with the async output, the output of an earlier batch, applied after the
+    schedule. Stretch j's rows of its own step are keyed 3j and the earlier batch's 3j + 2; a late
+    write of step s goes in the stretch of step s's last schedule (key 3j + 1: an empty schedule
+    precedes its step's real one), as its write would had it been made in its step. A chunk begins
+    at a mark (`OpLog._take`); rows before the first mark form stretch 0."""
+    segs = np.asarray(r.segs, np.int64).reshape(-1, RUN_INTS)
+    steps, marks = segs[:, 0], segs[:, 1] == MARK
+    stretch = np.cumsum(marks)
+    mark_steps = steps[marks]
+    own = np.concatenate([[np.iinfo(np.int64).min], mark_steps])[stretch]  # each run's stretch's step
+    rows = np.repeat(3 * stretch + 2 * (steps < own), segs[:, 2])
+    return rows, 3 * np.searchsorted(mark_steps, late_steps, side="right") + 1
 
 
 def run_rows(r: Runs) -> tuple[np.ndarray, np.ndarray, list[str]]:

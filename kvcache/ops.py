@@ -46,6 +46,7 @@ from kvsim.kvcache.op_files import (  # noqa: F401 (Op and the readers are re-ex
     COLUMNS,
     KINDS,
     LATE_INTS,
+    MARK,
     META,
     OPS_VERSION,
     OPS_WRITE,
@@ -97,9 +98,10 @@ class OpLog:
     streamed to `ops.parquet` and `op_tokens.parquet` in a folder (`stream_to`).
     A chunk is cut when the step advances (`step` is set) past `chunk_rows` rows.
     Late writes (`late_writes`: the lazy decodes of sim.engine.shortcuts) carry a
-    step up to `lag` steps before the current one; rows are ordered by step, a late
-    write of step s after every other row of step s, so rows are final only once
-    they are `lag` steps old.
+    step up to `lag` steps before the current one; rows keep their emission order, a
+    late write of step s merged in where step s's schedule's rows end (with the sync
+    output, after its output's too), so rows are final only once they are `lag`
+    steps old.
     """
 
     def __init__(self, enabled: bool = False, chunk_rows: int | None = None):
@@ -129,11 +131,17 @@ class OpLog:
         self._start = (-1, 0, 0, 0)  # step, and where its rows begin in _segs, _a and _bcp (`emit_transfers`)
         self._done = 0  # rows in chunks or streamed
 
-    def set_step(self, step: int) -> None:
-        """Stamp the ops that follow with `step`; cut a chunk if enough rows are pending."""
+    def set_step(self, step: int, output: bool = False) -> None:
+        """Stamp the ops that follow with `step`; cut a chunk if enough rows are pending. `output`:
+        the ops of a step's output follow, not of a schedule. With late writes to come, a schedule
+        leaves a mark, an empty run where its ops begin, by which `ops_table` and the cuts place the
+        late writes (`merge_keys`)."""
         self.step = step
         if self._rows + 8 * len(self._late_seqs) >= self.chunk_rows:
             self._flush(step - self.lag if self.lag else None)
+        if self.lag and not output:
+            self._segs.extend((step, MARK, 0, SEG_TABLE, 0, 0, 0, 0))
+            self._seqs.append("")
 
     def emit_transfers(self, kind: str, pairs: list[tuple[int, int]], seq: str, at_start: bool = False) -> None:
         """Record `store` or `load` ops of (a, b) pairs for `seq`; `at_start`: ahead of every op this
@@ -364,12 +372,19 @@ class OpLog:
         segs = self._segs
         k = len(segs) // RUN_INTS  # runs before the cut: found from the end (rows after it are few)
         rows, nb, evicts = self._rows, len(self._bcp) // 3, len(self._hashes)  # less the tail's, below
-        while cut is not None and k and segs[RUN_INTS * (k - 1)] >= cut:
+        marks = self.lag > 0  # (late writes to come: the cut falls at the last mark of a step <= cut)
+        while cut is not None and k and (marks or segs[RUN_INTS * (k - 1)] >= cut):
             k -= 1
-            _, code, n, mode = segs[RUN_INTS * k:RUN_INTS * k + 4]
+            step, code, n, mode = segs[RUN_INTS * k:RUN_INTS * k + 4]
             rows -= n
             nb -= n if mode == SEG_EXPLICIT else 0
             evicts -= (1 if mode == SEG_EDGE else n) if code == _EVICT else 0
+            if code == MARK and step <= cut:
+                cut = step  # late writes of steps before it, with the rows before it
+                break
+        else:
+            if marks and cut is not None:
+                cut = -1  # no mark: nothing is final yet
         late = np.array(self._late, dtype=np.int64).reshape(-1, LATE_INTS)
         if consume:  # the lists themselves go, less their tail (rows of the last `lag` steps: few)
             parts = [_split(x, i) for x, i in ((segs, RUN_INTS * k), (self._seqs, k), (self._a, rows),

@@ -108,10 +108,11 @@ class PoolView:
         """True if every op is recorded, not just counted (`record_ops`)."""
         return self.ops.enabled
 
-    def set_step(self, step: int) -> None:
-        """Stamp the ops that follow with engine step `step`."""
+    def set_step(self, step: int, output: bool = False) -> None:
+        """Stamp the ops that follow with engine step `step`; `output`: its output's ops, not its
+        schedule's (where a lazy decode's late write goes: `OpLog.set_step`)."""
         if self.ops.enabled:
-            self.ops.set_step(step)  # may cut a chunk
+            self.ops.set_step(step, output)  # may cut a chunk
         else:
             self.ops.step = step
 

@@ -344,7 +344,7 @@ class Engine:
             if env.peek() <= at(clock):  # arrivals while it ran are queued before its output
                 yield from self.front.upto(at(clock))
             sched.step = step
-            m.set_step(step)
+            m.set_step(step, output=True)
             sched.update(b, at(end))
             if self.kv_events is not None:
                 self._take_events(at(end), step)

@@ -23,7 +23,8 @@
 
 Both are exact: tests/sim/engine/test_engine.py compares every table with the
 switch on and off. With op records, a lazy sequence's writes are recorded when
-it is visited again, stamped with their steps (`KVCacheManager.record_decodes`).
+it is visited again, stamped with their steps (`KVCacheManager.record_decodes`), and the op log
+merges each into its step's schedule (`kvcache.op_files.merge_keys`).
 Lazy decodes stay off where `allocate_slots` does more (a sliding window with one group,
 lookahead slots; `decode_shortcuts`), under priority scheduling and where a step's budget is below
 max_num_seqs. vLLM's hybrid groups keep them where every window is a multiple of the block size:
@@ -34,7 +35,7 @@ blocked-head skip stays off with one group's window; over vLLM's hybrid groups i
 manager's own count of what the head lacks and a watch on its hit (`allocation_deficit`,
 `watch_hit`), with no lookahead slots. The async output takes the blocked head (a head's retry fails
 or not by the manager's state, whichever output mode applies the steps) and, with no lookahead,
-priority, connector or op records, where every window (one group's, or vLLM's hybrid groups') is a
+priority or connector, where every window (one group's, or vLLM's hybrid groups') is a
 sliding one of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
 (`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date.
 """
@@ -183,12 +184,12 @@ class AsyncLazy:
     """
 
     fills = False  # (a block is cached in its step: `LazyDecodes.fills`)
-    record = None  # (no op records: `Shortcuts`)
 
     def __init__(self, block_size: int, last_batch: Callable[[], Batch]):
         self.bs = block_size
         self.last_batch = last_batch  # the batch scheduled last: in flight while the next is chosen
         self.n = 0
+        self.record: Callable[[Lazy, int], None] | None = None  # (live, k): its writes of steps since..k-1
         self._ctx = 0  # sum of (c1 + 1 - since): a lazy one's length after step k is c1 + 1 + k - since
         self._slots = 0  # sum of (blocks * bs - c1 + since - 2): its empty slots after batch j's output
         self.wakes = Wakes()
@@ -209,6 +210,8 @@ class AsyncLazy:
         """Bring `live` up to date before step k's schedule (see the class docstring); not lazy after."""
         c1, blocks = self._c1.pop(id(live))
         since = live.since
+        if self.record is not None and k > since:  # its writes at steps since..k-1, late
+            self.record(live, k)
         self.n -= 1
         self._ctx -= c1 + 1 - since
         self._slots -= blocks * self.bs - c1 + since - 2
@@ -325,17 +328,17 @@ class Shortcuts:
             and not getattr(m, "has_mamba", False)
         self.lazy = LazyDecodes(m.block_size)  # running lives decoding mid-block, not visited
         # the async output (`last_batch`: the scheduler's batch in flight): lazy decodes of its own
-        # (`AsyncLazy`), with no lookahead, priority or op records, where every window is a sliding one
-        # of whole blocks (`async_decode_shortcuts`: it lets go at a block's first slot then, visited).
-        # NOTE: not with op records: under async output a step's ops come in two runs (its schedule's,
-        # then its output's after the next step's schedule), and the op log's late writes are merged
-        # by step, which would reorder those runs; the replay then differs (gemma-3-27b, 2026-11-27)
+        # (`AsyncLazy`), with no lookahead or priority, where every window is a sliding one of whole
+        # blocks (`async_decode_shortcuts`: it lets go at a block's first slot then, visited).
+        # NOTE: with op records a step's ops come in two runs under async output (its schedule's, then
+        # its output's after the next step's schedule); the op log merges a late write into the first
+        # (`set_step`'s marks, `merge_keys`), where merging by step alone would reorder the runs
         self.async_decodes = on and last_batch is not None and decodes_fit and not (lookahead or priority) \
-            and m.async_decode_shortcuts and not m.records_ops and m.defrag is None
+            and m.async_decode_shortcuts and m.defrag is None
         if self.async_decodes:
             self.lazy = AsyncLazy(m.block_size, last_batch)
         self._stamps = [0] * 2 * self.bs  # the manager's number of our step k, at k % (2 bs)
-        self.records = self.decodes and m.records_ops
+        self.records = (self.decodes or self.async_decodes) and m.records_ops
         if self.records:
             self.lazy.record = self._record
             m.keep_late_ops(self.bs)  # late writes: a lazy run lasts at most bs - 1 steps

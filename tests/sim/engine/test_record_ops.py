@@ -41,6 +41,11 @@ CASES = {
     "no-prefix-caching": {"enable_prefix_caching": False},
     "no-chunking": {"enable_chunked_prefill": False, "max_num_batched_tokens": 320, "block_size": 8},
     "fixed-step": {"step_time": 0.05},
+    # the async output's lazy decodes (`AsyncLazy`), recorded late into their steps' schedules
+    "async": {"async_scheduling": True, "parallel_sampling": "fanout"},
+    "async-no-prefix-caching": {"async_scheduling": True, "parallel_sampling": "fanout",
+                                "enable_prefix_caching": False},
+    "async-fixed-step": {"async_scheduling": True, "parallel_sampling": "fanout", "step_time": 0.05},
 }
 
 
@@ -91,18 +96,22 @@ def _late_writes(monkeypatch: pytest.MonkeyPatch, manager_class: type, ends: lis
 
 
 def same_stream(a: list[Op], b: list[Op]) -> None:
-    """Two op streams a replay cannot tell apart: ordered by step, every step the same ops (as a
-    multiset), every block seeing them in the same order."""
-    assert [op.step for op in a] == sorted(op.step for op in a)
-    assert _per_step(a) == _per_step(b)
+    """Two op streams a replay cannot tell apart: the same runs of one step in the same order (a
+    replay's steps: `gpu.replay`), each with the same ops (as a multiset), every block seeing them
+    in the same order. With the async output a step's ops come in two such runs, its schedule's and,
+    after the next step's schedule, its output's: a late write belongs in the first."""
+    assert _step_runs(a) == _step_runs(b)
     assert _per_block(a) == _per_block(b)
 
 
-def _per_step(ops: list[Op]) -> dict[int, Counter]:
-    out: dict[int, Counter] = defaultdict(Counter)
+def _step_runs(ops: list[Op]) -> list[tuple[int, Counter]]:
+    """The stream as maximal runs of one step: (step, its ops as a multiset), in order."""
+    out: list[tuple[int, Counter]] = []
     for op in ops:
-        out[op.step][op] += 1
-    return dict(out)
+        if not out or out[-1][0] != op.step:
+            out.append((op.step, Counter()))
+        out[-1][1][op] += 1
+    return out
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -123,7 +132,7 @@ def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.Monkey
     plain = simulate(_workload(), cfg.replace(record_ops=False))
     assert len(late) == n_late  # nothing late without the shortcuts
     s = fast.summary
-    assert s["preemptions"] > 0 and s["cow_copies"] > 0
+    assert s["preemptions"] > 0 and (s["cow_copies"] > 0) == (cfg.parallel_sampling == "fork")
     if "defrag_threshold" in cfg.to_dict() and cfg.defrag_threshold is not None:
         assert s["defrag_moves"] > 0
     for other in (slow, plain):
@@ -138,10 +147,12 @@ def test_recording_with_shortcuts_gives_the_plain_ops(monkeypatch: pytest.Monkey
     assert all((fast.manager.ops.tokens[k] == v).all() for k, v in slow.manager.ops.tokens.items())
 
 
-def test_streamed_records_equal_the_in_memory_ones(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Streamed in chunks of a few rows (cut at step boundaries, late writes held back) the
-    files hold exactly the in-memory stream, in the same order; tokens keep each sequence's last."""
-    cfg = _cfg(**CASES["defrag+swap"])
+@pytest.mark.parametrize("case", ["defrag+swap", "async"])
+def test_streamed_records_equal_the_in_memory_ones(tmp_path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Streamed in chunks of a few rows (cut at step boundaries, late writes held back; with the
+    async output, at a schedule's mark) the files hold exactly the in-memory stream, in the same
+    order; tokens keep each sequence's last."""
+    cfg = _cfg(**CASES[case])
     whole = simulate(_workload(), cfg)
     monkeypatch.setattr(oplog, "CHUNK_ROWS", 7)
     monkeypatch.setattr(oplog, "TOKEN_CHUNK", 50)
@@ -174,22 +185,24 @@ def _hybrid_workload() -> list:
                          40 + 7 * (i % 4)) for i in range(12)]
 
 
-@pytest.mark.parametrize(("model", "tp", "blocks"), [("gpt-oss-20b", 1, 60), ("qwen3-next-80b-a3b", 4, 12)])
+@pytest.mark.parametrize(("model", "tp", "blocks", "run_async", "preemptions"),
+                         [("gpt-oss-20b", 1, 60, False, 6), ("qwen3-next-80b-a3b", 4, 12, False, 6),
+                          ("gpt-oss-20b", 1, 60, True, 4), ("gemma-3-27b", 2, 180, True, 5)])
 def test_hybrid_groups_record_the_plain_ops_with_shortcuts(monkeypatch: pytest.MonkeyPatch, model: str, tp: int,
-                                                           blocks: int) -> None:
-    """vLLM's hybrid groups (a window of 128 and full attention; Mamba state and full attention):
-    lazy decodes recorded late give every step the same ops, and every block the same order, as
+                                                           blocks: int, run_async: bool, preemptions: int) -> None:
+    """vLLM's hybrid groups (a window of 128 and full attention; Mamba state and full attention;
+    windows of 1024 and full attention), with the sync output and the async: lazy decodes recorded late give every step the same ops, and every block the same order, as
     visiting every sequence; recording changes no table, and the write counts stay one group's."""
     from kvsim.kvcache.hybrid import HybridKVCacheManager
 
     late = _late_writes(monkeypatch, HybridKVCacheManager)
     cfg = SimConfig(model=model, tensor_parallel=tp, num_gpu_blocks=blocks, record_ops=True,
-                    max_num_batched_tokens=256, max_num_seqs=8, async_scheduling=False)
+                    max_num_batched_tokens=256, max_num_seqs=8, async_scheduling=run_async)
     fast = simulate(_hybrid_workload(), cfg)
     assert sum(late) > 50 and max(late) > 1
     slow = simulate(_hybrid_workload(), cfg.replace(shortcuts=False))
     plain = simulate(_hybrid_workload(), cfg.replace(record_ops=False))
-    assert fast.summary["preemptions"] == 6 and fast.manager.num_groups > 1
+    assert fast.summary["preemptions"] == preemptions and fast.manager.num_groups > 1
     for other in (slow, plain):
         pd.testing.assert_frame_equal(fast.steps, other.steps)
         pd.testing.assert_frame_equal(fast.requests, other.requests)
