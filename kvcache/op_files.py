@@ -30,9 +30,9 @@ SEG_PLAIN = 0  # b, c, pos all -1 (free, evict)
 SEG_TABLE = 1  # b = p + i (the i-th row of the run); c, pos -1
 SEG_SPAN = 2  # writes of positions [p, q) in blocks of r slots, a block a row: slots and positions follow
 SEG_EXPLICIT = 3  # b, c, pos kept a row
-MARK = -1  # the kind code of an empty run marking where a step's schedule begins (`OpLog.set_step`)
 SEG_EDGE = 4  # a decode token's new block: [its eviction (no sequence),] its table entry q, the write of
 #              position p (r slots a block): 2 or 3 rows of one block, their kinds by their place
+MARK = -1  # the kind code of an empty run marking where a step's schedule begins (`OpLog.set_step`)
 
 
 class Runs(NamedTuple):

@@ -114,6 +114,46 @@ def test_transfers_at_the_step_start_go_ahead_of_the_step_s_ops(tmp_path):
     assert read_ops(tmp_path / "ops.parquet") == ops
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 1])
+def test_a_late_write_goes_where_its_steps_last_schedule_ends(tmp_path, chunk_rows):
+    """Under async output a step's ops come in two runs: its schedule's, then, after the next step's
+    schedule, its output's. A lazy decode's writes, recorded steps later, go at the end of their
+    step's last schedule (an empty schedule of step 1 precedes its real one), ahead of the output of
+    the step before; rows otherwise keep the order they were emitted in (sim.engine.loop's async
+    output, sim.engine.shortcuts.AsyncLazy). Streamed a row a chunk, the files hold the same."""
+    from kvsim.kvcache.ops import OpLog
+
+    for streamed in (False, True):
+        log = OpLog(enabled=True, chunk_rows=chunk_rows)
+        log.lag = 4
+        if streamed:
+            log.stream_to(tmp_path)
+        log.set_step(0)
+        log.emit("free", 1)  # step 0's schedule
+        log.set_step(1)  # step 1's schedule, empty: the batch runs no forward
+        log.set_step(0, output=True)
+        log.emit("free", 2)  # step 0's output
+        log.set_step(1)  # step 1's schedule again, with a forward
+        log.emit("free", 3)
+        log.set_step(2)
+        log.emit("free", 4)
+        log.set_step(1, output=True)
+        log.emit("free", 5)
+        log.late_writes("s", 7, 1, 2, 3, 19)  # writes at steps 1 and 2, slots 3 and 4, positions 19 and 20
+        for step in range(3, 9):
+            log.set_step(step)
+        if streamed:
+            log.finish()
+            log.save(tmp_path)
+            ops = read_ops(tmp_path / "ops.parquet")
+        else:
+            ops = log.records()
+        assert [(o.step, o.kind, o.a, o.b, o.pos) for o in ops] == [
+            (0, "free", 1, -1, -1), (0, "free", 2, -1, -1), (1, "free", 3, -1, -1), (1, "write", 7, 3, 19),
+            (2, "free", 4, -1, -1), (2, "write", 7, 4, 20), (1, "free", 5, -1, -1),
+        ]
+
+
 def test_a_forks_ids_run_by_its_lineage():
     """Hand-worked: a parent (uid 2) with prompt [5, 6] and known output [8] decodes 2 tokens (positions
     3, 4 unique under uid 2); a fork (uid 7) at 5 tokens decodes 2 more (positions 5, 6 under uid 7)."""
