@@ -30,7 +30,8 @@ alternated run by run: each router's median wall and its ratio to round-robin's.
 
 Every `kvsim run` runs kvsim's default scheduler, async as `vllm serve` 0.33's (since 2026-11-27),
 or with `--sync` vLLM's step-by-step one (`--no-async-scheduling`), in which the figures before
-that date were taken; a P/D cluster runs sync, so the aggregated cluster it is set against does too.
+that date were taken (a P/D cluster, and the aggregated cluster it is set against, ran sync until
+the P/D cluster ran async too, the day after).
 
 Each case is the median of `--runs` whole processes (the tiled case runs once
 unless asked for more); peak memory is the child's own maximum resident set.
@@ -221,7 +222,7 @@ def pd(mooncake: Path, runs: int, sha: str) -> None:
             dst.writelines(itertools.islice(src, PD_REQUESTS))
         common = ["run", str(trace), "--no-plots", "--router", "round-robin"]
         argv = {"P/D 2+2": [*common, "--prefill-replicas", "2", "--decode-replicas", "2", "--pd-decider", "always"],
-                "aggregated 4": [*common, "--replicas", "4", "--no-async-scheduling"]}  # as the P/D pools run
+                "aggregated 4": [*common, "--replicas", "4"]}
         walls, _, cpus = alternated(argv, runs, tmp)
         per_user = statistics.median(cpus["P/D 2+2"]) / statistics.median(cpus["aggregated 4"])
         print(json.dumps({"case": "pd", "commit": sha, "commands": {k: " ".join(["kvsim", *v, *MODE]) for k, v in argv.items()},

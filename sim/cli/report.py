@@ -196,8 +196,8 @@ def pd_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"{summary['workload']} ({s['requests']:,} requests) on {summary['model']}: "
              + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
                           "blocks)" for name, p in s["pools"].items())
-             + f" replicas, router {s['router']}, decider {s['decider']}{link}, sync scheduling"
-             " (kvsim models a P/D cluster's pools under vLLM's step-by-step scheduler; `vllm serve` runs them async)",
+             + f" replicas, router {s['router']}, decider {s['decider']}{link}, "
+             + ("async scheduling" if s.get("async_scheduling", False) else "sync scheduling"),
              f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
              f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
              f"p99 {ms(s['tpot_p99'])}",

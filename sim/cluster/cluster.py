@@ -81,11 +81,41 @@ class ReplicaFront:
         self.admit = admit
         self._wake: simpy.Event | None = None
         self._poked_at = 0.0  # the latest clock a poke came from
+        self._held: list[tuple[Request, float]] | None = None  # hand-offs while the engine waits `ahead`
 
     def hand(self, req: Request) -> None:
-        """The router picked this replica for `req`: it reaches the engine now."""
+        """The router picked this replica for `req`: it reaches the engine now (held, with its time,
+        while the engine waits for its next schedule: `ahead`)."""
+        if self._held is not None:
+            self._held.append((req, self.env.now))
+            return
         self.admit(req)
         self.poke()
+
+    @property
+    def held(self) -> int:
+        """Hand-offs waiting for the engine's schedule (`ahead`)."""
+        return len(self._held) if self._held is not None else 0
+
+    def ahead(self, t: float):
+        """Under async output, before a schedule at `t` ahead of SimPy's clock (the start of a batch that
+        waits for the one in flight): in a P/D cluster, whose replicas poll and post reads on one shared
+        link, let every normal event before or at `t` happen first (another replica's read that starts
+        meanwhile moves this one's end), holding this replica's hand-offs meanwhile: the schedule was
+        chosen before they came (vLLM's engine schedules the next batch while the last runs), so they
+        reach the engine after it (`release`), at their own times, as a lone engine takes them. A
+        cluster without a link runs ahead as a lone engine does (a SimPy generator: `yield from`)."""
+        env = self.env
+        if not getattr(self.cluster, "pokes_idle", False) or env.peek() > t:
+            return
+        self._held = []
+        yield _Late(env, t - env.now)
+
+    def release(self) -> None:
+        """The schedule `ahead` waited for is chosen: the hand-offs held meanwhile reach the engine."""
+        held, self._held = self._held, None
+        for req, t in held or ():
+            self.admit(req, t)
 
     def poke(self, at: float | None = None) -> None:
         """Wake the engine if it sleeps on `wait()` or `idle_wait()`; `at`: the poker's clock, which

@@ -269,14 +269,18 @@ class PDCluster:
         return max(overlaps, default=0) * self.cfg.block_size
 
     def _hand(self, replica: int, req: Request) -> None:
-        self.paths[req.id].rows[replica] = len(self.engines[replica].requests.ids)
-        self.inlets[replica].hand(req)
+        inlet = self.inlets[replica]
+        self.paths[req.id].rows[replica] = len(self.engines[replica].requests.ids) + inlet.held
+        inlet.hand(req)
 
     def _prefilled(self, rid: str) -> bool:
         """Whether the request's first token is out by now on the replica running it last."""
         path = self.paths[rid]
         replica = path.decode if path.decode >= 0 and path.decode in path.rows else path.prefill
-        t = self.engines[replica].requests.first_token[path.rows[replica]]
+        log, row = self.engines[replica].requests, path.rows[replica]
+        if row >= len(log.ids):  # held until its replica's schedule (`ReplicaFront.ahead`): none yet
+            return False
+        t = log.first_token[row]
         return t == t and t <= self.env.now
 
     # ------------------------------------------------------------- leaving
@@ -397,6 +401,7 @@ def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict
                                      for name, c, r in (("prefill", cfg.pool_config("prefill"), replicas[0]),
                                                         ("decode", cfg.pool_config("decode"), replicas[-1]))},
                            "router": cfg.router, "decider": cfg.pd_decider, "link_gbps": cfg.kv_transfer_gbps,
+                           "async_scheduling": cfg.runs_async,
                            "requests": len(paths),
                            "finished": int(done.sum()), "remote": int(paths["remote"].sum())}
     for col in ("ttft", "tpot", "prefill_queue", "prefill", "decode_queue", "transfer", "promotion", "hold"):

@@ -515,13 +515,13 @@ class SimConfig:
         for bad, why in ((self.replicas > 1, "replicas (an aggregated cluster)"),
                          (self.kv_transfer_role is not None, "kv_transfer_role (a lone replica's role)"),
                          (self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
-                         (self.async_scheduling, "async_scheduling"), (self.preemption != "recompute", "swap preemption"),
+                         (self.preemption != "recompute", "swap preemption"),
                          (self.record_ops, "record_ops"), (self.kv_events, "kv_events"),
                          (self.parallel_sampling != "fanout", "parallel_sampling 'fork'"),
                          (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:
                 raise ConfigError(f"prefill_replicas cannot be combined with {why}: kvsim models a P/D cluster of "
-                                  "vLLM 0.33 replicas with the NIXL connector, sync scheduling and recompute preemption")
+                                  "vLLM 0.33 replicas with the NIXL connector and recompute preemption")
         if self.prefill_pool or self.decode_pool:
             from kvsim.sim.engine.nixl_tp import check_tp_pair
 
@@ -576,12 +576,11 @@ class SimConfig:
         vLLM 0.33 makes of its `None` (`VllmConfig.__post_init__`, vllm/config/vllm.py: on, unless
         pipeline parallelism, a pooling model or a speculative method it cannot overlap). kvsim keeps
         the step-by-step scheduler where it models no async one: another release's rules, swap
-        preemption or forked samples (vLLM v0's), lookahead slots, and a P/D cluster."""
+        preemption or forked samples (vLLM v0's), and lookahead slots."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return not (profile(self.vllm_version).version != "0.33" or self.preemption != "recompute"
-                    or self.parallel_sampling != "fanout" or self.num_lookahead_tokens
-                    or self.prefill_replicas or self.decode_replicas)
+                    or self.parallel_sampling != "fanout" or self.num_lookahead_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

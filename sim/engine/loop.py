@@ -173,10 +173,12 @@ class Engine:
         self.process = env.process(self._steps())
 
     # ------------------------------------------------------------- arrivals
-    def admit(self, req: Request) -> None:
-        """The request reaches the engine now (the front end's hand-off)."""
-        self.sched.add(req, self.env.now)
-        self._drain_done(self.env.now)
+    def admit(self, req: Request, now: float | None = None) -> None:
+        """The request reaches the engine now, or at `now` (a hand-off its front end held while the
+        engine waited for its step's start: `ReplicaFront.ahead`)."""
+        now = self.env.now if now is None else now
+        self.sched.add(req, now)
+        self._drain_done(now)
 
     def _drain_done(self, now: float) -> int:
         done = self.sched.done
@@ -230,7 +232,9 @@ class Engine:
           one empty step while no batch is in flight;
         - a sync batch that only preempted still takes a step (its swaps are charged); sync stops
           when no request is left (`has_work`), async also steps for finished ones (`has_requests`);
-        - only sync takes quiet runs of decode-only steps (`sim.engine.quiet`).
+        - only sync takes quiet runs of decode-only steps (`sim.engine.quiet`);
+        - async chooses a batch at its start, which may lie ahead of SimPy's clock: a P/D cluster's
+          replica first lets the other replicas reach it (`ReplicaFront.ahead`: they share a link).
         Mirrored over vLLM's own scheduler by `sim.conform.vllm_timed`.
         """
         env, m, sched, cost, cfg = self.env, self.m, self.sched, self.cost, self.cfg
@@ -246,6 +250,10 @@ class Engine:
         busy = sched.has_work if sync else sched.has_requests
         quiet = QuietRuns.build(cfg, sched, env, cost, self.steps, self._drain_done, usage,
                                 self._take_events if self.kv_events is not None else None)
+        # a P/D cluster's replica under async output: the step's schedule polls the shared link at the
+        # batch's start, ahead of the clock, so it first lets every other replica reach that time
+        # (`ReplicaFront.ahead`: its own hand-offs meanwhile wait for the schedule, as they would)
+        ahead = None if sync else getattr(self.front, "ahead", None)
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x
@@ -283,7 +291,12 @@ class Engine:
                 m.set_step(step)
                 if defrag:  # NOTE: lazy decodes' writes are recorded before blocks move
                     m.defragment(sched.materialize if m.records_ops else None)
-                b = sched.schedule(at(start))
+                if ahead is not None and at(start) > env.now:
+                    yield from ahead(at(start))
+                    b = sched.schedule(at(start))
+                    self.front.release()
+                else:
+                    b = sched.schedule(at(start))
                 dropped = self._drain_done(at(start)) if sched.done else 0
                 if b.decode_tokens:
                     churn = 0

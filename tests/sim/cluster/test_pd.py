@@ -36,7 +36,9 @@ def _cfg(**kw) -> SimConfig:
 
 
 def test_one_requests_path_through_both_pools_by_hand():
-    r = simulate_pd(_workload([0.0, 0.01, 0.02]), _cfg())
+    # (worked for the sync scheduler; test_a_decode_replica_reading_alone_is_the_lone_decode_side
+    # checks the async one's decode replica against the lone decode side, which conforms to vLLM)
+    r = simulate_pd(_workload([0.0, 0.01, 0.02]), _cfg(async_scheduling=False))
     p = r.paths.set_index("id")
     prefill_steps = r.replicas[0].steps
     decode_steps = r.replicas[1].steps
@@ -76,7 +78,8 @@ def test_a_hybrid_requests_read_is_each_groups_blocks_past_the_hit_by_hand():
     # = 9 (vLLM's get_unhashed_block_ids_all_groups, clipped to cdiv(128, 16) + 1 = 9 by
     # get_exchange_clipped_blocks): 72 blocks, each read across all 12 layers
     block = 12 * 8 * 64 * 2 * 2 * 16
-    cfg = SimConfig(model="gpt-oss-20b", block_size=16, num_gpu_blocks=400, prefill_replicas=1, decode_replicas=1)
+    cfg = SimConfig(model="gpt-oss-20b", block_size=16, num_gpu_blocks=400, prefill_replicas=1, decode_replicas=1,
+                    async_scheduling=False)  # (its release worked for the sync scheduler)
     r = simulate_pd(_workload([0.0], prompt=1000), cfg.validate())
     p = r.paths.set_index("id")
     assert p.at["r0", "read_bytes"] == 72 * block == r.summary["pd"]["read_bytes"]
@@ -125,11 +128,16 @@ def test_never_disaggregating_is_the_aggregated_cluster_of_the_decode_pool():
     wl = lambda: _workload(sorted(rng.uniform(0, 0.5, 40)), prompts)  # noqa: E731
     arrivals_wl = wl()
     reqs = list(arrivals_wl)
-    # (sync, as kvsim runs a P/D cluster: the aggregated cluster would default to async scheduling)
-    agg = simulate_cluster(Workload.from_list(reqs), SimConfig(model="llama-3-8b", block_size=16, num_gpu_blocks=64,
-                                                               replicas=2, router="round-robin",
-                                                               async_scheduling=False).validate())
-    pdr = simulate_pd(Workload.from_list(reqs), _cfg(decode_replicas=2, pd_decider="never"))
+    for run_async in (False, True):
+        agg = simulate_cluster(Workload.from_list(reqs), SimConfig(
+            model="llama-3-8b", block_size=16, num_gpu_blocks=64, replicas=2, router="round-robin",
+            async_scheduling=run_async).validate())
+        pdr = simulate_pd(Workload.from_list(reqs), _cfg(decode_replicas=2, pd_decider="never",
+                                                         async_scheduling=run_async))
+        _same_decode_pool(agg, pdr)
+
+
+def _same_decode_pool(agg, pdr) -> None:
     assert not pdr.paths["remote"].any()
     cols = ["id", "arrival", "first_scheduled", "first_token", "finish", "hit_tokens", "output_tokens", "status"]
     for i in range(2):
@@ -155,7 +163,7 @@ def test_llmd_decider_keeps_prompts_the_decode_replica_holds_local():
     ({"prefill_replicas": 1, "decode_replicas": 0}, "needs both pools"),
     ({"pd_decider": "maybe"}, "pd_decider must be"),
     ({"replicas": 2}, "replicas"),
-    ({"async_scheduling": True}, "async_scheduling"),
+    ({"preemption": "swap", "num_cpu_blocks": 8}, "swap preemption"),
     ({"prefill_replicas": -1}, "prefill_replicas must be"),
 ])
 def test_bad_pd_settings_are_refused_in_one_line(kw, field):
@@ -209,12 +217,13 @@ def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
     assert bad.exit_code != 0 and "needs both pools" in bad.output and not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("router, decider", [("llm-d", "always"), ("llm-d", "llm-d"), ("dynamo", "dynamo"),
-                                             ("round-robin", "always")])
-def test_the_speed_shortcuts_change_nothing(router, decider, monkeypatch):
+@pytest.mark.parametrize("router, decider, run_async", [("llm-d", "always", False), ("llm-d", "llm-d", False),
+                                                        ("dynamo", "dynamo", False), ("round-robin", "always", False),
+                                                        ("llm-d", "llm-d", True), ("dynamo", "dynamo", True)])
+def test_the_speed_shortcuts_change_nothing(router, decider, run_async, monkeypatch):
     """Lazy decodes, the blocked head and quiet runs stay on with the NIXL connector (quiet runs beside
-    reads in flight too, each stopping before a step whose poll could see one done): every request's
-    way is the same with them off."""
+    reads in flight too, each stopping before a step whose poll could see one done; the async output
+    takes no quiet runs): every request's way is the same with them off."""
     from kvsim.sim.engine.quiet import QuietRuns
 
     beside = []  # quiet runs that began while their connector had reads or holds in flight
@@ -232,12 +241,13 @@ def test_the_speed_shortcuts_change_nothing(router, decider, monkeypatch):
     arrivals = sorted(rng.uniform(0, 0.4, 60))
     runs = [simulate_pd(_workload(arrivals, prompts, output=int(o)), _cfg(decode_replicas=2, num_gpu_blocks=48,
                                                                          router=router, pd_decider=decider,
-                                                                         shortcuts=on))
+                                                                         shortcuts=on, async_scheduling=run_async))
             for on, o in ((True, 40), (False, 40))]
     cols = [c for c in runs[0].paths.columns if c != "cached_tokens"]
     assert runs[0].paths[cols].equals(runs[1].paths[cols])
     assert runs[0].paths["status"].eq("finished").all()
-    assert sum(beside) > 0  # the path under test was taken (Dynamo's replicas too: KV events keep them)
+    # the path under test was taken (Dynamo's replicas too: KV events keep them)
+    assert (sum(beside) > 0) if not run_async else not beside
 
 
 def test_dynamo_decides_from_the_hottest_decode_overlap_and_picks_decode_after_the_prefill():
@@ -278,3 +288,64 @@ def test_dynamo_load_keeps_a_prompt_local_while_its_prefill_replica_is_busy():
     # with no threshold there is no signal: calm, every prompt remote
     calm = simulate_pd(_workload([0.0, 0.0, 1.0]), cfg.replace(pd_busy_threshold=None))
     assert calm.paths["remote"].tolist() == [True, True, True]
+
+
+@pytest.mark.parametrize("run_async", [False, True])
+def test_a_decode_replica_reading_alone_is_the_lone_decode_side(run_async):
+    """A decode replica whose reads never share the link is a lone decode side (`kv_transfer_role`
+    "decode", which `kvsim conform --pd` checks against vLLM's NixlConnector) given each request when
+    its prefill replica finished it: every request's schedule, first token and finish the same, with
+    the sync output and the async (whose schedules poll the link at their batch's start, once every
+    other replica has reached it: `ReplicaFront.ahead`)."""
+    from kvsim.sim.engine.run import simulate
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 50, int(n), dtype=np.int32) for n in rng.integers(40, 400, 24)]
+    arrivals = [0.05 * i for i in range(24)]  # one read at a time: a read takes under 5 ms
+    cfg = _cfg(num_gpu_blocks=400, async_scheduling=run_async)
+    r = simulate_pd(_workload(arrivals, prompts, output=30), cfg)
+    p = r.paths.set_index("id")
+    assert p["remote"].all() and p["status"].eq("finished").all()
+    assert ((p["read_end"] - p["read_post"]) < 0.005).all()
+    assert (p["read_post"].iloc[1:].to_numpy() > p["read_end"].iloc[:-1].to_numpy()).all()  # never together
+    reached = [Request(id=f"r{i}", arrival=float(p.at[f"r{i}", "prefill_done"]), prompt_len=len(prompts[i]),
+                       output_len=30, _prompt=prompts[i]) for i in range(24)]
+    lone = simulate(Workload.from_list(reached), SimConfig(model="llama-3-8b", block_size=16, num_gpu_blocks=400,
+                                                           kv_transfer_role="decode",
+                                                           async_scheduling=run_async).validate())
+    cols = ["id", "arrival", "first_scheduled", "first_token", "finish", "hit_tokens", "output_tokens", "status"]
+    assert lone.requests[cols].equals(r.replicas[1].requests[cols])
+    assert lone.steps.equals(r.replicas[1].steps)
+
+
+def test_async_replicas_ask_the_link_only_once_every_earlier_event_happened(monkeypatch):
+    """Under async output a replica schedules its next batch at that batch's start, ahead of SimPy's
+    clock, and its schedule polls and posts reads on the shared link; a read another replica starts
+    before then moves this one's end, so it first lets every event before that start happen
+    (`ReplicaFront.ahead`). Without that wait this cluster asks the link about a time and then starts a
+    read before it ("read ... starts ... before the link's time"). Deterministic, every request done."""
+    from kvsim.sim.cluster import pd as pd_module
+
+    early = []
+    transport = pd_module.ClusterTransport
+    post, read_end, release_at = transport.post, transport.read_end, transport.release_at
+
+    def watched(f, t_arg):
+        def call(self, *a):
+            early.append(self.pd.env.peek() < a[t_arg])  # an event still due before the time asked about
+            return f(self, *a)
+        return call
+
+    monkeypatch.setattr(transport, "post", watched(post, 3))
+    monkeypatch.setattr(transport, "read_end", watched(read_end, 1))
+    monkeypatch.setattr(transport, "release_at", watched(release_at, 4))
+    rng = np.random.default_rng(11)
+    shared = rng.integers(0, 50, 64, dtype=np.int32)
+    prompts = [np.concatenate([shared, rng.integers(0, 50, int(n), dtype=np.int32)]) for n in rng.integers(10, 200, 200)]
+    arrivals = sorted(rng.uniform(0, 0.4, 200))
+    cfg = _cfg(prefill_replicas=2, decode_replicas=2, num_gpu_blocks=48, router="round-robin", pd_decider="always")
+    assert cfg.runs_async
+    runs = [simulate_pd(_workload(arrivals, prompts, output=40), cfg) for _ in range(2)]
+    assert runs[0].paths.equals(runs[1].paths)
+    assert runs[0].paths["status"].eq("finished").all() and runs[0].paths["remote"].all()
+    assert len(early) > 1000 and not any(early)

@@ -30,6 +30,7 @@ def test_none_resolves_to_async_as_vllm_serve_does():
     # a KV connector does not turn it off: offloading's, and a lone NIXL side's (P/D disaggregation)
     assert SimConfig(kv_offloading_size=1.0).runs_async is True
     assert SimConfig(kv_transfer_role="decode").runs_async is True
+    assert SimConfig(prefill_replicas=1, decode_replicas=1).runs_async is True  # a P/D cluster's replicas too
     assert SimConfig(async_scheduling=False).runs_async is False
     assert SimConfig(async_scheduling=True).runs_async is True
 
@@ -39,7 +40,6 @@ def test_none_resolves_to_async_as_vllm_serve_does():
     {"preemption": "swap", "num_cpu_blocks": 64},  # vLLM v0's swap
     {"parallel_sampling": "fork"},  # vLLM v0's forked samples
     {"num_lookahead_tokens": 2},  # lookahead slots: kvsim models them under sync only
-    {"prefill_replicas": 1, "decode_replicas": 1},  # a P/D cluster: kvsim models its pools sync
 ])
 def test_none_keeps_sync_where_kvsim_models_only_sync(changes):
     cfg = SimConfig(**changes).validate()
@@ -56,8 +56,6 @@ def test_the_mode_is_a_flag_or_none(value):
 def test_asking_async_where_kvsim_models_only_sync_is_refused():
     with pytest.raises(ConfigError, match="async_scheduling needs preemption='recompute'"):
         SimConfig(async_scheduling=True, preemption="swap", num_cpu_blocks=64).validate()
-    with pytest.raises(ConfigError, match="prefill_replicas cannot be combined with async_scheduling"):
-        SimConfig(async_scheduling=True, prefill_replicas=1, decode_replicas=1).validate()
 
 
 def test_the_default_run_is_the_async_run():

@@ -137,20 +137,20 @@ def test_bad_settings_are_refused_in_one_line(kw, field):
     assert "\n" not in str(e.value)
 
 
-def test_a_lone_side_runs_async_as_vllm_serve_does_and_a_pd_cluster_stays_sync():
+def test_a_lone_side_and_a_pd_cluster_run_async_as_vllm_serve_does():
     """vLLM 0.33 vllm/config/vllm.py `VllmConfig.__post_init__`: async_scheduling None resolves to
     True unless a pooling model, an executor without it, ROCm DeepEP high-throughput DBO or the V1
     runner's incompatibilities (pipeline parallelism, some speculative methods); a KV connector
     (kv_transfer_config) is not among them, so a lone NIXL side runs vllm/v1/core/sched/async_scheduler.py
-    `AsyncScheduler` by default, and takes async_scheduling=True. kvsim's P/D cluster stays sync."""
+    `AsyncScheduler` by default, and takes async_scheduling=True; so do a P/D cluster's replicas."""
     for role in ("decode", "prefill"):
         assert SimConfig(kv_transfer_role=role).runs_async is True
         assert SimConfig(kv_transfer_role=role, async_scheduling=False).runs_async is False
     SimConfig(kv_transfer_role="prefill", async_scheduling=True).validate()
     SimConfig(kv_transfer_role="decode", async_scheduling=True).validate()
-    assert SimConfig(prefill_replicas=1, decode_replicas=1).runs_async is False
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        SimConfig(prefill_replicas=1, decode_replicas=1, async_scheduling=True).validate()
+    assert SimConfig(prefill_replicas=1, decode_replicas=1).runs_async is True
+    SimConfig(prefill_replicas=1, decode_replicas=1, async_scheduling=True).validate()
+    assert SimConfig(prefill_replicas=1, decode_replicas=1, async_scheduling=False).runs_async is False
 
 
 def _gpt_oss(role: str, arrivals: list[float], **kw):
