@@ -31,8 +31,8 @@ def _workload(arrivals, prompts=None, prompt=100, output=5) -> Workload:
 
 
 def _cfg(**kw) -> SimConfig:
-    return SimConfig(model="llama-3-8b", block_size=16, **({"num_gpu_blocks": 64, "prefill_replicas": 1,
-                                                            "decode_replicas": 1} | kw)).validate()
+    return SimConfig(block_size=16, **({"model": "llama-3-8b", "num_gpu_blocks": 64, "prefill_replicas": 1,
+                                        "decode_replicas": 1} | kw)).validate()
 
 
 def test_one_requests_path_through_both_pools_by_hand():
@@ -290,8 +290,9 @@ def test_dynamo_load_keeps_a_prompt_local_while_its_prefill_replica_is_busy():
     assert calm.paths["remote"].tolist() == [True, True, True]
 
 
-@pytest.mark.parametrize("run_async", [False, True])
-def test_a_decode_replica_reading_alone_is_the_lone_decode_side(run_async):
+@pytest.mark.parametrize("run_async, model, tp", [(False, "llama-3-8b", 1), (True, "llama-3-8b", 1),
+                                                  (True, "gpt-oss-20b", 1), (True, "qwen3-next-80b-a3b", 4)])
+def test_a_decode_replica_reading_alone_is_the_lone_decode_side(run_async, model, tp):
     """A decode replica whose reads never share the link is a lone decode side (`kv_transfer_role`
     "decode", which `kvsim conform --pd` checks against vLLM's NixlConnector) given each request when
     its prefill replica finished it: every request's schedule, first token and finish the same, with
@@ -302,7 +303,7 @@ def test_a_decode_replica_reading_alone_is_the_lone_decode_side(run_async):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 50, int(n), dtype=np.int32) for n in rng.integers(40, 400, 24)]
     arrivals = [0.05 * i for i in range(24)]  # one read at a time: a read takes under 5 ms
-    cfg = _cfg(num_gpu_blocks=400, async_scheduling=run_async)
+    cfg = _cfg(model=model, tensor_parallel=tp, num_gpu_blocks=400, async_scheduling=run_async)
     r = simulate_pd(_workload(arrivals, prompts, output=30), cfg)
     p = r.paths.set_index("id")
     assert p["remote"].all() and p["status"].eq("finished").all()
@@ -310,8 +311,8 @@ def test_a_decode_replica_reading_alone_is_the_lone_decode_side(run_async):
     assert (p["read_post"].iloc[1:].to_numpy() > p["read_end"].iloc[:-1].to_numpy()).all()  # never together
     reached = [Request(id=f"r{i}", arrival=float(p.at[f"r{i}", "prefill_done"]), prompt_len=len(prompts[i]),
                        output_len=30, _prompt=prompts[i]) for i in range(24)]
-    lone = simulate(Workload.from_list(reached), SimConfig(model="llama-3-8b", block_size=16, num_gpu_blocks=400,
-                                                           kv_transfer_role="decode",
+    lone = simulate(Workload.from_list(reached), SimConfig(model=model, tensor_parallel=tp, block_size=16,
+                                                           num_gpu_blocks=400, kv_transfer_role="decode",
                                                            async_scheduling=run_async).validate())
     cols = ["id", "arrival", "first_scheduled", "first_token", "finish", "hit_tokens", "output_tokens", "status"]
     assert lone.requests[cols].equals(r.replicas[1].requests[cols])
