@@ -168,6 +168,25 @@ def cluster_table(section: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cluster_head(result: Any, block_size: int) -> str:
+    """What a cluster run simulated (`result`: a `ClusterResult`, or one read back from its folder):
+    workload, replicas and what they run on (each group where they differ), blocks of `block_size`
+    tokens, eviction policy, scheduler mode."""
+    cfg, section = result.config, result.summary["cluster"]
+    requests = f"{result.workload} ({section['overall']['requests']:,} requests)"
+    if cfg.replica_pools:  # replicas that differ: each group's GPU, TP and blocks
+        groups: dict[tuple, int] = {}
+        for r in result.replicas:
+            key = (r.config.gpu, r.config.tensor_parallel, int(r.summary["num_gpu_blocks"]))
+            groups[key] = groups.get(key, 0) + 1
+        fleet = ", ".join(f"{n} on {g} x{tp} ({b:,} blocks)" for (g, tp, b), n in groups.items())
+        return (f"{requests}: {cfg.replicas} replicas of {cfg.model}: {fleet}; blocks of {block_size} tokens, "
+                f"eviction {cfg.eviction}, {scheduling(cfg)}")
+    blocks = int(result.replicas[0].summary["num_gpu_blocks"])
+    return (f"{requests}: {cfg.replicas} replicas of {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, KV cache "
+            f"{blocks:,} blocks x {block_size} tokens each, eviction {cfg.eviction}, {scheduling(cfg)}")
+
+
 def _replica_label(i: int, figures: dict[str, Any]) -> str:
     """Replica i, with what it runs on where a cluster's replicas differ (`replica_pools`)."""
     return f"{i} ({figures['pool']})" if "pool" in figures else str(i)
@@ -317,9 +336,21 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="a run folder written by `kvsim run`")],
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="regenerate the PNG plots")] = True,
 ) -> None:
-    """Print a run's summary table and regenerate its plots (a P/D run's figures and pd.png)."""
+    """Print a run's summary table and regenerate its plots (a cluster's table and cluster.png, a
+    P/D run's figures and pd.png)."""
+    from kvsim.sim.studies import cluster_folder
     from kvsim.sim.studies.pd_folder import PLOT, is_pd_folder, load_pd, plot_pd
 
+    if cluster_folder.is_cluster_folder(run_dir):
+        try:
+            run = cluster_folder.load_cluster(run_dir)
+        except (OSError, ValueError) as e:
+            raise fail(str(e)) from None
+        typer.echo(cluster_head(run, run.replicas[0].config.block_size) + "\n" + cluster_table(run.summary["cluster"]))
+        if plots:
+            cluster_folder.plot_cluster(run, run_dir / cluster_folder.PLOT)
+            typer.echo(f"wrote {run_dir / cluster_folder.PLOT}")
+        return
     if is_pd_folder(run_dir):
         try:
             pd_run = load_pd(run_dir)

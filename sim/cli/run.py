@@ -435,7 +435,7 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     """`kvsim run --replicas N`: simulate the cluster, write its folder, print its table; with
     `kv_events`, every replica's KV-event batches into that file, in the order (ts, replica, step);
     replicas that never interact run apart in `workers` processes (0: one per CPU)."""
-    from kvsim.sim.cli.report import cluster_table, scheduling
+    from kvsim.sim.cli.report import cluster_head, cluster_table
     from kvsim.sim.cluster.run import simulate_cluster
     from kvsim.sim.studies.cluster_folder import PLOT, write_cluster
     from kvsim.sim.studies.run_folder import run_scratch
@@ -452,19 +452,7 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
         except OSError as e:
             raise cannot_write(out_dir, e) from None
     section = result.summary["cluster"]
-    if cfg.replica_pools:  # replicas that differ: each group's GPU, TP and blocks
-        groups: dict[tuple, int] = {}
-        for r in result.replicas:
-            key = (r.config.gpu, r.config.tensor_parallel, int(r.summary["num_gpu_blocks"]))
-            groups[key] = groups.get(key, 0) + 1
-        fleet = ", ".join(f"{n} on {g} x{tp} ({b:,} blocks)" for (g, tp, b), n in groups.items())
-        head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model}: "
-                f"{fleet}; blocks of {cost.block_size} tokens, eviction {cfg.eviction}, {scheduling(cfg)}")
-    else:
-        blocks = int(result.replicas[0].summary["num_gpu_blocks"])
-        head = (f"{result.workload} ({section['overall']['requests']:,} requests): {cfg.replicas} replicas of {cfg.model} "
-                f"on {cfg.gpu} x{cfg.tensor_parallel}, KV cache {blocks:,} blocks x {cost.block_size} tokens each, "
-                f"eviction {cfg.eviction}, {scheduling(cfg)}")
+    head = cluster_head(result, cost.block_size)
     lines = [head, cluster_table(section),
              "", f"run folder: {out_dir} (replica-<i>/: each replica's run folder; received.parquet: the requests "
              "each replica received)"]

@@ -6,14 +6,16 @@ The folder holds `config.json`, `summary.json` (its `cluster` section: `sim.clus
 replica's in-flight requests from each change on), `cluster.png`, and `replica-<i>/`, each a run
 folder as `kvsim run` writes one (`write_run`, without plots: `kvsim report` draws them). The result
 is read by its attributes (`sim.cluster.run.ClusterResult`), so this layer does not import it.
-Read back: the cluster section (`kvsim compare`), and one replica alone, its received requests and
-the config it replays under (`kvsim conform --cluster-run`).
+Read back: the whole run (`load_cluster`: `kvsim report`), the cluster section (`kvsim compare`), and
+one replica alone, its received requests and the config it replays under (`kvsim conform
+--cluster-run`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ import numpy as np
 import pandas as pd
 
 from kvsim.sim.engine.config import SimConfig
+from kvsim.sim.engine.run import RunResult
 from kvsim.sim.studies.run_folder import load_run, read_summary, staged_folder, write_run
+from kvsim.workloads.files import read_json
 from kvsim.workloads.request import Request, Workload
 
 RECEIVED = "received.parquet"
@@ -65,6 +69,38 @@ def cluster_section(folder: str | Path) -> dict[str, Any]:
     if not isinstance(section, dict) or not isinstance(section.get("per_replica"), list):
         raise ValueError(f"{d / 'summary.json'}: no cluster section (not a cluster run's summary)")
     return section
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    """A cluster run read back from its folder (`load_cluster`), with the attributes of a
+    `sim.cluster.run.ClusterResult` that `kvsim report` prints and `plot_cluster` draws."""
+
+    config: SimConfig
+    workload: str
+    summary: dict[str, Any]
+    load: pd.DataFrame
+    replicas: list[RunResult]
+
+
+def load_cluster(folder: str | Path) -> ClusterRun:
+    """A cluster run folder read back: its config, summary, load table and each replica's run folder;
+    a folder that is not a cluster run's, or a file of it missing or bad, raises naming it."""
+    d = Path(folder)
+    section = cluster_section(d)
+    if not (d / LOAD).is_file():
+        raise FileNotFoundError(f"{d}: not a complete cluster run folder (no {LOAD})")
+    config = read_json(d / "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{d / 'config.json'}: expected a JSON object")
+    try:
+        load = pd.read_parquet(d / LOAD)
+    except ValueError:
+        raise ValueError(f"{d / LOAD}: not a parquet table (corrupt, or another format)") from None
+    summary = read_summary(d)
+    return ClusterRun(SimConfig.from_run_config(config, source=str(d / "config.json")),
+                      str(summary.get("workload", d.name)), summary, load,
+                      [load_run(d / f"replica-{i}") for i in range(len(section["per_replica"]))])
 
 
 def replica_config(folder: str | Path, replica: int) -> SimConfig:

@@ -38,6 +38,17 @@ def test_run_a_cluster_writes_its_folder_and_table(tmp_path: Path) -> None:
         pt.assert_frame_equal(pd.read_parquet(out / f"replica-{i}" / "requests.parquet"), api.replicas[i].requests)
     assert json.loads((out / "config.json").read_text())["replicas"] == 2
     assert (out / "cluster.png").is_file()
+    # `kvsim report` on the cluster's folder prints what `kvsim run` printed and draws cluster.png again
+    (out / "cluster.png").unlink()
+    rep = runner.invoke(app, ["report", str(out)])
+    assert rep.exit_code == 0, rep.output
+    table = lines[: lines.index("")]
+    assert rep.stdout.splitlines() == [*table, f"wrote {out / 'cluster.png'}"]
+    assert (out / "cluster.png").stat().st_size > 10_000
+    (out / "load.parquet").write_text("not parquet")
+    bad = runner.invoke(app, ["report", str(out)])
+    assert bad.exit_code != 0 and f"{out / 'load.parquet'}: not a parquet table" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
 
 
 def test_a_bad_router_is_one_error_line(tmp_path: Path) -> None:
