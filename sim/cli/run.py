@@ -444,6 +444,8 @@ def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, 
     # events into a file beside theirs, renamed into place only if the whole run is written
     with run_scratch(out_dir) as scratch, ExitStack() as stack:
         streams: dict[str, Any] = {"steps_dir": scratch, "keep_requests": False, "workers": workers}
+        if cfg.record_ops:  # each replica's op stream, moved into its folder by write_run
+            streams["ops_dir"] = scratch
         if kv_events is not None:
             streams["kv_events"] = _events_sink(stack, kv_events)
         result = _simulated(simulate_cluster, wl, cfg, cost, bar, progress, **streams)

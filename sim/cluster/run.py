@@ -69,6 +69,7 @@ def simulate_cluster(
     kv_events: Callable[[EventBatch], None] | None = None,
     workers: int | None = 1,
     apart: bool = True,
+    ops_dir: str | Path | None = None,
 ) -> ClusterResult:
     """Replay `workload` through `cfg.replicas` replicas of the engine `cfg` describes behind
     `cfg.router`; deterministic for a given workload and config (the router's draws come from
@@ -82,7 +83,10 @@ def simulate_cluster(
     replica's result (`replicas[i].kv_events`, no sink given). Replicas that never interact
     (`sim.cluster.parallel.plan`) run apart, one lone engine each, with the same result: in this
     process with `workers` 1, else in that many forked ones (None or 0: one per usable CPU); the
-    others, and all with `apart` False, run on one clock."""
+    others, and all with `apart` False, run on one clock. With `cfg.record_ops` the replicas run on
+    one clock, each manager recording its op stream, kept in memory or, with `ops_dir`, streamed into
+    `ops-<i>/` there by a writer thread each (`OpLog.stream_to`; `write_run` moves it into the
+    replica's folder)."""
     cfg.validate()
     if cost_model is None:
         from kvsim.sim.engine.cost_model import CostModel
@@ -92,7 +96,7 @@ def simulate_cluster(
     source = workload  # (what `plan` leaves of it may be another iterable: its name and skipped lines are here)
     name = getattr(source, "name", "workload")
     files = None if steps_dir is None else [Path(steps_dir) / f"steps-{i}.parquet" for i in range(cfg.replicas)]
-    if apart and cfg.replicas > 1:
+    if apart and cfg.replicas > 1 and not cfg.record_ops:
         from kvsim.sim.cluster import parallel
 
         routed, workload = parallel.plan(source, cfg)
@@ -104,6 +108,11 @@ def simulate_cluster(
             return _result(cfg, name, replicas, received, changes, {}, keep_requests)
     managers = [make_manager(engine_config(c), k) for c, k in zip(configs, costs, strict=True)]
     _check_router_sizes(cfg, managers)
+    if cfg.record_ops and ops_dir is not None:  # (threads: a writer process a replica would crowd the CPUs)
+        for i, m in enumerate(managers):
+            folder = Path(ops_dir) / f"ops-{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            m.stream_ops(folder, process=False)
     env = simpy.Environment()
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
@@ -116,6 +125,9 @@ def simulate_cluster(
     with rare_collections():
         env.run()
     cluster.event_stream.close()
+    if cfg.record_ops and ops_dir is not None:
+        for m in managers:
+            m.finish_ops()
     if progress is not None:
         progress(cluster.num_done)
     skipped = getattr(source, "skipped", 0)

@@ -418,9 +418,6 @@ class SimConfig:
         self._validate_router_options()
         if self.replica_pools:
             self._validate_replica_pools()
-        if self.replicas > 1 and self.record_ops:
-            raise ConfigError("record_ops: the op stream of a cluster's replicas is not recorded yet; "
-                              "run with replicas 1")
         for name in ("kv_event_delay", "router_temperature"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):

@@ -24,3 +24,24 @@ def test_default_run_verifies_with_zero_mismatches(tmp_path):
     assert rep["steps"] == rep["steps_checked"] == 9707
     assert rep["tokens_verified"] == 28_048_648 and rep["sequence_checks"] == 41_101
     assert rep["ops"] == {"write": 44_517, "table": 12_992, "free": 9_440, "evict": 5_486}
+
+
+def test_a_clusters_replicas_record_their_ops_and_verify(tmp_path):
+    """`kvsim run --replicas 2 --record-ops`: each replica's folder holds its op stream, which replays
+    on the CPU with 0 mismatches; the two replicas' ops add up to what they ran."""
+    out = tmp_path / "c"
+    r = runner.invoke(app, ["run", "--replicas", "2", "--router", "round-robin", "--num-gpu-blocks", "256",
+                            "--record-ops", "--no-plots", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "load.parquet", "received.parquet",
+                                                     "replica-0", "replica-1", "summary.json"]
+    writes = 0
+    for i in range(2):
+        folder = out / f"replica-{i}"
+        assert (folder / "ops.parquet").is_file() and (folder / "op_tokens.parquet").is_file()
+        rep = runner.invoke(app, ["gpu-replay", str(folder), "--device", "cpu", "--json"])
+        assert rep.exit_code == 0, rep.output
+        got = json.loads(rep.stdout)
+        assert got["mismatches"] == 0 and got["steps"] == got["steps_checked"] > 1000
+        writes += got["ops"]["write"]
+    assert writes > 20_000

@@ -50,6 +50,19 @@ def test_each_replica_replays_alone_exactly(workload, router):
         assert list(got["arrival"]) == list(replica.requests["arrival"])
 
 
+@pytest.mark.parametrize("router", ["round-robin", "llm-d-precise"])
+def test_each_replicas_op_stream_is_its_lone_runs(workload, router):
+    """With `record_ops` each replica records its op stream (on one clock), and it is the stream its
+    received requests give a lone engine, op for op, tokens too (what `kvsim gpu-replay` replays)."""
+    run = simulate_cluster(workload, CFG.replace(num_gpu_blocks=200, replicas=2, router=router, record_ops=True))
+    for i, replica in enumerate(run.replicas):
+        alone = simulate(run.received_workload(i), run.replay_config())
+        ops = replica.manager.ops.records()
+        assert len(ops) > 1000 and ops == alone.manager.ops.records()
+        mine, lone = replica.manager.ops.tokens, alone.manager.ops.tokens
+        assert mine.keys() == lone.keys() and all((mine[k] == v).all() for k, v in lone.items())
+
+
 def test_runs_are_deterministic_and_seeded(workload):
     cfg = CFG.replace(replicas=3, router="random", num_gpu_blocks=200)
     a, b = simulate_cluster(workload, cfg), simulate_cluster(workload, cfg)
@@ -155,8 +168,6 @@ def test_a_router_sees_engine_metrics_only_as_of_the_last_snapshot():
     ({"router_balance_rel": 0}, "router_balance_rel must be a positive number, got 0"),
     ({"router_tree_size": 2.5}, "router_tree_size must be an integer >= 0, got 2.5"),
     ({"router_eviction_interval": float("inf")}, "router_eviction_interval must be a positive number, got inf"),
-    ({"replicas": 2, "record_ops": True}, "record_ops: the op stream of a cluster's replicas is not recorded yet; "
-                                          "run with replicas 1"),
 ])
 def test_bad_cluster_settings_are_named(change, message):
     with pytest.raises(ConfigError) as e:
