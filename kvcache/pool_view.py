@@ -94,9 +94,9 @@ class PoolView:
         """Let ops arrive up to `steps` steps late (lazy decodes' writes), before rows are final."""
         self.ops.lag = steps
 
-    def stream_ops(self, folder: str | Path, *, process: bool = False) -> None:
+    def stream_ops(self, folder: str | Path, *, process: bool = False, share: int = 1) -> None:
         """Stream the op records into `folder` as they become final (see `OpLog.stream_to`)."""
-        self.ops.stream_to(folder, process=process)
+        self.ops.stream_to(folder, process=process, share=share)
 
     @property
     def op_log(self) -> OpLog:

@@ -112,7 +112,7 @@ def simulate_cluster(
         for i, m in enumerate(managers):
             folder = Path(ops_dir) / f"ops-{i}"
             folder.mkdir(parents=True, exist_ok=True)
-            m.stream_ops(folder, process=False)
+            m.stream_ops(folder, process=False, share=len(managers))
     env = simpy.Environment()
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
