@@ -130,6 +130,8 @@ def test_prefill_side_hold_is_bounded_by_the_lease():
     ({"kv_transfer_gbps": 0.0}, "kv_transfer_gbps"),
     ({"kv_transfer_latency": -1.0}, "kv_transfer_latency"),
     ({"kv_lease_duration": 0.0}, "kv_lease_duration"),
+    # a decode side's reads land KV its op stream does not hold: a replay would find it missing
+    ({"kv_transfer_role": "decode", "record_ops": True}, "record_ops cannot be combined with kv_transfer_role 'decode'"),
 ])
 def test_bad_settings_are_refused_in_one_line(kw, field):
     with pytest.raises(ConfigError, match=field) as e:
