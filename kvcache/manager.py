@@ -460,6 +460,14 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             if evicts:
                 counts["evict"] += evicts
 
+    def record_loaded(self, seq: Sequence, start: int, end: int) -> None:
+        """With op records, the `write` ops of `seq`'s positions [start, end), whose KV a connector's
+        read landed in its blocks (P/D disaggregation's decode side, `sim.engine.nixl`), so a replay
+        holds it; without records, nothing (the read is no computed write: it is not counted)."""
+        if self.ops.enabled and end > start:
+            self._emit_writes(seq.seq_id, self.req_blocks[seq.seq_id], start, end)
+            self.ops.counts["write"] -= (end - 1) // self.block_size - start // self.block_size + 1  # (not counted)
+
     def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
         """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the
         i-th at step `step + i`: late, by at most `ops.lag` steps (`OpLog.late_writes`)."""

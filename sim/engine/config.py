@@ -481,10 +481,6 @@ class SimConfig:
             return
         if role not in ("decode", "prefill"):
             raise ConfigError(f"kv_transfer_role must be 'decode' or 'prefill', got {role!r}")
-        if role == "decode" and self.record_ops:  # (its replay found every read token missing: 173M on 30 requests)
-            raise ConfigError("record_ops cannot be combined with kv_transfer_role 'decode': the KV its reads land "
-                              "is not in the op stream yet, so `kvsim gpu-replay` could not verify it; record the "
-                              "prefill side, or a run without a connector")
         for bad, why in ((self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
                          (self.preemption != "recompute", "swap preemption"),
                          (self.replicas > 1, "replicas (P/D pools are not modelled yet)"),

@@ -369,10 +369,14 @@ class NixlConnector:
         return True
 
     def landed(self, seq: Sequence) -> int | None:
-        """A held request's computed tokens once its read is applied, or None: not yet."""
+        """A held request's computed tokens once its read is applied, or None: not yet. With op
+        records the read's tokens are recorded as written into their blocks when it is applied."""
         rid = seq.seq_id
         applied = rid in self._applied
         self._applied.discard(rid)
+        if applied and self.m.records_ops and rid not in self.async_loads.landed:
+            hit, ext = self.async_loads.loads[rid]
+            self.m.record_loaded(seq, hit, hit + ext)
         return self.async_loads.land(seq, applied)
 
     def admitted(self, live: Live, hit: int, n: int, first: bool) -> int:

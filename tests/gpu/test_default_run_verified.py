@@ -45,3 +45,19 @@ def test_a_clusters_replicas_record_their_ops_and_verify(tmp_path):
         assert got["mismatches"] == 0 and got["steps"] == got["steps_checked"] > 1000
         writes += got["ops"]["write"]
     assert writes > 20_000
+
+
+def test_a_decode_sides_reads_are_recorded_and_verify(tmp_path):
+    """`kvsim run --kv-transfer-role decode --record-ops` (every prompt read from a prefill side): each
+    read's tokens are recorded as written into their blocks when it is applied
+    (`KVCacheManager.record_loaded`), so the replay holds and verifies that KV: 0 mismatches (without
+    them it found every read token missing)."""
+    run = tmp_path / "dec"
+    r = runner.invoke(app, ["run", "--kv-transfer-role", "decode", "--record-ops", "--no-plots", "-o", str(run)])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((run / "summary.json").read_text())
+    r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["mismatches"] == 0 and rep["steps"] == rep["steps_checked"] > 1000
+    assert summary["read_tokens"] > 10_000 and rep["tokens_verified"] > summary["read_tokens"]
