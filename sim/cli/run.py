@@ -468,12 +468,15 @@ def run_pd(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: 
     folder, print its figures."""
     from kvsim.sim.cluster.pd import simulate_pd
     from kvsim.sim.studies.pd_folder import PLOT, write_pd
+    from kvsim.sim.studies.run_folder import run_scratch
 
-    result = _simulated(simulate_pd, wl, cfg, cost, bar, progress)
-    try:
-        write_pd(result, out_dir, plots=plots)
-    except OSError as e:
-        raise cannot_write(out_dir, e) from None
+    # with op records, each replica's stream goes into the scratch folder until write_pd moves it
+    with run_scratch(out_dir) as scratch:
+        result = _simulated(simulate_pd, wl, cfg, cost, bar, progress, ops_dir=scratch if cfg.record_ops else None)
+        try:
+            write_pd(result, out_dir, plots=plots)
+        except OSError as e:
+            raise cannot_write(out_dir, e) from None
     lines = pd_lines(result.summary)
     lines += ["", f"run folder: {out_dir} (replica-<i>/: each replica's run folder, prefill first; paths.parquet: "
               "each request's way through the pools)"]

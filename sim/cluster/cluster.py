@@ -62,6 +62,19 @@ def engine_config(cfg: SimConfig) -> SimConfig:
     return cfg.replace(kv_events=True) if cfg.router in EVENT_ROUTERS else cfg
 
 
+def stream_replica_ops(managers: list, ops_dir: str | Path | None) -> None:
+    """With op records and `ops_dir`, each replica's manager streams its op stream into `ops-<i>/` there,
+    on a writer thread (a child process a replica would crowd the CPUs), in chunks cut by the replicas
+    sharing this process (`OpLog.stream_to`'s `share`); `write_run` moves it into the replica's folder."""
+    if ops_dir is None:
+        return
+    for i, m in enumerate(managers):
+        if m.records_ops:
+            folder = Path(ops_dir) / f"ops-{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            m.stream_ops(folder, process=False, share=len(managers))
+
+
 def engine_metrics(engine: Engine) -> EngineMetrics:
     """An engine's metrics now, as vLLM's SchedulerStats reports them (waiting, running, KV usage)."""
     sched = engine.sched

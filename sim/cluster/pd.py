@@ -31,6 +31,7 @@ llm-d's `both` pods, which its decode filter passes and its prefill filter does 
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,12 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.hashing import block_keys
-from kvsim.sim.cluster.cluster import ReplicaFront, engine_config, engine_metrics
+from kvsim.sim.cluster.cluster import (
+    ReplicaFront,
+    engine_config,
+    engine_metrics,
+    stream_replica_ops,
+)
 from kvsim.sim.cluster.deciders import DECODE_FIRST, NEEDS_PREFILL_BUSY, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.link import SharedLink
@@ -49,7 +55,13 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.sim.engine.metrics import percentiles, slo_figures
-from kvsim.sim.engine.nixl import BlockBytes, NixlConnector, prefill_backoff, with_max_tokens_one
+from kvsim.sim.engine.nixl import (
+    BlockBytes,
+    NixlConnector,
+    check_records,
+    prefill_backoff,
+    with_max_tokens_one,
+)
 from kvsim.sim.engine.nixl_tp import read_ranks
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
@@ -432,12 +444,14 @@ class PDResult:
 
 
 def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[[int], None] | None = None, *,
-                cost_model: Any = None) -> PDResult:
+                cost_model: Any = None, ops_dir: str | pathlib.Path | None = None) -> PDResult:
     """Replay `workload` through the P/D cluster `cfg` describes (`prefill_replicas`, `decode_replicas`,
     `router` per pool, `pd_decider`, the link's `kv_transfer_gbps` and `kv_transfer_latency`);
     deterministic for a given workload and config. Each pool runs under its own config
     (`SimConfig.pool_config`: `prefill_pool`, `decode_pool`); `cost_model` is taken for a pool that sets
-    nothing apart, and each other pool gets its own."""
+    nothing apart, and each other pool gets its own. With `cfg.record_ops` each replica records its op
+    stream (a decode replica's reads as written when applied), kept, or streamed into `ops_dir`
+    (`sim.cluster.cluster.stream_replica_ops`)."""
     from kvsim.sim.engine.cost_model import CostModel
 
     cfg.validate()
@@ -452,10 +466,16 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
 
             raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has one group with a sliding window; kvsim "
                               "models vLLM's NIXL connector over full attention or vLLM's hybrid groups")
+    for m in managers[cfg.prefill_replicas:]:
+        check_records(m, pools[1])
+    stream_replica_ops(managers, ops_dir)
     env = simpy.Environment()
     cluster = PDCluster(env, workload, cfg, costs, managers, progress)
     with rare_collections():
         env.run()
+    if ops_dir is not None:
+        for m in managers:
+            m.finish_ops()
     if progress is not None:
         progress(cluster.num_done)
     name = getattr(workload, "name", "workload")

@@ -14,7 +14,7 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.events import EventBatch
-from kvsim.sim.cluster.cluster import Cluster, engine_config
+from kvsim.sim.cluster.cluster import Cluster, engine_config, stream_replica_ops
 from kvsim.sim.cluster.load import LoadChanges, imbalance, in_flight
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
@@ -108,11 +108,7 @@ def simulate_cluster(
             return _result(cfg, name, replicas, received, changes, {}, keep_requests)
     managers = [make_manager(engine_config(c), k) for c, k in zip(configs, costs, strict=True)]
     _check_router_sizes(cfg, managers)
-    if cfg.record_ops and ops_dir is not None:  # (threads: a writer process a replica would crowd the CPUs)
-        for i, m in enumerate(managers):
-            folder = Path(ops_dir) / f"ops-{i}"
-            folder.mkdir(parents=True, exist_ok=True)
-            m.stream_ops(folder, process=False, share=len(managers))
+    stream_replica_ops(managers, ops_dir)
     env = simpy.Environment()
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
@@ -125,7 +121,7 @@ def simulate_cluster(
     with rare_collections():
         env.run()
     cluster.event_stream.close()
-    if cfg.record_ops and ops_dir is not None:
+    if ops_dir is not None:
         for m in managers:
             m.finish_ops()
     if progress is not None:

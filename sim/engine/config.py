@@ -513,7 +513,7 @@ class SimConfig:
                          (self.kv_transfer_role is not None, "kv_transfer_role (a lone replica's role)"),
                          (self.kv_offloading_size is not None, "kv_offloading_size (two connectors)"),
                          (self.preemption != "recompute", "swap preemption"),
-                         (self.record_ops, "record_ops"), (self.kv_events, "kv_events"),
+                         (self.kv_events, "kv_events"),
                          (self.parallel_sampling != "fanout", "parallel_sampling 'fork'"),
                          (profile(self.vllm_version).version != "0.33", f"vllm_version {self.vllm_version}")):
             if bad:

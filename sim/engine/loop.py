@@ -114,6 +114,7 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
             KVTransfer,
             LoneTransport,
             NixlConnector,
+            check_records,
             prefill_backoff,
         )
 
@@ -121,9 +122,8 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
             raise ConfigError(f"kv_transfer_role: {cfg.model} uses a sliding window; kvsim models vLLM's NIXL "
                               "connector for full attention only (vLLM clips a window's blocks)")
 
-        if cfg.record_ops and cfg.kv_transfer_role == "decode" and getattr(manager, "num_groups", 1) > 1:
-            raise ConfigError(f"record_ops with kv_transfer_role 'decode': {cfg.model}'s hybrid KV-cache groups' "
-                              "reads are not recorded yet (one group's are: a replay holds their KV)")
+        if cfg.kv_transfer_role == "decode":
+            check_records(manager, cfg)
         block_bytes = BlockBytes.of(cost)
         transfer = KVTransfer(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)

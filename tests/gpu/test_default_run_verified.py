@@ -61,3 +61,24 @@ def test_a_decode_sides_reads_are_recorded_and_verify(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["mismatches"] == 0 and rep["steps"] == rep["steps_checked"] > 1000
     assert summary["read_tokens"] > 10_000 and rep["tokens_verified"] > summary["read_tokens"]
+
+
+def test_a_pd_clusters_replicas_record_their_ops_and_verify(tmp_path):
+    """`kvsim run --prefill-replicas 1 --decode-replicas 2 --record-ops`: the prefill replica's stream
+    and each decode replica's (its reads recorded as written when applied) replay on the CPU with 0
+    mismatches; a hybrid model's decode replicas are refused before the run, nothing written."""
+    out = tmp_path / "pd"
+    r = runner.invoke(app, ["run", "--prefill-replicas", "1", "--decode-replicas", "2", "--record-ops", "--no-plots",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pd"]["remote"] == 300
+    for i in range(3):
+        rep = runner.invoke(app, ["gpu-replay", str(out / f"replica-{i}"), "--device", "cpu", "--json"])
+        assert rep.exit_code == 0, rep.output
+        got = json.loads(rep.stdout)
+        assert got["mismatches"] == 0 and got["steps"] == got["steps_checked"] > 100 and got["tokens_verified"] > 100_000
+    bad = runner.invoke(app, ["run", "--model", "gpt-oss-20b", "--prefill-replicas", "1", "--decode-replicas", "1",
+                              "--record-ops", "--no-plots", "-o", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "hybrid KV-cache groups' reads are not recorded yet" in bad.output
+    assert not (tmp_path / "x").exists()

@@ -141,7 +141,7 @@ def test_a_hybrid_decode_sides_op_records_are_refused_before_the_run():
     # one group's reads are recorded as written (tests/gpu/test_default_run_verified.py); vLLM's hybrid
     # groups' are not yet, so a stream a replay could not verify is not written
     cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role="decode", record_ops=True, num_gpu_blocks=400)
-    with pytest.raises(ConfigError, match="hybrid KV-cache groups' reads are not recorded yet") as e:
+    with pytest.raises(ConfigError, match="^record_ops with a decode side: gpt-oss-20b's hybrid KV-cache groups' reads are not recorded yet") as e:
         simulate(_requests([0.0], prompt=100), cfg.validate())
     assert "\n" not in str(e.value)
 
