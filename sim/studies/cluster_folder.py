@@ -24,8 +24,14 @@ import pandas as pd
 
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.run import RunResult
-from kvsim.sim.studies.run_folder import load_run, read_summary, staged_folder, write_run
-from kvsim.workloads.files import read_json
+from kvsim.sim.studies.run_folder import (
+    load_run,
+    read_json_object,
+    read_summary,
+    read_table,
+    staged_folder,
+    write_run,
+)
 from kvsim.workloads.request import Request, Workload
 
 RECEIVED = "received.parquet"
@@ -63,9 +69,19 @@ def cluster_section(folder: str | Path) -> dict[str, Any]:
     """A cluster run folder's `cluster` section (per replica and overall figures, imbalance); a
     folder that is not one raises FileNotFoundError or ValueError naming it."""
     d = Path(folder)
+    return _section(d, _summary(d))
+
+
+def _summary(d: Path) -> dict[str, Any]:
+    """Cluster run folder `d`'s summary; a folder without the received requests is not one."""
     if not (d / RECEIVED).is_file():
         raise FileNotFoundError(f"{d}: not a cluster run folder (no {RECEIVED}; `kvsim run --replicas N` writes one)")
-    section = read_summary(d).get("cluster")
+    return read_summary(d)
+
+
+def _section(d: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The `cluster` section of folder `d`'s `summary`, checked."""
+    section = summary.get("cluster")
     if not isinstance(section, dict) or not isinstance(section.get("per_replica"), list):
         raise ValueError(f"{d / 'summary.json'}: no cluster section (not a cluster run's summary)")
     return section
@@ -87,19 +103,12 @@ def load_cluster(folder: str | Path) -> ClusterRun:
     """A cluster run folder read back: its config, summary, load table and each replica's run folder;
     a folder that is not a cluster run's, or a file of it missing or bad, raises naming it."""
     d = Path(folder)
-    section = cluster_section(d)
+    summary = _summary(d)
+    section = _section(d, summary)
     if not (d / LOAD).is_file():
         raise FileNotFoundError(f"{d}: not a complete cluster run folder (no {LOAD})")
-    config = read_json(d / "config.json")
-    if not isinstance(config, dict):
-        raise ValueError(f"{d / 'config.json'}: expected a JSON object")
-    try:
-        load = pd.read_parquet(d / LOAD)
-    except ValueError:
-        raise ValueError(f"{d / LOAD}: not a parquet table (corrupt, or another format)") from None
-    summary = read_summary(d)
-    return ClusterRun(SimConfig.from_run_config(config, source=str(d / "config.json")),
-                      str(summary.get("workload", d.name)), summary, load,
+    config = SimConfig.from_run_config(read_json_object(d / "config.json"), source=str(d / "config.json"))
+    return ClusterRun(config, str(summary.get("workload", d.name)), summary, read_table(d / LOAD),
                       [load_run(d / f"replica-{i}") for i in range(len(section["per_replica"]))])
 
 
@@ -121,10 +130,7 @@ def load_received(folder: str | Path, replica: int, workload: Iterable[Request])
     with vLLM. A request the workload lacks, or whose prompt length differs from the run's, raises."""
     d = Path(folder)
     run = load_run(d / f"replica-{replica}")
-    try:
-        got = pd.read_parquet(d / RECEIVED)
-    except ValueError:
-        raise ValueError(f"{d / RECEIVED}: not a parquet table (corrupt, or another format)") from None
+    got = read_table(d / RECEIVED)
     got = got[got["replica"] == replica]
     wanted = set(got["id"])
     by_id = {r.id: r for r in workload if r.id in wanted}

@@ -104,7 +104,7 @@ def write_run(result: RunResult, out_dir: str | Path, plots: bool = True,
     return Path(out_dir)
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON object file; anything else raises ValueError naming the file."""
     data = read_json(path)
     if not isinstance(data, dict):
@@ -118,10 +118,11 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     d = Path(run_dir)
     if not (d / "summary.json").is_file():
         raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
-    return _json_object(d / "summary.json")
+    return read_json_object(d / "summary.json")
 
 
-def _table(path: Path) -> pd.DataFrame:
+def read_table(path: Path) -> pd.DataFrame:
+    """A parquet table; anything else raises ValueError naming the file."""
     try:
         return pd.read_parquet(path)
     except ValueError:  # pyarrow's ArrowInvalid: not parquet, or cut short
@@ -140,11 +141,11 @@ def load_run(run_dir: str | Path) -> RunResult:
     missing = [n for n in ("config.json", *TABLES) if not (d / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{d}: not a complete run folder (no {missing[0]})")
-    cfg = SimConfig.from_run_config(_json_object(d / "config.json"), source=str(d / "config.json"))
-    summary = _json_object(d / "summary.json")
+    cfg = SimConfig.from_run_config(read_json_object(d / "config.json"), source=str(d / "config.json"))
+    summary = read_json_object(d / "summary.json")
     lacks = [k for k in SUMMARY_KEYS if k not in summary]
     if lacks:
         raise ValueError(f"{d / 'summary.json'}: not a kvsim summary (no {lacks[0]!r})")
-    usage = _table(d / GROUPS) if (d / GROUPS).is_file() else None
-    return RunResult(cfg, summary.get("workload", d.name), _table(d / TABLES[0]), _table(d / TABLES[1]),
+    usage = read_table(d / GROUPS) if (d / GROUPS).is_file() else None
+    return RunResult(cfg, summary.get("workload", d.name), read_table(d / TABLES[0]), read_table(d / TABLES[1]),
                      summary, group_usage=usage)
