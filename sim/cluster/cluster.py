@@ -22,7 +22,8 @@ reach it after its own output at t, where a lone engine would queue it first.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import simpy
@@ -62,17 +63,22 @@ def engine_config(cfg: SimConfig) -> SimConfig:
     return cfg.replace(kv_events=True) if cfg.router in EVENT_ROUTERS else cfg
 
 
-def stream_replica_ops(managers: list, ops_dir: str | Path | None) -> None:
-    """With op records and `ops_dir`, each replica's manager streams its op stream into `ops-<i>/` there,
-    on a writer thread (a child process a replica would crowd the CPUs), in chunks cut by the replicas
-    sharing this process (`OpLog.stream_to`'s `share`); `write_run` moves it into the replica's folder."""
-    if ops_dir is None:
-        return
+@contextmanager
+def replica_ops(managers: list, ops_dir: str | Path | None) -> Iterator[None]:
+    """While the replicas run: with op records and `ops_dir`, each replica's manager streams its op
+    stream into `ops-<i>/` there, on a writer thread (a child process a replica would crowd the CPUs),
+    in chunks cut by the replicas sharing this process (`OpLog.stream_to`'s `share`), and hands the
+    writer its last ops once they are done; `write_run` moves each stream into its replica's folder."""
+    streaming = []
     for i, m in enumerate(managers):
-        if m.records_ops:
+        if ops_dir is not None and m.records_ops:
             folder = Path(ops_dir) / f"ops-{i}"
             folder.mkdir(parents=True, exist_ok=True)
             m.stream_ops(folder, process=False, share=len(managers))
+            streaming.append(m)
+    yield
+    for m in streaming:
+        m.finish_ops()
 
 
 def engine_metrics(engine: Engine) -> EngineMetrics:
@@ -119,7 +125,7 @@ class ReplicaFront:
         reach the engine after it (`release`), at their own times, as a lone engine takes them. A
         cluster without a link runs ahead as a lone engine does (a SimPy generator: `yield from`)."""
         env = self.env
-        if not getattr(self.cluster, "pokes_idle", False) or env.peek() > t:
+        if not getattr(self.cluster, "shares_link", False) or env.peek() > t:
             return
         self._held = []
         yield _Late(env, t - env.now)

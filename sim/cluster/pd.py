@@ -45,7 +45,7 @@ from kvsim.sim.cluster.cluster import (
     ReplicaFront,
     engine_config,
     engine_metrics,
-    stream_replica_ops,
+    replica_ops,
 )
 from kvsim.sim.cluster.deciders import DECODE_FIRST, NEEDS_PREFILL_BUSY, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
@@ -205,6 +205,7 @@ class PDCluster:
             env.process(self._snapshots(cfg.router_metrics_interval))
 
     pokes_idle = True  # idle replicas sleep until their transfer or a poke (`ReplicaFront.idle_wait`)
+    shares_link = True  # the replicas poll and post reads on one link (an async schedule waits: `ReplicaFront.ahead`)
 
     def poke_idle(self, at: float) -> None:
         """Wake the replicas idling on transfers: the link's reads or a release changed at `at`."""
@@ -451,7 +452,7 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
     (`SimConfig.pool_config`: `prefill_pool`, `decode_pool`); `cost_model` is taken for a pool that sets
     nothing apart, and each other pool gets its own. With `cfg.record_ops` each replica records its op
     stream (a decode replica's reads as written when applied), kept, or streamed into `ops_dir`
-    (`sim.cluster.cluster.stream_replica_ops`)."""
+    (`sim.cluster.cluster.replica_ops`)."""
     from kvsim.sim.engine.cost_model import CostModel
 
     cfg.validate()
@@ -468,14 +469,10 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
                               "models vLLM's NIXL connector over full attention or vLLM's hybrid groups")
     for m in managers[cfg.prefill_replicas:]:
         check_records(m, pools[1])
-    stream_replica_ops(managers, ops_dir)
     env = simpy.Environment()
     cluster = PDCluster(env, workload, cfg, costs, managers, progress)
-    with rare_collections():
+    with rare_collections(), replica_ops(managers, ops_dir):
         env.run()
-    if ops_dir is not None:
-        for m in managers:
-            m.finish_ops()
     if progress is not None:
         progress(cluster.num_done)
     name = getattr(workload, "name", "workload")

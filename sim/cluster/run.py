@@ -14,7 +14,7 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.events import EventBatch
-from kvsim.sim.cluster.cluster import Cluster, engine_config, stream_replica_ops
+from kvsim.sim.cluster.cluster import Cluster, engine_config, replica_ops
 from kvsim.sim.cluster.load import LoadChanges, imbalance, in_flight
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
@@ -108,7 +108,6 @@ def simulate_cluster(
             return _result(cfg, name, replicas, received, changes, {}, keep_requests)
     managers = [make_manager(engine_config(c), k) for c, k in zip(configs, costs, strict=True)]
     _check_router_sizes(cfg, managers)
-    stream_replica_ops(managers, ops_dir)
     env = simpy.Environment()
     kept: list[list[EventBatch]] | None = None
     if cfg.kv_events and kv_events is None:  # kept on each replica's result, as `simulate` keeps them
@@ -118,12 +117,9 @@ def simulate_cluster(
             kept[batch.replica].append(batch)
     cluster = Cluster(env, workload, cfg, cost_model, managers, progress, steps_files=files,
                       keep_requests=keep_requests, kv_events=kv_events if cfg.kv_events else None, costs=costs)
-    with rare_collections():
+    with rare_collections(), replica_ops(managers, ops_dir):
         env.run()
     cluster.event_stream.close()
-    if ops_dir is not None:
-        for m in managers:
-            m.finish_ops()
     if progress is not None:
         progress(cluster.num_done)
     skipped = getattr(source, "skipped", 0)

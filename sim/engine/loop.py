@@ -294,12 +294,12 @@ class Engine:
                 m.set_step(step)
                 if defrag:  # NOTE: lazy decodes' writes are recorded before blocks move
                     m.defragment(sched.materialize if m.records_ops else None)
-                if ahead is not None and at(start) > env.now:
+                waits = ahead is not None and at(start) > env.now
+                if waits:
                     yield from ahead(at(start))
-                    b = sched.schedule(at(start))
+                b = sched.schedule(at(start))
+                if waits:
                     self.front.release()
-                else:
-                    b = sched.schedule(at(start))
                 dropped = self._drain_done(at(start)) if sched.done else 0
                 if b.decode_tokens:
                     churn = 0
