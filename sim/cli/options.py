@@ -116,7 +116,7 @@ AsyncScheduling = Annotated[bool | None, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="vLLM's async scheduling: batch k+1 is scheduled while batch k runs; --no-... runs vLLM's step-by-step "
          "scheduler [default: as `vllm serve` 0.33 decides: async, except where kvsim models only sync (swap "
-         "preemption, lookahead slots, forked samples, a P/D cluster, releases before 0.33)]")]
+         "preemption, lookahead slots, forked samples, releases before 0.33)]")]
 DisableHybrid = Annotated[bool | None, typer.Option(
     "--disable-hybrid-kv-cache-manager/--no-disable-hybrid-kv-cache-manager",
     help="vLLM's flag, for a model mixing layer kinds: off keeps every layer's every token in one group; "

@@ -126,7 +126,12 @@ def header(result: RunResult) -> str:
 
 def scheduling(c: Any) -> str:
     """The scheduler's mode as a header names it: 'async scheduling' (`vllm serve` 0.33's default) or 'sync'."""
-    return "async scheduling" if c.runs_async else "sync scheduling"
+    return mode_words(c.runs_async)
+
+
+def mode_words(runs_async: bool) -> str:
+    """'async scheduling' or 'sync scheduling' (a config's `runs_async`, or a P/D summary's flag)."""
+    return "async scheduling" if runs_async else "sync scheduling"
 
 
 FIGURES = ("requests", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "goodput")
@@ -216,7 +221,7 @@ def pd_lines(summary: dict[str, Any]) -> list[str]:
              + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
                           "blocks)" for name, p in s["pools"].items())
              + f" replicas, router {s['router']}, decider {s['decider']}{link}, "
-             + ("async scheduling" if s.get("async_scheduling", False) else "sync scheduling"),
+             + mode_words(s.get("async_scheduling", False)),  # (absent: a run from before P/D ran async)
              f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
              f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
              f"p99 {ms(s['tpot_p99'])}",

@@ -220,7 +220,7 @@ def vllm_async(cfg: SimConfig) -> bool | None:
     """What vLLM's `SchedulerConfig.async_scheduling` is given: None where kvsim resolves its own None
     to async (`SimConfig.runs_async`), so that `VllmConfig` resolves it as `vllm serve` does (and the
     driver fails if vLLM says sync); else kvsim's mode, as a flag (a sync one where kvsim models only
-    sync, e.g. a P/D side, which vLLM itself would run async)."""
+    sync, e.g. another release's rules)."""
     return None if cfg.async_scheduling is None and cfg.runs_async else cfg.runs_async
 
 
