@@ -106,6 +106,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.block_tables = MappingProxyType(self.req_blocks)  # sequence id -> its blocks (read-only, live)
         self.num_cached_block: dict[str, int] = {}
+        # sequence id -> tokens whose full blocks are still to cache, all past its known tokens
+        # (`defer_unique_caching`); None: each cache is made when asked
+        self._owed: dict[str, int] | None = None
         self.swapped: dict[str, list[int]] = {}  # seq id -> CPU block ids (-1 for null)
         self.num_cow_copies = 0
         self.defrag: Defragmenter | None = None
@@ -308,13 +311,32 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[seq.seq_id]:
             self._cache_full_blocks(seq, self.req_blocks[seq.seq_id], num_tokens)
 
-    def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def defer_unique_caching(self) -> None:
+        """From now on, a cache whose blocks all hold a unique decoded token (past the sequence's
+        known tokens) is owed, not made: made when the sequence's blocks are freed (`pop_blocks_for_free`).
+
+        Exact where nothing can tell the two apart: such a block's key matches no other sequence's
+        (nothing looks it up while its sequence holds it), the pool's free queue sees it only once
+        freed, and then it is cached as before; caching records no op. Not with KV events (a
+        `BlockStored` belongs to its step), an eviction policy that hooks caching (FIFO, ARC, ...),
+        defragmentation or vLLM's hybrid groups, where the order of caches shows. What
+        `LazyDecodes.fills` does for sync lazy decodes, here for every caller (the async output's
+        schedule and update ask for each visited sequence's cache a step)."""
+        if self.events is not None or self.caching_hooks_policy or self.defrag is not None or self.num_groups != 1:
+            raise ValueError("deferred caching needs one group, no KV events, defragmentation or caching hooks")
+        self._owed = {}
+
+    def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int,
+                           owed: bool = True) -> None:
         sid = seq.seq_id
         n_full = num_tokens // self.block_size
         n_cached = self.num_cached_block[sid]
         if n_full <= n_cached:
             return
         bs = self.block_size
+        if owed and self._owed is not None and n_cached >= seq.num_known_tokens // bs:
+            self._owed[sid] = num_tokens  # (asked for more each time: the counts only grow)
+            return
         hashes = seq.hashes_upto(n_full * bs, bs)
         chain = seq.num_prompt_tokens // bs
         if self.retention_interval is None:
@@ -350,6 +372,10 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         blocks = self.req_blocks.pop(seq.seq_id, None)
         if blocks is None:
             raise KeyError(f"free of unknown sequence {seq.seq_id!r}")
+        if self._owed:
+            n = self._owed.pop(seq.seq_id, None)
+            if n is not None:  # (before the pool sees them: freed cached, as if cached when asked)
+                self._cache_full_blocks(seq, blocks, n, owed=False)
         self.num_cached_block.pop(seq.seq_id, None)
         if self.ops.enabled:
             self.ops.keep_sequence(seq)
