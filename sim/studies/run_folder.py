@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,11 +34,26 @@ TABLES = ("steps.parquet", "requests.parquet")
 GROUPS = "groups.parquet"  # a run in vLLM's hybrid groups: the blocks each group held after each step
 
 
+# what a kvsim command writes at the top of an output folder (a run's, a cluster's, a curve's): an
+# existing folder's entries of these names are an earlier output, replaced whole by the next
+_OWNED = re.compile(r"(config|summary)\.json|[^/]+\.(parquet|png)|replica-\d+")
+
+
+def owned(name: str) -> bool:
+    """Whether an entry named `name` at the top of an output folder is one kvsim writes there."""
+    return _OWNED.fullmatch(name) is not None
+
+
 @contextmanager
 def staged_folder(out_dir: str | Path) -> Iterator[Path]:
     """A fresh folder beside `out_dir` to write into: when the block ends cleanly its files move
     into `out_dir` (created, with its parents, if missing); when it raises the folder is
-    removed, so a failed write never leaves a half-written output folder."""
+    removed, so a failed write never leaves a half-written output folder.
+
+    An existing `out_dir` keeps only what kvsim did not write there (`owned`): an earlier run's
+    outputs go first, all of them, so no table, plot or replica folder of that run is left beside the
+    new one's (a one-replica run where a cluster ran, a run without `--record-ops` where one had
+    them). Should a move fail, what was moved goes back, and the folder is as it was."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".tmp"))
@@ -47,10 +63,32 @@ def staged_folder(out_dir: str | Path) -> Iterator[Path]:
         if not out.exists():
             os.replace(tmp, out)
         else:
-            for f in tmp.iterdir():
-                os.replace(f, out / f.name)
+            _replace_outputs(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_outputs(new: Path, out: Path) -> None:
+    """Move `out`'s own entries (`owned`) aside, then `new`'s entries in; on a failed move, undo."""
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name or 'out'}.", suffix=".old"))
+    gone: list[str] = []
+    came: list[str] = []
+    try:
+        for entry in sorted(out.iterdir()):
+            if owned(entry.name):
+                os.replace(entry, old / entry.name)
+                gone.append(entry.name)
+        for entry in sorted(new.iterdir()):
+            os.replace(entry, out / entry.name)
+            came.append(entry.name)
+    except OSError:
+        for name in reversed(came):
+            os.replace(out / name, new / name)
+        for name in reversed(gone):
+            os.replace(old / name, out / name)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
