@@ -358,6 +358,11 @@ def run(
         bar, progress = progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
+    routing = [k for k in ("router", "router_metrics_interval", *ROUTER_OPTIONS) if k in changes]
+    if routing and "replicas" not in changes and not cfg.prefill_replicas:  # (`--replicas 1`: a cluster of one)
+        given = f"--{routing[0].replace('_', '-')}"
+        raise fail(f"{given}: a router's option, and this run has one replica: give --replicas N "
+                   "(or --prefill-replicas P --decode-replicas D), or leave it out")
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after

@@ -75,6 +75,11 @@ def test_unreadable_trace() -> None:
         (["--num-cpu-blocks", "-1"], "num_cpu_blocks must be >= 0, got -1"),
         (["--block-size", "3"], POW2),
         (["--tp", "0"], "tensor_parallel must be >= 1, got 0"),
+        # a router's options without a cluster (`--replicas 1` is a cluster of one, and runs)
+        (["--router", "llm-d"], "--router: a router's option, and this run has one replica: give --replicas N "
+                                "(or --prefill-replicas P --decode-replicas D), or leave it out"),
+        (["--kv-event-delay", "0.01"], "--kv-event-delay: a router's option, and this run has one replica: give "
+                                       "--replicas N (or --prefill-replicas P --decode-replicas D), or leave it out"),
     ],
 )
 def test_run_bad_number(args: list[str], message: str) -> None:
