@@ -214,6 +214,39 @@ class BlockPool:
         self._taken(out, evicted, top, keys is None)
         return out
 
+    def take_one(self) -> KVCacheBlock:
+        """`get_new_blocks(1)[0]`: a decode's new block, the common take, in one pass where the
+        counted take applies (exact LRU, no eviction hook, no KV events, ops counted)."""
+        q = self._lru
+        if q is None or self._on_evict is not None or self.events is not None or self.ops.enabled \
+                or not q.num_free_blocks:
+            return self.get_new_blocks(1)[0]
+        stack = q.stack
+        if stack:  # (as `_pop_counted`: the front stack holds no cached block)
+            b = stack.pop()
+            q.num_free_blocks -= 1
+            if b.block_hash is not None:
+                raise AssertionError("a cached block was at the front of the free queue")
+            evicted = 0
+        else:
+            b = q.front()
+            nxt = b.next
+            b.prev = b.next = None
+            q.detach_front(nxt, 1)
+            key = b.block_hash
+            evicted = 0
+            if key is not None:
+                hit = self.cached.pop(key)
+                if hit is not b:
+                    self._unshare(key, hit, b)
+                b.block_hash = None
+                evicted = 1
+                if self.evicted_by_group is not None:
+                    self.evicted_by_group[b.group] += 1
+        b.ref_cnt = 1
+        self._taken((b,), evicted, b.block_id)
+        return b
+
     def _count_groups(self, groups: list[int]) -> None:
         """Count evictions for the groups `groups` names, one entry an evicted block."""
         eg = self.evicted_by_group

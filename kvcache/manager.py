@@ -282,8 +282,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             free = self.pool.num_free_blocks
             if free < 1 or (watermark and free - 1 < self.watermark_blocks):
                 return None
-            new = self.pool.get_new_blocks(1)
-            blocks.append(new[0])
+            block = self.pool.take_one()
+            new = [block]
+            blocks.append(block)
         else:
             return False
         if self.ops.enabled:
@@ -444,7 +445,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             c = seq.num_computed_tokens
             blocks = tables[seq.seq_id]
             if c // bs == len(blocks):
-                blocks.append(next(take) if take is not None else self.pool.get_new_blocks(1)[0])
+                blocks.append(next(take) if take is not None else self.pool.take_one())
             if caching and (c + 1) % bs == 0:
                 self._cache_full_blocks(seq, blocks, c + 1)
 

@@ -54,10 +54,24 @@ def advance(m, s: Sequence, n: int, hit: int = 0, blocks=None) -> bool:
     return True
 
 
-def drive_pair(counted, recorded, seed: int, requests: int, same, chunk: int | None = None) -> None:
+def decode(m, s: Sequence, n: int) -> bool:
+    """`advance`, with a decode token (one past the prompt, at rest) through `decode_slot` as the
+    scheduler takes it: a new block is the pool's one-block take (`take_one`)."""
+    if n == 1 and s.num_tokens - s.num_computed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens:
+        got = m.decode_slot(s)
+        if got is None:
+            return False
+        if got is not False:
+            s.num_computed_tokens += 1
+            s.append_tokens(1)
+            return True
+    return advance(m, s, n)
+
+
+def drive_pair(counted, recorded, seed: int, requests: int, same, chunk: int | None = None, step=advance) -> None:
     """Random admits (shared prompts, equal answers), steps and frees on both managers, `same` of
-    the two asserted after each: a prompt whole and a token a step, or with `chunk` at most that
-    many tokens a step (chunked prefills)."""
+    the two asserted after each: a prompt whole and a token a step (`step`), or with `chunk` at most
+    that many tokens a step (chunked prefills)."""
     rng = random.Random(seed)
     live: dict[str, tuple[Sequence, Sequence]] = {}
     for uid in range(1, requests):
@@ -73,14 +87,14 @@ def drive_pair(counted, recorded, seed: int, requests: int, same, chunk: int | N
                     live[s.seq_id] = pair
         elif action < 0.8:
             for m, s in zip((counted, recorded), live[rng.choice(sorted(live))], strict=True):
-                advance(m, s, 1 if chunk is None else max(1, min(s.num_tokens - s.num_computed_tokens, chunk)))
+                step(m, s, 1 if chunk is None else max(1, min(s.num_tokens - s.num_computed_tokens, chunk)))
         else:
             for m, s in zip((counted, recorded), live.pop(rng.choice(sorted(live))), strict=True):
                 m.free(s)
         same(counted, recorded)
 
 
-def drive(policy: str, defrag: int | None, seed: int) -> None:
+def drive(policy: str, defrag: int | None, seed: int, step=advance) -> None:
     """`drive_pair` of two managers that differ only in `record_ops`: one state, consistent."""
     counted, recorded = (KVCacheManager(40, BS, eviction=policy, defrag_threshold=defrag, record_ops=rec)
                          for rec in (False, True))
@@ -89,7 +103,7 @@ def drive(policy: str, defrag: int | None, seed: int) -> None:
         assert state(a) == state(b)
         check(a)
 
-    drive_pair(counted, recorded, seed, 200, same)
+    drive_pair(counted, recorded, seed, 200, same, step=step)
 
 
 @pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "cost", "pinned", "arc"])
@@ -97,6 +111,15 @@ def drive(policy: str, defrag: int | None, seed: int) -> None:
 def test_counted_paths_match_recorded(policy: str, defrag: int | None) -> None:
     for seed in range(3):
         drive(policy, defrag, seed)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_a_decodes_one_block_take_matches_the_general_take(policy: str) -> None:
+    """Decode tokens through `decode_slot`: with ops counted under exact LRU a new block is
+    `BlockPool.take_one` (off the front stack, or the linked part's front, evicting its key), with
+    them recorded `get_new_blocks(1)`; the states stay one."""
+    for seed in range(6):
+        drive(policy, None, seed, step=decode)
 
 
 def hybrid_state(m: HybridKVCacheManager) -> tuple:
