@@ -215,7 +215,6 @@ def pd_lines(summary: dict[str, Any]) -> list[str]:
     """A P/D run's figures in words, as `kvsim run` prints them and `kvsim report` again (its summary,
     with the `pd` section)."""
     s = summary["pd"]
-    ms = lambda v: "-" if v is None else f"{v * 1e3:,.1f} ms"  # noqa: E731
     link = f", link {s['link_gbps']:g} GB/s a rank" if "link_gbps" in s else ""
     lines = [f"{summary['workload']} ({s['requests']:,} requests) on {summary['model']}: "
              + " + ".join(f"{s[name + '_replicas']} {name} ({p['gpu']} x{p['tensor_parallel']}, {p['num_gpu_blocks']:,} "
@@ -223,12 +222,12 @@ def pd_lines(summary: dict[str, Any]) -> list[str]:
              + f" replicas, router {s['router']}, decider {s['decider']}{link}, "
              + mode_words(s.get("async_scheduling", False)),  # (absent: a run from before P/D ran async)
              f"  finished {s['finished']:,}, disaggregated {s['remote']:,}; read {s['read_bytes'] / 1e9:,.2f} GB a rank",
-             f"  TTFT p50 {ms(s['ttft_p50'])}, p99 {ms(s['ttft_p99'])}; TPOT p50 {ms(s['tpot_p50'])}, "
-             f"p99 {ms(s['tpot_p99'])}",
+             f"  TTFT p50 {seconds(s['ttft_p50'])}, p99 {seconds(s['ttft_p99'])}; TPOT p50 {seconds(s['tpot_p50'])}, "
+             f"p99 {seconds(s['tpot_p99'])}",
              "  mean TTFT parts (disaggregated): " + ", ".join(
-                 f"{k.replace('_', ' ')} {ms(s[k + '_mean'])}" for k in
+                 f"{k.replace('_', ' ')} {seconds(s[k + '_mean'])}" for k in
                  ("prefill_queue", "prefill", "decode_queue", "transfer", "promotion")),
-             f"  prefill side: blocks held {s['held_block_seconds']:,.1f} block-seconds, hold mean {ms(s['hold_mean'])}"]
+             f"  prefill side: blocks held {s['held_block_seconds']:,.1f} block-seconds, hold mean {seconds(s['hold_mean'])}"]
     if s["goodput_rps"] is not None:
         lines.append(f"  goodput {s['goodput_rps']:.3f} req/s ({s['goodput_rps_per_gpu']:.3f} per GPU), "
                      f"SLO attainment {s['slo_attainment']:.1%}")

@@ -197,6 +197,11 @@ def test_kvsim_run_writes_a_pd_clusters_folder(tmp_path):
     # the decode rank's half of each block (TP 2)
     assert list(paths["id"]) == ["r0", "r1", "r2"] and paths["read_bytes"].tolist() == [7 * BLOCK_BYTES // 2] * 3
     assert json.loads((out / "config.json").read_text())["decode_pool"] == "tensor_parallel=2"
+    # each duration in the unit a person reads, as the tables have them (`sim.studies.units.seconds`)
+    from kvsim.sim.cli.report import pd_lines
+
+    slow = {**summary, "pd": {**summary["pd"], "ttft_p50": 200.0, "ttft_p99": 7200.0, "tpot_p50": 0.0092}}
+    assert pd_lines(slow)[2].startswith("  TTFT p50 3.3 min, p99 2.0 h; TPOT p50 9.2 ms, p99 ")
     assert (out / "pd.png").is_file() and (out / "replica-0" / "summary.json").is_file()
     # kvsim report prints the figures again; kvsim compare sets P/D runs side by side
     again = CliRunner().invoke(app, ["report", str(out), "--no-plots"])
