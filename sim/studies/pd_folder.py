@@ -15,6 +15,7 @@ from typing import Any
 
 from kvsim.sim.studies.cluster_folder import write_fleet
 from kvsim.sim.studies.run_folder import read_summary, staged_folder
+from kvsim.sim.studies.units import axis
 
 PATHS = "paths.parquet"
 PLOT = "pd.png"
@@ -65,14 +66,14 @@ def plot_pd(result: Any, path: Path) -> None:
     paths = result.paths
     remote = paths[paths["remote"] & (paths["status"] == "finished")]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    means = [float(remote[part].mean()) if len(remote) else 0.0 for part in PARTS]
+    means.append(float((remote["first_token"] - remote["decode_start"]).mean()) if len(remote) else 0.0)
+    k, unit = axis(sum(means))  # (minutes where a queue took them, milliseconds where nothing waited)
     start = 0.0
-    for part in PARTS:
-        value = float(remote[part].mean()) if len(remote) else 0.0
-        left.barh(["mean TTFT"], [value * 1e3], left=[start * 1e3], label=part.replace("_", " "))
+    for label, value in zip([p.replace("_", " ") for p in PARTS] + ["first decode step"], means, strict=True):
+        left.barh(["mean TTFT"], [value * k], left=[start * k], label=label)
         start += value
-    first = float((remote["first_token"] - remote["decode_start"]).mean()) if len(remote) else 0.0
-    left.barh(["mean TTFT"], [first * 1e3], left=[start * 1e3], label="first decode step")
-    left.set_xlabel("ms")
+    left.set_xlabel(unit)
     left.set_title(f"TTFT of {len(remote):,} disaggregated requests")
     left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)
     if len(remote):

@@ -14,3 +14,15 @@ def seconds(v: float | None) -> str:
     if v < 3600:
         return f"{v / 60:.1f} min"
     return f"{v / 3600:,.1f} h"
+
+
+def axis(v: float) -> tuple[float, str]:
+    """The factor and unit for an axis of durations reaching `v` seconds: ms below a second, s below
+    two minutes, min below two hours, h beyond (seconds x factor is the value drawn)."""
+    if v < 1:
+        return 1e3, "ms"
+    if v < 120:
+        return 1.0, "s"
+    if v < 7200:
+        return 1 / 60, "min"
+    return 1 / 3600, "h"

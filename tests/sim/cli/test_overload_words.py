@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvsim.sim.cli.report import format_table, reading
-from kvsim.sim.studies.units import seconds
+from kvsim.sim.studies.units import axis, seconds
 from tests.sim.engine.engine_fixtures import req, run
 
 
@@ -18,6 +18,15 @@ from tests.sim.engine.engine_fixtures import req, run
 ])
 def test_latencies_read_in_their_own_unit(v, text):
     assert seconds(v) == text
+
+
+@pytest.mark.parametrize(("v", "scaled"), [
+    (0.0, (0.0, "ms")), (0.25, (250.0, "ms")), (1.0, (1.0, "s")), (119.0, (119.0, "s")), (120.0, (2.0, "min")),
+    (7199.0, (119.98, "min")), (7200.0, (2.0, "h")), (36_000.0, (10.0, "h")),
+])
+def test_a_plots_duration_axis_takes_the_unit_its_largest_value_reads_in(v, scaled):
+    k, unit = axis(v)  # (the P/D plot's mean TTFT bar)
+    assert (round(v * k, 2), unit) == scaled
 
 
 def test_a_run_that_falls_behind_is_overloaded_from_the_start():
