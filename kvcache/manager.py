@@ -320,11 +320,14 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         (nothing looks it up while its sequence holds it), the pool's free queue sees it only once
         freed, and then it is cached as before; caching records no op. Not with KV events (a
         `BlockStored` belongs to its step), an eviction policy that hooks caching (FIFO, ARC, ...),
-        defragmentation or vLLM's hybrid groups, where the order of caches shows. What
+        defragmentation, vLLM's hybrid groups, where the order of caches shows, or a sliding window,
+        which frees a block it slides past while its sequence runs (cached, had it not been owed). What
         `LazyDecodes.fills` does for sync lazy decodes, here for every caller (the async output's
         schedule and update ask for each visited sequence's cache a step)."""
-        if self.events is not None or self.caching_hooks_policy or self.defrag is not None or self.num_groups != 1:
-            raise ValueError("deferred caching needs one group, no KV events, defragmentation or caching hooks")
+        if self.events is not None or self.caching_hooks_policy or self.defrag is not None or self.num_groups != 1 \
+                or self.sliding_window is not None:
+            raise ValueError("deferred caching needs one group without a window, and no KV events, "
+                             "defragmentation or caching hooks")
         self._owed = {}
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int,

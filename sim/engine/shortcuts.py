@@ -38,7 +38,7 @@ or not by the manager's state, whichever output mode applies the steps) and, wit
 priority or connector, where every window (one group's, or vLLM's hybrid groups') is a
 sliding one of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
 (`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date; and,
-where the order of caches cannot show (one group, no KV events, no policy that hooks caching), a
+where the order of caches cannot show (one group, no window, no KV events, no policy that hooks caching), a
 block holding a unique decoded token is cached once its sequence is freed, as `fills` has it for
 sync (`KVCacheManager.defer_unique_caching`: the async output asks for a cache a visit).
 """
@@ -348,7 +348,8 @@ class Shortcuts:
         if self.decodes and m.defrag is None and not m.caching_hooks_policy and m.num_groups == 1 \
                 and not m.emits_events:
             self.lazy.fills = True  # (defrag, such policies and KV events keep each cache in its step)
-        if self.async_decodes and not m.caching_hooks_policy and m.num_groups == 1 and not m.emits_events:
+        if self.async_decodes and not m.caching_hooks_policy and m.num_groups == 1 and not m.emits_events \
+                and m.sliding_window is None:
             m.defer_unique_caching()  # (the async output's `fills`: a unique block is cached once freed)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self._going: list[tuple] = []  # the async output's lives going lazy after this step (`after`)

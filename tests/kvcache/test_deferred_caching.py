@@ -62,6 +62,8 @@ def test_a_known_block_is_cached_when_asked():
 def test_deferral_refuses_what_shows_the_order_of_caches():
     with pytest.raises(ValueError, match="deferred caching"):
         KVCacheManager(10, 4, kv_events=True).defer_unique_caching()
+    with pytest.raises(ValueError, match="deferred caching"):  # a window frees blocks its sequence still runs past
+        KVCacheManager(10, 4, sliding_window=8).defer_unique_caching()
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

@@ -137,6 +137,27 @@ def test_async_output_gives_the_same_tables_with_the_blocked_head_skip_on_and_of
     _same(_run(kind, seed, rate, cfg, real_cost), _run(kind, seed, rate, cfg.replace(shortcuts=False), real_cost))
 
 
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(["unique", "parallel", "multi-turn"]),
+    seed=st.integers(0, 10_000),
+    block_size=st.sampled_from([4, 8]),
+    window=st.sampled_from([8, 16, 32]),
+    retention=st.sampled_from([0, 8, None]),
+    num_gpu_blocks=st.integers(40, 120),
+)
+def test_async_output_over_one_groups_window_gives_the_same_tables_with_the_shortcuts_on_and_off(
+        kind: str, seed: int, block_size: int, window: int, retention: int | None, num_gpu_blocks: int) -> None:
+    """One group's sliding window of whole blocks under async output (its own lazy decodes on): the
+    window frees the blocks it slides past while their sequence runs, cached or not as plain stepping
+    cached them, so no cache may wait for the sequence's end there (`defer_unique_caching` is off);
+    decoded tokens past the known ones (`unique`) fill blocks that retention hashes."""
+    cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=64, max_num_seqs=16, sliding_window=window,
+                    prefix_cache_retention_interval=retention, async_scheduling=True)
+    _same(_run(kind, seed, 50.0, cfg, False), _run(kind, seed, 50.0, cfg.replace(shortcuts=False), False))
+
+
 def test_async_output_skips_a_blocked_heads_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """The skip above is not idle: on a tight cache under async output it answers for the head many
     times (each a lookup and an allocation plain stepping makes and sees fail), and changes nothing."""
