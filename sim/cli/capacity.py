@@ -59,7 +59,9 @@ def _capacity(
     changes = knob_changes(knobs)
     try:
         cfg = SimConfig().replace(**changes).validate()
-        cfg = default_cache(cfg, CostModel.from_config(cfg).num_gpu_blocks(cfg), workload is not None, changes)
+        derived = CostModel.from_config(cfg).num_gpu_blocks(cfg)
+        cfg = default_cache(cfg, derived, workload is not None, changes)
+        blocks = (cfg.num_gpu_blocks or derived, "" if cfg.num_gpu_blocks else " (from the GPU's memory)")
         if workload is not None:
             load_workload(workload, knobs.get("format") or "auto")  # a bad path fails here, not in a worker
         spec = WorkloadSpec(path=str(workload), format=knobs.get("format") or "auto") if workload else WorkloadSpec()
@@ -67,17 +69,18 @@ def _capacity(
         raise fail(str(e)) from None
     name = str(workload) if workload is not None else "the default workload"
     if routers is not None:
-        return _replicas(spec, cfg, routers, name, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
+        return _replicas(spec, cfg, routers, name, blocks, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
                          max_replicas=max_replicas, workers=workers, as_json=as_json)
     if not as_json:
-        pools = " + ".join(f"{n} {pool} ({c.gpu} x{c.tensor_parallel})" for n, pool, c in (
+        pools = " + ".join(f"{n} {pool} ({c.gpu} x{c.tensor_parallel}, {_blocks(c):,} blocks)" for n, pool, c in (
             (cfg.prefill_replicas, "prefill", cfg.pool_config("prefill")),
             (cfg.decode_replicas, "decode", cfg.pool_config("decode")))) if cfg.prefill_replicas else ""
         fleet = (f"{pools} replicas (decider {cfg.pd_decider}) of "
                  if cfg.prefill_replicas else f"{cfg.replicas} replicas behind {cfg.router} of " if cfg.replicas > 1 else "")
-        hardware = "" if cfg.prefill_replicas else f" on {cfg.gpu} x{cfg.tensor_parallel}"
-        typer.echo(f"capacity of {name}: {fleet}{cfg.model}{hardware}, "
-                   f"{cfg.num_gpu_blocks or 'derived'} blocks, eviction {cfg.eviction}; targets TTFT <= "
+        # (a P/D cluster's pools give their own; replicas that differ, the base's)
+        hardware = "" if cfg.prefill_replicas else \
+            f" on {cfg.gpu} x{cfg.tensor_parallel}, {blocks[0]:,} blocks{' each' if cfg.replicas > 1 else ''}{blocks[1]}"
+        typer.echo(f"capacity of {name}: {fleet}{cfg.model}{hardware}, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
 
     def shown(p: Any, lo: float | None, hi: float | None) -> None:
@@ -110,7 +113,14 @@ def _capacity(
     typer.echo("\n".join(lines))
 
 
-def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, *, slo_ttft: float, slo_tpot: float,
+def _blocks(cfg: Any) -> int:
+    """A replica's KV blocks: given, or as its GPU's memory holds them."""
+    from kvsim.sim.engine.cost_model import CostModel
+
+    return cfg.num_gpu_blocks or CostModel.from_config(cfg).num_gpu_blocks(cfg)
+
+
+def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, blocks: tuple[int, str], *, slo_ttft: float, slo_tpot: float,
               attainment: float, max_replicas: int, workers: int, as_json: bool) -> None:
     """`kvsim capacity --max-replicas N`: the fewest replicas a router needs at the workload's
     rate, a search per router, each probe shown as it lands; exit 1 if a router needs more than N."""
@@ -128,7 +138,7 @@ def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, *, slo_ttft: f
     rate = stats.mean_rate * cfg.load
     if not as_json:
         typer.echo(f"replicas for {name} at {rate:.3f} req/s: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
-                   f"{cfg.num_gpu_blocks or 'derived'} blocks each, eviction {cfg.eviction}; targets TTFT <= "
+                   f"{blocks[0]:,} blocks each{blocks[1]}, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
     answers = []
     for c in configs:

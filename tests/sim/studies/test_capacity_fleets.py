@@ -57,8 +57,14 @@ def test_kvsim_capacity_on_a_fixed_cluster(trace: Path):
                             "--router", "session-affinity", "--num-gpu-blocks", "40", "--tolerance", "0.25", "-w", "1"])
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"capacity of {trace}: 2 replicas behind session-affinity of llama-3-8b")
+    assert lines[0].startswith(f"capacity of {trace}: 2 replicas behind session-affinity of llama-3-8b on h100-sxm "
+                               "x1, 40 blocks each, eviction lru")
     assert "GPUs) with" in lines[-2] and "per GPU, 2 GPUs" in lines[-2]
+    # a cache the GPU's memory sizes is named with its size, not "derived"
+    r = runner.invoke(app, ["capacity", str(trace), "--slo-ttft", "0.05", "--slo-tpot", "0.01", "--replicas", "2",
+                            "--router", "session-affinity", "--tolerance", "0.5", "-w", "1"])
+    assert r.stdout.splitlines()[0].startswith(f"capacity of {trace}: 2 replicas behind session-affinity of "
+                                               "llama-3-8b on h100-sxm x1, 27,816 blocks each (from the GPU's memory), ")
 
 
 def test_kvsim_capacity_on_pools_apart_counts_each_pools_gpus(trace: Path):
@@ -67,6 +73,6 @@ def test_kvsim_capacity_on_pools_apart_counts_each_pools_gpus(trace: Path):
                             "40", "--tolerance", "0.5", "-w", "1"])
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"capacity of {trace}: 1 prefill (h100-sxm x1) + 2 decode (h100-sxm x2) replicas "
-                               "(decider always) of llama-3-8b, 40 blocks")
+    assert lines[0].startswith(f"capacity of {trace}: 1 prefill (h100-sxm x1, 40 blocks) + 2 decode (h100-sxm x2, "
+                               "40 blocks) replicas (decider always) of llama-3-8b, eviction lru")
     assert "per GPU, 5 GPUs" in lines[-2]
