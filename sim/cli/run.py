@@ -358,11 +358,7 @@ def run(
         bar, progress = progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
-    routing = [k for k in ("router", "router_metrics_interval", *ROUTER_OPTIONS) if k in changes]
-    if routing and "replicas" not in changes and not cfg.prefill_replicas:  # (`--replicas 1`: a cluster of one)
-        given = f"--{routing[0].replace('_', '-')}"
-        raise fail(f"{given}: a router's option, and this run has one replica: give --replicas N "
-                   "(or --prefill-replicas P --decode-replicas D), or leave it out")
+    check_routing(changes, cfg)
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
@@ -433,6 +429,18 @@ def _events_sink(stack: ExitStack, path: Path) -> Any:
     into place only if the run is written whole (`stack` closes it)."""
     sink = stack.enter_context(open(stack.enter_context(staged_file(path)), "w"))
     return lambda batch: sink.write(batch.json_line())
+
+
+def check_routing(changes: dict[str, Any], cfg: Any, search: bool = False) -> None:
+    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools): it would route
+    nothing, silently. (`--replicas 1` is a cluster of one, and runs.) `search`: `kvsim capacity`'s
+    rate search, which `--max-replicas` turns into a search for replicas."""
+    routing = [k for k in ("router", "router_metrics_interval", *ROUTER_OPTIONS) if k in changes]
+    if routing and "replicas" not in changes and not cfg.prefill_replicas:
+        given = f"--{routing[0].replace('_', '-')}"
+        what, more = ("search", " or --max-replicas N") if search else ("run", "")
+        raise fail(f"{given}: a router's option, and this {what} has one replica: give --replicas N{more} "
+                   "(or --prefill-replicas P --decode-replicas D), or leave it out")
 
 
 def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any,

@@ -86,6 +86,12 @@ def test_run_bad_number(args: list[str], message: str) -> None:
     assert_one_error(["run", "ok.jsonl", *args, "--no-plots", "-o", "r"], message)
 
 
+def test_a_rate_search_on_one_engine_refuses_a_router() -> None:
+    assert_one_error(["capacity", "ok.jsonl", "--slo-ttft", "1", "--slo-tpot", "0.1", "--router", "llm-d"],
+                     "--router: a router's option, and this search has one replica: give --replicas N or "
+                     "--max-replicas N (or --prefill-replicas P --decode-replicas D), or leave it out")
+
+
 @pytest.mark.parametrize(
     ("args", "message", "code"),
     [
