@@ -199,9 +199,14 @@ def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] |
     the engine the knobs describe; deterministic for the same workload, knobs and seed. Its scheduler
     runs as `vllm serve` 0.33's does, asynchronously (`async_scheduling=False`: vLLM's step-by-step
     one; `run.config.runs_async` says which ran). `progress(n)` is called as requests finish."""
+    from kvsim.sim.engine.config import ROUTER_FIELDS
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.engine.run import simulate as run
 
+    routing = [k for k in ROUTER_FIELDS if k in knobs]
+    if routing and "replicas" not in knobs:  # (it would route nothing, silently)
+        raise ConfigError(f"{routing[0]}: a router's option, and simulate runs one engine: give it to "
+                          "kvsim.simulate_cluster (replicas=N) or kvsim.simulate_pd")
     cfg = config(**knobs)
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)

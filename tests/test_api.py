@@ -52,6 +52,16 @@ def test_an_unknown_setting_names_the_closest_field():
     assert kvsim.config(tensor_parallel_size=2).tensor_parallel == 2  # vLLM's name
 
 
+def test_simulate_refuses_a_routers_option():
+    """One engine routes nothing: a router's option given to `simulate` (as to `kvsim run` without
+    --replicas) is refused, not ignored."""
+    with pytest.raises(kvsim.ConfigError, match=r"^router: a router's option, and simulate runs one engine: give "
+                                                r"it to kvsim.simulate_cluster \(replicas=N\) or kvsim.simulate_pd$"):
+        kvsim.simulate(router="llm-d")
+    with pytest.raises(kvsim.ConfigError, match=r"^router_scorers: "):
+        kvsim.simulate(router_scorers="prefix:1")
+
+
 def test_one_workload_object_serves_every_call(chat):
     run = kvsim.simulate(chat, num_gpu_blocks=128)
     assert run.config.num_gpu_blocks == 128 and run.summary["requests"] == 40

@@ -165,8 +165,10 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
                     make + shlex.join(curve)]
 
 
-# the routers' options: the event-fed ones' delay and Dynamo's temperature, the scoring ones' weights
-# (llm-d, llm-d-precise), sglang-cache-aware's thresholds and tree
+# the routers' options besides the router and its metrics' staleness: the event-fed ones' delay and
+# Dynamo's temperature, the scoring ones' weights (llm-d, llm-d-precise), sglang-cache-aware's
+# thresholds and tree (config.py's ROUTER_FIELDS, restated: this module loads for `--help`, which
+# imports no numpy; tests/sim/cli/test_cli_run.py holds the two equal)
 ROUTER_OPTIONS = ("kv_event_delay", "router_temperature", "router_scorers", "router_cache_threshold",
                   "router_balance_abs", "router_balance_rel", "router_tree_size", "router_eviction_interval")
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them

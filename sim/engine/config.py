@@ -12,7 +12,7 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "POOL_FIELDS", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError",
+__all__ = ["KV_CACHE_DTYPES", "POOL_FIELDS", "ROUTER_FIELDS", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError",
            "SimConfig", "check_block_size", "parse_pool", "parse_router_scorers"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
@@ -40,6 +40,12 @@ ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-d
 PD_DECIDERS = ("never", "always", "llm-d", "dynamo", "dynamo-load", "dynamo-isl-or-load")
 # the routers fed by the replicas' KV events (sim.cluster.kv_routers)
 EVENT_ROUTERS = ("llm-d-precise", "dynamo")
+# the fields that set up a cluster's router (nothing to one engine run alone): which router, how stale
+# its metrics, the event-fed ones' delay and Dynamo's temperature, the scoring ones' weights (llm-d,
+# llm-d-precise), sglang-cache-aware's thresholds and tree
+ROUTER_FIELDS = ("router", "router_metrics_interval", "kv_event_delay", "router_temperature", "router_scorers",
+                 "router_cache_threshold", "router_balance_abs", "router_balance_rel", "router_tree_size",
+                 "router_eviction_interval")
 
 # The default transport delay of a KV-event batch, seconds after its step ended: vLLM's
 # ZmqEventPublisher sends each step's batch from its publisher thread at once (no batching

@@ -168,3 +168,12 @@ def test_an_engine_that_stalls_is_one_line_and_leaves_no_run_folder(tmp_path, mo
     out = tmp_path / "r"
     r = runner.invoke(app, ["run", "--no-plots", "-o", str(out)])
     assert (r.exit_code, r.stderr, out.exists()) == (2, f"error: {said}\n", False)
+
+
+def test_the_run_options_name_every_router_field() -> None:
+    """`kvsim run`'s router options (restated in sim/cli/run.py, which `--help` loads without numpy)
+    are config.py's ROUTER_FIELDS."""
+    from kvsim.sim.cli.run import ROUTER_OPTIONS
+    from kvsim.sim.engine.config import ROUTER_FIELDS
+
+    assert ("router", "router_metrics_interval", *ROUTER_OPTIONS) == ROUTER_FIELDS
