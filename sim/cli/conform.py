@@ -141,6 +141,10 @@ def conform(
             ).validate()
             requests = list(open_workload(workload, format, False, cfg.seed))
             name = "the default workload" if workload is None else str(workload)
+        if mode == "events":  # (refused before the header, not after it)
+            from kvsim.sim.conform.check import check_events_case
+
+            check_events_case(cfg, requests)
         tokens, seqs = cfg.batch_limits()
         from kvsim.sim.engine.cost_model import CostModel
 

@@ -306,6 +306,15 @@ def run_offload_scheduler(requests: list, cfg: SimConfig) -> Diff:
     return diff
 
 
+def check_events_case(cfg: SimConfig, requests: list) -> None:
+    """Raise ConfigError where the events mode cannot compare (before anything runs): it drives
+    vLLM's scheduler on the step grid, with prefix caching on, one sample a request."""
+    if cfg.step_time is None or not cfg.enable_prefix_caching:
+        raise ConfigError("KV events are compared on the step grid (--step-time), with prefix caching on")
+    if any(r.n > 1 for r in requests):
+        raise ConfigError("KV events are compared for requests of one sample (n = 1)")
+
+
 def compare_events(requests: list, cfg: SimConfig) -> Diff:
     """kvsim's KV events against vLLM's, step by step (the step-grid scheduler driver, sync or async, with
     `--kv-events-config` on; a batch is named by the step it was scheduled for; with KV offloading, its driver with the OffloadingConnector, whose CPU
@@ -319,10 +328,7 @@ def compare_events(requests: list, cfg: SimConfig) -> Diff:
     from kvsim.sim.conform.vllm_setup import prefix_names, token_ids
     from kvsim.sim.engine.run import simulate
 
-    if cfg.step_time is None or not cfg.enable_prefix_caching:
-        raise ConfigError("KV events are compared on the step grid (--step-time), with prefix caching on")
-    if any(r.n > 1 for r in requests):
-        raise ConfigError("KV events are compared for requests of one sample (n = 1)")
+    check_events_case(cfg, requests)
     check_workload(requests)
     args = _scheduler_args(cfg)
     bs = args["block_size"]

@@ -229,7 +229,9 @@ def test_kvsim_conform_mode_events_compares_the_streams_with_offloading(tmp_path
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[1:] == ["events    33 steps, 0 differ", "identical"]
     r = CliRunner().invoke(app, ["conform", str(path), "--mode", "events", "--kv-offloading-size", "0.03125"])
-    assert r.exit_code == 2 and "KV events are compared on the step grid (--step-time)" in r.stderr
+    # refused in one line before anything runs (no header, nothing simulated)
+    assert (r.exit_code, r.stdout) == (2, "")
+    assert r.stderr == "error: KV events are compared on the step grid (--step-time), with prefix caching on\n"
 
 
 def test_a_prefix_is_named_by_its_length_and_a_chained_digest() -> None:
