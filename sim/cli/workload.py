@@ -30,16 +30,16 @@ workload_app = typer.Typer(
 def generate(
     kind: Annotated[str, typer.Argument(help=f"one of: {', '.join(KINDS)}")],
     out: Annotated[Path, typer.Option("--out", "-o", help="kvsim JSONL file to write")],
-    num_requests: Annotated[int, typer.Option("--num-requests", "-n")] = 200,
+    num_requests: Annotated[int | None, typer.Option("--num-requests", "-n", help="[default: 200]")] = None,
     rate: Annotated[
-        float, typer.Option(help="arrivals per second (sessions/s for multi-turn, agent)")
-    ] = 1.0,
+        float | None, typer.Option(help="arrivals per second (sessions/s for multi-turn, agent) [default: 1.0]")
+    ] = None,
     arrival: Annotated[
-        str, typer.Option(help=f"arrival process: {', '.join(ARRIVALS)}")
-    ] = "poisson",
+        str | None, typer.Option(help=f"arrival process: {', '.join(ARRIVALS)} [default: poisson]")
+    ] = None,
     cv: Annotated[
-        float, typer.Option(help="gamma arrivals: coefficient of variation (burstiness)")
-    ] = 1.0,
+        float | None, typer.Option(help="gamma arrivals: coefficient of variation (burstiness) [default: 1.0]")
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     prefix_len: Annotated[
         str | None, typer.Option(help="shared prefix length spec (system prompt, instruction)")
@@ -69,6 +69,15 @@ def generate(
     """
     if kind not in KINDS:
         raise fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    shape = {"--num-requests": num_requests, "--rate": rate, "--arrival": arrival, "--cv": cv}
+    given = [name for name, v in shape.items() if v is not None]
+    if kind == "default" and given:  # (its requests and arrivals are its own)
+        raise fail(f"kind 'default' is the embedded workload (300 requests at their own times): it takes no "
+                   f"{given[0]}")
+    num_requests = 200 if num_requests is None else num_requests
+    rate = 1.0 if rate is None else rate
+    arrival = "poisson" if arrival is None else arrival
+    cv = 1.0 if cv is None else cv
     if num_requests < 1:
         raise fail(f"--num-requests must be >= 1, got {num_requests}")
     from kvsim.workloads.build import build_workload

@@ -115,8 +115,13 @@ def test_a_rate_search_on_one_engine_refuses_a_router() -> None:
          "think_time must be a finite number >= 0, got inf", 2),
         (["workload", "generate", "shared-prefix", "--cv", "-1", "-o", "x.jsonl"],
          "cv must be a finite number >= 0, got -1.0", 2),
-        (["workload", "generate", "default", "-n", "0", "-o", "x.jsonl"],
+        (["workload", "generate", "unique", "-n", "0", "-o", "x.jsonl"],
          "--num-requests must be >= 1, got 0", 2),
+        # the embedded workload's requests and arrivals are its own: a shape option is refused, not ignored
+        (["workload", "generate", "default", "-n", "60", "-o", "x.jsonl"],
+         "kind 'default' is the embedded workload (300 requests at their own times): it takes no --num-requests", 2),
+        (["workload", "generate", "default", "--rate", "2", "-o", "x.jsonl"],
+         "kind 'default' is the embedded workload (300 requests at their own times): it takes no --rate", 2),
         (["workload", "stats", "ok.jsonl", "-b", "0"], "--block-size must be >= 1, got 0", 2),
     ],
 )
