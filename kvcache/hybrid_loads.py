@@ -22,7 +22,7 @@ connector then loads nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.groups import GroupSpec, find_longest_cache_hit, group_lookup
@@ -52,6 +52,8 @@ class HybridLoads:
     spec_groups: list[tuple[GroupSpec, list[int]]]
     junctions: dict[str, int]
     _own: dict[str, list[int]]
+    _group_of: list[int]
+    _mamba: dict[int, Any]
 
     if TYPE_CHECKING:
         def get_computed_blocks(self, seq: Sequence) -> tuple[Hit, int]: ...  # (HybridKVCacheManager's)
@@ -117,8 +119,35 @@ class HybridLoads:
             new.extend(got)
             self._hold(g, len(got))
             if self.ops.enabled:
+                for b in got:  # (a recorded op names its block's group)
+                    self._group_of[b.block_id] = g
                 self.ops.emit_table(sid, table, 0, group=g)
         return new
+
+    def record_loaded(self, seq: Sequence, start: int, end: int) -> None:
+        """With op records, the writes a landed read made into `seq`'s blocks for positions [start,
+        end) (the tokens past its local hit), group by group, so a replay holds that KV: an attention
+        group's loaded blocks, from the first that is no null block (a window's table holds nulls for
+        what it no longer reads: those were never read); a Mamba group's one state block, as a write
+        of position end - 1 (the state after `end` tokens). Recorded, not counted: a read is no computed
+        write (`KVCacheManager.record_loaded`, one group's)."""
+        if not self.ops.enabled or end <= start:
+            return
+        ops, bs, null, sid = self.ops, self.block_size, self.null_block, seq.seq_id
+        counted = ops.counts["write"]
+        last = (end - 1) // bs
+        for g, tables in enumerate(self.tables):
+            table = tables[sid]
+            if g in self._mamba:
+                ops.emit_span(sid, [table[last].block_id], end - 1, end, bs, g)
+                continue
+            first = start // bs
+            while first <= last and table[first] is null:
+                first += 1
+            if first <= last:
+                ops.emit_span(sid, [table[i].block_id for i in range(first, last + 1)], max(start, first * bs), end,
+                              bs, g)
+        ops.counts["write"] = counted
 
     def blocks_to_finish(self, seq: Sequence) -> int:
         """Free blocks `seq` still needs to hold all its known tokens, each window at its admission

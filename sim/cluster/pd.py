@@ -58,7 +58,6 @@ from kvsim.sim.engine.metrics import percentiles, slo_figures
 from kvsim.sim.engine.nixl import (
     BlockBytes,
     NixlConnector,
-    check_records,
     prefill_backoff,
     with_max_tokens_one,
 )
@@ -467,8 +466,6 @@ def simulate_pd(workload: Iterable[Request], cfg: SimConfig, progress: Callable[
 
             raise ConfigError(f"prefill_replicas: {cfg.model}'s cache has one group with a sliding window; kvsim "
                               "models vLLM's NIXL connector over full attention or vLLM's hybrid groups")
-    for m in managers[cfg.prefill_replicas:]:
-        check_records(m, pools[1])
     env = simpy.Environment()
     cluster = PDCluster(env, workload, cfg, costs, managers, progress)
     with rare_collections(), replica_ops(managers, ops_dir):

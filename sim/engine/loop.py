@@ -114,7 +114,6 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
             KVTransfer,
             LoneTransport,
             NixlConnector,
-            check_records,
             prefill_backoff,
         )
 
@@ -122,8 +121,6 @@ def build_scheduler(cfg: SimConfig, manager: KVCacheManager, log: RequestLog, co
             raise ConfigError(f"kv_transfer_role: {cfg.model} uses a sliding window; kvsim models vLLM's NIXL "
                               "connector for full attention only (vLLM clips a window's blocks)")
 
-        if cfg.kv_transfer_role == "decode":
-            check_records(manager, cfg)
         block_bytes = BlockBytes.of(cost)
         transfer = KVTransfer(block_bytes, cfg.kv_transfer_gbps, cfg.kv_transfer_latency)
         transport = LoneTransport(transfer, cfg.kv_transfer_role, cfg.kv_lease_duration)

@@ -76,7 +76,6 @@ from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.sequence import Sequence
 from kvsim.sim.engine.async_loads import AsyncLoads
 from kvsim.sim.engine.batch import Batch, Live
-from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.workloads.request import Request
 
 ROLES = ("decode", "prefill")
@@ -211,15 +210,6 @@ class LoneTransport:
 
     def freed(self, rid: str, now: float) -> None:
         """The prefill side freed `rid`'s held blocks at `now`."""
-
-
-def check_records(manager: Any, cfg: SimConfig) -> None:
-    """Refuse op records on a decode side (a lone one, or a P/D cluster's replicas) over vLLM's hybrid
-    groups: its reads are recorded as written (`KVCacheManager.record_loaded`) for one group only, and
-    a stream without them fails its replay."""
-    if cfg.record_ops and getattr(manager, "num_groups", 1) > 1:
-        raise ConfigError(f"record_ops with a decode side: {cfg.model}'s hybrid KV-cache groups' reads are not "
-                          "recorded yet (one group's are: a replay holds their KV)")
 
 
 class NixlConnector:

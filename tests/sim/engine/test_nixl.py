@@ -137,13 +137,21 @@ def test_bad_settings_are_refused_in_one_line(kw, field):
     assert "\n" not in str(e.value)
 
 
-def test_a_hybrid_decode_sides_op_records_are_refused_before_the_run():
-    # one group's reads are recorded as written (tests/gpu/test_default_run_verified.py); vLLM's hybrid
-    # groups' are not yet, so a stream a replay could not verify is not written
-    cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role="decode", record_ops=True, num_gpu_blocks=400)
-    with pytest.raises(ConfigError, match="^record_ops with a decode side: gpt-oss-20b's hybrid KV-cache groups' reads are not recorded yet") as e:
-        simulate(_requests([0.0], prompt=100), cfg.validate())
-    assert "\n" not in str(e.value)
+def test_a_hybrid_decode_sides_read_is_recorded_group_by_group():
+    """`HybridKVCacheManager.record_loaded` (gpt-oss-20b, block 16: group 0 a 128-token window, group 1
+    full attention): the read of a 1000-token prompt, applied before step 0, is recorded as each group's
+    writes of the blocks it loaded (write ops: block, first and end slot, position): full attention's 63
+    blocks, the window's last 9 (vLLM's exchange clip, cdiv(128, 16) + 1; its table holds nulls before
+    them); then step 0 recomputes the prompt's last token in both. The read is recorded, not counted:
+    5 counted writes are the recompute and the 4 decodes."""
+    cfg = SimConfig(model="gpt-oss-20b", kv_transfer_role="decode", record_ops=True, block_size=16,
+                    **(SYNC | {"num_gpu_blocks": 400}))
+    run = simulate(_requests([0.0], prompt=1000), cfg.validate())
+    writes = [o for o in run.manager.ops.records() if o.kind == "write" and o.step == 0]
+    spans = {g: [(o.pos, o.b, o.c) for o in writes if o.group == g] for g in (0, 1)}
+    assert spans[1] == [(16 * i, 0, 16) for i in range(62)] + [(992, 0, 8), (999, 7, 8)]
+    assert spans[0] == [(16 * i, 0, 16) for i in range(54, 62)] + [(992, 0, 8), (999, 7, 8)]
+    assert run.manager.op_counts["write"] == 5
 
 
 def test_a_lone_side_and_a_pd_cluster_run_async_as_vllm_serve_does():
