@@ -339,7 +339,8 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
             return
         bs = self.block_size
         if owed and self._owed is not None and n_cached >= seq.num_known_tokens // bs:
-            self._owed[sid] = num_tokens  # (asked for more each time: the counts only grow)
+            if num_tokens > self._owed.get(sid, 0):  # (a smaller ask after a larger one caches nothing more)
+                self._owed[sid] = num_tokens
             return
         hashes = seq.hashes_upto(n_full * bs, bs)
         chain = seq.num_prompt_tokens // bs

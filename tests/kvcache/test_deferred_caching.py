@@ -46,6 +46,22 @@ def test_a_unique_block_is_owed_until_its_sequence_is_freed():
     assert deferred.get_computed_blocks(b)[1] == eager.get_computed_blocks(b)[1] == 8
 
 
+def test_a_smaller_ask_after_a_larger_one_owes_no_less():
+    """The eager manager caches nothing on a smaller ask after a larger one; the deferred one keeps
+    owing the larger (the async output's schedule and update ask with different counts)."""
+    eager, deferred = _pair()
+    for m in (eager, deferred):
+        a = seq("a", range(6), output=[50, 51])  # 8 known: blocks 2.. hold unique tokens
+        prefill(m, a)
+        for _ in range(10):
+            decode(m, a)  # 16 computed: blocks 2 and 3 full
+        m.cache_blocks(a, 16)
+        m.cache_blocks(a, 12)
+        m.free(a)
+    assert _shown(deferred) == _shown(eager)
+    assert len(deferred.pool.cached) == len(eager.pool.cached) == 4
+
+
 def test_a_known_block_is_cached_when_asked():
     """A block within the known tokens (a prompt's, or a known output's) is cached when asked: another
     request's prompt may hold the same tokens."""
