@@ -34,14 +34,21 @@ TABLES = ("steps.parquet", "requests.parquet")
 GROUPS = "groups.parquet"  # a run in vLLM's hybrid groups: the blocks each group held after each step
 
 
-# what a kvsim command writes at the top of an output folder (a run's, a cluster's, a curve's): an
-# existing folder's entries of these names are an earlier output, replaced whole by the next
-_OWNED = re.compile(r"(config|summary)\.json|[^/]+\.(parquet|png)|replica-\d+")
+# what a kvsim command writes at the top of an output folder, by name (a run's tables, op records,
+# groups and plots; a cluster's and a P/D cluster's tables, plot and replica folders; a curve's): an
+# existing folder's entries of these names are an earlier output, replaced whole by the next; nothing
+# else there is touched (an `--out .` keeps the folder's own files, whatever their kind)
+OUTPUTS = frozenset((
+    "config.json", "summary.json", "steps.parquet", "requests.parquet", "ops.parquet", "op_tokens.parquet",
+    "groups.parquet", "received.parquet", "load.parquet", "paths.parquet", "curve.parquet",
+    "blocks.png", "hit_rate.png", "latency.png", "cluster.png", "pd.png", "curve.png",
+))
+_REPLICA = re.compile(r"replica-\d+")
 
 
 def owned(name: str) -> bool:
     """Whether an entry named `name` at the top of an output folder is one kvsim writes there."""
-    return _OWNED.fullmatch(name) is not None
+    return name in OUTPUTS or _REPLICA.fullmatch(name) is not None
 
 
 @contextmanager
