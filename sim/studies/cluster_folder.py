@@ -173,7 +173,7 @@ def plot_cluster(result: Any, path: str | Path) -> None:
     top.set_ylabel("in-flight requests")
     top.set_title(f"{result.workload}: {c.replicas} x {c.model} on {c.gpu}, router {c.router}"
                   + (f", imbalance {imb:.2f} (max / mean)" if imb is not None else ""))
-    bottom.set_ylabel("prefix hit rate, %")
+    bottom.set_ylabel("prefix hit rate so far, %")
     bottom.set_xlabel("time, s")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
