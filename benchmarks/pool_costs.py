@@ -3,9 +3,9 @@
     python benchmarks/pool_costs.py [WORKLOAD] [kvsim run options ...]
 
 The script wraps, in this process only, the pool's public block operations:
-- `BlockPool.get_new_blocks`: blocks taken. Under exact LRU it also counts those that come off the
-  free queue's front stack. The rest come off its linked part: each an eviction, but for a block's
-  first use (the pool starts with every block there).
+- `BlockPool.get_new_blocks` and `take_one` (a decode's one block): blocks taken. Under exact LRU it
+  also counts those that come off the free queue's front stack. The rest come off its linked part:
+  each an eviction, but for a block's first use (the pool starts with every block there).
 - `free_blocks` / `free_runs`: blocks let go.
 - `cache_blocks`: blocks hashed into the prefix cache.
 
@@ -78,6 +78,7 @@ class Meter:
             return n
 
         BlockPool.get_new_blocks = self.wrap("take", BlockPool.get_new_blocks, taken)
+        BlockPool.take_one = self.wrap("take", BlockPool.take_one, lambda pool: taken(pool, 1))
         BlockPool.free_blocks = self.wrap("free", BlockPool.free_blocks, lambda pool, ordered: len(ordered))
         BlockPool.free_runs = self.wrap("free", BlockPool.free_runs, lambda pool, runs: sum(map(len, runs)))
         BlockPool.cache_blocks = self.wrap("cache", BlockPool.cache_blocks,
