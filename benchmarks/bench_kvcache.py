@@ -33,12 +33,27 @@ def main() -> None:
     allocated = 0
     get_new = manager.pool.get_new_blocks
 
+    inside = False  # within take_one, whose fallback is get_new_blocks(1): counted once
+
     def counting_get_new(n):
         nonlocal allocated
-        allocated += n
+        if not inside:
+            allocated += n
         return get_new(n)
 
     manager.pool.get_new_blocks = counting_get_new
+    take_one = manager.pool.take_one
+
+    def counting_take_one():  # (a decode's one block: `decode_slot` takes it without get_new_blocks)
+        nonlocal allocated, inside
+        allocated += 1
+        inside = True
+        try:
+            return take_one()
+        finally:
+            inside = False
+
+    manager.pool.take_one = counting_take_one
     t0 = time.perf_counter()
     result = replay(load_workload(args.trace), manager)
     wall = time.perf_counter() - t0
