@@ -157,12 +157,20 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data
 
 
+def check_run_folder(d: Path) -> None:
+    """Raise FileNotFoundError naming `d` unless it holds a run's summary.json: no such path, or a
+    path that is no run folder."""
+    if not d.exists():
+        raise FileNotFoundError(f"{d}: no such run folder")
+    if not (d / "summary.json").is_file():
+        raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """A run folder's summary.json (a lone run's or a cluster's); a folder without one, or a bad
     one, raises FileNotFoundError or ValueError naming it."""
     d = Path(run_dir)
-    if not (d / "summary.json").is_file():
-        raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
+    check_run_folder(d)
     return read_json_object(d / "summary.json")
 
 
@@ -181,8 +189,7 @@ def load_run(run_dir: str | Path) -> RunResult:
     """Read a run folder back (without the manager); a missing or bad file raises an error
     (FileNotFoundError, ValueError) that names it."""
     d = Path(run_dir)
-    if not (d / "summary.json").is_file():
-        raise FileNotFoundError(f"{d}: not a run folder (no summary.json)")
+    check_run_folder(d)
     missing = [n for n in ("config.json", *TABLES) if not (d / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{d}: not a complete run folder (no {missing[0]})")

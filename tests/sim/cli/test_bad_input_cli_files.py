@@ -64,6 +64,8 @@ def in_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, good_run: Path) ->
          "badsum/summary.json: not JSON (Expecting property name enclosed in double quotes, line 1)"),
         (["compare", "good", "badsteps"], f"badsteps/steps.parquet: {NOT_PARQUET}"),
         (["report", "ok.jsonl"], "ok.jsonl: not a run folder (no summary.json)"),
+        (["report", "nope"], "nope: no such run folder"),
+        (["compare", "good", "nope"], "nope: no such run folder"),
         (["compare", "adir"], "adir: not a run folder (no summary.json)"),
         (["compare", "good", "good", "--plot", "adir"], "adir: is a folder, expected a file name"),
     ],
