@@ -58,7 +58,9 @@ def _capacity(
         routers = (knobs.pop("router") or "round-robin").split(",")
     changes = knob_changes(knobs)
     try:
-        cfg = SimConfig().replace(**changes).validate()
+        # (a search for replicas checks the router's options against its first router, and each router's
+        # config below against its own)
+        cfg = SimConfig().replace(**changes, **({"router": routers[0]} if routers else {})).validate()
         derived = CostModel.from_config(cfg).num_gpu_blocks(cfg)
         cfg = default_cache(cfg, derived, workload is not None, changes)
         blocks = (cfg.num_gpu_blocks or derived, "" if cfg.num_gpu_blocks else " (from the GPU's memory)")
@@ -67,8 +69,7 @@ def _capacity(
         spec = WorkloadSpec(path=str(workload), format=knobs.get("format") or "auto") if workload else WorkloadSpec()
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
-    if routers is None:  # (`--max-replicas` searches clusters behind its routers)
-        check_routing(changes, cfg, search=True)
+    check_routing(changes, cfg, search=True, clusters=routers is not None)  # (`--max-replicas`: clusters)
     name = str(workload) if workload is not None else "the default workload"
     if routers is not None:
         return _replicas(spec, cfg, routers, name, blocks, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,

@@ -171,6 +171,8 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
 # imports no numpy; tests/sim/cli/test_cli_run.py holds the two equal)
 ROUTER_OPTIONS = ("kv_event_delay", "router_temperature", "router_scorers", "router_cache_threshold",
                   "router_balance_abs", "router_balance_rel", "router_tree_size", "router_eviction_interval")
+# a P/D cluster's decider options: which prompts go to the prefill pool, and when
+PD_OPTIONS = ("pd_decider", "pd_threshold", "pd_busy_threshold")
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
 PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
@@ -433,14 +435,22 @@ def _events_sink(stack: ExitStack, path: Path) -> Any:
     return lambda batch: sink.write(batch.json_line())
 
 
-def check_routing(changes: dict[str, Any], cfg: Any, search: bool = False) -> None:
-    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools): it would route
-    nothing, silently. (`--replicas 1` is a cluster of one, and runs.) `search`: `kvsim capacity`'s
-    rate search, which `--max-replicas` turns into a search for replicas."""
+def check_routing(changes: dict[str, Any], cfg: Any, search: bool = False, clusters: bool = False) -> None:
+    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools), or a P/D
+    decider's without P/D pools: it would do nothing, silently. (`--replicas 1` is a cluster of one,
+    and runs.) `search`: `kvsim capacity`'s rate search; `clusters`: its search for replicas
+    (`--max-replicas`), whose clusters take a router's options."""
+    what = "search" if search else "run"
+    deciding = [k for k in PD_OPTIONS if k in changes]
+    if deciding and not cfg.prefill_replicas:
+        raise fail(f"--{deciding[0].replace('_', '-')}: a P/D cluster's option, and this {what} has no P/D pools: "
+                   "give --prefill-replicas P --decode-replicas D, or leave it out")
+    if clusters:
+        return
     routing = [k for k in ("router", "router_metrics_interval", *ROUTER_OPTIONS) if k in changes]
     if routing and "replicas" not in changes and not cfg.prefill_replicas:
         given = f"--{routing[0].replace('_', '-')}"
-        what, more = ("search", " or --max-replicas N") if search else ("run", "")
+        more = " or --max-replicas N" if search else ""
         raise fail(f"{given}: a router's option, and this {what} has one replica: give --replicas N{more} "
                    "(or --prefill-replicas P --decode-replicas D), or leave it out")
 

@@ -86,6 +86,16 @@ def test_run_bad_number(args: list[str], message: str) -> None:
     assert_one_error(["run", "ok.jsonl", *args, "--no-plots", "-o", "r"], message)
 
 
+@pytest.mark.parametrize("command", [["run", "ok.jsonl", "--no-plots", "-o", "r"],
+                                     ["run", "ok.jsonl", "--replicas", "2", "--no-plots", "-o", "r"],
+                                     ["capacity", "ok.jsonl", "--slo-ttft", "1", "--slo-tpot", "0.1", "--max-replicas", "2"]])
+def test_a_deciders_option_without_pd_pools_is_refused(command: list[str]) -> None:
+    what = "search" if command[0] == "capacity" else "run"
+    assert_one_error([*command, "--pd-threshold", "32"],
+                     f"--pd-threshold: a P/D cluster's option, and this {what} has no P/D pools: give "
+                     "--prefill-replicas P --decode-replicas D, or leave it out")
+
+
 def test_a_rate_search_on_one_engine_refuses_a_router() -> None:
     assert_one_error(["capacity", "ok.jsonl", "--slo-ttft", "1", "--slo-tpot", "0.1", "--router", "llm-d"],
                      "--router: a router's option, and this search has one replica: give --replicas N or "

@@ -129,6 +129,18 @@ def test_capacity_max_replicas_per_router(trace: Path):
     assert (round(out["rate_rps"], 3), out["gpus_per_replica"]) == (34.525, 1)
 
 
+def test_a_scoring_routers_weights_go_to_its_search(trace: Path):
+    """`--router-scorers` with `--max-replicas --router llm-d`: checked against llm-d, the search's
+    router, not the default round-robin (which weighs no scorers); each router given is checked."""
+    r = runner.invoke(app, ["capacity", str(trace), *ARGS, "--router", "llm-d", "--router-scorers", "prefix:1"])
+    assert r.exit_code == 1, r.output  # (weighing the prefix alone piles the sessions on too few replicas)
+    assert r.stdout.splitlines()[-1] == "llm-d: more than 6 replicas; 6 meet the targets for only 95.8% of requests"
+    r = runner.invoke(app, ["capacity", str(trace), *ARGS, "--router", "llm-d,round-robin", "--router-scorers",
+                            "prefix:1"])
+    assert (r.exit_code, r.stderr) == (2, "error: router_scorers: router round-robin weighs no scorers (those that "
+                                          "do: llm-d, llm-d-precise)\n")
+
+
 def test_capacity_max_replicas_none_enough_exits_1(trace: Path):
     r = runner.invoke(app, ["capacity", str(trace), "--slo-ttft", "0.001", "--slo-tpot", "0.01", "--max-replicas", "2",
                             "--num-gpu-blocks", "40", "-w", "1"])
