@@ -93,9 +93,24 @@ def conform(
 
     if mode not in MODES:
         raise fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    # an option of one mode given to the other alone would change nothing, silently
+    if mode not in ("manager", "both") and max_running != 1:
+        raise fail(f"--max-running is the manager mode's (K sequences at once), and --mode {mode} runs no manager "
+                   "mode: give --mode manager or both, or leave it out")
+    scheduler_only = [name for name, v in (("--step-time", step_time), ("--max-model-len", max_model_len)) if v is not None]
+    if mode == "manager" and scheduler_only:
+        raise fail(f"{scheduler_only[0]} is the scheduler mode's, and --mode manager runs the block manager alone: "
+                   "give --mode scheduler or both, or leave it out")
     seeds = None if random_seeds is None else _seeds(random_seeds)
+    if seeds is None and (pd or only_hybrid):
+        hint = " (one side of P/D for a workload: --kv-transfer-role)" if pd else ""
+        raise fail(f"--{'pd' if pd else 'only-hybrid'} picks among --random's cases: give --random START:STOP{hint}")
     if seeds is not None and workload is not None:
         raise fail("--random makes its own workloads: give no workload file")
+    if seeds is not None and cluster_run is None:
+        given = _knobs_given(locals())
+        if given:
+            raise fail(f"--random makes its own configurations: give no --{given[0].replace('_', '-')}")
     if (cluster_run is None) != (replica is None):
         raise fail("--cluster-run FOLDER and --replica I go together: one replica of a cluster run")
     if cluster_run is not None:

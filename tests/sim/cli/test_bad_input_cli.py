@@ -96,6 +96,25 @@ def test_a_deciders_option_without_pd_pools_is_refused(command: list[str]) -> No
                      "--prefill-replicas P --decode-replicas D, or leave it out")
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode", "scheduler", "-k", "4"], "--max-running is the manager mode's (K sequences at once), and --mode "
+                                         "scheduler runs no manager mode: give --mode manager or both, or leave it out"),
+    (["--mode", "manager", "--step-time", "0.05"], "--step-time is the scheduler mode's, and --mode manager runs the "
+                                                   "block manager alone: give --mode scheduler or both, or leave it out"),
+    (["--pd"], "--pd picks among --random's cases: give --random START:STOP (one side of P/D for a workload: "
+               "--kv-transfer-role)"),
+    (["--only-hybrid"], "--only-hybrid picks among --random's cases: give --random START:STOP"),
+])
+def test_conform_refuses_an_option_its_mode_would_not_use(args: list[str], message: str) -> None:
+    """Checked before anything runs (no vLLM needed): each would change nothing, silently."""
+    assert_one_error(["conform", "ok.jsonl", *args], message)
+
+
+def test_conform_random_refuses_a_configuration() -> None:
+    assert_one_error(["conform", "--random", "0:2", "--num-gpu-blocks", "100"],
+                     "--random makes its own configurations: give no --num-gpu-blocks")
+
+
 def test_a_rate_search_on_one_engine_refuses_a_router() -> None:
     assert_one_error(["capacity", "ok.jsonl", "--slo-ttft", "1", "--slo-tpot", "0.1", "--router", "llm-d"],
                      "--router: a router's option, and this search has one replica: give --replicas N or "
