@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from kvsim.kvcache.eviction import POLICIES
+from kvsim.sim.cli.common import fail
 from kvsim.sim.engine.catalog import GPUS, MODELS
 from kvsim.sim.engine.hf_config import catalog_names
 
@@ -81,10 +82,16 @@ def admission_changes(max_num_active_seqs: int | None, long_prefill_adaptive: bo
 def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: str | None,
                     offload_store_threshold: int | None, offload_blocks_per_chunk: int | None,
                     offload_all: bool) -> dict[str, Any]:
-    """The `SimConfig` fields the offloading options given set (`SimConfig.validate` checks them)."""
+    """The `SimConfig` fields the offloading options given set (`SimConfig.validate` checks them); the
+    host tier's options without `--kv-offloading-size` fail (they would change nothing, silently)."""
     given = {"kv_offloading_size": kv_offloading_size, "offload_eviction_policy": offload_eviction_policy,
              "offload_store_threshold": offload_store_threshold,
              "offload_blocks_per_chunk": offload_blocks_per_chunk}
+    tier = [k for k, v in given.items() if v is not None and k != "kv_offloading_size"] + \
+        (["offload_all"] if offload_all else [])
+    if tier and kv_offloading_size is None:
+        raise fail(f"--{tier[0].replace('_', '-')}: a KV offloading option, and no host tier is given: give "
+                   "--kv-offloading-size GiB, or leave it out")
     changes = {k: v for k, v in given.items() if v is not None}
     if offload_all:
         changes["offload_prompt_only"] = False
@@ -93,9 +100,13 @@ def offload_changes(kv_offloading_size: float | None, offload_eviction_policy: s
 
 def fs_changes(offload_fs: bool, offload_fs_size: float | None, offload_fs_gbps: float | None,
                offload_fs_threads: int | None) -> dict[str, Any]:
-    """The `SimConfig` fields the file-tier options given set."""
+    """The `SimConfig` fields the file-tier options given set; one without `--offload-fs` fails."""
     given = {"offload_fs_size": offload_fs_size, "offload_fs_gbps": offload_fs_gbps,
              "offload_fs_threads": offload_fs_threads}
+    tier = [k for k, v in given.items() if v is not None]
+    if tier and not offload_fs:
+        raise fail(f"--{tier[0].replace('_', '-')}: the file tier's option, and no file tier is given: give "
+                   "--offload-fs, or leave it out")
     return {k: v for k, v in given.items() if v is not None} | ({"offload_fs": True} if offload_fs else {})
 
 

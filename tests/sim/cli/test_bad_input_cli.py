@@ -75,6 +75,8 @@ def test_unreadable_trace() -> None:
         (["--num-cpu-blocks", "-1"], "num_cpu_blocks must be >= 0, got -1"),
         (["--block-size", "3"], POW2),
         (["--tp", "0"], "tensor_parallel must be >= 1, got 0"),
+        (["--kv-offloading-size", "1", "--offload-fs-size", "10"],
+         "--offload-fs-size: the file tier's option, and no file tier is given: give --offload-fs, or leave it out"),
         # a router's options without a cluster (`--replicas 1` is a cluster of one, and runs)
         (["--router", "llm-d"], "--router: a router's option, and this run has one replica: give --replicas N "
                                 "(or --prefill-replicas P --decode-replicas D), or leave it out"),

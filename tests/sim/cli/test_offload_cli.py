@@ -92,7 +92,13 @@ def test_curve_replay_and_sim_gain_the_tier_columns(aba: str, tmp_path: Path) ->
          "offload_eviction_policy must be one of lru, arc, got 'mru'"),
         (["--kv-offloading-size", "1", "--offload-blocks-per-chunk", "0"],
          "offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0"),
-        (["--offload-store-threshold", "-1"], "offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0"),
+        (["--kv-offloading-size", "1", "--offload-store-threshold", "-1"],
+         "offload_blocks_per_chunk must be >= 1 and offload_store_threshold >= 0"),
+        # a host tier's option with no host tier would change nothing, silently
+        (["--offload-store-threshold", "2"], "--offload-store-threshold: a KV offloading option, and no host tier is "
+                                             "given: give --kv-offloading-size GiB, or leave it out"),
+        (["--offload-all"], "--offload-all: a KV offloading option, and no host tier is given: give "
+                            "--kv-offloading-size GiB, or leave it out"),
         (["--kv-offloading-size", "1", "--model", "gpt-9"],
          "unknown model 'gpt-9'; choose from llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, deepseek-v3, "
          "gemma-3-12b, gemma-3-27b, gpt-oss-120b, gpt-oss-20b, llama-4-scout, mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, "
