@@ -41,7 +41,7 @@ def _capacity(
     meets both targets for ATTAINMENT of the requests (DistServe's goodput), by bisection over
     simulated runs; per GPU, and with --gpu-hourly-cost what a million output tokens cost."""
     from kvsim.sim.api import default_cache, sweep_point
-    from kvsim.sim.cli.run import check_routing, knob_changes
+    from kvsim.sim.cli.run import check_fleet_options, knob_changes
     from kvsim.sim.engine.config import ConfigError, SimConfig
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.studies.capacity import capacity
@@ -69,7 +69,7 @@ def _capacity(
         spec = WorkloadSpec(path=str(workload), format=knobs.get("format") or "auto") if workload else WorkloadSpec()
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
-    check_routing(changes, cfg, search=True, clusters=routers is not None)  # (`--max-replicas`: clusters)
+    check_fleet_options(changes, cfg, search=True, clusters=routers is not None)  # (`--max-replicas`: clusters)
     name = str(workload) if workload is not None else "the default workload"
     if routers is not None:
         return _replicas(spec, cfg, routers, name, blocks, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,

@@ -173,6 +173,8 @@ ROUTER_OPTIONS = ("kv_event_delay", "router_temperature", "router_scorers", "rou
                   "router_balance_abs", "router_balance_rel", "router_tree_size", "router_eviction_interval")
 # a P/D cluster's decider options: which prompts go to the prefill pool, and when
 PD_OPTIONS = ("pd_decider", "pd_threshold", "pd_busy_threshold")
+# a KV transfer's options (a P/D cluster's link, or a lone P/D side's)
+LINK_OPTIONS = ("kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration")
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
 PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
@@ -362,7 +364,7 @@ def run(
         bar, progress = progress_bar(wl)
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
-    check_routing(changes, cfg)
+    check_fleet_options(changes, cfg)
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
@@ -435,12 +437,17 @@ def _events_sink(stack: ExitStack, path: Path) -> Any:
     return lambda batch: sink.write(batch.json_line())
 
 
-def check_routing(changes: dict[str, Any], cfg: Any, search: bool = False, clusters: bool = False) -> None:
-    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools), or a P/D
-    decider's without P/D pools: it would do nothing, silently. (`--replicas 1` is a cluster of one,
-    and runs.) `search`: `kvsim capacity`'s rate search; `clusters`: its search for replicas
-    (`--max-replicas`), whose clusters take a router's options."""
+def check_fleet_options(changes: dict[str, Any], cfg: Any, search: bool = False, clusters: bool = False) -> None:
+    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools), a P/D decider's
+    without P/D pools, or a KV link's with neither P/D pools nor a P/D side (`--kv-transfer-role`):
+    it would do nothing, silently. (`--replicas 1` is a cluster of one, and runs.) `search`: `kvsim
+    capacity`'s rate search; `clusters`: its search for replicas (`--max-replicas`), whose clusters
+    take a router's options."""
     what = "search" if search else "run"
+    linking = [k for k in LINK_OPTIONS if k in changes]
+    if linking and not cfg.prefill_replicas and cfg.kv_transfer_role is None:
+        raise fail(f"--{linking[0].replace('_', '-')}: a KV transfer's option, and this {what} moves no KV between "
+                   "replicas: give --prefill-replicas P --decode-replicas D or --kv-transfer-role, or leave it out")
     deciding = [k for k in PD_OPTIONS if k in changes]
     if deciding and not cfg.prefill_replicas:
         raise fail(f"--{deciding[0].replace('_', '-')}: a P/D cluster's option, and this {what} has no P/D pools: "

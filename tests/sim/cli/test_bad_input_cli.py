@@ -77,6 +77,9 @@ def test_unreadable_trace() -> None:
         (["--tp", "0"], "tensor_parallel must be >= 1, got 0"),
         (["--kv-offloading-size", "1", "--offload-fs-size", "10"],
          "--offload-fs-size: the file tier's option, and no file tier is given: give --offload-fs, or leave it out"),
+        (["--kv-lease-duration", "5"], "--kv-lease-duration: a KV transfer's option, and this run moves no KV between "
+                                       "replicas: give --prefill-replicas P --decode-replicas D or --kv-transfer-role, "
+                                       "or leave it out"),
         # a router's options without a cluster (`--replicas 1` is a cluster of one, and runs)
         (["--router", "llm-d"], "--router: a router's option, and this run has one replica: give --replicas N "
                                 "(or --prefill-replicas P --decode-replicas D), or leave it out"),
