@@ -185,6 +185,20 @@ class Run:
                 f"hit rate {s.get('hit_rate', 0.0):.2%}>")
 
 
+def _checked(knobs: Mapping[str, Any], fleets: str = "") -> SimConfig:
+    """`config(**knobs)`, failing on a knob that would change nothing, silently (`idle_field`: a
+    router's without replicas, a host tier's without kv_offloading_size, ...); `fleets`: where the
+    calls that would use a fleet's knobs are, said after what is missing."""
+    from kvsim.sim.engine.config import idle_field
+
+    cfg = config(**knobs)
+    idle = idle_field(knobs.keys(), cfg)
+    if idle is not None:
+        raise ConfigError(f"{idle[0]} changes nothing without {idle[1]}: set it, or leave {idle[0]} out"
+                          + (fleets if idle[1] in ("replicas", "prefill_replicas") else ""))
+    return cfg
+
+
 def default_cache(cfg: SimConfig, derived: int, workload_given: bool, knobs: Mapping[str, Any]) -> SimConfig:
     """The embedded workload with no cache size given runs in `DEFAULT_WORKLOAD_BLOCKS` blocks (as
     `kvsim run` does), never more than the GPU holds (`derived`); any other run keeps `cfg`."""
@@ -199,15 +213,10 @@ def simulate(workload: WorkloadLike = None, *, progress: Callable[[int], None] |
     the engine the knobs describe; deterministic for the same workload, knobs and seed. Its scheduler
     runs as `vllm serve` 0.33's does, asynchronously (`async_scheduling=False`: vLLM's step-by-step
     one; `run.config.runs_async` says which ran). `progress(n)` is called as requests finish."""
-    from kvsim.sim.engine.config import ROUTER_FIELDS
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.engine.run import simulate as run
 
-    routing = [k for k in ROUTER_FIELDS if k in knobs]
-    if routing and "replicas" not in knobs:  # (it would route nothing, silently)
-        raise ConfigError(f"{routing[0]}: a router's option, and simulate runs one engine: give it to "
-                          "kvsim.simulate_cluster (replicas=N) or kvsim.simulate_pd")
-    cfg = config(**knobs)
+    cfg = _checked(knobs, " (kvsim.simulate_cluster and kvsim.simulate_pd run fleets)")
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
     return Run(run(_open(workload, cfg.seed), cfg, progress, cost_model=cost))
@@ -227,7 +236,7 @@ def simulate_cluster(workload: WorkloadLike = None, *, progress: Callable[[int],
     from kvsim.sim.cluster.run import simulate_cluster as run
     from kvsim.sim.engine.cost_model import CostModel
 
-    cfg = config(**knobs)
+    cfg = _checked(knobs)
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
     return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost, workers=workers, apart=apart)
@@ -244,7 +253,7 @@ def simulate_pd(workload: WorkloadLike = None, *, progress: Callable[[int], None
     from kvsim.sim.cluster.pd import simulate_pd as run
     from kvsim.sim.engine.cost_model import CostModel
 
-    cfg = config(**knobs)
+    cfg = _checked(knobs)
     cost = CostModel.from_config(cfg)
     cfg = default_cache(cfg, cost.num_gpu_blocks(cfg), workload is not None, knobs)
     return run(_open(workload, cfg.seed), cfg, progress, cost_model=cost)

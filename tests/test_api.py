@@ -52,14 +52,24 @@ def test_an_unknown_setting_names_the_closest_field():
     assert kvsim.config(tensor_parallel_size=2).tensor_parallel == 2  # vLLM's name
 
 
-def test_simulate_refuses_a_routers_option():
-    """One engine routes nothing: a router's option given to `simulate` (as to `kvsim run` without
-    --replicas) is refused, not ignored."""
-    with pytest.raises(kvsim.ConfigError, match=r"^router: a router's option, and simulate runs one engine: give "
-                                                r"it to kvsim.simulate_cluster \(replicas=N\) or kvsim.simulate_pd$"):
+def test_a_knob_that_would_change_nothing_is_refused():
+    """`config.idle_field`, as the commands check their options: one engine routes nothing, a cluster
+    without P/D pools decides nothing, no host tier offloads nothing; each is refused, not ignored."""
+    fleets = r" \(kvsim.simulate_cluster and kvsim.simulate_pd run fleets\)$"
+    with pytest.raises(kvsim.ConfigError, match=r"^router changes nothing without replicas: set it, or leave "
+                                                r"router out" + fleets):
         kvsim.simulate(router="llm-d")
-    with pytest.raises(kvsim.ConfigError, match=r"^router_scorers: "):
-        kvsim.simulate(router_scorers="prefix:1")
+    with pytest.raises(kvsim.ConfigError, match=r"^kv_event_delay changes nothing without replicas"):
+        kvsim.simulate(kv_event_delay=0.01)
+    with pytest.raises(kvsim.ConfigError, match=r"^pd_threshold changes nothing without prefill_replicas: set it, "
+                                                r"or leave pd_threshold out$"):
+        kvsim.simulate_cluster(replicas=2, pd_threshold=32)
+    with pytest.raises(kvsim.ConfigError, match=r"^kv_transfer_gbps changes nothing without prefill_replicas or "
+                                                r"kv_transfer_role"):
+        kvsim.simulate_cluster(replicas=2, kv_transfer_gbps=10.0)
+    with pytest.raises(kvsim.ConfigError, match=r"^offload_prompt_only changes nothing without kv_offloading_size"):
+        kvsim.simulate(offload_prompt_only=False)
+    assert kvsim.simulate_cluster(replicas=1, router="llm-d", num_gpu_blocks=300).summary["cluster"]["replicas"] == 1
 
 
 def test_one_workload_object_serves_every_call(chat):

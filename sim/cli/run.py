@@ -171,10 +171,6 @@ def next_steps(workload: Path | None, fmt: str, switches: list[str], changes: di
 # imports no numpy; tests/sim/cli/test_cli_run.py holds the two equal)
 ROUTER_OPTIONS = ("kv_event_delay", "router_temperature", "router_scorers", "router_cache_threshold",
                   "router_balance_abs", "router_balance_rel", "router_tree_size", "router_eviction_interval")
-# a P/D cluster's decider options: which prompts go to the prefill pool, and when
-PD_OPTIONS = ("pd_decider", "pd_threshold", "pd_busy_threshold")
-# a KV transfer's options (a P/D cluster's link, or a lone P/D side's)
-LINK_OPTIONS = ("kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration")
 # `kvsim run` options named as their SimConfig field, in the order the summary's commands show them
 PLAIN_KNOBS = ("block_size", "kv_cache_dtype", "num_gpu_blocks", "gpu_memory_utilization", "num_cpu_blocks", "eviction", "watermark",
                "preemption", "scheduling", "parallel_sampling", "defrag_threshold", "max_num_seqs",
@@ -443,12 +439,14 @@ def check_fleet_options(changes: dict[str, Any], cfg: Any, search: bool = False,
     it would do nothing, silently. (`--replicas 1` is a cluster of one, and runs.) `search`: `kvsim
     capacity`'s rate search; `clusters`: its search for replicas (`--max-replicas`), whose clusters
     take a router's options."""
+    from kvsim.sim.engine.config import LINK_FIELDS, PD_FIELDS
+
     what = "search" if search else "run"
-    linking = [k for k in LINK_OPTIONS if k in changes]
+    linking = [k for k in LINK_FIELDS if k in changes]
     if linking and not cfg.prefill_replicas and cfg.kv_transfer_role is None:
         raise fail(f"--{linking[0].replace('_', '-')}: a KV transfer's option, and this {what} moves no KV between "
                    "replicas: give --prefill-replicas P --decode-replicas D or --kv-transfer-role, or leave it out")
-    deciding = [k for k in PD_OPTIONS if k in changes]
+    deciding = [k for k in PD_FIELDS if k in changes]
     if deciding and not cfg.prefill_replicas:
         raise fail(f"--{deciding[0].replace('_', '-')}: a P/D cluster's option, and this {what} has no P/D pools: "
                    "give --prefill-replicas P --decode-replicas D, or leave it out")

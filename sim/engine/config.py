@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,8 @@ from kvsim.kvcache.eviction import check_policy
 from kvsim.kvcache.profiles import profile
 from kvsim.sim.engine.catalog import ConfigError, get_gpu, vllm_batch_defaults
 
-__all__ = ["KV_CACHE_DTYPES", "POOL_FIELDS", "ROUTER_FIELDS", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError",
+__all__ = ["FILE_TIER_FIELDS", "HOST_TIER_FIELDS", "KV_CACHE_DTYPES", "LINK_FIELDS", "PD_FIELDS", "POOL_FIELDS",
+           "ROUTER_FIELDS", "ROUTER_NAMES", "ROUTER_SCORERS", "SCHEDULER_KNOBS", "ConfigError",
            "SimConfig", "check_block_size", "parse_pool", "parse_router_scorers"]
 
 # vLLM SchedulerConfig fields that SimConfig takes under the same names and defaults (0.24+ and
@@ -40,6 +42,13 @@ ROUTER_NAMES = ("round-robin", "random", "least-outstanding", "vllm-dp", "vllm-d
 PD_DECIDERS = ("never", "always", "llm-d", "dynamo", "dynamo-load", "dynamo-isl-or-load")
 # the routers fed by the replicas' KV events (sim.cluster.kv_routers)
 EVENT_ROUTERS = ("llm-d-precise", "dynamo")
+# the fields that set up a P/D cluster's decider, a KV transfer (a P/D cluster's link, or a lone P/D
+# side's), the host tier below the GPU pool and the file tier below that: nothing without those
+PD_FIELDS = ("pd_decider", "pd_threshold", "pd_busy_threshold")
+LINK_FIELDS = ("kv_transfer_gbps", "kv_transfer_latency", "kv_lease_duration")
+HOST_TIER_FIELDS = ("offload_eviction_policy", "offload_store_threshold", "offload_blocks_per_chunk",
+                    "offload_prompt_only")
+FILE_TIER_FIELDS = ("offload_fs_size", "offload_fs_gbps", "offload_fs_threads")
 # the fields that set up a cluster's router (nothing to one engine run alone): which router, how stale
 # its metrics, the event-fed ones' delay and Dynamo's temperature, the scoring ones' weights (llm-d,
 # llm-d-precise), sglang-cache-aware's thresholds and tree
@@ -61,6 +70,24 @@ KV_EVENT_DELAY = 0.001
 # (deploy/config/epp-precise-prefix-cache-config.yaml, commit 98debc4)
 ROUTER_SCORERS = {"llm-d": {"queue": 2.0, "kv-util": 2.0, "prefix": 3.0},
                   "llm-d-precise": {"prefix": 2.0, "kv-util": 1.0, "queue": 1.0}}
+
+
+def idle_field(given: Collection[str], cfg: SimConfig) -> tuple[str, str] | None:
+    """The first of the fields `given` (set by a caller, by name) that `cfg` would leave idle, with the
+    field it needs; None if every one takes effect. A P/D decider's needs P/D pools; a KV transfer's,
+    P/D pools or a P/D side; a host tier's, `kv_offloading_size`; a file tier's, `offload_fs`; a
+    router's, `replicas` given (one of 1 is a cluster of one) or P/D pools."""
+    pools = cfg.prefill_replicas > 0
+    for fields, idle, needs in (
+            (PD_FIELDS, not pools, "prefill_replicas"),
+            (LINK_FIELDS, not pools and cfg.kv_transfer_role is None, "prefill_replicas or kv_transfer_role"),
+            (HOST_TIER_FIELDS, cfg.kv_offloading_size is None, "kv_offloading_size"),
+            (FILE_TIER_FIELDS, not cfg.offload_fs, "offload_fs"),
+            (ROUTER_FIELDS, not pools and "replicas" not in given, "replicas")):
+        hit = [f for f in fields if f in given]
+        if hit and idle:
+            return hit[0], needs
+    return None
 
 
 def parse_router_scorers(text: str | None, router: str = "llm-d-precise") -> dict[str, float]:
