@@ -233,13 +233,9 @@ class BlockPool:
             nxt = b.next
             b.prev = b.next = None
             q.detach_front(nxt, 1)
-            key = b.block_hash
             evicted = 0
-            if key is not None:
-                hit = self.cached.pop(key)
-                if hit is not b:
-                    self._unshare(key, hit, b)
-                b.block_hash = None
+            if b.block_hash is not None:
+                self._evict(b)
                 evicted = 1
                 if self.evicted_by_group is not None:
                     self.evicted_by_group[b.group] += 1

@@ -496,8 +496,9 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         read landed in its blocks (P/D disaggregation's decode side, `sim.engine.nixl`), so a replay
         holds it; without records, nothing (the read is no computed write: it is not counted)."""
         if self.ops.enabled and end > start:
+            counted = self.ops.counts["write"]
             self._emit_writes(seq.seq_id, self.req_blocks[seq.seq_id], start, end)
-            self.ops.counts["write"] -= (end - 1) // self.block_size - start // self.block_size + 1  # (not counted)
+            self.ops.counts["write"] = counted  # (recorded, not counted)
 
     def record_decodes(self, seq: Sequence, pos: int, step: int, n: int) -> None:
         """Record (not count) `n` one-token writes of `seq` from position `pos` on, in one block, the

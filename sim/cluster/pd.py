@@ -41,12 +41,7 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.hashing import block_keys
-from kvsim.sim.cluster.cluster import (
-    ReplicaFront,
-    engine_config,
-    engine_metrics,
-    replica_ops,
-)
+from kvsim.sim.cluster.cluster import ReplicaFront, engine_config, engine_metrics, replica_ops
 from kvsim.sim.cluster.deciders import DECODE_FIRST, NEEDS_PREFILL_BUSY, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.link import SharedLink
@@ -55,12 +50,7 @@ from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
 from kvsim.sim.engine.metrics import percentiles, slo_figures
-from kvsim.sim.engine.nixl import (
-    BlockBytes,
-    NixlConnector,
-    prefill_backoff,
-    with_max_tokens_one,
-)
+from kvsim.sim.engine.nixl import BlockBytes, NixlConnector, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.nixl_tp import read_ranks
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request
