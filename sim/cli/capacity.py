@@ -63,7 +63,6 @@ def _capacity(
         cfg = SimConfig().replace(**changes, **({"router": routers[0]} if routers else {})).validate()
         derived = CostModel.from_config(cfg).num_gpu_blocks(cfg)
         cfg = default_cache(cfg, derived, workload is not None, changes)
-        blocks = (cfg.num_gpu_blocks or derived, "" if cfg.num_gpu_blocks else " (from the GPU's memory)")
         if workload is not None:
             load_workload(workload, knobs.get("format") or "auto")  # a bad path fails here, not in a worker
         spec = WorkloadSpec(path=str(workload), format=knobs.get("format") or "auto") if workload else WorkloadSpec()
@@ -72,7 +71,7 @@ def _capacity(
     check_fleet_options(changes, cfg, search=True, clusters=routers is not None)  # (`--max-replicas`: clusters)
     name = str(workload) if workload is not None else "the default workload"
     if routers is not None:
-        return _replicas(spec, cfg, routers, name, blocks, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
+        return _replicas(spec, cfg, routers, name, slo_ttft=slo_ttft, slo_tpot=slo_tpot, attainment=attainment,
                          max_replicas=max_replicas, workers=workers, as_json=as_json)
     if not as_json:
         pools = " + ".join(f"{n} {pool} ({c.gpu} x{c.tensor_parallel}, {_blocks(c):,} blocks)" for n, pool, c in (
@@ -82,7 +81,7 @@ def _capacity(
                  if cfg.prefill_replicas else f"{cfg.replicas} replicas behind {cfg.router} of " if cfg.replicas > 1 else "")
         # (a P/D cluster's pools give their own; replicas that differ, the base's)
         hardware = "" if cfg.prefill_replicas else \
-            f" on {cfg.gpu} x{cfg.tensor_parallel}, {blocks[0]:,} blocks{' each' if cfg.replicas > 1 else ''}{blocks[1]}"
+            f" on {cfg.gpu} x{cfg.tensor_parallel}, {_cache_words(cfg, each=cfg.replicas > 1)}"
         typer.echo(f"capacity of {name}: {fleet}{cfg.model}{hardware}, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
 
@@ -123,7 +122,14 @@ def _blocks(cfg: Any) -> int:
     return cfg.num_gpu_blocks or CostModel.from_config(cfg).num_gpu_blocks(cfg)
 
 
-def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, blocks: tuple[int, str], *, slo_ttft: float, slo_tpot: float,
+def _cache_words(cfg: Any, each: bool = False) -> str:
+    """A replica's cache in the header: its blocks (`each`: of several replicas), and whence, when the
+    GPU's memory sized it."""
+    whence = "" if cfg.num_gpu_blocks else " (from the GPU's memory)"
+    return f"{_blocks(cfg):,} blocks{' each' if each else ''}{whence}"
+
+
+def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, *, slo_ttft: float, slo_tpot: float,
               attainment: float, max_replicas: int, workers: int, as_json: bool) -> None:
     """`kvsim capacity --max-replicas N`: the fewest replicas a router needs at the workload's
     rate, a search per router, each probe shown as it lands; exit 1 if a router needs more than N."""
@@ -141,7 +147,7 @@ def _replicas(spec: Any, cfg: Any, routers: list[str], name: str, blocks: tuple[
     rate = stats.mean_rate * cfg.load
     if not as_json:
         typer.echo(f"replicas for {name} at {rate:.3f} req/s: {cfg.model} on {cfg.gpu} x{cfg.tensor_parallel}, "
-                   f"{blocks[0]:,} blocks each{blocks[1]}, eviction {cfg.eviction}; targets TTFT <= "
+                   f"{_cache_words(cfg, each=True)}, eviction {cfg.eviction}; targets TTFT <= "
                    f"{slo_ttft:g} s and TPOT <= {slo_tpot:g} s for {attainment:.0%} of requests")
     answers = []
     for c in configs:

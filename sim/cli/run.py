@@ -434,30 +434,30 @@ def _events_sink(stack: ExitStack, path: Path) -> Any:
 
 
 def check_fleet_options(changes: dict[str, Any], cfg: Any, search: bool = False, clusters: bool = False) -> None:
-    """Fail on a router's option given to one engine (no `--replicas`, no P/D pools), a P/D decider's
-    without P/D pools, or a KV link's with neither P/D pools nor a P/D side (`--kv-transfer-role`):
-    it would do nothing, silently. (`--replicas 1` is a cluster of one, and runs.) `search`: `kvsim
+    """Fail on an option that would do nothing, silently (`config.idle_field`, the rules the Python API
+    keeps too), in the words of the options: a router's given to one engine (no `--replicas`, no P/D
+    pools; `--replicas 1` is a cluster of one, and runs), a P/D decider's without P/D pools, a KV
+    link's with neither P/D pools nor a P/D side (`--kv-transfer-role`); a host or file tier's are
+    refused as the options are read (`options.offload_changes`, `fs_changes`). `search`: `kvsim
     capacity`'s rate search; `clusters`: its search for replicas (`--max-replicas`), whose clusters
     take a router's options."""
-    from kvsim.sim.engine.config import LINK_FIELDS, PD_FIELDS
+    from kvsim.sim.engine.config import ROUTER_FIELDS, idle_field
 
-    what = "search" if search else "run"
-    linking = [k for k in LINK_FIELDS if k in changes]
-    if linking and not cfg.prefill_replicas and cfg.kv_transfer_role is None:
-        raise fail(f"--{linking[0].replace('_', '-')}: a KV transfer's option, and this {what} moves no KV between "
-                   "replicas: give --prefill-replicas P --decode-replicas D or --kv-transfer-role, or leave it out")
-    deciding = [k for k in PD_FIELDS if k in changes]
-    if deciding and not cfg.prefill_replicas:
-        raise fail(f"--{deciding[0].replace('_', '-')}: a P/D cluster's option, and this {what} has no P/D pools: "
-                   "give --prefill-replicas P --decode-replicas D, or leave it out")
-    if clusters:
+    idle = idle_field([k for k in changes if not (clusters and k in ROUTER_FIELDS)], cfg)
+    if idle is None:
         return
-    routing = [k for k in ("router", "router_metrics_interval", *ROUTER_OPTIONS) if k in changes]
-    if routing and "replicas" not in changes and not cfg.prefill_replicas:
-        given = f"--{routing[0].replace('_', '-')}"
-        more = " or --max-replicas N" if search else ""
-        raise fail(f"{given}: a router's option, and this {what} has one replica: give --replicas N{more} "
-                   "(or --prefill-replicas P --decode-replicas D), or leave it out")
+    field, needs = idle
+    flag, what = f"--{field.replace('_', '-')}", "search" if search else "run"
+    pools = "--prefill-replicas P --decode-replicas D"
+    more = " or --max-replicas N" if search else ""
+    raise fail({
+        "replicas": f"{flag}: a router's option, and this {what} has one replica: give --replicas N{more} "
+                    f"({'or ' + pools}), or leave it out",
+        "prefill_replicas": f"{flag}: a P/D cluster's option, and this {what} has no P/D pools: give {pools}, or "
+                            "leave it out",
+        "prefill_replicas or kv_transfer_role": f"{flag}: a KV transfer's option, and this {what} moves no KV between "
+                                                f"replicas: give {pools} or --kv-transfer-role, or leave it out",
+    }.get(needs, f"{flag} changes nothing without {needs}: set it, or leave it out"))
 
 
 def run_cluster(wl: Any, cfg: SimConfig, cost: Any, out_dir: Path, plots: bool, bar: Any, progress: Any,
