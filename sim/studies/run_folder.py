@@ -38,9 +38,11 @@ GROUPS = "groups.parquet"  # a run in vLLM's hybrid groups: the blocks each grou
 # groups and plots; a cluster's and a P/D cluster's tables, plot and replica folders; a curve's): an
 # existing folder's entries of these names are an earlier output, replaced whole by the next; nothing
 # else there is touched (an `--out .` keeps the folder's own files, whatever their kind)
+# (the cluster's, P/D's, plots' and curve's names are their modules', which import this one:
+# tests/sim/studies/test_output_folder.py writes each kind of folder and checks every entry is here)
 OUTPUTS = frozenset((
-    "config.json", "summary.json", "steps.parquet", "requests.parquet", "ops.parquet", "op_tokens.parquet",
-    "groups.parquet", "received.parquet", "load.parquet", "paths.parquet", "curve.parquet",
+    "config.json", "summary.json", *TABLES, GROUPS, "ops.parquet", "op_tokens.parquet",
+    "received.parquet", "load.parquet", "paths.parquet", "curve.parquet",
     "blocks.png", "hit_rate.png", "latency.png", "cluster.png", "pd.png", "curve.png",
 ))
 _REPLICA = re.compile(r"replica-\d+")
