@@ -312,6 +312,12 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[seq.seq_id]:
             self._cache_full_blocks(seq, self.req_blocks[seq.seq_id], num_tokens)
 
+    @property
+    def can_defer_unique_caching(self) -> bool:
+        """Whether `defer_unique_caching` is exact here (see it)."""
+        return self.events is None and not self.caching_hooks_policy and self.defrag is None \
+            and self.num_groups == 1 and self.sliding_window is None
+
     def defer_unique_caching(self) -> None:
         """From now on, a cache whose blocks all hold a unique decoded token (past the sequence's
         known tokens) is owed, not made: made when the sequence's blocks are freed (`pop_blocks_for_free`).
@@ -324,8 +330,7 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
         which frees a block it slides past while its sequence runs (cached, had it not been owed). What
         `LazyDecodes.fills` does for sync lazy decodes, here for every caller (the async output's
         schedule and update ask for each visited sequence's cache a step)."""
-        if self.events is not None or self.caching_hooks_policy or self.defrag is not None or self.num_groups != 1 \
-                or self.sliding_window is not None:
+        if not self.can_defer_unique_caching:
             raise ValueError("deferred caching needs one group without a window, and no KV events, "
                              "defragmentation or caching hooks")
         self._owed = {}

@@ -348,8 +348,7 @@ class Shortcuts:
         if self.decodes and m.defrag is None and not m.caching_hooks_policy and m.num_groups == 1 \
                 and not m.emits_events:
             self.lazy.fills = True  # (defrag, such policies and KV events keep each cache in its step)
-        if self.async_decodes and not m.caching_hooks_policy and m.num_groups == 1 and not m.emits_events \
-                and m.sliding_window is None:
+        if self.async_decodes and getattr(m, "can_defer_unique_caching", False):
             m.defer_unique_caching()  # (the async output's `fills`: a unique block is cached once freed)
         self.active: list[Live] = []  # the running lives not decoding lazily, in RUNNING order
         self._going: list[tuple] = []  # the async output's lives going lazy after this step (`after`)
