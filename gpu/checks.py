@@ -47,11 +47,17 @@ class Checks:
 
     def __init__(self, st: PagedKVStorage, tables: BlockTables, values: DeviceValues, keys: Mapping[str, np.ndarray],
                  ex: OpExecutor, timer: Timer, report: ReplayReport, *, window: int | None, num_heads: int,
-                 attention_layers: int, strict: bool, touched: bool):
+                 attention_layers: int, strict: bool, touched: bool, attention_sample: int | None = None):
         self.st, self.tables, self.values, self._keys, self.ex, self.timer = st, tables, values, keys, ex, timer
         self.kernels = ex.kernels
         self.report, self.window, self.num_heads, self.strict = report, window, num_heads, strict
         self.attention_layers = attention_layers
+        # at most this many of a step's decodes compared against dense attention, taken in turn
+        # (None: all); the kernel still runs on every decode, and their K/V is checked either way
+        self.attention_sample = attention_sample
+        self._turn = 0  # comparisons taken so far
+        self._last: dict[str, int] = {}  # a sequence's latest comparison (its turn)
+        self._budget = (-1, 0)  # (step, comparisons it has left): a step may verify in several calls
         self.bs = st.block_size
         self.expected = ExpectedKV(values, keys.__getitem__, st.device)
         self.dirty: defaultdict[str, set[int]] | None = defaultdict(set) if touched else None
@@ -83,6 +89,7 @@ class Checks:
     def drop(self, seq: str) -> None:
         """`seq`'s blocks were freed: forget it."""
         self.expected.drop(seq)
+        self._last.pop(seq, None)
         if self.dirty is not None:
             self.dirty.pop(seq, None)
 
@@ -113,13 +120,14 @@ class Checks:
             self._verify_states(step, {s: w for s, w in written.items() if s in self.states})
             written = {s: w for s, w in written.items() if s not in self.states}
         checks = []  # (seq, tokens this step, extent, positions read, their blocks)
-        decodes = []  # (seq, extent, every position, its blocks; None where attention does not run)
+        decodes = []  # (seq, extent, every position, its blocks; None where attention is not compared)
+        compared = self._compared(step, written)
         for seq, (n_new, newest) in written.items():
             extent = newest + 1
             rep.sequence_checks += 1
             # every position is read for a full check, and for a decode whose attention output is
             # compared (its span); the decode kernel alone needs only the table
-            if self.dirty is None or (self.attention_layers and n_new == 1):
+            if self.dirty is None or seq in compared:
                 pos, blocks, missing = self.tables.slots(seq, extent, bs)
             else:
                 pos = blocks = None
@@ -157,13 +165,32 @@ class Checks:
         decodes = [d for d in decodes if d[0] not in bad and d[0] not in self.local]
         if not self.windows:
             if decodes:
-                self._check_decodes(step, decodes, self.window)
+                self._check_decodes(step, decodes, self.window, compared)
             return
         by_window: dict[int | None, list] = {}
         for d in decodes:
             by_window.setdefault(self.windows.get(d[0], self.window), []).append(d)
         for window, group in by_window.items():
-            self._check_decodes(step, group, window)
+            self._check_decodes(step, group, window, compared)
+
+    def _compared(self, step: int, written: Mapping[str, list[int]]) -> set[str]:
+        """The decodes (one new token) whose attention output this check compares: every one, or
+        while the step has `attention_sample` comparisons left, that many, those compared longest
+        ago first (never before, first of all; ties in written order). A step may check in several
+        calls: a sequence before its blocks are freed, then the rest."""
+        if not self.attention_layers:
+            return set()
+        ones = [s for s, (n_new, _) in written.items() if n_new == 1 and s not in self.local]
+        if self.attention_sample is None:
+            return set(ones)
+        at, left = self._budget if self._budget[0] == step else (step, self.attention_sample)
+        k = min(left, len(ones))
+        self._budget = (at, left - k)
+        if k < len(ones):
+            ones = sorted(ones, key=lambda s: self._last.get(s, -1))[:k]
+        for s in ones:
+            self._last[s], self._turn = self._turn, self._turn + 1
+        return set(ones)
 
     def _verify_states(self, step: int, written: Mapping[str, list[int]]) -> None:
         """Each written Mamba table's current state page (the entry of its newest position), read
@@ -186,15 +213,17 @@ class Checks:
                 self.mismatch(n_bad, first)
 
     def _check_decodes(self, step: int, decodes: list[tuple[str, int, np.ndarray, np.ndarray]],
-                       window: int | None) -> None:
-        """Paged decode attention on every layer; on the first `attention_layers` layers, its output
-        against dense attention over the expected K/V (never read from the storage), all decodes
-        in one batch."""
+                       window: int | None, compared: set[str]) -> None:
+        """Paged decode attention on every layer, all decodes in one batch; on the first
+        `attention_layers` layers, the output of those `compared` against dense attention over the
+        expected K/V (never read from the storage)."""
         st, rep, bs = self.st, self.report, self.bs
         # positions attended: the window's, all non-null (only blocks wholly outside it are dropped)
         rep.units["attention"] += sum(min(n, window or n) for _, n, _, _ in decodes)
         n_layers = min(self.attention_layers, st.num_layers)
-        if not (n_layers or self.kernels.measures):
+        if not self.kernels.measures:  # a kernel run only to be compared: only where it is
+            decodes = [d for d in decodes if d[0] in compared] if n_layers else []
+        if not decodes:
             return
         seqs = [d[0] for d in decodes]
         ctx = [d[1] for d in decodes]
@@ -214,6 +243,12 @@ class Checks:
         self.ex.launches += self.timer.launched(step, "attention", self.kernels.decode_launches(st, n_layers))
         if not n_layers:
             return
+        picked = [i for i, d in enumerate(decodes) if d[0] in compared]
+        if not picked:
+            return
+        if len(picked) < len(decodes):
+            out, q = out[picked], q[picked]
+            decodes, seqs, ctx = [decodes[i] for i in picked], [seqs[i] for i in picked], [ctx[i] for i in picked]
         # each sequence's attended positions (right-aligned in a padded [B, span] grid below)
         spans = [pos[pos >= n - window] if window else pos for _, n, pos, _ in decodes]
         span = max(len(x) for x in spans)

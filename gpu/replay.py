@@ -100,6 +100,7 @@ def replay_run(
     check: str = "full",
     progress: Callable[[str], None] | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    attention_sample: int | None = None,
 ) -> ReplayReport:
     """Replay `run_dir`'s ops on `device` and verify them (see the module docstring).
 
@@ -112,12 +113,16 @@ def replay_run(
     with the triton kernels, whose kernel runs and is timed on every layer either way; none with the
     torch kernels, whose paged attention would only recompute the reference from the same, already
     verified, K/V).
+    attention_sample: compare at most this many of a step's decodes, in turn (default: every one).
+    The comparison's dense reference spans each decode's whole context, so on long contexts it,
+    not the replay, sets the pace; the kernel still runs on every decode and every position an
+    op touched is still read back.
     """
     ops, tokens, config = load_run(run_dir, rows=True)
     return replay_ops(ops, tokens, config, device, layers, kv_heads, head_dim, check_every, dtype,
                       q_per_kv=q_per_kv, swap_method=swap_method, strict=strict, run=str(run_dir),
                       attention_layers=attention_layers, kernels=kernels, check=check, progress=progress,
-                      kv_scales=kv_scales)
+                      kv_scales=kv_scales, attention_sample=attention_sample)
 
 
 def replay_ops(
@@ -140,12 +145,15 @@ def replay_ops(
     check: str = "full",
     progress: Callable[[str], None] | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    attention_sample: int | None = None,
 ) -> ReplayReport:
     """`replay_run` on ops, tokens and config already in memory (tests inject faults here)."""
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}")
     if check not in CHECKS:
         raise ValueError(f"unknown check {check!r}; choose from {', '.join(CHECKS)}")
+    if attention_sample is not None and attention_sample < 1:
+        raise ValueError(f"attention_sample must be >= 1 (or None for every decode), got {attention_sample}")
     dev = torch.device(device)
     kern = backend(kernels or ("torch" if dev.type == "cpu" else "triton"), dev)
     if isinstance(dtype, str):
@@ -155,9 +163,13 @@ def replay_ops(
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     if attention_layers is None:
         attention_layers = layers if kern.measures else 0
+    if attention_sample is not None and not attention_layers:
+        raise ValueError(f"attention_sample {attention_sample} picks decodes to compare against dense attention, and "
+                         f"this replay compares none (attention layers 0; the torch kernels' default): give "
+                         f"attention_layers too, or drop it")
     r = _Replayer(as_rows(ops), tokens, config, dev, layers, kv_heads, head_dim, dtype, q_per_kv, swap_method, kern,
                   run=run, attention_layers=attention_layers, strict=strict, check=check, progress=progress,
-                  kv_scales=kv_scales)
+                  kv_scales=kv_scales, attention_sample=attention_sample)
     # NOTE: a replay issues many small tensor ops; on the CPU, torch's worker threads cost more
     # than they give (5x slower on a busy 2-core machine), so it runs on one.
     threads = torch.get_num_threads()
@@ -220,7 +232,8 @@ def _sizes(rows: Sequence[tuple], config: Mapping[str, Any]) -> tuple[int, int, 
 
 class _Replayer:
     def __init__(self, rows, tokens, config, device, layers, kv_heads, head_dim, dtype, q_per_kv,
-                 swap_method, kernels, *, run, attention_layers, strict, check, progress, kv_scales=(1.0, 1.0)):
+                 swap_method, kernels, *, run, attention_layers, strict, check, progress, kv_scales=(1.0, 1.0),
+                 attention_sample=None):
         self.rows, self.tokens = rows, tokens
         self.groups = kv_groups(rows, config)
         self.mamba = {g for g, (kind, _) in enumerate(self.groups or ()) if kind == "mamba"}
@@ -246,11 +259,13 @@ class _Replayer:
         self.report = ReplayReport(run, str(device), str(dtype).removeprefix("torch."), geometry,
                                    scale=self.st.block_bytes / self.pred.block_bytes,
                                    model=self.pred.model, gpu=self.pred.gpu,
-                                   kernels=kernels.name, attention_layers=attention_layers, check=check,
+                                   kernels=kernels.name, attention_layers=attention_layers,
+                                   attention_sample=attention_sample, check=check,
                                    config=dict(config))
         self.checks = Checks(self.st, self.tables, self.values, self._keys, self.ex, self.timer, self.report,
                              window=self.pred.sliding_window, num_heads=self.num_heads,
-                             attention_layers=attention_layers, strict=strict, touched=check == "touched")
+                             attention_layers=attention_layers, strict=strict, touched=check == "touched",
+                             attention_sample=attention_sample)
 
     # ---------------------------------------------------------------- stream
     def run(self, check_every: int) -> ReplayReport:

@@ -29,6 +29,7 @@ class ReplayReport:
     geometry: dict[str, int]
     kernels: str = "triton"  # gpu.backends: "triton" or "torch"
     attention_layers: int = 0  # layers whose decode attention is checked against dense attention
+    attention_sample: int | None = None  # at most this many decodes a step compared (None: all)
     check: str = "full"  # gpu.checks: "full" reads each written sequence whole, "touched" what changed
     steps: int = 0
     steps_checked: int = 0
@@ -60,7 +61,8 @@ class ReplayReport:
     def as_dict(self) -> dict:
         return {
             "run": self.run, "device": self.device, "kernels": self.kernels, "dtype": self.dtype,
-            "geometry": self.geometry, "attention_layers": self.attention_layers, "check": self.check,
+            "geometry": self.geometry, "attention_layers": self.attention_layers,
+            "attention_sample": self.attention_sample, "check": self.check,
             "steps": self.steps, "steps_checked": self.steps_checked, "ops": dict(self.ops),
             "units": dict(self.units), "launches": self.launches, "tokens_verified": self.tokens_verified,
             "sequence_checks": self.sequence_checks, "decode_checks": self.decode_checks,
@@ -75,7 +77,8 @@ class ReplayReport:
     def format(self) -> str:
         g = self.geometry
         if self.attention_layers:
-            attention = f"{self.decode_checks:,} decode-attention checks ({self.attention_layers} layers)"
+            sample = f", at most {self.attention_sample} a step" if self.attention_sample else ""
+            attention = f"{self.decode_checks:,} decode-attention checks ({self.attention_layers} layers{sample})"
         else:
             attention = "decode attention not checked (--attention-layers N checks it)"
         lines = [

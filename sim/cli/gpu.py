@@ -64,6 +64,9 @@ def gpu_replay(
     check_every: Annotated[int, typer.Option("--check-every", help="verify every N-th step")] = 1,
     attention_layers: Annotated[int | None, typer.Option(
         "--attention-layers", help="layers whose decode output is checked against dense attention (default all)")] = None,
+    attention_sample: Annotated[int | None, typer.Option(
+        "--attention-sample", help="compare at most N of a step's decodes' attention, in turn (default all): "
+                                   "the dense reference spans each decode's context")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16|bfloat16|float32, or an FP8 cache: fp8 (e4m3)|fp8_e5m2")] = None,
     kv_scale: Annotated[str | None, typer.Option(
         "--kv-scale", help="an FP8 cache's scales, 'K,V' or one for both (vLLM's k_scale, v_scale): powers of two [default: 1]")] = None,
@@ -93,9 +96,14 @@ def gpu_replay(
     if kernels == "triton":
         _need("triton")
     for name, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim),
-                    ("--q-per-kv", q_per_kv), ("--check-every", check_every)):
+                    ("--q-per-kv", q_per_kv), ("--check-every", check_every),
+                    ("--attention-sample", 1 if attention_sample is None else attention_sample)):
         if v < 1:
             raise fail(f"{name} must be >= 1, got {v}")
+    if attention_sample is not None and not (attention_layers if attention_layers is not None else kernels == "triton"):
+        why = "--attention-layers 0" if attention_layers == 0 else "the torch kernels' default"
+        raise fail(f"--attention-sample {attention_sample} picks decodes to compare against dense attention, and this "
+                   f"replay compares none ({why}): give --attention-layers N too, or drop it")
     if inject_faults < 0:
         raise fail(f"--inject-faults must be >= 0, got {inject_faults}")
     if inject_faults and (check_every != 1 or check != "full"):
@@ -120,7 +128,7 @@ def gpu_replay(
         rep = replay_ops(ops, tokens, config, dev, layers, kv_heads, head_dim, check_every, dtype, q_per_kv=q_per_kv,
                          swap_method=swap_method, strict=False, run=str(run_dir), attention_layers=attention_layers,
                          kernels=kernels, check=check, progress=lambda line: typer.echo(line, err=True),
-                         kv_scales=_scales(kv_scale))
+                         kv_scales=_scales(kv_scale), attention_sample=attention_sample)
     except (RunFilesError, ConfigError, ValueError) as e:
         raise fail(str(e)) from None
     report = rep.as_dict()

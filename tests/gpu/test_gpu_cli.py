@@ -37,6 +37,20 @@ def test_gpu_replay_with_triton_kernels_checks_decode_attention(run):
     assert "verified       265 tokens in 20 sequence checks, 17 decode-attention checks (1 layers)" in r.output
 
 
+def test_gpu_replay_attention_sample(run):
+    base = ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--head-dim", "8"]
+    r = runner.invoke(app, [*base, "--attention-layers", "1", "--attention-sample", "2"])
+    assert r.exit_code == 0, r.output
+    assert "20 sequence checks, 14 decode-attention checks (1 layers, at most 2 a step)" in r.output
+    for extra, message in (
+        (["--attention-sample", "2"], "compares none (the torch kernels' default): give --attention-layers N too"),
+        (["--attention-layers", "0", "--attention-sample", "2"], "compares none (--attention-layers 0): give"),
+        (["--attention-layers", "1", "--attention-sample", "0"], "--attention-sample must be >= 1, got 0"),
+    ):
+        r = runner.invoke(app, [*base, *extra])
+        assert r.exit_code == 2 and message in r.output, r.output
+
+
 def test_gpu_replay_json(run):
     r = runner.invoke(app, ["gpu-replay", str(run), "--device", "cpu", "--layers", "1", "--check-every", "2",
                             "--json"])

@@ -9,6 +9,7 @@ from gpu_env import DEVICE
 
 from kvsim.gpu.backends import BACKENDS
 from kvsim.gpu.replay import RunFilesError, load_run, replay_run
+from kvsim.gpu.verify import IntegrityError
 from kvsim.kvcache.ops import read_ops
 
 
@@ -169,3 +170,56 @@ def test_fp8_storage_codec_and_scales():
             PagedKVStorage(1, 4, 2, 1, 4, dtype=torch.float8_e4m3fn, device="cpu", scales=scales)
     with pytest.raises(ValueError, match="kv scales 2, 1: only an FP8 cache is scaled"):
         PagedKVStorage(1, 4, 2, 1, 4, dtype=torch.float16, device="cpu", scales=(2.0, 1.0))
+
+
+def _decodes_compared(ops, sample):
+    """Decode-attention comparisons of a replay that compares at most `sample` decodes a step."""
+    total = 0
+    for _, group in groupby(ops, key=lambda op: op.step):
+        count = Counter()
+        for op in group:
+            if op.kind == "write":
+                count[op.seq] += op.c - op.b
+        total += min(sample, sum(1 for n in count.values() if n == 1))
+    return total
+
+
+@pytest.mark.parametrize("check", ["full", "touched"])
+def test_attention_sample_compares_at_most_n_decodes_a_step(lifecycle, kernels, check):
+    run, _ = lifecycle
+    ops = read_ops(run / "ops.parquet")
+    for sample, expected in ((1, 7), (2, 14), (3, 17)):  # decodes a step: 0, 2, 3, 2, 3, 3, 2, 2
+        rep = _replay(run, kernels, layers=1, check=check, attention_sample=sample)
+        assert rep.ok and rep.decode_checks == _decodes_compared(ops, sample) == expected
+        assert rep.attention_sample == sample and f"(1 layers, at most {sample} a step)" in rep.format()
+        # the kernel still runs on every decode; every K/V entry is read as without sampling
+        assert rep.units["attention"] == _replay(run, kernels, layers=1, check=check).units["attention"]
+        assert rep.tokens_verified == {"full": 265, "touched": 129}[check]
+
+
+def test_attention_sample_takes_decodes_in_turn_and_finds_a_wrong_output(lifecycle, monkeypatch):
+    """A decode kernel whose output is off on every row: each compared decode is reported, once per
+    (layer, head); one a step, the one compared longest ago first (ties in written order), reaches
+    every sequence that decodes. Steps 1-7 decode [A, A/1], [A, A/1, B], [A, A/1], [A, A/1, B],
+    [A | A/1, B], [A/1, B], [A/1 | B] (`|`: the sequences before it are checked first, their blocks
+    then freed), so A (never), A/1 (never), A (compared at 1, A/1 at 2), B (never), A (the first
+    check's only decode), A/1 (compared at 2, B at 4), A/1 (the first check's only decode)."""
+    run, _ = lifecycle
+    from kvsim.gpu.backends import TorchBackend
+
+    decode = TorchBackend.decode
+    monkeypatch.setattr(TorchBackend, "decode", lambda self, *a, **kw: decode(self, *a, **kw) + 1.0)
+    rep = replay_run(run, "cpu", layers=1, attention_layers=1, attention_sample=1, strict=False)
+    assert rep.decode_checks == 7 and rep.mismatches == 7 * rep.geometry["heads"]
+    assert [(m.step, m.seq) for m in rep.found] == [(1, "A"), (2, "A/1"), (3, "A"), (4, "B"), (5, "A"),
+                                                    (6, "A/1"), (7, "A/1")]
+    with pytest.raises(IntegrityError, match="attention"):
+        replay_run(run, "cpu", layers=1, attention_layers=1, attention_sample=1)
+
+
+def test_attention_sample_needs_attention_compared(lifecycle):
+    run, _ = lifecycle
+    with pytest.raises(ValueError, match="attention_sample 2 picks decodes to compare .* compares none"):
+        replay_run(run, "cpu", layers=1, attention_sample=2)
+    with pytest.raises(ValueError, match="attention_sample must be >= 1"):
+        replay_run(run, "cpu", layers=1, attention_layers=1, attention_sample=0)
