@@ -361,6 +361,10 @@ def run(
     except (ConfigError, WorkloadError, ValueError) as e:
         raise fail(str(e)) from None
     check_fleet_options(changes, cfg)
+    if workers and cfg.replicas <= 1:  # (a P/D cluster's pools interact: one clock)
+        what = "a P/D cluster, whose pools interact: leave it out" if cfg.prefill_replicas else \
+            "one engine: give --replicas N, or leave it out"
+        raise fail(f"--workers {workers}: runs a cluster's replicas apart, and this run is {what}")
     name = str(workload) if workload is not None else "default"
     out_dir = out if out is not None else RUNS_DIR / run_name(name, cfg)
     check_output(out_dir, folder=True)  # before the simulation, not after
