@@ -53,3 +53,20 @@ def test_the_session_script_runs_every_new_part(tmp_path):
         assert report["mismatches"] == 0 and report["steps"] == report["steps_checked"] > 0, replay
         assert report["config"]["block_size"] == 16  # a saved report holds its run's config
     assert r.stdout.count("mismatches     0") == 5
+    mooncake = json.loads((out / "replay_mooncake_default.json").read_text())
+    assert mooncake["attention_sample"] == 2 and mooncake["check"] == "touched"
+
+
+def test_one_call_runs_groups_side_by_side_and_tars_them(tmp_path):
+    """benchmarks/gpu_call.sh: `env` once, each group its own gpu_session.sh at once, one tarball back."""
+    trace = mooncake_like(tmp_path / "mooncake.jsonl", requests=8)
+    out = tmp_path / "out"
+    env = {**os.environ, "QUICK": "1", "MOONCAKE": str(trace), "TRITON_INTERPRET": "1", "OUT": str(out),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_call.sh"), "mooncake", "fp8"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "mooncake took" in r.stdout and "fp8 took" in r.stdout
+    listing = subprocess.run(["tar", "tzf", str(out / "all.tgz")], capture_output=True, text=True).stdout.split()
+    for name in ("./env/env.json", "./g1.log", "./g1/replay_mooncake_default.json", "./g2/replay_fp8_fp8.json"):
+        assert name in listing, name
