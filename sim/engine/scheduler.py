@@ -116,6 +116,8 @@ class Scheduler:
         self.sched_seq = 0  # steps with tokens scheduled (vLLM sched_step_seq)
         self.processed_seq = 0  # of those, the ones whose output was applied (processed_step_seq)
         self._deferred: deque[tuple[int, list]] = deque()  # (fence, blocks) awaiting their step
+        # a step at which every running sequence decodes lazily skips the RUNNING pass (`Shortcuts.lazy_step`)
+        self._lazy_steps = self.fast.async_decodes
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:
@@ -212,7 +214,12 @@ class Scheduler:
         cadence = prefill.cadence is not None
         if cadence:
             prefill.hold(self.running)
-        budget = self._schedule_running(b, now)
+        fast, k = self.fast, self.steps_scheduled
+        if self._lazy_steps and not fast.active and fast.lazy.n and k not in fast.lazy.wakes \
+                and fast.lazy.n <= self.max_tokens:
+            budget = fast.lazy_step(b, k, self.max_tokens)  # no one to visit: the pass's totals alone
+        else:
+            budget = self._schedule_running(b, now)
         if not (b.preempted_recompute or b.preempted_swap):  # vLLM: no admissions after a preemption
             if self.swapped:
                 budget = self._resume_swapped(b, budget, now)

@@ -37,7 +37,9 @@ manager's own count of what the head lacks and a watch on its hit (`allocation_d
 or not by the manager's state, whichever output mode applies the steps) and, with no lookahead,
 priority or connector, where every window (one group's, or vLLM's hybrid groups') is a
 sliding one of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
-(`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date; and,
+(`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date, and a
+step at which every running sequence is lazy and none is due skips the RUNNING pass (`lazy_step`,
+most steps of a lightly loaded engine); and,
 where the order of caches cannot show (one group, no window, no KV events, no policy that hooks caching), a
 block holding a unique decoded token is cached once its sequence is freed, as `fills` has it for
 sync (`KVCacheManager.defer_unique_caching`: the async output asks for a cache a visit).
@@ -451,6 +453,21 @@ class Shortcuts:
                     lazies.add(live, *args)
             self._going.clear()
         self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
+
+    def lazy_step(self, b: Batch, k: int, max_tokens: int) -> int:
+        """The RUNNING pass of step k when every running sequence is lazy, none is due at k and the
+        budget holds their tokens (the async output's lazy decodes; `Scheduler.schedule` asks):
+        `begin` would wake no one and the pass visit no one, so `end`'s lazy totals are all it does,
+        counted into `b` and the manager. Returns the budget left, as `begin` does."""
+        self.stamp(k)
+        self._counted = 0
+        lazies = self.lazy
+        nl = b.lazy = lazies.n
+        self.m.count_writes(nl)
+        b.decode_tokens += nl
+        b.context_tokens += lazies.context_tokens(k)
+        b.frag += lazies.empty_slots(k)
+        return max_tokens - nl
 
     def _record(self, live: Lazy, k: int) -> None:
         """Record the writes `live` made lazily, at steps since..k-1 (the op log puts them in place)."""

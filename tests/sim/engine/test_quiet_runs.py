@@ -110,7 +110,7 @@ def test_quiet_runs_change_nothing(kind: str, seed: int, rate: float, block_size
 @given(
     kind=st.sampled_from(sorted(SHAPES)),
     seed=st.integers(0, 10_000),
-    rate=st.sampled_from([20.0, 200.0]),
+    rate=st.sampled_from([2.0, 20.0, 200.0]),  # (2: steps of lazy decodes alone, `Shortcuts.lazy_step`)
     block_size=st.sampled_from([4, 8, 16]),
     num_gpu_blocks=st.integers(12, 120),
     budget=st.sampled_from([32, 64, 512]),
@@ -452,3 +452,32 @@ def test_async_output_decodes_lazily_beside_one_groups_window_of_whole_blocks(
     fast = _run("multi-turn", 3, 20.0, cfg, False)
     assert seen["lazy"] == lazy
     _same(fast, _run("multi-turn", 3, 20.0, cfg.replace(shortcuts=False), False))
+
+
+@pytest.mark.parametrize("extra", [{}, {"record_ops": True}, {"kv_events": True}])
+def test_async_steps_that_only_decode_lazily_skip_the_passes(monkeypatch: pytest.MonkeyPatch, extra: dict) -> None:
+    """At low load under async output most steps have every running sequence lazy and none due:
+    the scheduler skips their RUNNING pass (`Shortcuts.lazy_step`: the pass's lazy totals alone).
+    Tables, op streams and KV events are plain stepping's: here 184 of the run's 350 steps."""
+    from kvsim.sim.engine import shortcuts
+    from tests.sim.engine.test_record_ops import same_stream
+
+    taken = []
+    lazy_step = shortcuts.Shortcuts.lazy_step
+
+    def spy(self: shortcuts.Shortcuts, b, k: int, max_tokens: int) -> int:
+        taken.append(k)
+        return lazy_step(self, b, k, max_tokens)
+
+    monkeypatch.setattr(shortcuts.Shortcuts, "lazy_step", spy)
+    cfg = SimConfig(block_size=16, num_gpu_blocks=400, async_scheduling=True, **extra)
+    fast = _run("unique", 3, 2.0, cfg, False)
+    assert (len(taken), len(fast.steps)) == (184, 350)
+    n = len(taken)
+    slow = _run("unique", 3, 2.0, cfg.replace(shortcuts=False), False)
+    assert len(taken) == n  # the switch turns it off
+    _same(fast, slow)
+    if extra.get("record_ops"):
+        same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+    if extra.get("kv_events"):
+        assert fast.kv_events == slow.kv_events and fast.kv_events
