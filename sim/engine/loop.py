@@ -33,6 +33,7 @@ from kvsim.kvcache.events import EventBatch
 from kvsim.kvcache.invariants import check as check_invariants
 from kvsim.kvcache.manager import KVCacheManager
 from kvsim.kvcache.ops import CHARGED_KINDS
+from kvsim.sim.engine.async_quiet import AsyncQuietRuns
 from kvsim.sim.engine.config import ConfigError, SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.metrics import GroupUsage, RequestLog
@@ -232,7 +233,8 @@ class Engine:
           one empty step while no batch is in flight;
         - a sync batch that only preempted still takes a step (its swaps are charged); sync stops
           when no request is left (`has_work`), async also steps for finished ones (`has_requests`);
-        - only sync takes quiet runs of decode-only steps (`sim.engine.quiet`);
+        - sync takes quiet runs of decode-only steps (`sim.engine.quiet`), async its own of steps of
+          lazy decodes alone (`sim.engine.async_quiet`);
         - async chooses a batch at its start, which may lie ahead of SimPy's clock: a P/D cluster's
           replica first lets the other replicas reach it (`ReplicaFront.ahead`: they share a link).
         Mirrored over vLLM's own scheduler by `sim.conform.vllm_timed`.
@@ -254,6 +256,10 @@ class Engine:
         # batch's start, ahead of the clock, so it first lets every other replica reach that time
         # (`ReplicaFront.ahead`: its own hand-offs meanwhile wait for the schedule, as they would)
         ahead = None if sync else getattr(self.front, "ahead", None)
+        # the async output's steps of lazy decodes alone, in a loop of their own
+        lazy_runs = None if sync else AsyncQuietRuns.build(
+            cfg, sched, env, cost, self.steps, lambda: _counts(count), step_row, self.front.upto, self._drain_done,
+            usage, events=self.kv_events is not None, ahead=ahead is not None)
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x
@@ -285,6 +291,11 @@ class Engine:
                 # flight too: a run stops before any step whose poll could see one done, `next_change`)
                 if quiet is not None and sched.running:
                     clock, k, prev = yield from quiet.run(clock, k, prev)
+                if lazy_runs is not None and not sched.waiting and lazy_runs.ready(queue):
+                    clock, free, k, prev, taken = yield from lazy_runs.run(queue, clock, free, k, prev)
+                    if taken:  # (each decoded a token) the loop decides afresh from its top
+                        churn = empties = 0
+                        continue
                 start = max(free, clock)
                 step = start if grid else k
                 sched.step = step

@@ -454,6 +454,44 @@ def test_async_output_decodes_lazily_beside_one_groups_window_of_whole_blocks(
     _same(fast, _run("multi-turn", 3, 20.0, cfg.replace(shortcuts=False), False))
 
 
+def _async_taken(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Collect every AsyncQuietRuns the engine builds (to count the steps they take)."""
+    from kvsim.sim.engine import async_quiet
+
+    made: list = []
+    build = async_quiet.AsyncQuietRuns.build.__func__
+
+    def spy(cls, *args, **kw):
+        q = build(cls, *args, **kw)
+        if q is not None:
+            made.append(q)
+        return q
+
+    monkeypatch.setattr(async_quiet.AsyncQuietRuns, "build", classmethod(spy))
+    return made
+
+
+@pytest.mark.parametrize(("extra", "taken"), [({}, 167), ({"record_ops": True}, 167), ({"kv_events": True}, 0),
+                                              ({"closed_loop_sessions": True}, 167)])
+def test_async_quiet_runs_take_the_steps_of_lazy_decodes_alone(monkeypatch: pytest.MonkeyPatch, extra: dict,
+                                                               taken: int) -> None:
+    """Under async output a lightly loaded engine's steps of lazy decodes alone run in a loop of
+    their own (`sim.engine.async_quiet`): here 167 of the 184 the scheduler takes without its
+    RUNNING pass (the other 17 have a request WAITING, whose admission is the general step's); none
+    with KV events, which the general step hands on. Tables and op streams are plain stepping's."""
+    from tests.sim.engine.test_record_ops import same_stream
+
+    made = _async_taken(monkeypatch)
+    cfg = SimConfig(block_size=16, num_gpu_blocks=400, async_scheduling=True, **extra)
+    fast = _run("unique", 3, 2.0, cfg, False)
+    assert sum(q.taken for q in made) == taken and len(made) == (0 if "kv_events" in extra else 1)
+    slow = _run("unique", 3, 2.0, cfg.replace(shortcuts=False), False)
+    assert len(made) == (0 if "kv_events" in extra else 1)  # the switch turns them off
+    _same(fast, slow)
+    if extra.get("record_ops"):
+        same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+
+
 @pytest.mark.parametrize("extra", [{}, {"record_ops": True}, {"kv_events": True}])
 def test_async_steps_that_only_decode_lazily_skip_the_passes(monkeypatch: pytest.MonkeyPatch, extra: dict) -> None:
     """At low load under async output most steps have every running sequence lazy and none due:
