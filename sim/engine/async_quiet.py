@@ -21,7 +21,7 @@ cadence, Mamba chunking, a connector (the async lazy decodes run without one) an
 replica (whose schedule first lets the others reach its start, `ReplicaFront.ahead`); wherever the
 async output's lazy decodes are off.
 
-Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.82x the wall time of
+Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
 the general step; the Azure one-replica run (its WAITING never empty) unchanged.
 """
 
