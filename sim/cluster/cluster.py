@@ -116,6 +116,11 @@ class ReplicaFront:
         """Hand-offs waiting for the engine's schedule (`ahead`)."""
         return len(self._held) if self._held is not None else 0
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether `ahead` may wait (a P/D cluster's shared link); elsewhere it does nothing."""
+        return bool(getattr(self.cluster, "shares_link", False))
+
     def ahead(self, t: float):
         """Under async output, before a schedule at `t` ahead of SimPy's clock (the start of a batch that
         waits for the one in flight): in a P/D cluster, whose replicas poll and post reads on one shared

@@ -18,8 +18,9 @@ finished list are empty, and the batch in flight ran. An arrival while a batch r
 its output, as the general step queues it, and ends the run. Off with a fixed step time, defrag,
 KV events (a step's batch of them is handed on by the general step), invariant checks, the prefill
 cadence, Mamba chunking, a connector (the async lazy decodes run without one) and a P/D cluster's
-replica (whose schedule first lets the others reach its start, `ReplicaFront.ahead`); wherever the
-async output's lazy decodes are off.
+replica (whose schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters'
+replicas take runs, yielding where the general step yields); wherever the async output's lazy decodes
+are off.
 
 Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
 the general step; the Azure one-replica run (its WAITING never empty) unchanged.
