@@ -81,6 +81,18 @@ def replica_ops(managers: list, ops_dir: str | Path | None) -> Iterator[None]:
         m.finish_ops()
 
 
+def next_snapshot(env: simpy.Environment, k: int, interval: float) -> int:
+    """The first snapshot tick from tick k on that may see a change: nothing happens before the
+    next event in SimPy's queue (the snapshot process itself is running, not queued), so a tick
+    before it would read what the last one read. Ticks at its time or after are taken, in the
+    order they were (scheduled before it, as each tick schedules the next)."""
+    nxt = env.peek()
+    if nxt != math.inf:
+        while k * interval < nxt:
+            k += 1
+    return k
+
+
 def engine_metrics(engine: Engine) -> EngineMetrics:
     """An engine's metrics now, as vLLM's SchedulerStats reports them (waiting, running, KV usage)."""
     sched = engine.sched
@@ -313,5 +325,10 @@ class Cluster:
             view.snapshots += 1
             if self.front.idle() and not any(e.process.is_alive for e in self.engines):
                 return
-            k += 1
+            # the ticks before the next event are counted, not taken: they would read these metrics
+            nxt = next_snapshot(env, k + 1, interval)
+            if nxt > k + 1:
+                view.snapshots += nxt - k - 1
+                view.metrics_time = (nxt - 1) * interval
+            k = nxt
             yield env.timeout(k * interval - env.now)  # (k * interval: no drift from summed floats)

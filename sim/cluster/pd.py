@@ -41,7 +41,13 @@ import pandas as pd
 import simpy
 
 from kvsim.kvcache.hashing import block_keys
-from kvsim.sim.cluster.cluster import ReplicaFront, engine_config, engine_metrics, replica_ops
+from kvsim.sim.cluster.cluster import (
+    ReplicaFront,
+    engine_config,
+    engine_metrics,
+    next_snapshot,
+    replica_ops,
+)
 from kvsim.sim.cluster.deciders import DECODE_FIRST, NEEDS_PREFILL_BUSY, decide
 from kvsim.sim.cluster.kv_index import DelayedEvents
 from kvsim.sim.cluster.link import SharedLink
@@ -352,7 +358,12 @@ class PDCluster:
                 view.snapshots += 1
             if self.idle() and not any(e.process.is_alive for e in self.engines):
                 return
-            k += 1
+            nxt = next_snapshot(env, k + 1, interval)  # (the ticks before the next event: counted, not taken)
+            if nxt > k + 1:
+                for view in self.views:
+                    view.snapshots += nxt - k - 1
+                    view.metrics_time = (nxt - 1) * interval
+            k = nxt
             yield env.timeout(k * interval - env.now)
 
     # ------------------------------------------------------------- results

@@ -250,3 +250,44 @@ def test_a_lightly_loaded_one_clock_cluster_takes_async_quiet_runs_exactly(workl
         pt.assert_frame_equal(a.requests, b.requests)
     assert fast.summary == slow.summary
     pt.assert_frame_equal(fast.load, slow.load)
+
+
+@pytest.mark.parametrize("router", ["vllm-dp", "llm-d"])
+def test_snapshot_ticks_before_the_next_event_are_counted_not_taken(workload, router, monkeypatch):
+    """`Cluster._snapshots` takes a tick only if something may have happened since the last one (an
+    event before it in SimPy's queue), and counts the others (`next_snapshot`): the router sees the
+    same metrics, the same snapshot count (vllm-dp resets its copy on it) and the same snapshot time
+    at every pick, and the cluster's tables are those of taking every tick."""
+    from kvsim.sim.cluster import cluster as cluster_mod
+    from kvsim.sim.cluster import routers
+
+    seen = []
+    taken = []
+    metrics = cluster_mod.Cluster.metrics
+
+    def counted(self, replica):
+        taken.append(replica)
+        return metrics(self, replica)
+
+    def spy_pick(pick):
+        def wrapped(self, request, view):
+            seen.append((request.id, view.snapshots, view.metrics_time, view.metrics))
+            return pick(self, request, view)
+        return wrapped
+
+    router_cls = routers.ROUTERS[router]
+    monkeypatch.setattr(router_cls, "pick", spy_pick(router_cls.pick))
+    monkeypatch.setattr(cluster_mod.Cluster, "metrics", counted)
+    cfg = CFG.replace(replicas=2, router=router, load=0.1)
+    fast = simulate_cluster(workload, cfg)
+    fast_seen, fast_taken = list(seen), len(taken)
+    seen.clear()
+    taken.clear()
+    monkeypatch.setattr(cluster_mod, "next_snapshot", lambda env, k, interval: k)  # every tick taken
+    slow = simulate_cluster(workload, cfg)
+    assert fast_seen == seen and len(seen) == 300
+    assert fast_taken < len(taken) / 2, (fast_taken, len(taken))
+    for a, b in zip(fast.replicas, slow.replicas, strict=True):
+        pt.assert_frame_equal(a.steps, b.steps)
+        pt.assert_frame_equal(a.requests, b.requests)
+    assert fast.summary == slow.summary
