@@ -211,6 +211,7 @@ REQUEST_PATH = {
     "kvcache/pool_view.py": "leaf: the pool's and op log's state as a manager shows it",
     "sim/engine/shortcuts.py": "shortcut: decodes that need no new block, counted in bulk",
     "sim/engine/quiet.py": "shortcut: steps that only decode, taken in a loop of their own",
+    "sim/engine/async_quiet.py": "shortcut: async steps of lazy decodes alone, taken in a loop of their own",
     "sim/engine/cost_model.py": "cost: the step time",
     "sim/engine/metrics.py": "log: per-request and per-step rows",
     "sim/engine/step_log.py": "log: per-step rows, packed or streamed to a file",
