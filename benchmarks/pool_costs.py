@@ -9,7 +9,8 @@ The script wraps, in this process only, the pool's public block operations:
 - `free_blocks` / `free_runs`: blocks let go.
 - `cache_blocks`: blocks hashed into the prefix cache.
 
-It also counts the engine's steps, quiet (`QuietRuns.run`) and general (`Scheduler.schedule`).
+It also counts the engine's steps, quiet (`QuietRuns.run`, the async output's `AsyncQuietRuns.run`) and
+general (`Scheduler.schedule`).
 Then it runs `kvsim run WORKLOAD ... --no-plots`, into a scratch folder unless `--out` is given.
 Without a workload it runs the embedded default one.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from kvsim.kvcache.block_pool import BlockPool
 from kvsim.sim.cli.app import app
+from kvsim.sim.engine.async_quiet import AsyncQuietRuns
 from kvsim.sim.engine.quiet import QuietRuns
 from kvsim.sim.engine.scheduler import Scheduler
 
@@ -90,14 +92,17 @@ class Meter:
             steps["general"] += 1
             return schedule(sched, *args, **kwargs)
 
-        def quiet_run(runs: QuietRuns, *args: Any, **kwargs: Any):
-            before = runs.taken
-            out = yield from quiet(runs, *args, **kwargs)
-            steps["quiet"] += runs.taken - before
-            return out
+        def counted(run: Callable[..., Any]) -> Callable[..., Any]:
+            def quiet_run(runs: QuietRuns | AsyncQuietRuns, *args: Any, **kwargs: Any):
+                before = runs.taken
+                out = yield from run(runs, *args, **kwargs)
+                steps["quiet"] += runs.taken - before
+                return out
+            return quiet_run
 
         Scheduler.schedule = general
-        QuietRuns.run = quiet_run
+        QuietRuns.run = counted(quiet)
+        AsyncQuietRuns.run = counted(AsyncQuietRuns.run)
 
     def report(self, wall: float) -> dict[str, Any]:
         ops = {op: {"calls": self.calls[op], "blocks": self.blocks[op], "seconds": round(self.seconds[op], 3),
