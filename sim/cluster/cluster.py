@@ -81,15 +81,21 @@ def replica_ops(managers: list, ops_dir: str | Path | None) -> Iterator[None]:
         m.finish_ops()
 
 
-def next_snapshot(env: simpy.Environment, k: int, interval: float) -> int:
-    """The first snapshot tick from tick k on that may see a change: nothing happens before the
-    next event in SimPy's queue (the snapshot process itself is running, not queued), so a tick
-    before it would read what the last one read. Ticks at its time or after are taken, in the
-    order they were (scheduled before it, as each tick schedules the next)."""
-    nxt = env.peek()
+def next_snapshot(env: simpy.Environment, k: int, interval: float, views: Iterable[RouterView]) -> int:
+    """The tick after tick k that may see a change, the ticks before it counted into `views` as
+    taken (their count and the latest one's time; their metrics are the last ones): nothing
+    happens before the next event in SimPy's queue (the snapshot process itself is running, not
+    queued), so a tick before it would read what tick k read. Ticks at its time or after are taken,
+    in the order they were (scheduled before it, as each tick schedules the next)."""
+    nxt, first = env.peek(), k + 1
+    k = first
     if nxt != math.inf:
         while k * interval < nxt:
             k += 1
+    if k > first:
+        for view in views:
+            view.snapshots += k - first
+            view.metrics_time = (k - 1) * interval
     return k
 
 
@@ -325,10 +331,5 @@ class Cluster:
             view.snapshots += 1
             if self.front.idle() and not any(e.process.is_alive for e in self.engines):
                 return
-            # the ticks before the next event are counted, not taken: they would read these metrics
-            nxt = next_snapshot(env, k + 1, interval)
-            if nxt > k + 1:
-                view.snapshots += nxt - k - 1
-                view.metrics_time = (nxt - 1) * interval
-            k = nxt
+            k = next_snapshot(env, k, interval, (view,))  # (ticks before the next event: counted, not taken)
             yield env.timeout(k * interval - env.now)  # (k * interval: no drift from summed floats)

@@ -358,12 +358,7 @@ class PDCluster:
                 view.snapshots += 1
             if self.idle() and not any(e.process.is_alive for e in self.engines):
                 return
-            nxt = next_snapshot(env, k + 1, interval)  # (the ticks before the next event: counted, not taken)
-            if nxt > k + 1:
-                for view in self.views:
-                    view.snapshots += nxt - k - 1
-                    view.metrics_time = (nxt - 1) * interval
-            k = nxt
+            k = next_snapshot(env, k, interval, self.views)  # (ticks before the next event: counted, not taken)
             yield env.timeout(k * interval - env.now)
 
     # ------------------------------------------------------------- results

@@ -12,8 +12,8 @@ knows (the pool's figures read once a run: a lazy step takes, frees and caches n
 general step would go through `schedule`, `update` and `step_row`. The first output a run applies,
 a batch the general step scheduled, is applied as the general step applies it.
 
-A step is taken here while, before it: every running sequence is lazy and none is due at it
-(`Shortcuts.active` empty, the step not in `wakes`), the budget holds their tokens, WAITING and the
+A step is taken here while, before it: every running sequence is lazy and none is due at it, the
+budget holding their tokens (`Shortcuts.lazy_only`), WAITING and the
 finished list are empty, and the batch in flight ran. An arrival while a batch runs is queued before
 its output, as the general step queues it, and ends the run. Off with a fixed step time, defrag,
 KV events (a step's batch of them is handed on by the general step), invariant checks, the prefill
@@ -67,7 +67,7 @@ class AsyncQuietRuns:
               drain: Callable[[float], int], usage: GroupUsage | None, *, events: bool, ahead: bool
               ) -> AsyncQuietRuns | None:
         """The runs for an engine's step loop, or None where they do not apply (module docstring)."""
-        if not sched.lazy_steps or events or ahead or sched.prefill.cadence is not None or sched.mamba is not None:
+        if not sched.fast.async_decodes or events or ahead or sched.prefill.cadence is not None or sched.mamba is not None:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
@@ -75,9 +75,9 @@ class AsyncQuietRuns:
 
     def ready(self, queue: deque[tuple]) -> bool:
         """Whether the step about to be scheduled may start a run: one batch in flight, one that ran."""
-        sched, fast = self.sched, self.sched.fast
-        return len(queue) == 1 and queue[0][1] is not None and fast.lazy.n > 0 and not fast.active \
-            and not sched.waiting and not sched.done
+        sched = self.sched
+        return len(queue) == 1 and queue[0][1] is not None and not sched.waiting and not sched.done \
+            and sched.fast.lazy_only(sched.steps_scheduled + 1, sched.max_tokens)
 
     def run(self, queue: deque[tuple], clock: float, free: float, k: int, prev: tuple[int, ...]):
         """Take steps while each may be taken here (see the module docstring), from the engine's
@@ -86,14 +86,13 @@ class AsyncQuietRuns:
         steps taken (a generator: it yields to SimPy where an arrival falls before the clock)."""
         sched, m, env = self.sched, self.sched.m, self.env
         fast, record, step_time, counts = sched.fast, self.steps.record, self.cost.step_time, self.counts
-        lazy, wakes = fast.lazy, fast.lazy.wakes
+        lazy, lazy_only = fast.lazy, fast.lazy_only
         running, waiting, swapped = sched.running, sched.waiting, sched.swapped
         max_tokens, usable, usage = sched.max_tokens, m.num_usable_blocks, self.usage
         zeros = (0,) * (len(prev) - 1)
         taken = 0
         pool = None  # (free, cached free, id-space fragmentation): read once a lazy output is applied
-        while lazy.n and not fast.active and not waiting and not sched.done \
-                and sched.steps_scheduled + 1 not in wakes and lazy.n <= max_tokens:
+        while not waiting and not sched.done and lazy_only(sched.steps_scheduled + 1, max_tokens):
             start = free if free > clock else clock
             step = k
             sched.step = step

@@ -116,9 +116,6 @@ class Scheduler:
         self.sched_seq = 0  # steps with tokens scheduled (vLLM sched_step_seq)
         self.processed_seq = 0  # of those, the ones whose output was applied (processed_step_seq)
         self._deferred: deque[tuple[int, list]] = deque()  # (fence, blocks) awaiting their step
-        # a step at which every running sequence decodes lazily skips the RUNNING pass (`Shortcuts.lazy_step`;
-        # the engine takes runs of them in a loop of its own, `sim.engine.async_quiet`)
-        self.lazy_steps = self.fast.async_decodes
 
     # ------------------------------------------------------------- state
     def has_work(self) -> bool:
@@ -215,9 +212,10 @@ class Scheduler:
         cadence = prefill.cadence is not None
         if cadence:
             prefill.hold(self.running)
+        # a step at which every running sequence decodes lazily skips the RUNNING pass (the engine
+        # takes runs of them in a loop of its own, `sim.engine.async_quiet`)
         fast, k = self.fast, self.steps_scheduled
-        if self.lazy_steps and not fast.active and fast.lazy.n and k not in fast.lazy.wakes \
-                and fast.lazy.n <= self.max_tokens:
+        if fast.lazy_only(k, self.max_tokens):
             budget = fast.lazy_step(b, k, self.max_tokens)  # no one to visit: the pass's totals alone
         else:
             budget = self._schedule_running(b, now)
@@ -240,10 +238,10 @@ class Scheduler:
         return b
 
     def lazy_batch(self, now: float) -> Batch:
-        """`schedule`, for a step the caller knows every running sequence decodes lazily at, none
-        due, with WAITING and the swapped list empty, no connector, Mamba chunking or prefill
-        cadence (`sim.engine.async_quiet`): the RUNNING pass's lazy totals are the batch, and
-        `after_schedule` has no member to advance."""
+        """`schedule`, for a step at which the caller knows the RUNNING pass visits no one
+        (`Shortcuts.lazy_only`), with WAITING and the swapped list empty, no connector, Mamba
+        chunking or prefill cadence (`sim.engine.async_quiet`): the pass's lazy totals are the
+        batch, and `after_schedule` has no member to advance."""
         self.steps_scheduled += 1
         k = self.steps_scheduled
         b = Batch(start=now, k=k)

@@ -455,11 +455,18 @@ class Shortcuts:
             self._going.clear()
         self.active = [x for x in self.active if x.order >= 0 and x.since < 0]
 
+    def lazy_only(self, k: int, max_tokens: int) -> bool:
+        """Whether step k's RUNNING pass visits no one under the async output's lazy decodes: every
+        running sequence is lazy, none is due at k, and a budget of `max_tokens` holds their tokens."""
+        lazies = self.lazy
+        return self.async_decodes and 0 < lazies.n <= max_tokens and not self.active and k not in lazies.wakes
+
     def lazy_step(self, b: Batch, k: int, max_tokens: int) -> int:
-        """The RUNNING pass of step k when every running sequence is lazy, none is due at k and the
-        budget holds their tokens (the async output's lazy decodes; `Scheduler.schedule` asks):
-        `begin` would wake no one and the pass visit no one, so `end`'s lazy totals are all it does,
-        counted into `b` and the manager. Returns the budget left, as `begin` does."""
+        """The RUNNING pass of step k where `lazy_only` holds (`Scheduler.schedule` asks): `begin`
+        would wake no one and the pass visit no one, so `end`'s lazy totals are all it does, counted
+        into `b` and the manager (inline: most steps of a lightly loaded engine come here, and `end`'s
+        pass over those that go lazy and over `active` has no one to see). Returns the budget left,
+        as `begin` does."""
         self.stamp(k)
         self._counted = 0
         lazies = self.lazy

@@ -283,7 +283,7 @@ def test_snapshot_ticks_before_the_next_event_are_counted_not_taken(workload, ro
     fast_seen, fast_taken = list(seen), len(taken)
     seen.clear()
     taken.clear()
-    monkeypatch.setattr(cluster_mod, "next_snapshot", lambda env, k, interval: k)  # every tick taken
+    monkeypatch.setattr(cluster_mod, "next_snapshot", lambda env, k, interval, views: k + 1)  # every tick taken
     slow = simulate_cluster(workload, cfg)
     assert fast_seen == seen and len(seen) == 300
     assert fast_taken < len(taken) / 2, (fast_taken, len(taken))
