@@ -309,8 +309,15 @@ class KVCacheManager(PoolView, Forking, Swapping, Loads):
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache `seq`'s full blocks within its first `num_tokens` tokens (vLLM `cache_blocks`)."""
         # (the count checked here first: the scheduler asks again each step under async output)
-        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[seq.seq_id]:
-            self._cache_full_blocks(seq, self.req_blocks[seq.seq_id], num_tokens)
+        sid = seq.seq_id
+        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[sid]:
+            owed = self._owed
+            asked = owed.get(sid) if owed is not None else None
+            if asked is not None:  # owed already (`_cache_full_blocks`: its count has not moved since)
+                if num_tokens > asked:
+                    owed[sid] = num_tokens
+                return
+            self._cache_full_blocks(seq, self.req_blocks[sid], num_tokens)
 
     @property
     def can_defer_unique_caching(self) -> bool:

@@ -1,29 +1,40 @@
-"""Async quiet runs: under the async output, steps at which every running sequence decodes lazily,
-taken back to back in a loop of their own (an exact shortcut behind `SimConfig.shortcuts`).
+"""Async quiet runs: under the async output, steps whose RUNNING pass visits no one or plain decodes
+alone, taken back to back in a loop of their own (an exact shortcut behind `SimConfig.shortcuts`).
 
-A lightly loaded engine spends most of its steps so: one or a few requests running, each decoding
+A lightly loaded engine spends most of its steps with one or a few requests running, each decoding
 inside its last block (`sim.engine.shortcuts.AsyncLazy`), nothing waiting. Such a step's schedule is
 the lazy totals alone (`Scheduler.lazy_batch`, what `schedule` gives when its RUNNING pass visits no
 one), and the output of a batch made so applies nothing: no member samples, caches or finishes, and
-the internal fragmentation is the lazy sums' (`AsyncLazy.applied_slots`). `AsyncQuietRuns.run` keeps
-the engine's two-deep batch queue as `Engine._steps` does (schedule step k, then apply step k - 1's
-output at its end, arrivals queued first), and for such a pair builds the step's row from what it
-knows (the pool's figures read once a run: a lazy step takes, frees and caches nothing), where the
-general step would go through `schedule`, `update` and `step_row`. The first output a run applies,
-a batch the general step scheduled, is applied as the general step applies it.
+the internal fragmentation is the lazy sums' (`AsyncLazy.applied_slots`). A loaded engine spends
+most of its steps decoding: its pass visits the few sequences whose block fills or whose request
+ends (the rest lazy), each asking for one token, and WAITING's head is blocked on blocks or nothing
+waits. Such a step's schedule is `AsyncQuietRuns._decodes`: the pass as `_schedule_running` takes
+plain decodes, without its branches for chunks, preemption and a binding budget, then WAITING
+offered the rest as `schedule` offers it (`Scheduler.offer_rest`: a blocked head is skipped, and
+an admission there is the general step's own).
 
-A step is taken here while, before it: every running sequence is lazy and none is due at it, the
-budget holding their tokens (`Shortcuts.lazy_only`), WAITING and the
-finished list are empty, and the batch in flight ran. An arrival while a batch runs is queued before
-its output, as the general step queues it, and ends the run. Off with a fixed step time, defrag,
+`AsyncQuietRuns.run` keeps the engine's two-deep batch queue as `Engine._steps` does (schedule step
+k, then apply step k - 1's output at its end, arrivals queued first). The output of a batch of lazy
+decodes alone that no one joined since (`AsyncLazy.drop` adds a woken sequence to the batch in
+flight) gets a row built from what the run knows (the pool's figures read once while only such
+batches run: they take, free and cache nothing); any other output is applied as the general step
+applies it (`Scheduler.update`, `loop.step_row`), the first a run applies, the general step's
+batch, among them.
+
+A step is taken here while, before it: nothing finished is left undrained and the batch in flight
+ran; and every running sequence is lazy with none due, the budget holding their tokens, and WAITING
+empty (`Shortcuts.lazy_only`), or each sequence the pass visits (the lazy ones due woken first) asks
+for one decode token past its prompt, in its last block unshared or in a new one, the new ones at
+most the free blocks, and the budget holds them (`_decodes`). Off with a fixed step time, defrag,
 KV events (a step's batch of them is handed on by the general step), invariant checks, the prefill
 cadence, Mamba chunking, a connector (the async lazy decodes run without one) and a P/D cluster's
 replica (whose schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters'
 replicas take runs, yielding where the general step yields); wherever the async output's lazy decodes
-are off.
+are off. Plain decodes need one group with no window (`decode_slot` takes their slot).
 
 Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
-the general step; the Azure one-replica run (its WAITING never empty) unchanged.
+the general step (lazy decodes alone); the Azure one-replica run (its WAITING never empty), 0.93x
+with the plain decodes taken here.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from operator import sub
 from typing import TYPE_CHECKING, Any
 
 from kvsim.kvcache.ops import CHARGED_KINDS
+from kvsim.sim.engine.batch import Batch
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.scheduler import Scheduler
 
@@ -60,6 +72,11 @@ class AsyncQuietRuns:
         self.drain = drain  # the engine's `_drain_done`
         self.usage = usage  # each group's blocks after each step (vLLM's hybrid groups), or None
         self.taken = 0  # steps taken so far
+        self.decoded = 0  # of those, steps whose RUNNING pass visits plain decodes (`_decodes`)
+        # steps of plain decodes: one group with no window, whose decode token takes its slot from
+        # `decode_slot` as the RUNNING pass takes it
+        m = sched.m
+        self.plain = m.num_groups == 1 and m.sliding_window is None
 
     @classmethod
     def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
@@ -73,11 +90,73 @@ class AsyncQuietRuns:
             return None
         return cls(sched, env, cost, steps, counts, row, upto, drain, usage)
 
-    def ready(self, queue: deque[tuple]) -> bool:
-        """Whether the step about to be scheduled may start a run: one batch in flight, one that ran."""
+    def _decodes(self, start: float):
+        """`Scheduler.schedule` for the step about to be scheduled, if its RUNNING pass may be taken as
+        plain decodes: each sequence it visits (the lazy ones due woken first, as `Shortcuts.begin`
+        wakes them) asks for one decode token past its prompt in its last block, unshared, or in a new
+        one, the new ones at most the free blocks, and the budget holds them all. Then the pass is
+        what `_schedule_running` does for them (none preempts, none is cut to a chunk, the budget
+        binds nowhere), and WAITING is offered the rest (`Scheduler.offer_rest`). None where the step
+        is anything else: nothing is changed then but the waking, which the general step does first
+        anyway."""
         sched = self.sched
-        return len(queue) == 1 and queue[0][1] is not None and not sched.waiting and not sched.done \
-            and sched.fast.lazy_only(sched.steps_scheduled + 1, sched.max_tokens)
+        fast, m = sched.fast, sched.m
+        k = sched.steps_scheduled + 1
+        fast.wake(k)
+        lazies, active = fast.lazy, fast.active
+        budget = sched.max_tokens - lazies.n
+        if budget < len(active):
+            return None
+        bs, tables, max_len = m.block_size, m.block_tables, sched.max_len
+        allocs = visits = 0
+        for live in active:
+            seq = live.seq
+            c = seq.num_computed_tokens
+            ph = live.ph
+            if ph and c + 2 - ph >= live.limit:
+                continue  # its in-flight output reaches max_tokens: the pass skips it
+            if seq.num_tokens + ph - c != 1 or c < seq.num_prompt_tokens or live.prefilling \
+                    or (max_len is not None and c + 2 > max_len):
+                return None
+            i = c // bs
+            blocks = tables[seq.seq_id]
+            if i == len(blocks):
+                allocs += 1
+            elif i > len(blocks) or (c % bs and blocks[i].ref_cnt > 1):
+                return None
+            visits += 1
+        if not (visits or lazies.n) or allocs > m.num_free_blocks:
+            return None
+        b = Batch(start=start, k=sched.quiet_step())
+        if not active:  # every running sequence lazy, none due: the pass's lazy totals alone
+            fast.lazy_step(b, k, sched.max_tokens)
+        else:
+            fast.stamp(k)
+            slot, cache, after = m.decode_slot, m.cache_blocks, fast.after
+            lives, tokens = b.lives, b.tokens
+            context = 0
+            for live in active:
+                seq = live.seq
+                c = seq.num_computed_tokens
+                ph = live.ph
+                if ph and c + 2 - ph >= live.limit:
+                    continue
+                slot(seq)  # (a new block, or a write to its last one)
+                cache(seq, min(c + 1, seq.num_tokens))  # (the async output caches known tokens alone)
+                context += c + 1
+                lives.append(live)
+                tokens.append(1)
+                after(live, c, k)  # (lazy after this step, where it may be)
+            b.context_tokens = context
+            b.decode_tokens = visits
+            fast.end(b, k)
+        sched.offer_rest(b, budget - visits, start)
+        return b
+
+    def ready(self, queue: deque[tuple]) -> bool:
+        """Whether the step about to be scheduled may start a run: one batch in flight, one that ran,
+        nothing finished but not drained."""
+        return len(queue) == 1 and queue[0][1] is not None and not self.sched.done
 
     def run(self, queue: deque[tuple], clock: float, free: float, k: int, prev: tuple[int, ...]):
         """Take steps while each may be taken here (see the module docstring), from the engine's
@@ -86,43 +165,51 @@ class AsyncQuietRuns:
         steps taken (a generator: it yields to SimPy where an arrival falls before the clock)."""
         sched, m, env = self.sched, self.sched.m, self.env
         fast, record, step_time, counts = sched.fast, self.steps.record, self.cost.step_time, self.counts
-        lazy, lazy_only = fast.lazy, fast.lazy_only
-        running, waiting, swapped = sched.running, sched.waiting, sched.swapped
+        lazy, lazy_only, decodes = fast.lazy, fast.lazy_only, self._decodes if self.plain else None
+        waiting, swapped = sched.waiting, sched.swapped  # (RUNNING is a new list after each retirement)
         max_tokens, usable, usage = sched.max_tokens, m.num_usable_blocks, self.usage
         zeros = (0,) * (len(prev) - 1)
         taken = 0
         pool = None  # (free, cached free, id-space fragmentation): read once a lazy output is applied
-        while not waiting and not sched.done and lazy_only(sched.steps_scheduled + 1, max_tokens):
+        while not sched.done:
             start = free if free > clock else clock
             step = k
             sched.step = step
             m.set_step(step)
-            b = sched.lazy_batch(start)
+            if not waiting and lazy_only(sched.steps_scheduled + 1, max_tokens):
+                b = sched.lazy_batch(start)
+            elif decodes is not None and (b := decodes(start)) is not None:
+                pool = None  # (its decodes take and cache blocks)
+                self.decoded += 1
+            else:
+                break
+            dropped = self.drain(start) if sched.done else 0  # (an admission found a prompt that never fits)
             now = counts()
             deltas = tuple(map(sub, now, prev))
             prev = now
             ops = NO_OPS if deltas[1:] == zeros else dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
-            dt = step_time(0, b.decode_tokens, b.context_tokens, b.lazy, ops, b.chunks)
+            dt = step_time(b.prefill_tokens, b.decode_tokens, b.context_tokens, b.num_seqs, ops, b.chunks)
             free = end = start + dt
             k += 1
             b_, start_, end_, dt_, step_, deltas_, dropped_ = queue.pop()
-            queue.appendleft((b, start, end, dt, step, deltas, 0))
+            queue.appendleft((b, start, end, dt, step, deltas, dropped))
             if end_ > clock:
                 clock = end_
             if env.peek() <= clock:  # arrivals while it ran are queued before its output
                 yield from self.upto(clock)
             sched.step = step_
             m.set_step(step_, output=True)
-            if taken and lazy.n == len(running):
-                # a batch this run scheduled: its output applies nothing (`AsyncOutput.update`)
+            if taken and not b_.lives and not b_.prefill_tokens and lazy.n == len(sched.running) and not dropped_:
+                # a batch of lazy decodes alone this run scheduled: its output applies nothing
+                # (`AsyncOutput.update`), and no one joined it since (`AsyncLazy.drop`)
                 frag = sched.internal_fragmentation = lazy.applied_slots(b_.k)
                 if pool is None:
                     pool = (m.num_free_blocks, m.num_cached_free_blocks, m.id_space_fragmentation())
                 n = b_.lazy
-                record((start_, dt_, len(running), len(waiting), len(swapped), n, 0, n, b_.context_tokens,
+                record((start_, dt_, len(sched.running), len(waiting), len(swapped), n, 0, n, b_.context_tokens,
                         pool[0], pool[1], usable - pool[0], pool[2], frag, deltas_[0], 0, 0, *deltas_[1:],
                         0, 0, 0, 0))  # fmt: skip
-            else:  # the general step's batch: applied as the general step applies it
+            else:  # applied as the general step applies it
                 sched.update(b_, end_)
                 done = dropped_ + (self.drain(end_) if sched.done else 0)
                 record(self.row(start_, dt_, sched, b_, deltas_, done))
@@ -130,5 +217,7 @@ class AsyncQuietRuns:
             if usage is not None:
                 usage.add(m.held)
             taken += 1
+            if sched.done:  # (the general step drains them first)
+                break
         self.taken += taken
         return clock, free, k, prev, taken

@@ -291,7 +291,7 @@ class Engine:
                 # flight too: a run stops before any step whose poll could see one done, `next_change`)
                 if quiet is not None and sched.running:
                     clock, k, prev = yield from quiet.run(clock, k, prev)
-                if lazy_runs is not None and not sched.waiting and lazy_runs.ready(queue):
+                if lazy_runs is not None and lazy_runs.ready(queue):
                     clock, free, k, prev, taken = yield from lazy_runs.run(queue, clock, free, k, prev)
                     if taken:  # (each decoded a token) the loop decides afresh from its top
                         churn = empties = 0

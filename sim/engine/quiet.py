@@ -138,11 +138,8 @@ class QuietRuns:
         quietly (taking at most the `free` blocks there are) and leaves the admission as it found
         it (see the module docstring). Waking is what the general step does first anyway."""
         fast, lazy = self.fast, self.fast.lazy
-        woken = lazy.due(k)
+        fast.wake(k)
         active = fast.active
-        if woken:
-            active.extend(woken)
-            active.sort(key=_order)
         if self.sched.max_tokens - lazy.n < len(active):
             return False
         m = self.m
@@ -363,7 +360,3 @@ class QuietRuns:
                 head = waiting.peek() if waiting else None
                 ok, watch, evicts = self._admission(n_run)
         return clock, k, prev
-
-
-def _order(live: Live) -> int:
-    return live.order

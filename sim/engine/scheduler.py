@@ -250,6 +250,18 @@ class Scheduler:
         self.last_batch = b
         return b
 
+    def offer_rest(self, b: Batch, budget: int, now: float) -> None:
+        """The end of `schedule` for batch `b`, whose RUNNING pass the caller took without preempting
+        (`sim.engine.async_quiet`: async output, no connector, prefill cadence, Mamba chunking or swap):
+        WAITING is offered the `budget` left, and the batch goes to the output."""
+        prefill = self.prefill
+        self._chunk = prefill.chunk_cap(self.eligible()) if prefill.long_prefill else 0
+        if self.waiting:
+            self._admit_waiting(b, budget, now)
+        self.output.after_schedule(b)
+        self._finished = False
+        self.last_batch = b
+
     @staticmethod
     def _add(b: Batch, live: Live, n: int, sign: int = 1) -> None:
         """Put `live`'s `n` tokens in the batch (sign -1: take them out) and count them:
@@ -502,9 +514,10 @@ class Scheduler:
                     b.admitted_hit_tokens -= loaded
                     self.log.hit_tokens[live.row] -= loaded
             budget -= n
-        for queue, lives in ((holding, skipped_holding), (self.waiting, skipped_waiting)):
-            for live in reversed(lives):  # back at the front, in their order (vLLM prepend_requests)
-                queue.push(live, front=True)
+        if skipped_holding or skipped_waiting:
+            for queue, lives in ((holding, skipped_holding), (self.waiting, skipped_waiting)):
+                for live in reversed(lives):  # back at the front, in their order (vLLM prepend_requests)
+                    queue.push(live, front=True)
 
     def _admission_tokens(self, seq: Sequence, hit: int, budget: int, held: bool) -> int:
         """Tokens a waiting `seq` with `hit` computed takes this step (its rest, capped by the chunk and

@@ -368,10 +368,7 @@ class Shortcuts:
         if the budget binds. Returns the token budget left for `active`."""
         lazies, active = self.lazy, self.active
         self.stamp(k)
-        woken = lazies.due(k)
-        if woken:
-            active.extend(woken)
-            active.sort(key=_order)
+        self.wake(k)
         self._counted = 0
         budget = max_tokens - lazies.n
         if lazies.n and budget < sum(x.seq.num_tokens - x.seq.num_computed_tokens for x in active) \
@@ -379,6 +376,14 @@ class Shortcuts:
             self.materialize(running, k)  # the budget binds: visit everyone, in order
             budget = max_tokens
         return budget
+
+    def wake(self, k: int) -> None:
+        """The lazy sequences due at step k are brought up to date and visited again (`active`, kept
+        in RUNNING order)."""
+        woken = self.lazy.due(k)
+        if woken:
+            self.active.extend(woken)
+            self.active.sort(key=_order)
 
     def decode(self, b: Batch, live: Live, c: int, k: int) -> bool:
         """Schedule `live`'s decode token (c computed, prompt done) at step k without the general

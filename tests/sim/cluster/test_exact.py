@@ -226,8 +226,8 @@ def test_a_prefix_aware_routers_prediction_is_its_belief_at_each_pick(workload, 
 @pytest.mark.parametrize("router", ["llm-d", "sglang-cache-aware"])
 def test_a_lightly_loaded_one_clock_cluster_takes_async_quiet_runs_exactly(workload, router, monkeypatch):
     """Replicas behind a router that reads them share one clock; at a tenth of the workload's rate
-    each takes its steps of lazy decodes alone in runs (`sim.engine.async_quiet`), yielding to the
-    others where the general step yields: every replica's tables and the cluster's summary are those
+    each takes its steps of lazy decodes alone (and those of plain decodes) in runs
+    (`sim.engine.async_quiet`), yielding to the others where the general step yields: every replica's tables and the cluster's summary are those
     of the run with the shortcuts off."""
     from kvsim.sim.engine import async_quiet
 
@@ -242,8 +242,9 @@ def test_a_lightly_loaded_one_clock_cluster_takes_async_quiet_runs_exactly(workl
     monkeypatch.setattr(async_quiet.AsyncQuietRuns, "build", classmethod(spy))
     cfg = CFG.replace(replicas=3, router=router, load=0.1)
     fast = simulate_cluster(workload, cfg)
-    taken = [q.taken for q in made]
-    assert taken == {"llm-d": [13716, 2589, 17593], "sglang-cache-aware": [9475, 16064, 8900]}[router], taken
+    taken = [(q.taken - q.decoded, q.decoded) for q in made]
+    assert taken == {"llm-d": [(13716, 1487), (2589, 250), (17593, 2008)],
+                     "sglang-cache-aware": [(9475, 1009), (16064, 1775), (8900, 924)]}[router], taken
     slow = simulate_cluster(workload, cfg.replace(shortcuts=False))
     for a, b in zip(fast.replicas, slow.replicas, strict=True):
         pt.assert_frame_equal(a.steps, b.steps)

@@ -471,25 +471,95 @@ def _async_taken(monkeypatch: pytest.MonkeyPatch) -> list:
     return made
 
 
-@pytest.mark.parametrize(("extra", "taken"), [({}, 167), ({"record_ops": True}, 167), ({"kv_events": True}, 0),
-                                              ({"closed_loop_sessions": True}, 167)])
+@pytest.mark.parametrize(("extra", "taken"), [({}, (167, 182)), ({"record_ops": True}, (167, 182)),
+                                              ({"kv_events": True}, (0, 0)),
+                                              ({"closed_loop_sessions": True}, (167, 182))])
 def test_async_quiet_runs_take_the_steps_of_lazy_decodes_alone(monkeypatch: pytest.MonkeyPatch, extra: dict,
-                                                               taken: int) -> None:
-    """Under async output a lightly loaded engine's steps of lazy decodes alone run in a loop of
-    their own (`sim.engine.async_quiet`): here 167 of the 184 the scheduler takes without its
-    RUNNING pass (the other 17 have a request WAITING, whose admission is the general step's); none
-    with KV events, which the general step hands on. Tables and op streams are plain stepping's."""
+                                                               taken: tuple[int, int]) -> None:
+    """Under async output a lightly loaded engine's steps run in a loop of their own
+    (`sim.engine.async_quiet`): here 349 of its 350, 167 of lazy decodes alone (the 184 the
+    scheduler takes without its RUNNING pass, less the 17 with a request WAITING) and 182 whose pass
+    visits plain decodes (`AsyncQuietRuns._decodes`, WAITING offered the rest as the general step
+    offers it); the first is the general step's. None with KV events, which the general step hands
+    on. Tables and op streams are plain stepping's."""
     from tests.sim.engine.test_record_ops import same_stream
 
     made = _async_taken(monkeypatch)
     cfg = SimConfig(block_size=16, num_gpu_blocks=400, async_scheduling=True, **extra)
     fast = _run("unique", 3, 2.0, cfg, False)
-    assert sum(q.taken for q in made) == taken and len(made) == (0 if "kv_events" in extra else 1)
+    assert [(q.taken - q.decoded, q.decoded) for q in made] == ([] if "kv_events" in extra else [taken])
+    assert len(fast.steps) == 350
     slow = _run("unique", 3, 2.0, cfg.replace(shortcuts=False), False)
     assert len(made) == (0 if "kv_events" in extra else 1)  # the switch turns them off
     _same(fast, slow)
     if extra.get("record_ops"):
         same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(sorted(SHAPES)),
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([2.0, 20.0, 200.0]),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_gpu_blocks=st.integers(12, 160),
+    budget=st.sampled_from([32, 64, 512]),
+    max_seqs=st.sampled_from([4, 16, 32]),
+    eviction=st.sampled_from(["lru", "arc", "s3fifo", "fifo", "lfu", "cost", "pinned"]),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.05]),
+    closed=st.booleans(),
+    active=st.sampled_from([None, 1, 3]),
+    long_prefill=st.sampled_from([0, 0, 8]),
+    adaptive=st.booleans(),
+    reserve=st.sampled_from([True, True, False]),
+    max_len=st.sampled_from([None, None, 48, 100]),
+    records=st.booleans(),
+)
+def test_async_quiet_runs_change_nothing(kind: str, seed: int, rate: float,
+                                         block_size: int, num_gpu_blocks: int, budget: int, max_seqs: int,
+                                         eviction: str, caching: bool, chunked: bool, watermark: float, closed: bool,
+                                         active: int | None, long_prefill: int, adaptive: bool, reserve: bool,
+                                         max_len: int | None, records: bool) -> None:
+    """The async output's runs (`sim.engine.async_quiet`: steps of lazy decodes alone, and steps
+    whose RUNNING pass visits plain decodes, `AsyncQuietRuns._decodes`, admissions after them
+    included) leave steps, requests, summary and op counts (and op streams) as plain stepping's,
+    over random workloads (fanned-out samples, closed-loop sessions) and configurations (vLLM
+    0.31+'s admission knobs, sequences stopped at max_model_len, every eviction policy)."""
+    from tests.sim.engine.test_record_ops import same_stream
+
+    cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                    max_num_batched_tokens=max(budget, max_seqs), max_num_seqs=max_seqs, eviction=eviction,
+                    enable_prefix_caching=caching, enable_chunked_prefill=chunked, watermark=watermark,
+                    closed_loop_sessions=closed, max_num_active_seqs=None if active is None else min(active, max_seqs),
+                    long_prefill_token_threshold=long_prefill, long_prefill_token_threshold_adaptive=adaptive,
+                    scheduler_reserve_full_isl=reserve, max_model_len=max_len, record_ops=records,
+                    async_scheduling=True)
+    try:
+        fast = _run(kind, seed, rate, cfg, False)
+    except ValueError:  # a configuration this workload cannot run on: both refuse it alike
+        with pytest.raises(ValueError):
+            _run(kind, seed, rate, cfg.replace(shortcuts=False), False)
+        return
+    slow = _run(kind, seed, rate, cfg.replace(shortcuts=False), False)
+    _same(fast, slow)
+    if records:
+        same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+
+
+def test_async_quiet_runs_take_a_loaded_engines_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a tight cache under async output, requests WAITING at 752 of the run's 790 steps, the steps
+    of plain decodes run in the loop too (711, beside 23 of lazy decodes alone), WAITING offered the
+    rest of each budget as the general step offers it (a blocked head skipped, an admission made
+    there); tables are plain stepping's."""
+    made = _async_taken(monkeypatch)
+    cfg = SimConfig(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=64, max_num_seqs=8,
+                    async_scheduling=True)
+    fast = _run("shared-prefix", 5, 200.0, cfg, False)
+    assert [(q.taken - q.decoded, q.decoded) for q in made] == [(23, 711)], len(fast.steps)
+    assert ((fast.steps.waiting > 0).sum(), len(fast.steps)) == (752, 790)
+    _same(fast, _run("shared-prefix", 5, 200.0, cfg.replace(shortcuts=False), False))
 
 
 @pytest.mark.parametrize("extra", [{}, {"record_ops": True}, {"kv_events": True}])
