@@ -173,7 +173,8 @@ class AsyncOutput:
             s.drop_retired()
         lazy = s.fast.lazy if s.fast.async_decodes else None
         if lazy is not None and lazy.n:  # (lazy decodes lag: `AsyncLazy.applied_slots`)
+            # (the running sequences not lazy are the shortcuts' visiting list, `Shortcuts.active`)
             s.internal_fragmentation = lazy.applied_slots(b.k) if lazy.n == len(s.running) else \
-                m.internal_fragmentation([x.seq for x in s.running if x.since < 0]) + lazy.applied_slots(b.k)
+                m.internal_fragmentation([x.seq for x in s.fast.active]) + lazy.applied_slots(b.k)
         else:
             s.internal_fragmentation = m.internal_fragmentation([x.seq for x in s.running])
