@@ -16,8 +16,9 @@ k + 1 can be chosen while batch k runs. kvsim's scheduler holds one of these two
   waiting request, which leaves WAITING (`update_from_output`, `_update_request_with_output`). The
   engine keeps two batches in flight (`sim.engine.loop.Engine._steps`, its batch queue two deep). Sync's
   quiet runs do not apply; a request decoding mid-block is counted, not visited, by lazy decodes of its
-  own where the manager allows (`sim.engine.shortcuts.AsyncLazy`), steps of those alone run in a loop of
-  their own (`sim.engine.async_quiet`), and the blocked-head skip applies. One sequence per request (vLLM V1's front
+  own where the manager allows (`sim.engine.shortcuts.AsyncLazy`), steps of those alone, and steps whose
+  RUNNING pass visits plain decodes, run in a loop of their own (`sim.engine.async_quiet`), and the
+  blocked-head skip applies. One sequence per request (vLLM V1's front
   end fans n > 1 out), recompute preemption only, no lookahead slots. With a sliding window (one
   group's) or vLLM's hybrid groups the scheduler passes each running request's in-flight tokens to
   `allocate_slots`, so windows and Mamba states let blocks go on the processed tokens (vLLM 0.33

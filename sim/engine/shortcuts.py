@@ -39,8 +39,8 @@ priority or connector, where every window (one group's, or vLLM's hybrid groups'
 sliding one of whole blocks (`async_decode_shortcuts`), lazy decodes of its own
 (`AsyncLazy`): a lazy sequence rejoins the batch in flight when it is brought up to date, and a
 step at which every running sequence is lazy and none is due skips the RUNNING pass (`lazy_step`,
-most steps of a lightly loaded engine; the engine takes runs of them, WAITING empty, in a loop of
-its own, `sim.engine.async_quiet`); and,
+most steps of a lightly loaded engine; the engine takes runs of them, WAITING empty, and of steps
+whose pass visits plain decodes, in a loop of its own, `sim.engine.async_quiet`); and,
 where the order of caches cannot show (one group, no window, no KV events, no policy that hooks caching), a
 block holding a unique decoded token is cached once its sequence is freed, as `fills` has it for
 sync (`KVCacheManager.defer_unique_caching`: the async output asks for a cache a visit).
