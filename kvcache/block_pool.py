@@ -18,6 +18,7 @@ from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.ops import OpLog
 
 _ref_cnt = attrgetter("ref_cnt")
+_block_hash = attrgetter("block_hash")
 
 
 class OutOfBlocksError(RuntimeError):
@@ -519,6 +520,21 @@ class BlockPool:
         cached = self.cached
         null = self.null_block
         on_cache = self._on_cache
+        if group is None and not salt and on_cache is None and end - start > 1:
+            # NOTE: the common bulk case (a prompt's blocks, one group, no caching hook) in C-level
+            # passes where no key is cached yet and no block is null or keyed: the same map, filled
+            # in the same order; else the loop below (a key cached already maps to both blocks)
+            run, ks = blocks[start:end], keys[start:end]
+            if null not in run and cached.keys().isdisjoint(ks) \
+                    and list(map(_block_hash, run)).count(None) == len(run):
+                before = len(cached)
+                cached.update(zip(ks, run))
+                if len(cached) - before == len(run):
+                    for b, key in zip(run, ks):
+                        b.block_hash = key
+                    return
+                for key in ks:  # a key twice among them (none was cached): the loop maps it to both
+                    cached.pop(key, None)
         go = self.group_of if group is not None and (self.ops.enabled or self.events is not None) else None
         for i in range(start, end):
             b = blocks[i]

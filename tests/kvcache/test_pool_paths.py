@@ -11,6 +11,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.kvcache.block import KVCacheBlock
 from kvsim.kvcache.eviction import LRU
@@ -147,3 +149,37 @@ def test_hybrid_counted_paths_match_recorded(policy: str) -> None:
     for seed in range(4):
         counted, recorded = (HybridKVCacheManager(60, groups, eviction=policy, record_ops=rec) for rec in (False, True))
         drive_pair(counted, recorded, seed, 150, same, chunk=12)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.lists(st.integers(0, 9), min_size=6, max_size=6),
+                          st.booleans()), max_size=12))
+def test_caching_a_run_of_blocks_at_once_is_caching_them_one_by_one(plan: list) -> None:
+    """`BlockPool.cache_blocks` over several blocks (one group, no caching hook) takes C-level passes
+    where no key is cached yet and no block is null or keyed; it must leave the cache map, its keys
+    in their order and each key's blocks in theirs, as caching the blocks one call each does (the
+    plain loop: a key cached already, or twice in the run, maps to both blocks). Keys come from a
+    small set, so repeats, within a run and against the map, are common."""
+    from kvsim.kvcache.block_pool import BlockPool
+
+    pools = BlockPool(40), BlockPool(40)
+    for i, (n, k, keys, null) in enumerate(plan):
+        outs = []
+        for j, pool in enumerate(pools):
+            if len(pool.policy) < n:
+                return
+            blocks = pool.get_new_blocks(n)
+            if null and n:
+                blocks[0] = pool.null_block  # (a window's dropped block: skipped)
+            ks = [100 * (i % 2) + x for x in keys]
+            k = min(k, n)
+            if j == 0:
+                pool.cache_blocks(blocks, ks, 0, k)
+            else:
+                for a in range(k):
+                    pool.cache_blocks(blocks, ks, a, a + 1)
+            outs.append([b.block_hash for b in blocks])
+        assert outs[0] == outs[1]
+    a, b = ([(key, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for key, hit in p.cached.items()]
+            for p in pools)
+    assert a == b
