@@ -108,10 +108,11 @@ class AsyncQuietRuns:
         if budget < len(active):
             return None
         bs, tables, max_len = m.block_size, m.block_tables, sched.max_len
-        allocs = visits = 0
+        allocs = visits = known = 0
         for live in active:
             seq = live.seq
             c = seq.num_computed_tokens
+            known += seq.num_tokens - c  # (`Shortcuts.begin` visits every lazy one where these pass the budget)
             ph = live.ph
             if ph and c + 2 - ph >= live.limit:
                 continue  # its in-flight output reaches max_tokens: the pass skips it
@@ -125,7 +126,7 @@ class AsyncQuietRuns:
             elif i > len(blocks) or (c % bs and blocks[i].ref_cnt > 1):
                 return None
             visits += 1
-        if not (visits or lazies.n) or allocs > m.num_free_blocks:
+        if not (visits or lazies.n) or allocs > m.num_free_blocks or known > budget:
             return None
         b = Batch(start=start, k=sched.quiet_step())
         if not active:  # every running sequence lazy, none due: the pass's lazy totals alone
