@@ -18,8 +18,6 @@ from kvsim.kvcache.id_span import IdSpan
 from kvsim.kvcache.ops import OpLog
 
 _ref_cnt = attrgetter("ref_cnt")
-_block_hash = attrgetter("block_hash")
-_block_id = attrgetter("block_id")
 
 
 class OutOfBlocksError(RuntimeError):
@@ -191,25 +189,6 @@ class BlockPool:
         block = q.front()
         pop, evicted = self.cached.pop, 0
         groups = [] if self.evicted_by_group is not None else None  # each eviction's group, counted after
-        if keys is None and groups is None:  # the common take: the loop below without its two lists
-            append = out.append
-            for _ in range(rest):
-                b = block
-                block = b.next
-                b.prev = b.next = None
-                key = b.block_hash
-                if key is not None:
-                    hit = pop(key)
-                    if hit is not b:
-                        self._unshare(key, hit, b)
-                    b.block_hash = None
-                    evicted += 1
-                b.ref_cnt = 1
-                append(b)
-            q.detach_front(block, rest)
-            top = max(map(_block_id, out))  # (the stack's blocks among them)
-            self._taken(out, evicted, top)
-            return out
         for _ in range(rest):
             b = block
             block = b.next
@@ -540,21 +519,6 @@ class BlockPool:
         cached = self.cached
         null = self.null_block
         on_cache = self._on_cache
-        if group is None and not salt and on_cache is None and end - start > 1:
-            # NOTE: the common bulk case (a prompt's blocks, one group, no caching hook) in C-level
-            # passes where no key is cached yet and no block is null or keyed: the same map, filled
-            # in the same order; else the loop below (a key cached already maps to both blocks)
-            run, ks = blocks[start:end], keys[start:end]
-            if null not in run and cached.keys().isdisjoint(ks) \
-                    and list(map(_block_hash, run)).count(None) == len(run):
-                before = len(cached)
-                cached.update(zip(ks, run, strict=True))
-                if len(cached) - before == len(run):
-                    for b, key in zip(run, ks, strict=True):
-                        b.block_hash = key
-                    return
-                for key in ks:  # a key twice among them (none was cached): the loop maps it to both
-                    cached.pop(key, None)
         go = self.group_of if group is not None and (self.ops.enabled or self.events is not None) else None
         for i in range(start, end):
             b = blocks[i]

@@ -155,11 +155,11 @@ def test_hybrid_counted_paths_match_recorded(policy: str) -> None:
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.lists(st.integers(0, 9), min_size=6, max_size=6),
                           st.booleans()), max_size=12))
 def test_caching_a_run_of_blocks_at_once_is_caching_them_one_by_one(plan: list) -> None:
-    """`BlockPool.cache_blocks` over several blocks (one group, no caching hook) takes C-level passes
-    where no key is cached yet and no block is null or keyed; it must leave the cache map, its keys
-    in their order and each key's blocks in theirs, as caching the blocks one call each does (the
-    plain loop: a key cached already, or twice in the run, maps to both blocks). Keys come from a
-    small set, so repeats, within a run and against the map, are common."""
+    """`BlockPool.cache_blocks` over a run of blocks leaves the cache map, its keys in their order and
+    each key's blocks in theirs, as caching the blocks one call each does: a key cached already, or
+    twice in the run, maps to both blocks, a null block is skipped. Keys come from a small set, so
+    repeats, within a run and against the map, are common. (A bulk pass for runs of fresh keys was
+    tried against this and dropped: 126 ns a block against the loop's 116.)"""
     from kvsim.kvcache.block_pool import BlockPool
 
     pools = BlockPool(40), BlockPool(40)
