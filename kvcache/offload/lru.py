@@ -6,6 +6,9 @@ While a request runs, the chunks it stores or first sees share its request rank,
 tail first: `(request_rank, -position)`. When it finishes, every chunk it saw
 that is still resident gets a fresh rank, tail first, so its head is the most
 recently used. Request ranks and fresh ranks come from one counter.
+
+A rank is kept as one int, `counter << 40 | (2**39 - position)`: the pairs' order (positions stay far
+below 2**39), so the heap compares ints, not pairs of them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-Rank = tuple[int, int]
+Rank = int  # (counter, -position) as one int: see the module docstring
+_TAIL = 1 << 39  # the rank of position p under a counter c is c << 40 | (_TAIL - p)
+
+
+def _rank(counter: int, position: int) -> Rank:
+    """The rank of `(counter, -position)`, order kept."""
+    return (counter << 40) | (_TAIL - position)
 
 
 class HostLRU:
@@ -50,7 +59,7 @@ class HostLRU:
 
     def insert(self, key: int, req: str, position: int) -> None:
         """A new chunk, store in flight (so not yet evictable), ranked with its request."""
-        self._ranks[key] = (self._request_rank(req), -position)
+        self._ranks[key] = _rank(self._request_rank(req), position)
 
     def remove(self, key: int) -> None:
         """A failed store's chunk leaves the tier."""
@@ -75,7 +84,7 @@ class HostLRU:
         pushed = False
         for key, position in zip(keys, positions, strict=True):
             old = self._ranks.get(key)
-            rank = (request_rank, -position)
+            rank = _rank(request_rank, position)
             if old is None or old >= rank:
                 continue
             self._ranks[key] = rank
@@ -93,7 +102,7 @@ class HostLRU:
         for key in reversed(keys):
             if key in self._ranks:
                 self._next_rank += 1
-                self._ranks[key] = (self._next_rank, 0)
+                self._ranks[key] = _rank(self._next_rank, 0)
                 if key in self._evictable:
                     self._push(key)
                     pushed = True

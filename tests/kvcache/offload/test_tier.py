@@ -8,6 +8,8 @@ values were also checked against vLLM's own `CPUOffloadingManager`.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.kvcache.events import BlockRemoved, BlockStored
 from kvsim.kvcache.offload import OFFLOAD_POLICIES, HostARC, HostLRU, make_policy
@@ -169,6 +171,18 @@ def test_lru_a_running_request_never_lowers_a_rank():
     t.prepare_load("B", [1], [16])  # (1, -16) is older than (4, 0): 1 keeps its rank
     t.complete_load([1])
     assert store(t, "C", [6, 7]).evicted == [5, 2]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.tuples(st.integers(0, 10**12), st.integers(0, 2**39)), st.tuples(st.integers(0, 10**12), st.integers(0, 2**39)))
+def test_lru_ranks_as_ints_keep_the_pairs_order(a: tuple[int, int], b: tuple[int, int]) -> None:
+    """HostLRU keeps vLLM's rank pair (counter, -position) as one int (the heap compares ints): the
+    order, and equality, of any two pairs is kept."""
+    from kvsim.kvcache.offload.lru import _rank
+
+    (ca, pa), (cb, pb) = a, b
+    assert ((ca, -pa) < (cb, -pb)) == (_rank(ca, pa) < _rank(cb, pb))
+    assert ((ca, -pa) == (cb, -pb)) == (_rank(ca, pa) == _rank(cb, pb))
 
 
 def test_arc_reuse_promotes_at_finish_and_a_b1_ghost_raises_the_target():
