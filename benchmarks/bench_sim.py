@@ -1,6 +1,6 @@
 """Benchmark: the simulator's speed targets (issue 18), each as the CLI runs it.
 
-    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops|pd|routers] [--runs 3] [--traces DIR]
+    python benchmarks/bench_sim.py [--only azure|mooncake|tiled|curve|hybrid|cluster|record-ops|pd|routers|offload] [--runs 3] [--traces DIR]
 
 - `kvsim run` of the Azure 2023 conversation trace, Llama-3-70B TP2 on A100,
   block 16, 1,643 blocks, 8,192-token budget, 256 sequences: target <= 5 s;
@@ -26,7 +26,9 @@ simulated request, the ratio of the median CPU times per user request and per en
 disaggregated request runs as two: its prefill request and its decode request). With `--only
 routers`, no target: the Azure case's 8 replicas in one process (`--workers 1`, `--no-plots`) behind
 each router that reads the replicas, which run on one clock, against round-robin (run apart),
-alternated run by run: each router's median wall and its ratio to round-robin's.
+alternated run by run: each router's median wall and its ratio to round-robin's. With `--only
+offload`, no target: the whole Mooncake conversation trace with a 20 GiB host tier
+(`--kv-offloading-size 20`, KV offloading) against the same run without (`--no-plots`), alternated.
 
 Every `kvsim run` runs kvsim's default scheduler, async as `vllm serve` 0.33's (since 2026-11-27),
 or with `--sync` vLLM's step-by-step one (`--no-async-scheduling`), in which the figures before
@@ -113,7 +115,7 @@ def commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["azure", "mooncake", "tiled", "curve", "hybrid", "cluster", "record-ops", "pd",
-                                       "routers"])
+                                       "routers", "offload"])
     ap.add_argument("--runs", type=int, default=3, help="whole-process runs per case (median reported)")
     ap.add_argument("--tiled-runs", type=int, default=1)
     ap.add_argument("--traces", type=Path, default=TRACES)
@@ -137,6 +139,8 @@ def main() -> None:
         return pd(mooncake, args.runs, sha)
     if args.only == "routers":
         return routers(azure, args.runs, sha)
+    if args.only == "offload":
+        return offload(mooncake, args.runs, sha)
     wall_of: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -271,6 +275,24 @@ def routers(azure: Path, runs: int, sha: str) -> None:
                       "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
                       "peak_mb": {k: round(max(v)) for k, v in peaks.items()},
                       "x_round_robin": {k: round(statistics.median(v) / base, 2) for k, v in walls.items()},
+                      "target": None}), flush=True)
+
+
+OFFLOAD_GIB = "20"  # the offload case's host tier
+
+
+def offload(mooncake: Path, runs: int, sha: str) -> None:
+    """No target: what a host tier costs (`--kv-offloading-size`, with which the scheduler's speed
+    shortcuts are off), the whole Mooncake trace with it against without, alternated."""
+    common = ["run", str(mooncake), "--no-plots"]
+    argv = {"offload": [*common, "--kv-offloading-size", OFFLOAD_GIB], "plain": common}
+    with tempfile.TemporaryDirectory() as tmp:
+        walls, peaks, cpus = alternated(argv, runs, tmp)
+    ratio = statistics.median(walls["offload"]) / statistics.median(walls["plain"])
+    print(json.dumps({"case": "offload", "commit": sha, "commands": {k: " ".join(["kvsim", *v, *MODE]) for k, v in argv.items()},
+                      "runs": runs, "walls_s": {k: [round(w, 2) for w in v] for k, v in walls.items()},
+                      "cpus_s": {k: [round(c, 2) for c in v] for k, v in cpus.items()},
+                      "peak_mb": {k: round(max(v)) for k, v in peaks.items()}, "x_plain": round(ratio, 2),
                       "target": None}), flush=True)
 
 
