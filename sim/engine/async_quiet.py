@@ -25,12 +25,12 @@ A step is taken here while, before it: nothing finished is left undrained and th
 ran; and every running sequence is lazy with none due, the budget holding their tokens, and WAITING
 empty (`Shortcuts.lazy_only`), or each sequence the pass visits (the lazy ones due woken first) asks
 for one decode token past its prompt, in its last block unshared or in a new one, the new ones at
-most the free blocks, and the budget holds them (`_decodes`). Off with a fixed step time, defrag,
-KV events (a step's batch of them is handed on by the general step), invariant checks, the prefill
-cadence, Mamba chunking, a connector (the async lazy decodes run without one) and a P/D cluster's
-replica (whose schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters'
-replicas take runs, yielding where the general step yields); wherever the async output's lazy decodes
-are off. Plain decodes need one group with no window (`decode_slot` takes their slot).
+most the free blocks, and the budget holds them (`_decodes`). With KV events each applied step's
+batch of them is handed on where the general step hands it on (`events`: after the output, before
+the drain). Off with a fixed step time, defrag, invariant checks, the prefill cadence, Mamba
+chunking, a connector (the async lazy decodes run without one) and a P/D cluster's replica (whose
+schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters' replicas take
+runs, yielding where the general step yields); wherever the async output's lazy decodes are off. Plain decodes need one group with no window (`decode_slot` takes their slot).
 
 Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
 the general step (lazy decodes alone), and 0.94x of that with plain decodes taken here too; the
@@ -64,13 +64,15 @@ class AsyncQuietRuns:
 
     def __init__(self, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
                  counts: Callable[[], tuple[int, ...]], row: Callable[..., tuple], upto: Callable[[float], Any],
-                 drain: Callable[[float], int], usage: GroupUsage | None):
+                 drain: Callable[[float], int], usage: GroupUsage | None,
+                 events: Callable[[float, int], None] | None = None):
         self.sched, self.env, self.cost, self.steps = sched, env, cost, steps
         self.counts = counts  # the manager's evict count, then its counts of CHARGED_KINDS (`loop._counts`)
         self.row = row  # the general step's row (`loop.step_row`), for the output it applies here
         self.upto = upto  # the front end's arrivals up to a time (`Frontend.upto`, a generator)
         self.drain = drain  # the engine's `_drain_done`
         self.usage = usage  # each group's blocks after each step (vLLM's hybrid groups), or None
+        self.events = events  # (end, step): hands on the KV events queued (the engine's `_take_events`), or None
         self.taken = 0  # steps taken so far
         self.decoded = 0  # of those, steps whose RUNNING pass visits plain decodes (`_decodes`)
         # steps of plain decodes: one group with no window, whose decode token takes its slot from
@@ -81,14 +83,15 @@ class AsyncQuietRuns:
     @classmethod
     def build(cls, cfg: SimConfig, sched: Scheduler, env: simpy.Environment, cost: CostModel, steps: StepLog,
               counts: Callable[[], tuple[int, ...]], row: Callable[..., tuple], upto: Callable[[float], Any],
-              drain: Callable[[float], int], usage: GroupUsage | None, *, events: bool, ahead: bool
-              ) -> AsyncQuietRuns | None:
-        """The runs for an engine's step loop, or None where they do not apply (module docstring)."""
-        if not sched.fast.async_decodes or events or ahead or sched.prefill.cadence is not None or sched.mamba is not None:
+              drain: Callable[[float], int], usage: GroupUsage | None, *,
+              events: Callable[[float, int], None] | None, ahead: bool) -> AsyncQuietRuns | None:
+        """The runs for an engine's step loop (`events(end, step)`: its `_take_events`, with KV events),
+        or None where they do not apply (module docstring)."""
+        if not sched.fast.async_decodes or ahead or sched.prefill.cadence is not None or sched.mamba is not None:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None
-        return cls(sched, env, cost, steps, counts, row, upto, drain, usage)
+        return cls(sched, env, cost, steps, counts, row, upto, drain, usage, events)
 
     def _decodes(self, start: float):
         """`Scheduler.schedule` for the step about to be scheduled, if its RUNNING pass may be taken as
@@ -168,7 +171,7 @@ class AsyncQuietRuns:
         fast, record, step_time, counts = sched.fast, self.steps.record, self.cost.step_time, self.counts
         lazy, lazy_only, decodes = fast.lazy, fast.lazy_only, self._decodes if self.plain else None
         waiting, swapped = sched.waiting, sched.swapped  # (RUNNING is a new list after each retirement)
-        max_tokens, usable, usage = sched.max_tokens, m.num_usable_blocks, self.usage
+        max_tokens, usable, usage, events = sched.max_tokens, m.num_usable_blocks, self.usage, self.events
         zeros = (0,) * (len(prev) - 1)
         taken = 0
         pool = None  # (free, cached free, id-space fragmentation): read once a lazy output is applied
@@ -204,6 +207,8 @@ class AsyncQuietRuns:
                 # a batch of lazy decodes alone this run scheduled: its output applies nothing
                 # (`AsyncOutput.update`), and no one joined it since (`AsyncLazy.drop`)
                 frag = sched.internal_fragmentation = lazy.applied_slots(b_.k)
+                if events is not None:  # as the general step does (none queued: a visit would have joined b_)
+                    events(end_, step_)
                 if pool is None:
                     pool = (m.num_free_blocks, m.num_cached_free_blocks, m.id_space_fragmentation())
                 n = b_.lazy
@@ -212,6 +217,8 @@ class AsyncQuietRuns:
                         0, 0, 0, 0))  # fmt: skip
             else:  # applied as the general step applies it
                 sched.update(b_, end_)
+                if events is not None:  # as the general step hands them on: after the output, before the drain
+                    events(end_, step_)
                 done = dropped_ + (self.drain(end_) if sched.done else 0)
                 record(self.row(start_, dt_, sched, b_, deltas_, done))
                 pool = None

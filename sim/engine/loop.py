@@ -259,7 +259,7 @@ class Engine:
         # the async output's steps of lazy decodes alone, in a loop of their own
         lazy_runs = None if sync else AsyncQuietRuns.build(
             cfg, sched, env, cost, self.steps, lambda: _counts(count), step_row, self.front.upto, self._drain_done,
-            usage, events=self.kv_events is not None, ahead=getattr(self.front, "runs_ahead", ahead is not None))
+            usage, events=self._take_events if self.kv_events is not None else None, ahead=getattr(self.front, "runs_ahead", ahead is not None))
 
         def at(x: float) -> float:  # a clock value (a grid slot, or seconds) as seconds
             return x * S if grid else x

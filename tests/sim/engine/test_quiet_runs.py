@@ -472,7 +472,7 @@ def _async_taken(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 @pytest.mark.parametrize(("extra", "taken"), [({}, (167, 182)), ({"record_ops": True}, (167, 182)),
-                                              ({"kv_events": True}, (0, 0)),
+                                              ({"kv_events": True}, (167, 182)),
                                               ({"closed_loop_sessions": True}, (167, 182))])
 def test_async_quiet_runs_take_the_steps_of_lazy_decodes_alone(monkeypatch: pytest.MonkeyPatch, extra: dict,
                                                                taken: tuple[int, int]) -> None:
@@ -480,20 +480,22 @@ def test_async_quiet_runs_take_the_steps_of_lazy_decodes_alone(monkeypatch: pyte
     (`sim.engine.async_quiet`): here 349 of its 350, 167 of lazy decodes alone (the 184 the
     scheduler takes without its RUNNING pass, less the 17 with a request WAITING) and 182 whose pass
     visits plain decodes (`AsyncQuietRuns._decodes`, WAITING offered the rest as the general step
-    offers it); the first is the general step's. None with KV events, which the general step hands
-    on. Tables and op streams are plain stepping's."""
+    offers it); the first is the general step's. With KV events each step's batch of them is handed
+    on where the general step hands it on. Tables, op streams and KV events are plain stepping's."""
     from tests.sim.engine.test_record_ops import same_stream
 
     made = _async_taken(monkeypatch)
     cfg = SimConfig(block_size=16, num_gpu_blocks=400, async_scheduling=True, **extra)
     fast = _run("unique", 3, 2.0, cfg, False)
-    assert [(q.taken - q.decoded, q.decoded) for q in made] == ([] if "kv_events" in extra else [taken])
+    assert [(q.taken - q.decoded, q.decoded) for q in made] == [taken]
     assert len(fast.steps) == 350
     slow = _run("unique", 3, 2.0, cfg.replace(shortcuts=False), False)
-    assert len(made) == (0 if "kv_events" in extra else 1)  # the switch turns them off
+    assert len(made) == 1  # the switch turns them off
     _same(fast, slow)
     if extra.get("record_ops"):
         same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+    if extra.get("kv_events"):
+        assert fast.kv_events == slow.kv_events and len(fast.kv_events) == 94
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -516,17 +518,19 @@ def test_async_quiet_runs_take_the_steps_of_lazy_decodes_alone(monkeypatch: pyte
     reserve=st.sampled_from([True, True, False]),
     max_len=st.sampled_from([None, None, 48, 100]),
     records=st.booleans(),
+    events=st.booleans(),
 )
 def test_async_quiet_runs_change_nothing(kind: str, seed: int, rate: float,
                                          block_size: int, num_gpu_blocks: int, budget: int, max_seqs: int,
                                          eviction: str, caching: bool, chunked: bool, watermark: float, closed: bool,
                                          active: int | None, long_prefill: int, adaptive: bool, reserve: bool,
-                                         max_len: int | None, records: bool) -> None:
+                                         max_len: int | None, records: bool, events: bool) -> None:
     """The async output's runs (`sim.engine.async_quiet`: steps of lazy decodes alone, and steps
     whose RUNNING pass visits plain decodes, `AsyncQuietRuns._decodes`, admissions after them
     included) leave steps, requests, summary and op counts (and op streams) as plain stepping's,
     over random workloads (fanned-out samples, closed-loop sessions) and configurations (vLLM
-    0.31+'s admission knobs, sequences stopped at max_model_len, every eviction policy)."""
+    0.31+'s admission knobs, sequences stopped at max_model_len, every eviction policy), KV events
+    (each step's batch, in order) included."""
     from tests.sim.engine.test_record_ops import same_stream
 
     cfg = SimConfig(model="llama-3-8b", gpu="h100-sxm", block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -535,7 +539,7 @@ def test_async_quiet_runs_change_nothing(kind: str, seed: int, rate: float,
                     closed_loop_sessions=closed, max_num_active_seqs=None if active is None else min(active, max_seqs),
                     long_prefill_token_threshold=long_prefill, long_prefill_token_threshold_adaptive=adaptive,
                     scheduler_reserve_full_isl=reserve, max_model_len=max_len, record_ops=records,
-                    async_scheduling=True)
+                    kv_events=events, async_scheduling=True)
     try:
         fast = _run(kind, seed, rate, cfg, False)
     except ValueError:  # a configuration this workload cannot run on: both refuse it alike
@@ -546,6 +550,7 @@ def test_async_quiet_runs_change_nothing(kind: str, seed: int, rate: float,
     _same(fast, slow)
     if records:
         same_stream(fast.manager.ops.records(), slow.manager.ops.records())
+    assert fast.kv_events == slow.kv_events
 
 
 def test_async_quiet_runs_take_a_loaded_engines_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
