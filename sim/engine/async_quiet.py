@@ -93,7 +93,7 @@ class AsyncQuietRuns:
             return None
         return cls(sched, env, cost, steps, counts, row, upto, drain, usage, events)
 
-    def _decodes(self, start: float):
+    def _decodes(self, start: float) -> Batch | None:
         """`Scheduler.schedule` for the step about to be scheduled, if its RUNNING pass may be taken as
         plain decodes: each sequence it visits (the lazy ones due woken first, as `Shortcuts.begin`
         wakes them) asks for one decode token past its prompt in its last block, unshared, or in a new
