@@ -111,7 +111,8 @@ class AsyncQuietRuns:
         if budget < len(active):
             return None
         bs, tables, max_len = m.block_size, m.block_tables, sched.max_len
-        allocs = visits = known = 0
+        allocs = known = 0
+        visited = []  # in RUNNING order
         for live in active:
             seq = live.seq
             c = seq.num_computed_tokens
@@ -128,7 +129,8 @@ class AsyncQuietRuns:
                 allocs += 1
             elif i > len(blocks) or (c % bs and blocks[i].ref_cnt > 1):
                 return None
-            visits += 1
+            visited.append(live)
+        visits = len(visited)
         if not (visits or lazies.n) or allocs > m.num_free_blocks or known > budget:
             return None
         b = Batch(start=start, k=sched.quiet_step())
@@ -139,12 +141,9 @@ class AsyncQuietRuns:
             slot, cache, after = m.decode_slot, m.cache_blocks, fast.after
             lives, tokens = b.lives, b.tokens
             context = 0
-            for live in active:
+            for live in visited:
                 seq = live.seq
                 c = seq.num_computed_tokens
-                ph = live.ph
-                if ph and c + 2 - ph >= live.limit:
-                    continue
                 slot(seq)  # (a new block, or a write to its last one)
                 cache(seq, min(c + 1, seq.num_tokens))  # (the async output caches known tokens alone)
                 context += c + 1

@@ -229,17 +229,10 @@ def test_a_lightly_loaded_one_clock_cluster_takes_async_quiet_runs_exactly(workl
     each takes its steps of lazy decodes alone (and those of plain decodes) in runs
     (`sim.engine.async_quiet`), yielding to the others where the general step yields: every replica's tables and the cluster's summary are those
     of the run with the shortcuts off."""
-    from kvsim.sim.engine import async_quiet
+    from kvsim.sim.engine.async_quiet import AsyncQuietRuns
+    from tests.sim.engine.test_quiet_runs import built
 
-    made = []
-    build = async_quiet.AsyncQuietRuns.build.__func__
-
-    def spy(cls, *args, **kw):
-        q = build(cls, *args, **kw)
-        made.append(q)
-        return q
-
-    monkeypatch.setattr(async_quiet.AsyncQuietRuns, "build", classmethod(spy))
+    made = built(monkeypatch, AsyncQuietRuns)
     cfg = CFG.replace(replicas=3, router=router, load=0.1)
     fast = simulate_cluster(workload, cfg)
     taken = [(q.taken - q.decoded, q.decoded) for q in made]

@@ -30,19 +30,24 @@ SHAPES: dict[str, dict[str, Any]] = {  # small requests, so a few dozen fill a s
 }
 
 
-def _taken(monkeypatch: pytest.MonkeyPatch) -> list[quiet.QuietRuns]:
-    """Collect every QuietRuns the engine builds (to count the quiet steps taken)."""
-    made: list[quiet.QuietRuns] = []
-    build = quiet.QuietRuns.build.__func__
+def built(monkeypatch: pytest.MonkeyPatch, runs: type) -> list:
+    """Collect every run loop of class `runs` (`QuietRuns`, `AsyncQuietRuns`) the engine builds, to
+    count the steps they take."""
+    made: list = []
+    build = runs.build.__func__
 
-    def spy(cls, *args):
-        q = build(cls, *args)
+    def spy(cls, *args, **kw):
+        q = build(cls, *args, **kw)
         if q is not None:
             made.append(q)
         return q
 
-    monkeypatch.setattr(quiet.QuietRuns, "build", classmethod(spy))
+    monkeypatch.setattr(runs, "build", classmethod(spy))
     return made
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> list[quiet.QuietRuns]:
+    return built(monkeypatch, quiet.QuietRuns)
 
 
 def _same(fast: RunResult, slow: RunResult) -> None:
@@ -455,20 +460,9 @@ def test_async_output_decodes_lazily_beside_one_groups_window_of_whole_blocks(
 
 
 def _async_taken(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Collect every AsyncQuietRuns the engine builds (to count the steps they take)."""
-    from kvsim.sim.engine import async_quiet
+    from kvsim.sim.engine.async_quiet import AsyncQuietRuns
 
-    made: list = []
-    build = async_quiet.AsyncQuietRuns.build.__func__
-
-    def spy(cls, *args, **kw):
-        q = build(cls, *args, **kw)
-        if q is not None:
-            made.append(q)
-        return q
-
-    monkeypatch.setattr(async_quiet.AsyncQuietRuns, "build", classmethod(spy))
-    return made
+    return built(monkeypatch, AsyncQuietRuns)
 
 
 @pytest.mark.parametrize(("extra", "taken"), [({}, (167, 182)), ({"record_ops": True}, (167, 182)),
