@@ -17,6 +17,7 @@ class HostARC:
     """T1, T2 (resident, LRU first), ghosts B1, B2 (oldest first), and the float target |T1|."""
 
     name = "arc"
+    hooks_store_misses = True  # a store miss on a ghost moves the target (`on_store_miss`)
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -27,11 +28,13 @@ class HostARC:
         self.b2: OrderedDict[int, None] = OrderedDict()
         self._evictable: set[int] = set()  # ref count 0
 
-    def insert(self, key: int, req: str, position: int) -> None:
-        """A new chunk goes to T1's MRU end and stops being a ghost."""
-        self.t1[key] = None
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
+    def insert(self, keys: Sequence[int], req: str, positions: Sequence[int]) -> None:
+        """New chunks go to T1's MRU end, in order, and stop being ghosts."""
+        t1, b1, b2 = self.t1, self.b1, self.b2
+        for key in keys:
+            t1[key] = None
+            b1.pop(key, None)
+            b2.pop(key, None)
 
     def remove(self, key: int) -> None:
         """A failed store's chunk leaves the tier (and leaves no ghost)."""
@@ -41,8 +44,9 @@ class HostARC:
             self.t2.pop(key, None)
         self._evictable.discard(key)
 
-    def mark_evictable(self, key: int) -> None:
-        self._evictable.add(key)
+    def mark_evictable(self, keys: Sequence[int]) -> None:
+        """Ref counts reached 0."""
+        self._evictable.update(keys)
 
     def mark_non_evictable(self, key: int) -> None:
         self._evictable.remove(key)

@@ -8,7 +8,8 @@ that is still resident gets a fresh rank, tail first, so its head is the most
 recently used. Request ranks and fresh ranks come from one counter.
 
 A rank is kept as one int, `counter << 40 | (2**39 - position)`: the pairs' order (positions stay far
-below 2**39), so the heap compares ints, not pairs of them.
+below 2**39). A heap entry is one int too, `rank << 64 | key` (keys are 64-bit block hashes): the
+order of the pairs (rank, key), so the heap compares ints, not pairs of them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 Rank = int  # (counter, -position) as one int: see the module docstring
 _TAIL = 1 << 39  # the rank of position p under a counter c is c << 40 | (_TAIL - p)
+_KEY = (1 << 64) - 1  # a heap entry's key bits: entry = rank << 64 | key
 
 
 def _rank(counter: int, position: int) -> Rank:
@@ -26,9 +28,10 @@ def _rank(counter: int, position: int) -> Rank:
 
 
 class HostLRU:
-    """Ranks in a dict, evictable keys in a set, and a lazy min-heap of `(rank, key)`."""
+    """Ranks in a dict, evictable keys in a set, and a lazy min-heap of `rank << 64 | key`."""
 
     name = "lru"
+    hooks_store_misses = False  # `on_store_miss` does nothing: the tier need not track misses
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -36,7 +39,7 @@ class HostLRU:
         self._evictable: set[int] = set()
         # NOTE: entries go stale when a key's rank changes or it stops being
         # evictable; a popped entry counts only if it is still the key's rank.
-        self._heap: list[tuple[Rank, int]] = []
+        self._heap: list[int] = []
         self._next_rank = 0
         self._request_ranks: dict[str, int] = {}
 
@@ -49,27 +52,37 @@ class HostLRU:
         return rank
 
     def _push(self, key: int) -> None:
-        heapq.heappush(self._heap, (self._ranks[key], key))
+        heapq.heappush(self._heap, self._ranks[key] << 64 | key)
 
     def _compact(self) -> None:
         """Drop the stale entries once they outnumber the live ones (vLLM's `_maybe_compact_heap`)."""
         if len(self._heap) >= max(64, 2 * len(self._evictable)):
-            self._heap = [(self._ranks[key], key) for key in self._evictable]
+            ranks = self._ranks
+            self._heap = [ranks[key] << 64 | key for key in self._evictable]
             heapq.heapify(self._heap)
 
-    def insert(self, key: int, req: str, position: int) -> None:
-        """A new chunk, store in flight (so not yet evictable), ranked with its request."""
-        self._ranks[key] = _rank(self._request_rank(req), position)
+    def insert(self, keys: Sequence[int], req: str, positions: Sequence[int]) -> None:
+        """New chunks, stores in flight (so not yet evictable), ranked with their request. Keys are
+        64-bit block hashes (a heap entry holds one in its low 64 bits)."""
+        if keys and (min(keys) < 0 or max(keys) > _KEY):
+            raise ValueError("host-tier keys must be 64-bit block hashes (0 <= key < 2**64)")
+        ranks, top = self._ranks, self._request_rank(req) << 40 | _TAIL  # (`_rank` inline)
+        for key, position in zip(keys, positions, strict=True):
+            ranks[key] = top - position
 
     def remove(self, key: int) -> None:
         """A failed store's chunk leaves the tier."""
         self._ranks.pop(key, None)
         self._evictable.discard(key)
 
-    def mark_evictable(self, key: int) -> None:
-        """Ref count reached 0: the chunk enters the heap with its current rank, unrefreshed."""
-        self._evictable.add(key)
-        self._push(key)
+    def mark_evictable(self, keys: Sequence[int]) -> None:
+        """Ref counts reached 0: the chunks enter the heap with their current ranks, unrefreshed.
+        (A victim is the smallest live entry whatever the heap's layout, so compacting once after
+        them all picks what compacting after each would.)"""
+        self._evictable.update(keys)
+        heap, ranks, push = self._heap, self._ranks, heapq.heappush
+        for key in keys:
+            push(heap, ranks[key] << 64 | key)
         self._compact()
 
     def mark_non_evictable(self, key: int) -> None:
@@ -84,8 +97,10 @@ class HostLRU:
         pushed = False
         for key, position in zip(keys, positions, strict=True):
             old = self._ranks.get(key)
+            if old is None:  # not resident (a new store candidate)
+                continue
             rank = _rank(request_rank, position)
-            if old is None or old >= rank:
+            if old >= rank:
                 continue
             self._ranks[key] = rank
             if key in self._evictable:
@@ -113,14 +128,14 @@ class HostLRU:
         """The `n` lowest-ranked evictable, unprotected keys, dropped; None (nothing changed) if too few."""
         if n == 0:
             return []
-        picked: list[tuple[Rank, int]] = []
+        picked: list[int] = []  # heap entries, `rank << 64 | key`
         picked_keys: set[int] = set()
-        deferred: list[tuple[Rank, int]] = []
-        heap = self._heap
+        deferred: list[int] = []
+        heap, evictable, ranks, pop = self._heap, self._evictable, self._ranks, heapq.heappop
         while heap and len(picked) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if key not in self._evictable or self._ranks[key] != rank or key in picked_keys:
+            entry = pop(heap)
+            key = entry & _KEY
+            if key not in evictable or ranks[key] != entry >> 64 or key in picked_keys:
                 continue  # stale, or a duplicate left by a pin and unpin at the same rank
             if key in protected:
                 deferred.append(entry)
@@ -133,11 +148,12 @@ class HostLRU:
             for entry in picked:
                 heapq.heappush(heap, entry)
             return None
-        for _, key in picked:
-            self._evictable.remove(key)
-            del self._ranks[key]
+        keys = [entry & _KEY for entry in picked]
+        for key in keys:
+            evictable.remove(key)
+            del ranks[key]
         self._compact()
-        return [key for _, key in picked]
+        return keys
 
     def clear(self) -> None:
         """Forget every chunk and request; the rank counter restarts."""

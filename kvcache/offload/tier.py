@@ -87,6 +87,7 @@ class HostTier:
             raise ValueError(f"num_chunks must be at least 0, got {num_chunks}")
         self.num_chunks = num_chunks
         self.policy = make_policy(policy, num_chunks)
+        self._store_misses = self.policy.hooks_store_misses  # whether `on_store_miss` does anything
         self.store_threshold = store_threshold  # below 2: every offered chunk is admitted
         self._counts = _OfferCounts(max_tracker_size) if store_threshold >= 2 else None
         self._ref: dict[int, int] = {}
@@ -175,25 +176,30 @@ class HostTier:
             self._counts.offer(keys)
         new: list[int] = []
         ready: list[int] = []
+        ref = self._ref.get
         for key in keys:
-            ref = self._ref.get(key)
-            if ref is None:
+            r = ref(key)
+            if r is None:
                 new.append(key)
-            elif ref >= 0:
+            elif r >= 0:
                 ready.append(key)
         if self._counts is not None:
             admitted = [key for key in new if self._counts.get(key) >= self.store_threshold]
             self.num_skipped += len(new) - len(admitted)
             new = admitted
         acc = self._access(req)
-        misses = [key for key in new if key not in acc.store_misses]
-        if misses:  # before insert drops ghosts (ARC), once per key and request
-            self.policy.on_store_miss(misses)
-            acc.store_misses.update(misses)
+        if self._store_misses:  # before insert drops ghosts (ARC), once per key and request
+            misses = [key for key in new if key not in acc.store_misses]
+            if misses:
+                self.policy.on_store_miss(misses)
+                acc.store_misses.update(misses)
         # NOTE: recorded even when this call then returns None, as vLLM does.
-        recorded = set(new).union(ready)
-        seen = [(key, pos) for key, pos in zip(keys, positions, strict=True) if key in recorded]
-        self._record(req, acc, [k for k, _ in seen], [p for _, p in seen], ready)
+        if len(new) == len(keys):  # (every key new: all recorded, in order)
+            self._record(req, acc, keys, positions, ready)
+        else:
+            recorded = set(new).union(ready)
+            seen = [(key, pos) for key, pos in zip(keys, positions, strict=True) if key in recorded]
+            self._record(req, acc, [k for k, _ in seen], [p for _, p in seen], ready)
         if not new:
             return StoreOutput([], [], [])
 
@@ -207,18 +213,23 @@ class HostTier:
             evicted = victims
             self._num_evictable -= len(evicted)
             self.num_evictions += len(evicted)
+            refs, slot_of, free = self._ref, self._slot, self._free
             for key in evicted:
-                del self._ref[key]
-                self._free.append(self._slot.pop(key))
+                del refs[key]
+                free.append(slot_of.pop(key))
             if self.events is not None:
                 self.events.removed(evicted)
 
         slots = self._allocate(len(new))
-        position_of = dict(zip(keys, positions, strict=True))
+        refs, slot_of = self._ref, self._slot
         for key, slot in zip(new, slots, strict=True):
-            self._ref[key] = -1
-            self._slot[key] = slot
-            self.policy.insert(key, req, position_of[key])
+            refs[key] = -1
+            slot_of[key] = slot
+        if len(new) == len(keys):
+            self.policy.insert(new, req, positions)
+        else:
+            position_of = dict(zip(keys, positions, strict=True))
+            self.policy.insert(new, req, [position_of[key] for key in new])
         self._num_pending += len(new)
         self.num_stores += len(new)
         acc.inserted.update(new)
@@ -237,21 +248,23 @@ class HostTier:
         the tier and free their slots. Keys not pending are ignored. The chunks made ready are a
         stored event (a failure publishes nothing: vLLM's event for it is `metadata_only`)."""
         ready: list[int] = []
+        refs = self._ref
         for key in keys:
-            if self._ref.get(key, 0) >= 0:
+            if refs.get(key, 0) >= 0:
                 continue
             self._num_pending -= 1
             if success:
-                self._ref[key] = 0
-                self._num_evictable += 1
-                self.policy.mark_evictable(key)
+                refs[key] = 0
                 ready.append(key)
             else:
-                del self._ref[key]
+                del refs[key]
                 self.policy.remove(key)
                 self._free.append(self._slot.pop(key))
-        if ready and self.events is not None:
-            self.events.stored(ready)
+        if ready:
+            self._num_evictable += len(ready)
+            self.policy.mark_evictable(ready)
+            if self.events is not None:
+                self.events.stored(ready)
 
     def prepare_load(self, req: str, keys: Sequence[int], positions: Sequence[int]) -> list[int]:
         """Pin ready chunks for a load to the GPU and return their slots; the request reused them."""
@@ -275,14 +288,17 @@ class HostTier:
 
     def complete_load(self, keys: Sequence[int]) -> None:
         """The loads of `keys` finished: unpin; a chunk read by no load is evictable again."""
+        idle: list[int] = []
         for key in keys:
             ref = self._ref.get(key, 0)
             if ref <= 0:
                 raise ValueError(f"chunk {key} has no load in flight")
             self._ref[key] = ref - 1
             if ref == 1:
-                self._num_evictable += 1
-                self.policy.mark_evictable(key)
+                idle.append(key)
+        if idle:
+            self._num_evictable += len(idle)
+            self.policy.mark_evictable(idle)
 
     def request_finished(self, req: str) -> None:
         """Commit the request's accesses to the policy, head to tail (vLLM's `on_request_finished`).

@@ -232,9 +232,13 @@ class Offloader:
             return None
         j = self._next_job
         job = self._job("store", st, list(out.keys), len(out.keys) * self.bpc)
-        chunk = {key: start + i for i, key in enumerate(keys)}
         bpc, blocks = self.bpc, st.blocks
-        job.block_ids = tuple(b.block_id for key in out.keys for b in blocks[chunk[key] * bpc:(chunk[key] + 1) * bpc])
+        if out.keys == keys:  # every chunk offered is stored: their blocks in order
+            job.block_ids = tuple(b.block_id for b in blocks[start * bpc:end * bpc])
+        else:
+            chunk = {key: start + i for i, key in enumerate(keys)}
+            job.block_ids = tuple(b.block_id for key in out.keys
+                                  for b in blocks[chunk[key] * bpc:(chunk[key] + 1) * bpc])
         if self.ops is not None:
             host = [slot * bpc + i for slot in out.slots for i in range(bpc)]
             self.ops.emit_transfers("store", list(zip(job.block_ids, host, strict=True)), seq.seq_id, at_start)

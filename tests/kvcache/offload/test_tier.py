@@ -185,6 +185,43 @@ def test_lru_ranks_as_ints_keep_the_pairs_order(a: tuple[int, int], b: tuple[int
     assert ((ca, -pa) == (cb, -pb)) == (_rank(ca, pa) == _rank(cb, pb))
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=24, unique=True), st.data())
+def test_lru_victims_are_the_lowest_ranks_however_chunks_became_evictable(keys: list[int], data: st.DataObject) -> None:
+    """cpu/policies/lru.py LRUCachePolicy.evict: the victims are the evictable, unprotected chunks
+    of lowest (rank, key), in that order, whether the chunks became evictable in one call or one
+    call each (so the lazy heap compacted at other times), with 64-bit keys (a heap entry packs
+    rank and key into one int)."""
+    reqs = data.draw(st.lists(st.sampled_from("ABC"), min_size=len(keys), max_size=len(keys)))
+    positions = data.draw(st.lists(st.integers(1, 2**20), min_size=len(keys), max_size=len(keys)))
+    together, one_by_one = HostLRU(len(keys)), HostLRU(len(keys))
+    for lru in (together, one_by_one):
+        for key, req, position in zip(keys, reqs, positions, strict=True):
+            lru.insert([key], req, [position])
+    evictable = data.draw(st.lists(st.sampled_from(keys), unique=True))
+    together.mark_evictable(evictable)
+    for key in evictable:
+        one_by_one.mark_evictable([key])
+    raised = data.draw(st.lists(st.sampled_from(keys), unique=True))  # a running request sees them
+    for lru in (together, one_by_one):
+        lru.on_request_access("D", raised, [16] * len(raised))
+    protected = set(data.draw(st.lists(st.sampled_from(keys), unique=True)))
+    n = data.draw(st.integers(0, len(keys)))
+    ranked = sorted((together._ranks[k], k) for k in evictable if k not in protected)
+    expected = [k for _, k in ranked[:n]] if n <= len(ranked) else None
+    assert together.evict(n, protected) == expected
+    assert one_by_one.evict(n, protected) == expected
+
+
+def test_lru_keys_must_be_64_bit_hashes():
+    """A heap entry holds its key in 64 bits: any other key is refused before it is ranked."""
+    lru = HostLRU(4)
+    for key in (-1, 2**64):
+        with pytest.raises(ValueError, match="64-bit block hashes"):
+            lru.insert([1, key], "A", [16, 32])
+    assert lru._ranks == {}
+
+
 def test_arc_reuse_promotes_at_finish_and_a_b1_ghost_raises_the_target():
     """cpu/policies/arc.py ARCCachePolicy.on_request_finished, on_store_miss and evict;
     the sequence of /tmp/offload/drive_manager.py part 2."""
