@@ -189,10 +189,13 @@ def _checked(knobs: Mapping[str, Any], fleets: str = "") -> SimConfig:
     """`config(**knobs)`, failing on a knob that would change nothing, silently (`idle_field`: a
     router's without replicas, a host tier's without kv_offloading_size, ...); `fleets`: where the
     calls that would use a fleet's knobs are, said after what is missing."""
-    from kvsim.sim.engine.config import idle_field
+    from kvsim.sim.engine.config import NO_STEP_TIME, idle_field
 
     cfg = config(**knobs)
     idle = idle_field(knobs.keys(), cfg)
+    if idle is not None and idle[1] == NO_STEP_TIME:
+        raise ConfigError(f"{idle[0]} changes nothing with step_time set (a fixed step time replaces the cost "
+                          f"model it tunes): leave one of the two out")
     if idle is not None:
         raise ConfigError(f"{idle[0]} changes nothing without {idle[1]}: set it, or leave {idle[0]} out"
                           + (fleets if idle[1] in ("replicas", "prefill_replicas") else ""))

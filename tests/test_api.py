@@ -69,6 +69,9 @@ def test_a_knob_that_would_change_nothing_is_refused():
         kvsim.simulate_cluster(replicas=2, kv_transfer_gbps=10.0)
     with pytest.raises(kvsim.ConfigError, match=r"^offload_prompt_only changes nothing without kv_offloading_size"):
         kvsim.simulate(offload_prompt_only=False)
+    with pytest.raises(kvsim.ConfigError, match=r"^calibration changes nothing with step_time set \(a fixed step time "
+                                                r"replaces the cost model it tunes\): leave one of the two out$"):
+        kvsim.simulate(step_time=0.01, calibration="cal.json")
     assert kvsim.simulate_cluster(replicas=1, router="llm-d", num_gpu_blocks=300).summary["cluster"]["replicas"] == 1
 
 

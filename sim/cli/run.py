@@ -445,7 +445,7 @@ def check_fleet_options(changes: dict[str, Any], cfg: Any, search: bool = False,
     refused as the options are read (`options.offload_changes`, `fs_changes`). `search`: `kvsim
     capacity`'s rate search; `clusters`: its search for replicas (`--max-replicas`), whose clusters
     take a router's options."""
-    from kvsim.sim.engine.config import ROUTER_FIELDS, idle_field
+    from kvsim.sim.engine.config import NO_STEP_TIME, ROUTER_FIELDS, idle_field
 
     idle = idle_field([k for k in changes if not (clusters and k in ROUTER_FIELDS)], cfg)
     if idle is None:
@@ -461,6 +461,8 @@ def check_fleet_options(changes: dict[str, Any], cfg: Any, search: bool = False,
                             "leave it out",
         "prefill_replicas or kv_transfer_role": f"{flag}: a KV transfer's option, and this {what} moves no KV between "
                                                 f"replicas: give {pools} or --kv-transfer-role, or leave it out",
+        NO_STEP_TIME: f"{flag}: --step-time fixes every step's time, so the calibration of the cost model changes "
+                      "nothing: leave one of the two out",
     }.get(needs, f"{flag} changes nothing without {needs}: set it, or leave it out"))
 
 

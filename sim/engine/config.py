@@ -72,13 +72,18 @@ ROUTER_SCORERS = {"llm-d": {"queue": 2.0, "kv-util": 2.0, "prefix": 3.0},
                   "llm-d-precise": {"prefix": 2.0, "kv-util": 1.0, "queue": 1.0}}
 
 
+NO_STEP_TIME = "no step_time"  # what `idle_field` says a calibration needs: the cost model, not a fixed step
+
+
 def idle_field(given: Collection[str], cfg: SimConfig) -> tuple[str, str] | None:
     """The first of the fields `given` (set by a caller, by name) that `cfg` would leave idle, with the
     field it needs; None if every one takes effect. A P/D decider's needs P/D pools; a KV transfer's,
     P/D pools or a P/D side; a host tier's, `kv_offloading_size`; a file tier's, `offload_fs`; a
-    router's, `replicas` given (one of 1 is a cluster of one) or P/D pools."""
+    router's, `replicas` given (one of 1 is a cluster of one) or P/D pools; a calibration's, the cost
+    model it tunes, which a fixed `step_time` replaces (`NO_STEP_TIME`)."""
     pools = cfg.prefill_replicas > 0
     for fields, idle, needs in (
+            (("calibration",), cfg.step_time is not None, NO_STEP_TIME),
             (PD_FIELDS, not pools, "prefill_replicas"),
             (LINK_FIELDS, not pools and cfg.kv_transfer_role is None, "prefill_replicas or kv_transfer_role"),
             (HOST_TIER_FIELDS, cfg.kv_offloading_size is None, "kv_offloading_size"),

@@ -35,6 +35,7 @@ def write_files(root: Path) -> None:
         **{f"rp_bin/{name}": "" for _, name, _ in KINDS},
         "cal_nan.json": '{"overhead_s": NaN}',
         "cal_inf.json": '{"efficiency": {"compute": Infinity}}',
+        "cal.json": '{"version": 1}',
         "fakerun/summary.json": "{}",
     }
     for name, content in files.items():

@@ -85,6 +85,9 @@ def test_unreadable_trace() -> None:
                                 "(or --prefill-replicas P --decode-replicas D), or leave it out"),
         (["--kv-event-delay", "0.01"], "--kv-event-delay: a router's option, and this run has one replica: give "
                                        "--replicas N (or --prefill-replicas P --decode-replicas D), or leave it out"),
+        (["--step-time", "0.01", "--calibration", "cal.json"],
+         "--calibration: --step-time fixes every step's time, so the calibration of the cost model changes nothing: "
+         "leave one of the two out"),
         (["--workers", "2"], "--workers 2: runs a cluster's replicas apart, and this run is one engine: give "
                              "--replicas N, or leave it out"),
         (["--prefill-replicas", "1", "--decode-replicas", "1", "--workers", "2"],
