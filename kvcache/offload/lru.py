@@ -129,19 +129,21 @@ class HostLRU:
         if n == 0:
             return []
         picked: list[int] = []  # heap entries, `rank << 64 | key`
-        picked_keys: set[int] = set()
         deferred: list[int] = []
         heap, evictable, ranks, pop = self._heap, self._evictable, self._ranks, heapq.heappop
+        last = -1
         while heap and len(picked) < n:
             entry = pop(heap)
+            if entry == last:  # a duplicate left by a pin and unpin at the same rank: equal entries pop in a row
+                continue
+            last = entry
             key = entry & _KEY
-            if key not in evictable or ranks[key] != entry >> 64 or key in picked_keys:
-                continue  # stale, or a duplicate left by a pin and unpin at the same rank
+            if key not in evictable or ranks[key] != entry >> 64:
+                continue  # stale
             if key in protected:
                 deferred.append(entry)
                 continue
             picked.append(entry)
-            picked_keys.add(key)
         for entry in deferred:
             heapq.heappush(heap, entry)
         if len(picked) < n:

@@ -190,8 +190,8 @@ def test_lru_ranks_as_ints_keep_the_pairs_order(a: tuple[int, int], b: tuple[int
 def test_lru_victims_are_the_lowest_ranks_however_chunks_became_evictable(keys: list[int], data: st.DataObject) -> None:
     """cpu/policies/lru.py LRUCachePolicy.evict: the victims are the evictable, unprotected chunks
     of lowest (rank, key), in that order, whether the chunks became evictable in one call or one
-    call each (so the lazy heap compacted at other times), with 64-bit keys (a heap entry packs
-    rank and key into one int)."""
+    call each (so the lazy heap compacted at other times), pinned and unpinned since (a duplicate
+    entry), with 64-bit keys (a heap entry packs rank and key into one int)."""
     reqs = data.draw(st.lists(st.sampled_from("ABC"), min_size=len(keys), max_size=len(keys)))
     positions = data.draw(st.lists(st.integers(1, 2**20), min_size=len(keys), max_size=len(keys)))
     together, one_by_one = HostLRU(len(keys)), HostLRU(len(keys))
@@ -202,6 +202,10 @@ def test_lru_victims_are_the_lowest_ranks_however_chunks_became_evictable(keys: 
     together.mark_evictable(evictable)
     for key in evictable:
         one_by_one.mark_evictable([key])
+    for key in data.draw(st.lists(st.sampled_from(evictable), unique=True)) if evictable else ():
+        for lru in (together, one_by_one):  # pinned by a load and unpinned: a second entry at the same rank
+            lru.mark_non_evictable(key)
+            lru.mark_evictable([key])
     raised = data.draw(st.lists(st.sampled_from(keys), unique=True))  # a running request sees them
     for lru in (together, one_by_one):
         lru.on_request_access("D", raised, [16] * len(raised))
