@@ -113,14 +113,17 @@ class HostLRU:
                             reused: set[int]) -> None:
         """Commit: fresh ranks to the request's resident keys (head to tail given), tail first."""
         self._request_ranks.pop(req, None)
+        ranks, evictable, heap, push = self._ranks, self._evictable, self._heap, heapq.heappush
+        counter = self._next_rank
         pushed = False
         for key in reversed(keys):
-            if key in self._ranks:
-                self._next_rank += 1
-                self._ranks[key] = _rank(self._next_rank, 0)
-                if key in self._evictable:
-                    self._push(key)
+            if key in ranks:
+                counter += 1
+                rank = ranks[key] = counter << 40 | _TAIL  # (`_rank(counter, 0)` inline)
+                if key in evictable:
+                    push(heap, rank << 64 | key)
                     pushed = True
+        self._next_rank = counter
         if pushed:
             self._compact()
 
