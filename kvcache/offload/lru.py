@@ -8,18 +8,21 @@ that is still resident gets a fresh rank, tail first, so its head is the most
 recently used. Request ranks and fresh ranks come from one counter.
 
 A rank is kept as one int, `counter << 40 | (2**39 - position)`: the pairs' order (positions stay far
-below 2**39). A heap entry is one int too, `rank << 64 | key` (keys are 64-bit block hashes): the
-order of the pairs (rank, key), so the heap compares ints, not pairs of them.
+below 2**39). vLLM keeps a lazy min-heap of (rank, key) entries; here an entry is one int,
+`rank << 64 | key` (keys are 64-bit block hashes), the pairs' order, and the entries are kept in a
+sorted list with the entries pushed since the last eviction appended, sorted into it when an eviction
+comes (one merge of the new entries, where the heap would sift each push and each pop). An eviction
+reads the list from the front as the heap pops it, so it picks the same victims: the lowest live,
+unprotected entries.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 Rank = int  # (counter, -position) as one int: see the module docstring
 _TAIL = 1 << 39  # the rank of position p under a counter c is c << 40 | (_TAIL - p)
-_KEY = (1 << 64) - 1  # a heap entry's key bits: entry = rank << 64 | key
+_KEY = (1 << 64) - 1  # an entry's key bits: entry = rank << 64 | key
 
 
 def _rank(counter: int, position: int) -> Rank:
@@ -28,7 +31,8 @@ def _rank(counter: int, position: int) -> Rank:
 
 
 class HostLRU:
-    """Ranks in a dict, evictable keys in a set, and a lazy min-heap of `rank << 64 | key`."""
+    """Ranks in a dict, evictable keys in a set, and the lazy entries `rank << 64 | key`: a sorted list
+    and the entries pushed since it was last sorted."""
 
     name = "lru"
     hooks_store_misses = False  # `on_store_miss` does nothing: the tier need not track misses
@@ -38,8 +42,9 @@ class HostLRU:
         self._ranks: dict[int, Rank] = {}  # every resident key, pending and pinned too
         self._evictable: set[int] = set()
         # NOTE: entries go stale when a key's rank changes or it stops being
-        # evictable; a popped entry counts only if it is still the key's rank.
-        self._heap: list[int] = []
+        # evictable; an entry read counts only if it is still the key's rank.
+        self._order: list[int] = []  # sorted
+        self._new: list[int] = []  # pushed since `_order` was last sorted
         self._next_rank = 0
         self._request_ranks: dict[str, int] = {}
 
@@ -52,18 +57,18 @@ class HostLRU:
         return rank
 
     def _push(self, key: int) -> None:
-        heapq.heappush(self._heap, self._ranks[key] << 64 | key)
+        self._new.append(self._ranks[key] << 64 | key)
 
     def _compact(self) -> None:
         """Drop the stale entries once they outnumber the live ones (vLLM's `_maybe_compact_heap`)."""
-        if len(self._heap) >= max(64, 2 * len(self._evictable)):
+        if len(self._order) + len(self._new) >= max(64, 2 * len(self._evictable)):
             ranks = self._ranks
-            self._heap = [ranks[key] << 64 | key for key in self._evictable]
-            heapq.heapify(self._heap)
+            self._order = sorted(ranks[key] << 64 | key for key in self._evictable)
+            self._new = []
 
     def insert(self, keys: Sequence[int], req: str, positions: Sequence[int]) -> None:
         """New chunks, stores in flight (so not yet evictable), ranked with their request. Keys are
-        64-bit block hashes (a heap entry holds one in its low 64 bits)."""
+        64-bit block hashes (an entry holds one in its low 64 bits)."""
         if keys and (min(keys) < 0 or max(keys) > _KEY):
             raise ValueError("host-tier keys must be 64-bit block hashes (0 <= key < 2**64)")
         ranks, top = self._ranks, self._request_rank(req) << 40 | _TAIL  # (`_rank` inline)
@@ -76,13 +81,12 @@ class HostLRU:
         self._evictable.discard(key)
 
     def mark_evictable(self, keys: Sequence[int]) -> None:
-        """Ref counts reached 0: the chunks enter the heap with their current ranks, unrefreshed.
-        (A victim is the smallest live entry whatever the heap's layout, so compacting once after
+        """Ref counts reached 0: the chunks get entries with their current ranks, unrefreshed.
+        (A victim is the smallest live entry whatever stale entries are kept, so compacting once after
         them all picks what compacting after each would.)"""
         self._evictable.update(keys)
-        heap, ranks, push = self._heap, self._ranks, heapq.heappush
-        for key in keys:
-            push(heap, ranks[key] << 64 | key)
+        ranks = self._ranks
+        self._new += [ranks[key] << 64 | key for key in keys]
         self._compact()
 
     def mark_non_evictable(self, key: int) -> None:
@@ -113,7 +117,7 @@ class HostLRU:
                             reused: set[int]) -> None:
         """Commit: fresh ranks to the request's resident keys (head to tail given), tail first."""
         self._request_ranks.pop(req, None)
-        ranks, evictable, heap, push = self._ranks, self._evictable, self._heap, heapq.heappush
+        ranks, evictable, push = self._ranks, self._evictable, self._new.append
         counter = self._next_rank
         pushed = False
         for key in reversed(keys):
@@ -121,7 +125,7 @@ class HostLRU:
                 counter += 1
                 rank = ranks[key] = counter << 40 | _TAIL  # (`_rank(counter, 0)` inline)
                 if key in evictable:
-                    push(heap, rank << 64 | key)
+                    push(rank << 64 | key)
                     pushed = True
         self._next_rank = counter
         if pushed:
@@ -131,13 +135,19 @@ class HostLRU:
         """The `n` lowest-ranked evictable, unprotected keys, dropped; None (nothing changed) if too few."""
         if n == 0:
             return []
-        picked: list[int] = []  # heap entries, `rank << 64 | key`
+        order = self._order
+        if self._new:  # (a sorted run and the new entries: one merge)
+            order += self._new
+            order.sort()
+            self._new = []
+        picked: list[int] = []  # entries, `rank << 64 | key`, in order
         deferred: list[int] = []
-        heap, evictable, ranks, pop = self._heap, self._evictable, self._ranks, heapq.heappop
-        last = -1
-        while heap and len(picked) < n:
-            entry = pop(heap)
-            if entry == last:  # a duplicate left by a pin and unpin at the same rank: equal entries pop in a row
+        evictable, ranks = self._evictable, self._ranks
+        last, i, size = -1, 0, len(order)
+        while i < size and len(picked) < n:
+            entry = order[i]
+            i += 1
+            if entry == last:  # a duplicate left by a pin and unpin at the same rank: equal entries are adjacent
                 continue
             last = entry
             key = entry & _KEY
@@ -147,12 +157,10 @@ class HostLRU:
                 deferred.append(entry)
                 continue
             picked.append(entry)
-        for entry in deferred:
-            heapq.heappush(heap, entry)
-        if len(picked) < n:
-            for entry in picked:
-                heapq.heappush(heap, entry)
+        if len(picked) < n:  # every entry read: the live ones stay, in order (the stale ones go)
+            order[:i] = sorted(deferred + picked)
             return None
+        order[:i] = deferred
         keys = [entry & _KEY for entry in picked]
         for key in keys:
             evictable.remove(key)
@@ -164,6 +172,7 @@ class HostLRU:
         """Forget every chunk and request; the rank counter restarts."""
         self._ranks.clear()
         self._evictable.clear()
-        self._heap.clear()
+        self._order.clear()
+        self._new.clear()
         self._request_ranks.clear()
         self._next_rank = 0

@@ -209,12 +209,28 @@ def test_lru_victims_are_the_lowest_ranks_however_chunks_became_evictable(keys: 
     raised = data.draw(st.lists(st.sampled_from(keys), unique=True))  # a running request sees them
     for lru in (together, one_by_one):
         lru.on_request_access("D", raised, [16] * len(raised))
-    protected = set(data.draw(st.lists(st.sampled_from(keys), unique=True)))
-    n = data.draw(st.integers(0, len(keys)))
-    ranked = sorted((together._ranks[k], k) for k in evictable if k not in protected)
-    expected = [k for _, k in ranked[:n]] if n <= len(ranked) else None
-    assert together.evict(n, protected) == expected
-    assert one_by_one.evict(n, protected) == expected
+    live = set(evictable)
+    for _ in range(3):  # evictions in a row (a failed one changes nothing), some chunks finished between
+        protected = set(data.draw(st.lists(st.sampled_from(keys), unique=True)))
+        n = data.draw(st.integers(0, len(keys)))
+        ranked = sorted((together._ranks[k], k) for k in live if k not in protected)
+        expected = [k for _, k in ranked[:n]] if n <= len(ranked) else None
+        assert together.evict(n, protected) == expected
+        assert one_by_one.evict(n, protected) == expected
+        live -= set(expected or ())
+        done = data.draw(st.lists(st.sampled_from(keys), unique=True))  # a request finished: fresh ranks
+        for lru in (together, one_by_one):
+            lru.on_request_finished("A", done, set(), set())
+
+
+def test_lru_a_chunk_protected_from_one_eviction_is_the_next_ones_victim():
+    """cpu/policies/lru.py LRUCachePolicy.evict: a protected chunk is passed over and stays
+    evictable at its rank (vLLM pushes it back on the heap)."""
+    lru = HostLRU(4)
+    lru.insert([1, 2, 3], "A", [16, 32, 48])  # ranks: 3 lowest (tail first), then 2, then 1
+    lru.mark_evictable([1, 2, 3])
+    assert lru.evict(1, {3}) == [2]
+    assert lru.evict(2, set()) == [3, 1]
 
 
 def test_lru_keys_must_be_64_bit_hashes():
