@@ -87,7 +87,6 @@ class HostTier:
             raise ValueError(f"num_chunks must be at least 0, got {num_chunks}")
         self.num_chunks = num_chunks
         self.policy = make_policy(policy, num_chunks)
-        self._store_misses = self.policy.hooks_store_misses  # whether `on_store_miss` does anything
         self.store_threshold = store_threshold  # below 2: every offered chunk is admitted
         self._counts = _OfferCounts(max_tracker_size) if store_threshold >= 2 else None
         self._ref: dict[int, int] = {}
@@ -188,13 +187,14 @@ class HostTier:
             self.num_skipped += len(new) - len(admitted)
             new = admitted
         acc = self._access(req)
-        if self._store_misses:  # before insert drops ghosts (ARC), once per key and request
+        if self.policy.hooks_store_misses:  # before insert drops ghosts (ARC), once per key and request
             misses = [key for key in new if key not in acc.store_misses]
             if misses:
                 self.policy.on_store_miss(misses)
                 acc.store_misses.update(misses)
+        all_new = len(new) == len(keys)  # (then `new` is `keys`: recorded, and inserted, as given)
         # NOTE: recorded even when this call then returns None, as vLLM does.
-        if len(new) == len(keys):  # (every key new: all recorded, in order)
+        if all_new:
             self._record(req, acc, keys, positions, ready)
         else:
             recorded = set(new).union(ready)
@@ -225,7 +225,7 @@ class HostTier:
         for key, slot in zip(new, slots, strict=True):
             refs[key] = -1
             slot_of[key] = slot
-        if len(new) == len(keys):
+        if all_new:
             self.policy.insert(new, req, positions)
         else:
             position_of = dict(zip(keys, positions, strict=True))

@@ -30,7 +30,8 @@ batch of them is handed on where the general step hands it on (`events`: after t
 the drain). Off with a fixed step time, defrag, invariant checks, the prefill cadence, Mamba
 chunking, a connector (the async lazy decodes run without one) and a P/D cluster's replica (whose
 schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters' replicas take
-runs, yielding where the general step yields); wherever the async output's lazy decodes are off. Plain decodes need one group with no window (`decode_slot` takes their slot).
+runs, yielding where the general step yields); wherever the async output's lazy decodes are off.
+Plain decodes need one group with no window (`decode_slot` takes their slot).
 
 Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
 the general step (lazy decodes alone), and 0.94x of that with plain decodes taken here too; the
