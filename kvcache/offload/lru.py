@@ -25,6 +25,13 @@ _TAIL = 1 << 39  # the rank of position p under a counter c is c << 40 | (_TAIL 
 _KEY = (1 << 64) - 1  # an entry's key bits: entry = rank << 64 | key
 
 
+def check_keys(keys: Sequence[int]) -> None:
+    """Refuse keys that are not 64-bit block hashes (an entry holds its key in its low 64 bits);
+    the host tier asks before it changes anything, so a refused offer leaves it as it was."""
+    if keys and (min(keys) < 0 or max(keys) > _KEY):
+        raise ValueError("host-tier keys must be 64-bit block hashes (0 <= key < 2**64)")
+
+
 def _rank(counter: int, position: int) -> Rank:
     """The rank of `(counter, -position)`, order kept."""
     return (counter << 40) | (_TAIL - position)
@@ -69,8 +76,7 @@ class HostLRU:
     def insert(self, keys: Sequence[int], req: str, positions: Sequence[int]) -> None:
         """New chunks, stores in flight (so not yet evictable), ranked with their request. Keys are
         64-bit block hashes (an entry holds one in its low 64 bits)."""
-        if keys and (min(keys) < 0 or max(keys) > _KEY):
-            raise ValueError("host-tier keys must be 64-bit block hashes (0 <= key < 2**64)")
+        check_keys(keys)
         ranks, top = self._ranks, self._request_rank(req) << 40 | _TAIL  # (`_rank` inline)
         for key, position in zip(keys, positions, strict=True):
             ranks[key] = top - position

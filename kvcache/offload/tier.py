@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvsim.kvcache.events import HostEventLog, KVEvent
 from kvsim.kvcache.offload import make_policy
+from kvsim.kvcache.offload.lru import check_keys
 
 MISS, HIT, PENDING = 0, 1, 2  # lookup results; vLLM's LookupResult.HIT_PENDING is PENDING
 
@@ -171,6 +172,7 @@ class HostTier:
         """
         if len(keys) != len(positions):
             raise ValueError(f"{len(keys)} keys but {len(positions)} positions")
+        check_keys(keys)  # (before the counts, the record and the maps change)
         if self._counts is not None:
             self._counts.offer(keys)
         new: list[int] = []

@@ -410,3 +410,31 @@ def test_kv_events_as_the_connector_publishes_the_cpu_tiers_by_default():
     off = HostTier(2)
     store(off, "A", [1, 2])
     assert (off.events, off.take_events()) == (None, [])
+
+
+def _state(obj: object) -> object:
+    """An object's attributes, followed into the objects it holds (for comparing a tier before and after)."""
+    if isinstance(obj, dict):
+        return {k: _state(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_state(v) for v in obj]
+    if hasattr(obj, "__dict__"):
+        return (type(obj).__name__, _state(vars(obj)))
+    return obj
+
+
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+def test_an_offer_with_a_key_not_a_64_bit_hash_leaves_the_tier_as_it_was(policy: str):
+    """Nothing half-written: the tier refuses the offer before its counts, its record of the
+    request, its maps or its policy change (HostLRU packs a key into 64 bits)."""
+    t = HostTier(3, policy, store_threshold=2)
+    store(t, "A", [1, 2])
+    store(t, "A", [1, 2])
+    before = _state(t)
+    for key in (-1, 2**64):
+        with pytest.raises(ValueError, match="64-bit block hashes"):
+            t.prepare_store("B", [3, 4, key], pos([3, 4, key]))
+        assert _state(t) == before
+    assert store(t, "B", [3, 4]).keys == []  # threshold 2: the refused offers were not counted
+    out = store(t, "B", [3, 4])
+    assert (out.keys, len(out.evicted)) == ([3, 4], 1)  # one slot free, one of A's chunks evicted
