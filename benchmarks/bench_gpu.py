@@ -1,8 +1,8 @@
 """Benchmark: the gpu harness's Triton kernels against plain torch on one CUDA GPU, side by side on the same data.
 
     python benchmarks/bench_gpu.py [--model llama-3-8b] [--dtype float16|bfloat16] [--block-size 16|32]
-                                   [--pairs 256] [--gpu NAME] [--only block,swap,write,decode[,pd]]
-                                   [--block-n 64] [--[no-]cuda-graph] [--json FILE] [--quick [--allow-cpu]]
+                                   [--pairs 256] [--gpu NAME] [--only block,swap,write,decode[,pd,fp8]]
+                                   [--fp8-dtype fp8|fp8_e5m2] [--block-n 64] [--[no-]cuda-graph] [--json FILE] [--quick [--allow-cpu]]
 
 Figures and targets (reported, not asserted; `--json` records each with its target and pass/fail):
 - copy_blocks (copy-on-write) and exchange_blocks (defrag) on the storage of the model's
@@ -33,6 +33,12 @@ Figures and targets (reported, not asserted; `--json` records each with its targ
   simulator's price: its P/D read (`sim.engine.nixl.KVTransfer.seconds` at SimConfig's NIXL
   defaults, 25 GB/s + 50 us) and its PCIe swap out + in (`CostModel.op_cost_s`, catalog
   pcie_bw); no target but that the blocks arrive intact.
+- `fp8` (only with `--only fp8`): decode attention on an FP8 cache (`--fp8-dtype fp8`, e4m3, or
+  fp8_e5m2; K scale 0.5, V scale 2, as vLLM's k_scale / v_scale) against the same kernel on the
+  16-bit cache of the same values, at the decode points: `decode_fp8_b<B>_c<C>.time_vs_16bit`
+  (half the bytes: about 0.5 where decode is bandwidth-bound) and `.hbm_fraction` of the FP8
+  bytes it reads, eager and under CUDA graphs (`_graph`); no targets. Each point's output is
+  checked against SDPA over the dequantized values (`max_abs_diff_vs_sdpa` in the results).
 Figures with no target carry "target": null and "pass": null; figures not measured carry
 "value": null, "pass": null and a "reason".
 
@@ -68,12 +74,13 @@ from gpu_benches import (
     Plan,
     bench_block_ops,
     bench_decode,
+    bench_decode_fp8,
     bench_pd_transfer,
     bench_write_kv,
 )
 
 SECTIONS = ("block", "swap", "write", "decode")  # the default run
-OPT_IN = ("pd",)  # only when --only names them
+OPT_IN = ("pd", "fp8")  # only when --only names them
 
 
 def make_plan(m, pairs: int, quick: bool, cuda_graph: bool = False) -> Plan:
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", default=None, help="datasheet for the HBM/PCIe fractions (default: detected)")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help=f"comma-separated sections to run (default: {','.join(SECTIONS)}; also {','.join(OPT_IN)})")
+    ap.add_argument("--fp8-dtype", choices=("fp8", "fp8_e5m2"), default="fp8",
+                    help="the `fp8` section's cache: vLLM's --kv-cache-dtype fp8 (e4m3) or fp8_e5m2")
     ap.add_argument("--block-n", type=int, default=64, help="decode_attention's tokens per tile")
     ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                     help="also time write_kv and decode attention (and their baselines) replayed from CUDA graphs "
@@ -175,6 +184,10 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
         out["results"].update(bench_write_kv(bench, fig, plan, args.block_size, dtype))
     if "decode" in sections:
         out["results"].update(bench_decode(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n))
+    if "fp8" in sections:
+        out["fp8_dtype"] = args.fp8_dtype
+        fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.fp8_dtype]  # (gpu.replay's names)
+        out["results"].update(bench_decode_fp8(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n, fp8))
     if "pd" in sections:
         out["results"].update(bench_pd_transfer(bench, fig, plan, args.block_size, dtype, m, spec))
     out["figures"] = fig.rows

@@ -349,6 +349,84 @@ def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw
     return point
 
 
+FP8_SCALES = (0.5, 2.0)  # (K, V) scales of the FP8 points: powers of two, as the replay's
+
+
+def bench_decode_fp8(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, block_n: int,
+                     fp8_dtype) -> dict:
+    """Paged decode attention on an FP8 cache (vLLM's `--kv-cache-dtype fp8`: K / k_scale and V / v_scale in
+    one byte) against the same kernel on the 16-bit cache of the same values, point by point: the time
+    ratio (half the bytes: about 0.5 where decode is bandwidth-bound, about 1 where it is launch-bound)
+    and the HBM fraction of the bytes it reads; checked against SDPA over the FP8 values dequantized."""
+    out = {}
+    print(f"decode attention on an FP8 cache ({str(fp8_dtype).removeprefix('torch.')}, K scale {FP8_SCALES[0]:g}, "
+          f"V scale {FP8_SCALES[1]:g}) against the same kernel on {str(dtype).removeprefix('torch.')}; "
+          f"HBM fraction of the FP8 K+V bytes read")
+    for batch in plan.batches:
+        for ctx in plan.contexts:
+            out[f"decode_fp8_b{batch}_c{ctx}"] = _decode_fp8_point(bench, fig, plan, bs, dtype, hbm_bw, batch, ctx,
+                                                                   block_n, fp8_dtype)
+    return out
+
+
+def _decode_fp8_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, batch: int, ctx: int,
+                      block_n: int, fp8_dtype) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from kvsim.gpu.kernels import decode_attention
+
+    dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
+    ks, vs = FP8_SCALES
+    pages = -(-ctx // bs)
+    k8 = (torch.randn((batch * pages + 1, bs, hkv, d), dtype=dtype, device=dev) / ks).to(fp8_dtype)
+    v8 = (torch.randn_like(k8, dtype=dtype) / vs).to(fp8_dtype)
+    kc, vc = k8.to(dtype) * ks, v8.to(dtype) * vs  # the same values, 16-bit (exact: scales are powers of two)
+    tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn((batch, hq, d), dtype=dtype, device=dev)
+    seen = min(ctx, window) if window else ctx
+    pos = torch.arange(ctx - seen, ctx, device=dev)
+    slots = tables.long()[:, pos // bs] * bs + pos % bs
+    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
+    vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
+    del slots
+    kw = {"sliding_window": window, "max_context": ctx, "block_n": block_n}
+
+    def fp8():
+        return decode_attention(q, k8, v8, tables, lens, kv_scales=FP8_SCALES, **kw)
+
+    def half():
+        return decode_attention(q, kc, vc, tables, lens, **kw)
+
+    ref = F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)[:, :, 0].float()
+    err = float((fp8().float() - ref).abs().max())
+    err_half = float((half().float() - ref).abs().max())
+    t_half, t_fp8 = bench(half), bench(fp8)
+    nbytes = 2 * batch * seen * hkv * d * k8.element_size()
+    name = f"decode_fp8_b{batch}_c{ctx}"
+    ratio, hbm = t_fp8 / t_half, nbytes / t_fp8 / hbm_bw
+    fig.add(f"{name}.time_vs_16bit", ratio, "x", "the paged kernel's time on the FP8 cache / on the 16-bit cache")
+    fig.add(f"{name}.hbm_fraction", hbm, "fraction", "FP8 K+V bytes read / kernel time / datasheet HBM")
+    print(f"  batch {batch:3d} ctx {ctx:6d}  {t_fp8 * 1e6:9.1f} us ({ratio:4.2f}x of {t_half * 1e6:9.1f} us 16-bit) | "
+          f"{nbytes / t_fp8 / 1e9:7.1f} GB/s = {hbm:6.1%} of HBM | max |diff| vs SDPA {err:.1e} (16-bit {err_half:.1e})")
+    point = {"seconds": t_fp8, "seconds_16bit": t_half, "time_vs_16bit": ratio, "hbm_fraction": hbm,
+             "tokens_read": seen, "max_abs_diff_vs_sdpa": err, "max_abs_diff_vs_sdpa_16bit": err_half}
+    if plan.cuda_graph:
+        g8, g16 = bench.graph(fp8, t_fp8), bench.graph(half, t_half)
+        ratio_g, why = graph_ratio(g8, g16, lambda a, b: a / b)
+        hbm_g = None if g8.seconds is None else nbytes / g8.seconds / hbm_bw
+        fig.add(f"{name}.time_vs_16bit_graph", ratio_g, "x", "the same, both replayed from CUDA graphs", reason=why)
+        fig.add(f"{name}.hbm_fraction_graph", hbm_g, "fraction", "the same, replayed from a CUDA graph",
+                reason=g8.reason)
+        shown = "n/a" if ratio_g is None else f"{ratio_g:4.2f}x"
+        print(f"  {'':21s}graphs {_us(g8.seconds)} us ({shown} of {_us(g16.seconds)} us)"
+              + ("" if hbm_g is None else f" | {hbm_g:6.1%} of HBM"))
+        point["graph"] = {"seconds": g8.seconds, "seconds_16bit": g16.seconds, "time_vs_16bit": ratio_g,
+                          "hbm_fraction": hbm_g, "reason": why}
+    return point
+
+
 def bench_pd_transfer(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, model: ModelSpec, gpu: GpuSpec) -> dict:
     """A P/D KV transfer staged through the host: a request's blocks, scattered in a prefill side's
     storage, gathered into pinned host memory and scattered into a decode side's storage (swap_blocks'

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [PART ...]
 #       PART: env tests bench calibrate steps replay (the default set), or any of
-#             holdout graphs pd mooncake profile fp8 hybrid (GPU-LIST.md items 1-4, each alone)
+#             holdout graphs pd mooncake profile fp8 fp8bench hybrid (GPU-LIST.md items 1-4, each alone)
 #
 # - tests:     every `cuda`-marked test (each kernel against its torch twin at real shapes)
 # - bench:     benchmarks/bench_gpu.py, fp16 at block size 16 and bf16 at block size 32
@@ -16,6 +16,8 @@
 #              Llama-3-8B, a Llama-3-70B TP-2 rank, Qwen3-30B-A3B (MoE); `python -m gpu.accuracy
 #              holdout` fits on one half and scores the other, on any machine
 # - graphs:    bench_gpu.py's write and decode sections, eager and under CUDA graphs
+# - fp8bench:  bench_gpu.py's fp8 section: decode attention on an FP8 cache against the same kernel on
+#              the fp16 cache of the same values, eager and under CUDA graphs (batches 1-64, 1k-16k tokens)
 # - pd:        bench_gpu.py's P/D transfer (blocks GPU -> pinned host -> GPU) against the simulator's price
 # - mooncake:  the first 2,000 Mooncake conversation requests recorded and replayed whole with
 #              `--check touched` (each step reads back only the entries an op changed) and decode
@@ -151,9 +153,9 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
             done
         fi
         ;;
-    graphs|pd)
+    graphs|pd|fp8bench)
         q=(); [ "$quick" = 1 ] && q=(--quick --allow-cpu)
-        only=write,decode; [ "$part" = pd ] && only=pd
+        only=write,decode; [ "$part" = pd ] && only=pd; [ "$part" = fp8bench ] && only=fp8
         say "bench $only fp16 block 16"
         timeout 200 python3 benchmarks/bench_gpu.py "${q[@]}" --only "$only" --dtype float16 --block-size 16 \
             --json "$out/bench_${part}_fp16_b16.json" 2>&1 | tee "$out/bench_${part}_fp16_b16.log"
@@ -247,7 +249,7 @@ print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 't
         done
         rm -rf "$runs"
         ;;
-    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake profile fp8 hybrid)"; exit 2 ;;
+    *) echo "unknown part $part (env tests bench calibrate steps replay holdout graphs pd mooncake profile fp8 fp8bench hybrid)"; exit 2 ;;
     esac
     say "$part took $((SECONDS - start)) s"
 done

@@ -117,6 +117,35 @@ def test_quick_decode_with_a_window_in_bf16(tmp_path):
     assert all(r["max_abs_diff_vs_sdpa"] < 3e-2 for r in rec["results"].values())
 
 
+@pytest.mark.parametrize("fp8", ["fp8", "fp8_e5m2"])
+def test_quick_fp8_decode_against_the_16_bit_cache(tmp_path, fp8):
+    """`--only fp8`: at every decode point the kernel on the FP8 cache, timed against itself on the
+    16-bit cache of the same values, with no targets; its output agrees with SDPA over those values as
+    closely as the 16-bit cache's (the scales are powers of two: dequantizing is exact)."""
+    out = tmp_path / "bench.json"
+    r = _run("--quick", "--allow-cpu", "--only", "fp8", "--fp8-dtype", fp8, "--cuda-graph", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    assert (rec["sections"], rec["fp8_dtype"]) == (["fp8"], fp8)
+    points = {f"decode_fp8_b{b}_c{c}" for b in (1, 4) for c in (32, 128)}
+    assert set(rec["results"]) == points
+    figs = rec["figures"]
+    assert set(figs) == {f"{p}.{f}{g}" for p in points for f in ("time_vs_16bit", "hbm_fraction") for g in ("", "_graph")}
+    assert all(f["target"] is None and f["pass"] is None for f in figs.values())
+    for p in points:
+        res = rec["results"][p]
+        assert res["time_vs_16bit"] == pytest.approx(res["seconds"] / res["seconds_16bit"], rel=1e-12)
+        assert res["max_abs_diff_vs_sdpa"] < 2e-3 and res["max_abs_diff_vs_sdpa_16bit"] < 2e-3
+        graph = res["graph"]
+        if not HAS_CUDA:
+            assert graph == {"seconds": None, "seconds_16bit": None, "time_vs_16bit": None, "hbm_fraction": None,
+                             "reason": "no CUDA graphs on device cpu"}
+    # 4 sequences x 128 tokens x K,V x 2 KV heads x 32 dims, one byte each, over the kernel's time
+    b4 = rec["results"]["decode_fp8_b4_c128"]
+    assert b4["tokens_read"] == 128
+    assert b4["hbm_fraction"] == pytest.approx(4 * 128 * 2 * 2 * 32 / b4["seconds"] / rec["datasheet"]["hbm_bw"], rel=1e-12)
+
+
 def test_without_cuda_it_exits_0_and_measures_nothing():
     if HAS_CUDA:
         pytest.skip("CUDA is present")
@@ -126,7 +155,7 @@ def test_without_cuda_it_exits_0_and_measures_nothing():
 
 def test_unknown_section_is_named():
     r = _run("--only", "write,nope", interpret=False)
-    assert r.returncode == 2 and "unknown section(s) nope; choose from block, swap, write, decode, pd" in r.stderr
+    assert r.returncode == 2 and "unknown section(s) nope; choose from block, swap, write, decode, pd, fp8" in r.stderr
 
 
 def test_allow_cpu_needs_quick():
