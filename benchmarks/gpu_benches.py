@@ -290,6 +290,26 @@ def bench_decode(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw:
     return out
 
 
+def _decode_inputs(bench: Bench, plan: Plan, bs: int, dtype, batch: int, ctx: int, kc, vc) -> tuple:
+    """A decode of `batch` sequences of `ctx` tokens over the paged caches `kc`, `vc` ([pages + 1, bs,
+    kv heads, dim]): block tables over distinct random pages (page 0 unused), context lengths, queries,
+    how many tokens attention reads (the window's), and those tokens' K and V laid out densely
+    ([batch, kv heads, tokens, dim]) for SDPA."""
+    import torch
+
+    dev, hkv, d, window = bench.dev, plan.kv_heads, plan.head_dim, plan.window
+    pages = -(-ctx // bs)
+    tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn((batch, plan.heads, d), dtype=dtype, device=dev)
+    seen = min(ctx, window) if window else ctx  # SDPA gets the tokens the window keeps
+    pos = torch.arange(ctx - seen, ctx, device=dev)
+    slots = tables.long()[:, pos // bs] * bs + pos % bs
+    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
+    vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
+    return tables, lens, q, seen, kd, vd
+
+
 def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw: float, batch: int, ctx: int,
                   block_n: int) -> dict:
     import torch
@@ -297,19 +317,11 @@ def _decode_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hbm_bw
 
     from kvsim.gpu.kernels import decode_attention
 
-    dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
-    pages = -(-ctx // bs)
-    kc = torch.randn((batch * pages + 1, bs, hkv, d), dtype=dtype, device=dev)
+    window = plan.window
+    kc = torch.randn((batch * -(-ctx // bs) + 1, bs, plan.kv_heads, plan.head_dim), dtype=dtype, device=bench.dev)
     vc = torch.randn_like(kc)
-    tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn((batch, hq, d), dtype=dtype, device=dev)
-    seen = min(ctx, window) if window else ctx  # SDPA gets the tokens the window keeps
-    pos = torch.arange(ctx - seen, ctx, device=dev)
-    slots = tables.long()[:, pos // bs] * bs + pos % bs
-    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()  # dense [B, Hkv, seen, D]
-    vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
-    del slots
+    tables, lens, q, seen, kd, vd = _decode_inputs(bench, plan, bs, dtype, batch, ctx, kc, vc)
+    hkv, d = plan.kv_heads, plan.head_dim
 
     def ours():
         return decode_attention(q, kc, vc, tables, lens, sliding_window=window, max_context=ctx, block_n=block_n)
@@ -376,22 +388,14 @@ def _decode_fp8_point(bench: Bench, fig: Figures, plan: Plan, bs: int, dtype, hb
 
     from kvsim.gpu.kernels import decode_attention
 
-    dev, hkv, hq, d, window = bench.dev, plan.kv_heads, plan.heads, plan.head_dim, plan.window
     ks, vs = FP8_SCALES
-    pages = -(-ctx // bs)
-    k8 = (torch.randn((batch * pages + 1, bs, hkv, d), dtype=dtype, device=dev) / ks).to(fp8_dtype)
+    shape = (batch * -(-ctx // bs) + 1, bs, plan.kv_heads, plan.head_dim)
+    k8 = (torch.randn(shape, dtype=dtype, device=bench.dev) / ks).to(fp8_dtype)
     v8 = (torch.randn_like(k8, dtype=dtype) / vs).to(fp8_dtype)
     kc, vc = k8.to(dtype) * ks, v8.to(dtype) * vs  # the same values, 16-bit (exact: scales are powers of two)
-    tables = (torch.randperm(batch * pages, device=dev) + 1).to(torch.int32).view(batch, pages)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn((batch, hq, d), dtype=dtype, device=dev)
-    seen = min(ctx, window) if window else ctx
-    pos = torch.arange(ctx - seen, ctx, device=dev)
-    slots = tables.long()[:, pos // bs] * bs + pos % bs
-    kd = kc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
-    vd = vc.view(-1, hkv, d)[slots].transpose(1, 2).contiguous()
-    del slots
-    kw = {"sliding_window": window, "max_context": ctx, "block_n": block_n}
+    tables, lens, q, seen, kd, vd = _decode_inputs(bench, plan, bs, dtype, batch, ctx, kc, vc)
+    hkv, d = plan.kv_heads, plan.head_dim
+    kw = {"sliding_window": plan.window, "max_context": ctx, "block_n": block_n}
 
     def fp8():
         return decode_attention(q, k8, v8, tables, lens, kv_scales=FP8_SCALES, **kw)
