@@ -32,9 +32,9 @@ def test_the_session_script_runs_every_new_part(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(out), "holdout", "graphs", "pd", "mooncake",
-                        "hybrid", "fp8", "profile"], env=env, capture_output=True, text=True, timeout=600)
+                        "hybrid", "fp8", "fp8bench", "profile"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for part in ("holdout", "graphs", "pd", "mooncake", "hybrid", "fp8"):
+    for part in ("holdout", "graphs", "pd", "mooncake", "hybrid", "fp8", "fp8bench"):
         assert f"{part} took" in r.stdout, part
     if shutil.which("py-spy", path=env["PATH"]):  # (a dev tool, not a test dependency)
         assert "profile took" in r.stdout and (out / "replay_profile_top.txt").read_text().startswith("own time (")
@@ -45,9 +45,10 @@ def test_the_session_script_runs_every_new_part(tmp_path):
         assert report["mismatches"] == 0 and report["dtype"] == name and report["tokens_verified"] > 0
     kernel = "grouped" if hasattr(torch, "_grouped_mm") else "bmm"  # bfloat16's default
     assert [row["moe_kernel"] for row in json.loads((out / "holdout_quick.json").read_text())] == [kernel] * 4
-    for bench in ("graphs", "pd"):
+    for bench in ("graphs", "pd", "fp8bench"):
         figures = json.loads((out / f"bench_{bench}_fp16_b16.json").read_text())["figures"]
         assert figures, bench
+    assert json.loads((out / "bench_fp8bench_fp16_b16.json").read_text())["sections"] == ["fp8"]
     for replay in ("mooncake_default", "hybrid_gpt-oss-20b", "hybrid_gemma-3-27b"):
         report = json.loads((out / f"replay_{replay}.json").read_text())
         assert report["mismatches"] == 0 and report["steps"] == report["steps_checked"] > 0, replay
