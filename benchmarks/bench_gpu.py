@@ -148,6 +148,7 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
 
     from kvsim.gpu.calibrate import detect_gpu
     from kvsim.gpu.kernels import interpreting
+    from kvsim.gpu.replay import DTYPES  # gpu-replay's --dtype names
     from kvsim.sim.engine.catalog import get_gpu, get_model
 
     t_start = time.perf_counter()
@@ -186,8 +187,8 @@ def run(args, sections: tuple[str, ...] = SECTIONS) -> dict:
         out["results"].update(bench_decode(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n))
     if "fp8" in sections:
         out["fp8_dtype"] = args.fp8_dtype
-        fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[args.fp8_dtype]  # (gpu.replay's names)
-        out["results"].update(bench_decode_fp8(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n, fp8))
+        out["results"].update(bench_decode_fp8(bench, fig, plan, args.block_size, dtype, spec.hbm_bw, args.block_n,
+                                               DTYPES[args.fp8_dtype]))
     if "pd" in sections:
         out["results"].update(bench_pd_transfer(bench, fig, plan, args.block_size, dtype, m, spec))
     out["figures"] = fig.rows

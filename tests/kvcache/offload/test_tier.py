@@ -413,9 +413,10 @@ def test_kv_events_as_the_connector_publishes_the_cpu_tiers_by_default():
 
 
 def _state(obj: object) -> object:
-    """An object's attributes, followed into the objects it holds (for comparing a tier before and after)."""
+    """An object's attributes, followed into the objects it holds (for comparing a tier before and after);
+    a dict as its items in order (an OrderedDict's order is the policy's state: ARC's lists, the offer counts)."""
     if isinstance(obj, dict):
-        return {k: _state(v) for k, v in obj.items()}
+        return [(k, _state(v)) for k, v in obj.items()]
     if isinstance(obj, list | tuple):
         return [_state(v) for v in obj]
     if hasattr(obj, "__dict__"):
