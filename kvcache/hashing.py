@@ -106,6 +106,14 @@ def prefix_keys(prompts: list[np.ndarray], block_size: int, extra_key: int = 0) 
     with G the running sum of c_j * P^-(j+1) over every block of the batch (mod 2^64).
     """
     root = root_state(extra_key)
+    if len(prompts) == 1:
+        # NOTE: one prompt (a lightly loaded engine's WAITING holds only the request arriving) is the
+        # plain chain: half the vector operations of the batched form, the same keys
+        p = prompts[0]
+        if len(p) < block_size:
+            return [([], root)]
+        states = chain(root, content_hashes(p, block_size))
+        return [(keys(states), int(states[-1]))]
     counts = [len(p) // block_size for p in prompts]
     total = sum(counts)
     if not total:

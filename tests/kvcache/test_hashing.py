@@ -22,6 +22,8 @@ def test_a_batch_hashes_each_prompt_as_alone(batch: list[list[int]], bs: int, ex
         alone = Sequence("s", p, extra_key=extra)
         assert keys == alone.hashes_upto(len(p) // bs * bs, bs) == block_keys(p, bs, extra)
         assert state == alone._state  # the chain goes on from there through known output
+        # one prompt takes the plain chain (kvcache/hashing.py `prefix_keys`), a batch the closed form
+        assert prefix_keys([p], bs, extra) == [(keys, state)]
 
 
 def test_a_sequence_given_its_keys_hashes_on_as_one_that_hashed_them() -> None:
