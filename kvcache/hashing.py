@@ -29,13 +29,24 @@ with np.errstate(over="ignore"):
     _R = (np.random.default_rng(0x6B7673696D).integers(0, 1 << 63, size=4096, dtype=np.uint64) << _U64(1)) | _U64(1)
 
 
+_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+_M1, _M2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, vectorised (wraps mod 2^64)."""
-    x = x ^ (x >> _U64(30))
-    x = x * _U64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> _U64(27))
-    x = x * _U64(0x94D049BB133111EB)
-    return x ^ (x >> _U64(31))
+    """splitmix64 finaliser, vectorised (wraps mod 2^64); `x` is left as it is.
+
+    In place on one new array and one scratch (a prompt's blocks are few, so each numpy call's
+    fixed cost, not the arithmetic, is what a prompt pays)."""
+    y = x >> _S30
+    y ^= x
+    y *= _M1
+    t = y >> _S27
+    y ^= t
+    y *= _M2
+    np.right_shift(y, _S31, out=t)
+    y ^= t
+    return y
 
 
 def _mix_int(x: int) -> int:
@@ -68,6 +79,7 @@ def _powers(x: int, size: int) -> np.ndarray:
 
 
 _POW = _Powers()
+_R_SUMS: dict[int, np.uint64] = {}  # block size -> sum of its R[t] (mod 2^64)
 
 
 def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
@@ -77,9 +89,14 @@ def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R)}")
     t = tokens[: nb * block_size].astype(np.uint64, copy=False).reshape(nb, block_size)
     r = _R[:block_size]
+    r_sum = _R_SUMS.get(block_size)
+    if r_sum is None:
+        r_sum = _R_SUMS[block_size] = r.sum(dtype=np.uint64)
     # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries;
     # NOTE: uint64 array arithmetic wraps silently (only numpy scalars warn), so no errstate here
-    return _mix(t @ r + r.sum(dtype=np.uint64))
+    c = t @ r
+    c += r_sum
+    return _mix(c)
 
 
 def chain(state: int, contents: np.ndarray) -> np.ndarray:
