@@ -42,19 +42,6 @@ def traces_dir() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="session", autouse=True)
-def plot_helpers_at_normal_priority():
-    """`kvsim run`'s plot helpers run at the lowest CPU priority (nice 19), so they never slow the
-    simulation. Under the suite a busy machine (the other xdist worker, anything else running) can
-    starve them for minutes while their test waits on them: here they keep the test's priority.
-    What they draw is unchanged; nothing here asserts a priority."""
-    from kvsim.sim.studies import plot_workers
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plot_workers, "_lowest_priority", lambda: None)
-        yield
-
-
 @pytest.fixture(scope="session")
 def traces() -> Path:
     found = traces_dir()

@@ -1,10 +1,16 @@
 """A run's plots drawn by helper processes, so `kvsim run` does not wait for matplotlib.
 
-The helpers start with the command, at the lowest CPU priority, and load matplotlib while it
-simulates; once the run folder holds its tables, config and summary, each draws its share of
-the PNGs (the same files `write_plots` draws), side by side. On a machine with a spare core
-the command then waits only for the longest share's drawing, not for the import and every
-plot in turn. Each helper is a fresh interpreter (`python -c`), told the folder on its stdin.
+The helpers start with the command and load matplotlib while it simulates; once the run folder
+holds its tables, config and summary, each draws its share of the PNGs (the same files
+`write_plots` draws), side by side. On a machine with a spare core the command then waits only
+for the longest share's drawing, not for the import and every plot in turn. Each helper is a
+fresh interpreter (`python -c`), told the folder on its stdin.
+
+The helpers keep the command's CPU priority: the command waits on them at the end, so a lowered
+priority (they once ran at nice 19) is a priority inversion. Beside other busy processes (a
+sweep's workers, a test suite's) a nice-19 helper got about 1.5% of a core and the command
+waited minutes for plots it draws in seconds alone; what they take from the simulation on a
+machine with no spare core is matplotlib's import, which the drawing pays anyway.
 """
 
 from __future__ import annotations
@@ -38,8 +44,7 @@ class PlotWorkers:
         for share in shares:
             extra = [IDEAL, json.dumps(workload)] if workload is not None and "hit_rate.png" in share else []
             proc = subprocess.Popen([sys.executable, "-c", _SERVE, *share, *extra], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    preexec_fn=_lowest_priority if os.name == "posix" else None)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self._helpers.append((proc, share))
 
     def __enter__(self) -> PlotWorkers:
@@ -99,10 +104,6 @@ def _ideal(spec: dict) -> float:
 
     wl = default_workload(spec["seed"]) if spec["path"] is None else load_workload(spec["path"], spec["format"])
     return describe(wl, spec["block_size"]).ideal_token_hit_rate
-
-
-def _lowest_priority() -> None:
-    os.nice(19)
 
 
 def serve() -> None:
