@@ -33,6 +33,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(missing)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The notebooks' runs first (15-75 s each, nothing shared with other tests): near the end of a run
+    pytest-xdist hands each worker consecutive tests in chunks, and a chunk of notebooks kept one
+    worker busy while the other had nothing left to run."""
+    notebooks = [item for item in items if getattr(item, "originalname", None) == "test_notebook_executes"]
+    if notebooks:
+        items[:] = notebooks + [item for item in items if item not in notebooks]
+
+
 def traces_dir() -> Path | None:
     """$KVSIM_TRACES, else ../shared/traces next to the repo root, if it exists."""
     env = os.environ.get("KVSIM_TRACES")
