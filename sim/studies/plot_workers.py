@@ -15,11 +15,13 @@ machine with no spare core is matplotlib's import, which the drawing pays anyway
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 SHARES = (("blocks.png",), ("hit_rate.png", "latency.png"))
 NAMES = tuple(name for share in SHARES for name in share)
 _SERVE = "from kvsim.sim.studies.plot_workers import serve; serve()"
+TIMEOUT = 600.0  # seconds `draw` waits for its helpers: a few alone, a minute or two beside busy processes
 IDEAL = "--ideal"  # then the workload as JSON: the helper drawing hit_rate.png computes its ideal hit rate
 
 
@@ -37,9 +40,12 @@ class PlotWorkers:
     """Helper processes, one per share of the plots; `draw` hands each the run folder and
     waits. Use as a context manager: helpers never asked to draw are stopped at the end."""
 
-    def __init__(self, shares: tuple[tuple[str, ...], ...] = SHARES, workload: dict | None = None):
+    def __init__(self, shares: tuple[tuple[str, ...], ...] = SHARES, workload: dict | None = None,
+                 timeout: float = TIMEOUT):
         """`workload` (`path`, `format`, `seed`, `block_size`; path None: the embedded one): the
-        helper that draws hit_rate.png reads it while the run simulates, for the ideal hit rate."""
+        helper that draws hit_rate.png reads it while the run simulates, for the ideal hit rate.
+        `timeout`: seconds `draw` waits for the helpers before it stops them and draws their shares."""
+        self.timeout = timeout
         self._helpers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
         for share in shares:
             extra = [IDEAL, json.dumps(workload)] if workload is not None and "hit_rate.png" in share else []
@@ -55,19 +61,32 @@ class PlotWorkers:
 
     def draw(self, result: RunResult, folder: Path) -> None:
         """Draw `result`'s plots into `folder`, which already holds its tables, config and
-        summary. A share whose helper is gone draws here instead; a helper's own error raises
-        RuntimeError with its traceback."""
+        summary. A share whose helper is gone, or has not answered within `timeout` seconds of
+        the call (it is stopped, and a line on stderr says so), draws here instead; a helper's own
+        error raises RuntimeError with its traceback."""
         asked, here, failed = [], [], []
         for proc, share in self._helpers:
             try:
                 proc.stdin.write(str(folder) + "\n")
-                proc.stdin.close()
+                proc.stdin.flush()  # (`communicate` closes it)
                 asked.append((proc, share))
             except OSError:  # it is gone
                 here.append(share)
+        deadline = time.monotonic() + self.timeout
         for proc, share in asked:
-            reply = proc.stdout.read()
-            proc.wait()
+            try:
+                reply, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                sys.stderr.write(f"plot helper for {', '.join(share)} gave no answer in {self.timeout:g} s: "
+                                 "stopped, and its plots drawn here\n")
+                here.append(share)
+                continue
+            except OSError:  # (its stdin already gone: it died)
+                proc.wait()
+                here.append(share)
+                continue
             if reply.endswith("drawn\n") and proc.returncode == 0:
                 continue
             if "Traceback" in reply:
@@ -92,7 +111,8 @@ class PlotWorkers:
             proc.wait()
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None and not pipe.closed:
-                    pipe.close()
+                    with contextlib.suppress(OSError):  # (a dead helper's stdin: its buffered line cannot go)
+                        pipe.close()
         self._helpers = []
 
 

@@ -56,6 +56,23 @@ def test_a_share_whose_helper_died_is_drawn_by_the_command(tmp_path: Path) -> No
     assert sorted(p.name for p in folder.glob("*.png")) == sorted(PLOTS)
 
 
+def test_a_helper_that_never_answers_is_stopped_and_its_share_drawn_by_the_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import kvsim.sim.studies.plot_workers as pw
+
+    res = run([req("a", 0, 8, 2)])
+    folder = write_run(res, tmp_path / "r", plots=False)
+    monkeypatch.setattr(pw, "_SERVE", "import time; time.sleep(120)")  # a helper that hangs
+    with PlotWorkers(timeout=1.0) as workers:
+        procs = [p for p, _ in workers._helpers]
+        workers.draw(res, folder)
+    assert all(p.returncode is not None for p in procs)  # stopped, not left behind
+    assert sorted(p.name for p in folder.glob("*.png")) == sorted(PLOTS)
+    err = capsys.readouterr().err
+    assert err.count("gave no answer in 1 s: stopped, and its plots drawn here") == 2
+    assert "plot helper for blocks.png gave no answer" in err
+
+
 def test_a_run_in_hybrid_groups_keeps_each_groups_blocks_in_use_in_its_folder(tmp_path: Path) -> None:
     """groups.parquet: one row a step, read back by `load_run` and by the helpers drawing blocks.png."""
     import pandas as pd
