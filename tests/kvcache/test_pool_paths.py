@@ -183,3 +183,39 @@ def test_caching_a_run_of_blocks_at_once_is_caching_them_one_by_one(plan: list) 
     a, b = ([(key, [hit.block_id] if type(hit) is KVCacheBlock else list(hit)) for key, hit in p.cached.items()]
             for p in pools)
     assert a == b
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
+def test_a_new_pool_frees_its_blocks_in_id_order_without_collecting(policy: str, monkeypatch) -> None:
+    """Every block but the null one is free, first to be taken the lowest id (vLLM's
+    `FreeKVCacheBlockQueue(self.blocks)` over ids 0..N-1, block 0 taken out as the null block:
+    vllm/v1/core/block_pool.py `BlockPool.__init__`, 0.33.0); no cyclic collection runs while the
+    blocks are made, and the collector is left as it was."""
+    import gc
+
+    from kvsim.kvcache.block_pool import BlockPool
+    from kvsim.kvcache.eviction import make_policy
+
+    seen = []
+    monkeypatch.setattr(KVCacheBlock, "__init__", _spy(KVCacheBlock.__init__, seen))
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            chosen = make_policy(policy)
+            seen.clear()  # (a queue's sentinels are blocks too)
+            pool = BlockPool(9, policy=chosen)
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
+        assert len(seen) == 9 and not any(seen)  # the collector was off for every block made
+        assert [b.block_id for b in pool.get_new_blocks(8)] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def _spy(init, seen: list):
+    import gc
+
+    def spied(self, block_id: int) -> None:
+        seen.append(gc.isenabled())
+        init(self, block_id)
+
+    return spied
