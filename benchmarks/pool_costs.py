@@ -4,8 +4,8 @@
 
 The script wraps, in this process only, the pool's public block operations:
 - `BlockPool.get_new_blocks` and `take_one` (a decode's one block): blocks taken. Under exact LRU it
-  also counts those that come off the free queue's front stack. The rest come off its linked part:
-  each an eviction, but for a block's first use (the pool starts with every block there).
+  also counts those that come off the free queue's front stack (where the pool starts with every
+  block, and freed uncached blocks go). The rest come off its linked part: each an eviction.
 - `free_blocks` / `free_runs`: blocks let go.
 - `cache_blocks`: blocks hashed into the prefix cache.
 
