@@ -76,7 +76,7 @@ class Meter:
     def install(self) -> None:
         def taken(pool: BlockPool, n: int, keys: Any = None) -> int:
             if pool._lru is not None:  # (under exact LRU: the front stack is taken first)
-                self.from_stack += min(n, len(pool._lru.stack))
+                self.from_stack += min(n, len(pool._lru.stack) + pool._lru.num_fresh)
             return n
 
         BlockPool.get_new_blocks = self.wrap("take", BlockPool.get_new_blocks, taken)

@@ -78,12 +78,15 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.free_first = free_first  # uncached freed blocks go to the front (vLLM 0.24+)
         self.policy = policy if policy is not None else LRU()
-        with collections_paused():
-            self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-            self.policy.bind(num_blocks)
-            if type(self.policy) is LRU:  # (its queue starts as one slice on the front stack: no links to make)
-                self.policy.free_first(self.blocks[1:])
-            else:
+        self.policy.bind(num_blocks)
+        # `blocks`: the blocks made so far, by id; under exact LRU the queue starts as fresh blocks,
+        # each made (appended here) when first taken (`FreeBlockQueue.start_fresh`)
+        if type(self.policy) is LRU:
+            self.blocks = [KVCacheBlock(0)]
+            self.policy.queue.start_fresh(self.blocks, num_blocks - 1)
+        else:
+            with collections_paused():
+                self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
                 self.policy.free(self.blocks[1:])
         self.null_block = self.blocks[0]
         self.cached: dict[int, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -244,7 +247,9 @@ class BlockPool:
                 or not q.num_free_blocks:
             return self.get_new_blocks(1)[0]
         stack = q.stack
-        if stack:  # (as `_pop_counted`: the front stack holds no cached block)
+        if stack or q.num_fresh:  # (as `_pop_counted`: the front stack holds no cached block)
+            if not stack:
+                q.unfresh(1)
             b = stack.pop()
             q.num_free_blocks -= 1
             if b.block_hash is not None:

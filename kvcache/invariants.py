@@ -54,6 +54,7 @@ def check(m: KVCacheManager | HybridKVCacheManager) -> None:
         cached_free += free and b.block_hash is not None
         if b.block_hash is not None and _lookup(pool.cached.get(b.block_hash), b.block_id) is not b:
             _fail(f"block {b.block_id}: hash {b.block_hash} not mapped to it")
+    num_free += queue.num_fresh if queue is not None else 0  # (free blocks not made yet)
     if num_free != pool.num_free_blocks:
         _fail(f"{num_free} free blocks, pool reports {pool.num_free_blocks}")
     if cached_free != pool.num_cached_free:
@@ -93,7 +94,7 @@ def _check_links(policy: LRU) -> None:
         if b.prev is not None or b.next is not None or b.block_hash is not None:
             _fail(f"free queue: block {b.block_id} on the front stack is linked or cached")
     prev = q._head
-    n = len(q.stack)
+    n = len(q.stack) + q.num_fresh
     b = q._head.next
     while b is not q._tail:
         if b.prev is not prev:

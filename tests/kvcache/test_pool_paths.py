@@ -7,6 +7,7 @@ tables, ref counts, free order, cache map (duplicate keys included), counters an
 the id tracker, for every policy and with or without the defragmenter.
 """
 
+import itertools
 import random
 
 import numpy as np
@@ -189,8 +190,10 @@ def test_caching_a_run_of_blocks_at_once_is_caching_them_one_by_one(plan: list) 
 def test_a_new_pool_frees_its_blocks_in_id_order_without_collecting(policy: str, monkeypatch) -> None:
     """Every block but the null one is free, first to be taken the lowest id (vLLM's
     `FreeKVCacheBlockQueue(self.blocks)` over ids 0..N-1, block 0 taken out as the null block:
-    vllm/v1/core/block_pool.py `BlockPool.__init__`, 0.33.0); no cyclic collection runs while the
-    blocks are made, and the collector is left as it was."""
+    vllm/v1/core/block_pool.py `BlockPool.__init__`, 0.33.0). Under exact LRU only the null block is
+    made with the pool, the others as they are first taken (`FreeBlockQueue.start_fresh`); under the
+    other policies all are made at once, no cyclic collection running meanwhile, and the collector is
+    left as it was."""
     import gc
 
     from kvsim.kvcache.block_pool import BlockPool
@@ -207,8 +210,72 @@ def test_a_new_pool_frees_its_blocks_in_id_order_without_collecting(policy: str,
             assert gc.isenabled() is enabled
         finally:
             gc.enable()
-        assert len(seen) == 9 and not any(seen)  # the collector was off for every block made
-        assert [b.block_id for b in pool.get_new_blocks(8)] == [1, 2, 3, 4, 5, 6, 7, 8]
+        if policy == "lru":
+            assert (len(seen), len(pool.blocks), pool.num_free_blocks) == (1, 1, 8)
+        else:
+            assert len(seen) == 9 and not any(seen)  # the collector was off for every block made
+        assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
+        assert len(pool.blocks) == (4 if policy == "lru" else 9)
+        assert [b.block_id for b in pool.get_new_blocks(5)] == [4, 5, 6, 7, 8]
+        assert [b.block_id for b in pool.blocks] == list(range(9)) and pool.num_free_blocks == 0
+
+
+def test_fresh_blocks_keep_the_free_queue_order_of_blocks_made_at_once() -> None:
+    """A pool whose blocks are made as first taken (exact LRU) against one whose queue starts with all
+    of them made (the same LRU, every block pushed on the front stack at once, as the pool did before
+    `start_fresh`): random takes (several, and one through `take_one`), frees at the front (uncached)
+    and at the back (cached first), cache hits taken out of the queue, and walks of the queue's first
+    blocks leave the two in one state after every operation: ids handed out, free count, cache map,
+    ref counts, and at the end the whole free order. The lazy pool has made only the blocks handed out
+    or walked past."""
+    from kvsim.kvcache.block_pool import BlockPool
+
+    def eager_pool(n: int) -> BlockPool:
+        pool = BlockPool(n)
+        q = pool.policy.queue
+        q.num_free_blocks = q.num_fresh = 0
+        pool.blocks = [pool.null_block] + [KVCacheBlock(i) for i in range(1, n)]
+        q.prepend_n(pool.blocks[1:])
+        return pool
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        n = rng.choice([5, 17, 64])
+        pools = BlockPool(n), eager_pool(n)
+        held: tuple[list[KVCacheBlock], list[KVCacheBlock]] = ([], [])
+        walked, top = False, 0  # a walk of the queue yet; the highest id handed out
+        for t in range(150):
+            op, free = rng.random(), pools[0].num_free_blocks
+            k, j, cache, w = rng.randint(1, max(free, 1)), rng.randrange(1 << 30), rng.random() < 0.5, rng.randint(1, 9)
+            for pool, mine in zip(pools, held, strict=True):
+                if op < 0.3 and free:
+                    mine += pool.get_new_blocks(k)
+                elif op < 0.45 and free:
+                    mine.append(pool.take_one())
+                elif op < 0.75 and mine:
+                    b = mine.pop(j % len(mine))
+                    if cache and b.block_hash is None and b.ref_cnt == 1:  # cached first: freed at the back
+                        pool.cache_blocks([b], [1000 * t + b.block_id], 0, 1)
+                    pool.free_blocks([b])
+                elif op < 0.85 and pool.cached:
+                    hit = pool.get_cached_block(sorted(pool.cached)[j % len(pool.cached)])
+                    pool.touch([hit])
+                    mine.append(hit)
+                else:
+                    walked = True
+                    assert [b.block_id for b in itertools.islice(pool.policy.queue, w)] == \
+                        pools[1].policy.queue.block_ids()[:w]
+            assert [b.block_id for b in held[0]] == [b.block_id for b in held[1]]
+            assert (pools[0].num_free_blocks, pools[0].num_cached_free, cache_map(pools[0])) == \
+                (pools[1].num_free_blocks, pools[1].num_cached_free, cache_map(pools[1]))
+            made = pools[0].blocks
+            assert [b.ref_cnt for b in made] == [b.ref_cnt for b in pools[1].blocks[:len(made)]]
+            assert [b.block_id for b in made] == list(range(len(made)))
+            top = max([top] + [b.block_id for b in held[0]])
+            if not walked:  # made: the null block and every id up to the highest handed out, no more
+                assert len(made) == 1 + top
+        assert pools[0].policy.queue.block_ids() == pools[1].policy.queue.block_ids()
+        assert len(pools[0].blocks) == n  # the walk made the rest
 
 
 def _spy(init, seen: list):
