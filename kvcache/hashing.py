@@ -110,6 +110,28 @@ def chain(state: int, contents: np.ndarray) -> np.ndarray:
     return (acc + _U64(state)) * fwd[1 : n + 1]
 
 
+_R_INTS = _R.tolist()  # R[t] as Python ints, for `few_keys`
+FEW = 2  # at most this many blocks go through `few_keys` (`Sequence.hashes_upto`)
+
+
+def few_keys(state: int, tokens: np.ndarray, block_size: int) -> tuple[list[int], int]:
+    """Keys of the full blocks of `tokens` continuing from raw chain state `state`, and the raw state
+    after the last: `keys(chain(state, content_hashes(tokens, block_size)))` in plain Python ints.
+    For a block or two (a decode filling a block of known tokens, one at a time) the vector path's
+    dozen numpy calls cost several times the arithmetic; the values are the same (mod 2^64)."""
+    if block_size > len(_R_INTS):
+        raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R_INTS)}")
+    toks = tokens.tolist()
+    r = _R_INTS[:block_size]
+    r_sum = sum(r)
+    out = []
+    for i in range(len(toks) // block_size):
+        c = _mix_int((sum(map(int.__mul__, toks[i * block_size:(i + 1) * block_size], r)) + r_sum) & _MASK)
+        state = (state * _P + c) & _MASK
+        out.append(_mix_int(state))
+    return out, state
+
+
 def keys(states: np.ndarray) -> list[int]:
     """Cache keys (Python ints) for raw chain states."""
     return _mix(states).tolist()

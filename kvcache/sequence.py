@@ -89,10 +89,14 @@ class Sequence:
         # Blocks wholly inside the known tokens: hash their content in one pass.
         n_known = min(n_full, self._known // block_size)
         if n_known > have:
-            contents = hashing.content_hashes(self.tokens(have * block_size, n_known * block_size), block_size)
-            states = hashing.chain(self._state, contents)
-            self._state = int(states[-1])
-            hashes.extend(hashing.keys(states))
+            tokens = self.tokens(have * block_size, n_known * block_size)
+            if n_known - have <= hashing.FEW:  # (a decode's block: the same keys in plain ints)
+                keys, self._state = hashing.few_keys(self._state, tokens, block_size)
+                hashes.extend(keys)
+            else:
+                states = hashing.chain(self._state, hashing.content_hashes(tokens, block_size))
+                self._state = int(states[-1])
+                hashes.extend(hashing.keys(states))
             have = n_known
         if n_full > have:  # blocks holding a unique decoded token (no known block comes after them)
             hashes.extend(hashing.unique_keys(self.uid, have, n_full))
