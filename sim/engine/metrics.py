@@ -181,29 +181,31 @@ class RequestLog(Columns):
         return i
 
     def frame(self) -> pd.DataFrame:
-        """The per-request table with derived latencies (see `latencies`)."""
-        df = super().frame()
-        df.insert(0, "id", pd.Series(self.ids, dtype="string"))
-        df["status"] = pd.Categorical.from_codes(df["status"], STATUS)
-        df["reason"] = pd.Categorical.from_codes(df["reason"], REASONS)
+        """The per-request table with derived latencies (see `latencies`), made in one constructor
+        (a cluster builds one a replica; column by column, pandas' per-call cost was most of it)."""
+        cols: dict[str, Any] = {"id": pd.array(self.ids, dtype="string")}
+        cols.update((k, v[: self.rows]) for k, v in self.cols.items())
+        cols["status"] = pd.Categorical.from_codes(cols["status"], STATUS)
+        cols["reason"] = pd.Categorical.from_codes(cols["reason"], REASONS)
         for col in STEP_INDEX_COLUMNS:  # NaN (never) -> <NA>
-            df[col] = df[col].astype("Int64")
-        return latencies(df)
+            cols[col] = pd.array(cols[col], dtype="Int64")
+        cols.update(latencies(cols["arrival"], cols["first_scheduled"], cols["first_token"], cols["finish"],
+                              cols["output_len"]))
+        return pd.DataFrame(cols)
 
 
-def latencies(df: pd.DataFrame) -> pd.DataFrame:
-    """Add the per-request latency columns, in seconds (NaN where undefined).
+def latencies(arrival: np.ndarray, first_scheduled: np.ndarray, first_token: np.ndarray, finish: np.ndarray,
+              output_len: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-request latency columns, in seconds (NaN where undefined), from the request columns.
 
     ttft = first_token - arrival; tpot = (finish - first_token) / (output_len - 1)
     (time per output token after the first, per sample); e2e = finish - arrival;
     queueing = first_scheduled - arrival.
     """
-    df["ttft"] = df["first_token"] - df["arrival"]
-    decode = (df["output_len"] - 1).astype(np.float64)
-    df["tpot"] = (df["finish"] - df["first_token"]) / decode.where(decode > 0)
-    df["e2e"] = df["finish"] - df["arrival"]
-    df["queueing"] = df["first_scheduled"] - df["arrival"]
-    return df
+    decode = (output_len - 1).astype(np.float64)
+    decode[decode <= 0] = np.nan
+    return {"ttft": first_token - arrival, "tpot": (finish - first_token) / decode, "e2e": finish - arrival,
+            "queueing": first_scheduled - arrival}
 
 
 # ------------------------------------------------------------------ summary
@@ -213,12 +215,12 @@ def prefix_hits(requests: pd.DataFrame, block_size: int, fanned_out: bool = True
     """Prompt tokens scheduled by admitted requests (once a sample when n > 1 fans out, else once)
     and the prefix hit rates over them: token level, prompt tokens served from cache at first
     admission / prompt tokens scheduled; block level, hit blocks / prompt blocks (ceil(prompt / block size))."""
-    adm = requests.loc[requests["first_scheduled"].notna(), ["prompt_tokens", "hit_tokens", "n"]]
-    prompts = adm["prompt_tokens"].astype(np.int64)
-    times = adm["n"].astype(np.int64) if fanned_out else 1
+    adm = requests["first_scheduled"].notna().to_numpy()
+    prompts = requests["prompt_tokens"].to_numpy()[adm].astype(np.int64)
+    times = requests["n"].to_numpy()[adm].astype(np.int64) if fanned_out else 1
     total = int((prompts * times).sum())
     blocks = int((-(-prompts // block_size) * times).sum())
-    hits = adm["hit_tokens"]
+    hits = requests["hit_tokens"].to_numpy()[adm]
     return {"prompt_tokens": total, "hit_rate": float(hits.sum()) / total if total else 0.0,
             "block_hit_rate": float((hits // block_size).sum()) / blocks if blocks else 0.0}
 
@@ -233,7 +235,8 @@ def time_mean(steps: StepTable, column: str, w: np.ndarray | None = None) -> flo
 
 def percentiles(values: pd.Series, name: str) -> dict[str, float | None]:
     """`name_p50`, `_p90`, `_p99` and `_mean` of the non-NaN values (None if there are none)."""
-    v = values.dropna().to_numpy()
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
     out: dict[str, float | None] = {}
     for p in PERCENTILES:
         out[f"{name}_p{p}"] = float(np.percentile(v, p)) if len(v) else None
@@ -288,6 +291,14 @@ def load_figures(steps: StepTable, requests: pd.DataFrame, served_rps: float) ->
     return out
 
 
+def codes(column: pd.Series, names: tuple[str, ...]) -> np.ndarray:
+    """Each row's index into `names` (-1 for a value not among them): read off a categorical of
+    exactly those names, as `RequestLog.frame` makes its status and reason columns."""
+    if isinstance(column.dtype, pd.CategoricalDtype) and tuple(column.cat.categories) == names:
+        return column.cat.codes.to_numpy()
+    return pd.Categorical(column, categories=names).codes
+
+
 def duration(steps: StepTable, requests: pd.DataFrame) -> float:
     """Simulated span, s: first arrival to the end of the last step."""
     if steps.empty or requests.empty:
@@ -313,18 +324,21 @@ def summarize(
     a request with n > 1 ran as n requests, each scheduling its prompt (else its samples forked).
     """
     span = duration(steps, requests)
-    status = requests["status"]
-    done = status == "finished"
+    status = codes(requests["status"], STATUS)
+    done = status == STATUS.index("finished")
+    reason = codes(requests["reason"], REASONS)
+    by_status = np.bincount(status[status >= 0], minlength=len(STATUS))
+    by_reason = np.bincount(reason[reason >= 0], minlength=len(REASONS))
     usable = num_gpu_blocks - 1
     out_tokens = int(requests["output_tokens"].sum())
     s: dict[str, Any] = {
         "requests": len(requests),
-        "finished": int(done.sum()),
-        "truncated": int((status == "truncated").sum()),
-        "rejected": int((status == "rejected").sum()),
+        "finished": int(by_status[STATUS.index("finished")]),
+        "truncated": int(by_status[STATUS.index("truncated")]),
+        "rejected": int(by_status[STATUS.index("rejected")]),
     }
-    for reason in REASONS[1:]:
-        s[f"dropped_{reason}"] = int((requests["reason"] == reason).sum())
+    for i, reason in enumerate(REASONS[1:], 1):
+        s[f"dropped_{reason}"] = int(by_reason[i])
     hits = prefix_hits(requests, block_size, fanned_out)
     s.update(
         steps=len(steps),
@@ -338,7 +352,7 @@ def summarize(
         output_tokens_per_s=out_tokens / span if span else 0.0,
     )
     for col in ("ttft", "tpot", "e2e", "queueing"):
-        s.update(percentiles(requests.loc[done, col], col))  # a column at a time: no copy of the table
+        s.update(percentiles(requests[col].to_numpy()[done], col))  # a column at a time: no copy of the table
     s.update(load_figures(steps, requests, s["throughput_rps"]))
     s.update(slo_figures(requests, slo_ttft, slo_tpot, span))
     s["evictions"] = int(steps["evictions"].sum())

@@ -56,6 +56,22 @@ def test_summary_counts_and_latencies() -> None:
     assert s["peak_used_blocks"] == 4 and s["num_gpu_blocks"] == 16  # at step ends, after frees
 
 
+def test_the_summary_reads_statuses_as_codes_and_as_strings_alike() -> None:
+    """`summarize` counts statuses and drop reasons off the categorical codes `RequestLog.frame`
+    makes (`metrics.codes`); a table whose columns hold the same values as plain strings (a table
+    read back some other way) gives the same summary, and a value not among the names counts in
+    none of them."""
+    from kvsim.sim.engine.metrics import REASONS, STATUS, codes, summarize
+
+    res = run([req("a", 0, 8, 4), req("b", 0, 40, 2), req("c", 0, 8, 2)], num_gpu_blocks=4)
+    plain = res.requests.astype({"status": object, "reason": object})
+    kw = {"block_size": res.config.block_size, "num_gpu_blocks": 4}
+    assert summarize(res.steps, plain, **kw) == summarize(res.steps, res.requests, **kw)
+    assert (res.summary["finished"], res.summary["rejected"], res.summary["dropped_prompt_exceeds_cache"]) == (2, 1, 1)
+    assert codes(pd.Series(["finished", "rejected", "lost"]), STATUS).tolist() == [1, 3, -1]
+    assert codes(res.requests["reason"], REASONS).tolist() == [0, REASONS.index("prompt_exceeds_cache"), 0]
+
+
 def test_goodput_counts_requests_within_the_slos() -> None:
     reqs = [req("a", 0, 8, 4), req("b", 0.5, 8, 2)]
     assert run(reqs).summary["goodput_rps"] is None  # no SLO: no goodput (not the throughput)
