@@ -296,7 +296,7 @@ def codes(column: pd.Series, names: tuple[str, ...]) -> np.ndarray:
     exactly those names, as `RequestLog.frame` makes its status and reason columns."""
     if isinstance(column.dtype, pd.CategoricalDtype) and tuple(column.cat.categories) == names:
         return column.cat.codes.to_numpy()
-    return pd.Categorical(column, categories=names).codes
+    return pd.Index(names).get_indexer(column.to_numpy(dtype=object))
 
 
 def duration(steps: StepTable, requests: pd.DataFrame) -> float:
