@@ -233,7 +233,7 @@ def time_mean(steps: StepTable, column: str, w: np.ndarray | None = None) -> flo
     return float((steps[column].to_numpy() * w).sum() / total) if total > 0 else 0.0
 
 
-def percentiles(values: pd.Series, name: str) -> dict[str, float | None]:
+def percentiles(values: pd.Series | np.ndarray, name: str) -> dict[str, float | None]:
     """`name_p50`, `_p90`, `_p99` and `_mean` of the non-NaN values (None if there are none)."""
     v = np.asarray(values, dtype=np.float64)
     v = v[~np.isnan(v)]
@@ -337,8 +337,8 @@ def summarize(
         "truncated": int(by_status[STATUS.index("truncated")]),
         "rejected": int(by_status[STATUS.index("rejected")]),
     }
-    for i, reason in enumerate(REASONS[1:], 1):
-        s[f"dropped_{reason}"] = int(by_reason[i])
+    for i, name in enumerate(REASONS[1:], 1):
+        s[f"dropped_{name}"] = int(by_reason[i])
     hits = prefix_hits(requests, block_size, fanned_out)
     s.update(
         steps=len(steps),
