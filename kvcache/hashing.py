@@ -82,6 +82,14 @@ _POW = _Powers()
 _R_SUMS: dict[int, np.uint64] = {}  # block size -> sum of its R[t] (mod 2^64)
 
 
+def _r_sum(block_size: int) -> np.uint64:
+    """The sum of R[0..block_size-1] (mod 2^64), kept per block size: both content hashes add it."""
+    r_sum = _R_SUMS.get(block_size)
+    if r_sum is None:
+        r_sum = _R_SUMS[block_size] = _R[:block_size].sum(dtype=np.uint64)
+    return r_sum
+
+
 def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     """Content hash of each full block of `tokens` (uint64, one per block)."""
     nb = len(tokens) // block_size
@@ -89,9 +97,7 @@ def content_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R)}")
     t = tokens[: nb * block_size].astype(np.uint64, copy=False).reshape(nb, block_size)
     r = _R[:block_size]
-    r_sum = _R_SUMS.get(block_size)
-    if r_sum is None:
-        r_sum = _R_SUMS[block_size] = r.sum(dtype=np.uint64)
+    r_sum = _r_sum(block_size)
     # sum_t (tok + 1) * R[t] as a product plus sum_t R[t] (mod 2^64), without block-sized temporaries;
     # NOTE: uint64 array arithmetic wraps silently (only numpy scalars warn), so no errstate here
     c = t @ r
@@ -123,7 +129,7 @@ def few_keys(state: int, tokens: np.ndarray, block_size: int) -> tuple[list[int]
         raise ValueError(f"block size {block_size} exceeds the hasher's limit {len(_R_INTS)}")
     toks = tokens.tolist()
     r = _R_INTS[:block_size]
-    r_sum = sum(r)
+    r_sum = int(_r_sum(block_size))
     out = []
     for i in range(len(toks) // block_size):
         c = _mix_int((sum(map(int.__mul__, toks[i * block_size:(i + 1) * block_size], r)) + r_sum) & _MASK)
