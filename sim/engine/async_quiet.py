@@ -27,11 +27,12 @@ empty (`Shortcuts.lazy_only`), or each sequence the pass visits (the lazy ones d
 for one decode token past its prompt, in its last block unshared or in a new one, the new ones at
 most the free blocks, and the budget holds them (`_decodes`). With KV events each applied step's
 batch of them is handed on where the general step hands it on (`events`: after the output, before
-the drain). Off with a fixed step time, defrag, invariant checks, the prefill cadence, Mamba
-chunking, a connector (the async lazy decodes run without one) and a P/D cluster's replica (whose
-schedule first lets the others reach its start, `ReplicaFront.ahead`; other clusters' replicas take
-runs, yielding where the general step yields); wherever the async output's lazy decodes are off.
-Plain decodes need one group with no window (`decode_slot` takes their slot).
+the drain). Off with a fixed step time, defrag, invariant checks, the prefill cadence, a connector
+(the async lazy decodes run without one) and a P/D cluster's replica (whose schedule first lets the
+others reach its start, `ReplicaFront.ahead`; other clusters' replicas take runs, yielding where the
+general step yields); wherever the async output's lazy decodes are off. Plain decodes need one group
+with no window (`decode_slot` takes their slot), so a hybrid model's runs (a Mamba one's too, whose
+chunking only admissions apply) are steps of lazy decodes alone.
 
 Measured (docs/benchmarks.md): 1,500 RAGPulse requests, about one running, 0.84x the wall time of
 the general step (lazy decodes alone), and 0.94x of that with plain decodes taken here too; the
@@ -88,7 +89,7 @@ class AsyncQuietRuns:
               events: Callable[[float, int], None] | None, ahead: bool) -> AsyncQuietRuns | None:
         """The runs for an engine's step loop (`events(end, step)`: its `_take_events`, with KV events),
         or None where they do not apply (module docstring)."""
-        if not sched.fast.async_decodes or ahead or sched.prefill.cadence is not None or sched.mamba is not None:
+        if not sched.fast.async_decodes or ahead or sched.prefill.cadence is not None:
             return None
         if cfg.step_time is not None or cfg.defrag_threshold is not None or cfg.debug_invariants:
             return None

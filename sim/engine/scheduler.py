@@ -239,12 +239,15 @@ class Scheduler:
 
     def lazy_batch(self, now: float) -> Batch:
         """`schedule`, for a step at which the caller knows the RUNNING pass visits no one
-        (`Shortcuts.lazy_only`), with WAITING and the swapped list empty, no connector, Mamba
-        chunking or prefill cadence (`sim.engine.async_quiet`): the pass's lazy totals are the
-        batch, and `after_schedule` has no member to advance."""
+        (`Shortcuts.lazy_only`), with WAITING and the swapped list empty, no connector or prefill
+        cadence (`sim.engine.async_quiet`): the pass's lazy totals are the batch, and `after_schedule`
+        has no member to advance. A Mamba group's hits hashed in the last step are takeable again,
+        as `schedule` begins."""
         self.steps_scheduled += 1
         k = self.steps_scheduled
         b = Batch(start=now, k=k)
+        if self.mamba is not None:
+            self.m.new_step_starts()
         self.fast.lazy_step(b, k, self.max_tokens)
         self._finished = False
         self.last_batch = b

@@ -433,7 +433,12 @@ class Shortcuts:
         seq = live.seq
         if live.ph != 1 or live.inflight != 1 or live.stale or c != seq.num_tokens:
             return
-        last = self.bs - 1 - c % self.bs
+        r = c % self.bs
+        if self.mamba and r < 2:
+            # NOTE: a Mamba group lets its previous state go on the processed tokens (one behind):
+            # at the decode of a block's third slot (`MambaAlign.skipped`), which is visited
+            return
+        last = self.bs - 1 - r
         if live.target - c - 4 < last:
             last = live.target - c - 4
         if last > 0:  # (counted from step k + 1 on: `end` adds it once step k's totals are taken)

@@ -444,6 +444,52 @@ def test_async_output_visits_a_chunked_local_groups_let_go(monkeypatch: pytest.M
         assert (model, seen["lazy"]) == {"llama-4-scout": (model, 0), "gpt-oss-20b": (model, 103)}[model]
 
 
+def _long_decodes(seed: int, output: int) -> Workload:
+    """Shared prefixes and fanned-out samples whose decodes cross Qwen3-Next's 144- and 192-token blocks."""
+    from kvsim.workloads.arrivals import Poisson
+    from kvsim.workloads.lengths import Fixed, LogNormal
+    from kvsim.workloads.shapes import merge, parallel, shared_prefix
+
+    a = shared_prefix(40, num_prefixes=3, prefix_len=Fixed(400), user_len=LogNormal(200, 1.0, hi=900),
+                      output_len=LogNormal(output, 1.0, hi=3 * output), arrivals=Poisson(4.0), seed=seed,
+                      token_range=(0, 2**20))
+    b = parallel(8, n=2, prompt_len=LogNormal(300, 0.5, hi=900), output_len=LogNormal(output, 0.5, hi=3 * output),
+                 arrivals=Poisson(2.0), seed=seed + 1, token_range=(2**20, 2**21))
+    return merge(a, b, name="long-decodes")
+
+
+@pytest.mark.parametrize(("gpu", "budget", "group_blocks", "output", "max_seqs", "counts"),
+                         [("h100-sxm", 512, 6, 300, 8, (138, 26, 521)),
+                          ("h100-sxm", 2048, 40, 900, 32, (316, 38, 3014)),
+                          ("a100-80g", 1024, 8, 900, 8, (416, 242, 1008))])
+def test_async_output_decodes_lazily_beside_mamba_groups(monkeypatch: pytest.MonkeyPatch, gpu: str, budget: int,
+                                                         group_blocks: int, output: int, max_seqs: int,
+                                                         counts: tuple[int, int, int]) -> None:
+    """Qwen3-Next's gated-delta-net groups under async output: vLLM 0.33 lets a request's blocks go on
+    its processed tokens, the computed ones less those in flight (vllm/v1/core/kv_cache_manager.py
+    `KVCacheManager.allocate_slots` calls `remove_skipped_blocks` with `total_computed_tokens -
+    request.num_in_flight_tokens`), and `MambaManager.remove_skipped_blocks`
+    (single_type_kv_cache_manager.py) frees the previous state once those pass a block's first
+    token: at the decode of a block's third slot, one token later than under sync output. That
+    decode is visited, and the sequence decodes lazily after it to the block's end; the steps of
+    lazy decodes alone run in the async quiet loop. Tables, summary and per-group usage are plain
+    stepping's, under preemption. (Going lazy at a block's first slot instead frees the previous
+    state a block late, and the tables differ.) `counts`: sequences brought up to date from lazy
+    decoding, preemptions, and steps the quiet loop took."""
+    from kvsim.sim.engine import async_quiet, shortcuts
+
+    drops, made = [], built(monkeypatch, async_quiet.AsyncQuietRuns)
+    drop = shortcuts.AsyncLazy.drop
+    monkeypatch.setattr(shortcuts.AsyncLazy, "drop", lambda lazies, live, k: (drops.append(k), drop(lazies, live, k)))
+    cfg = SimConfig(model="qwen3-next-80b-a3b", tensor_parallel=8, gpu=gpu, max_num_batched_tokens=budget,
+                    max_num_seqs=max_seqs, async_scheduling=True)
+    cfg = cfg.replace(num_gpu_blocks=group_blocks * len(CostModel.from_config(cfg).layout.groups))
+    fast = simulate(_long_decodes(1, output), cfg)
+    assert (len(drops), fast.summary["preemptions"], sum(q.taken for q in made)) == counts
+    assert fast.manager.has_mamba and fast.manager.block_size in (144, 192)
+    _same(fast, simulate(_long_decodes(1, output), cfg.replace(shortcuts=False)))
+
+
 @pytest.mark.parametrize("window, lazy", [(32, 150), (30, 0)])
 def test_async_output_decodes_lazily_beside_one_groups_window_of_whole_blocks(
         monkeypatch: pytest.MonkeyPatch, window: int, lazy: int) -> None:
