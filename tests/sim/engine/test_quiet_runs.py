@@ -610,22 +610,31 @@ def test_async_quiet_runs_take_a_loaded_engines_decodes(monkeypatch: pytest.Monk
 @pytest.mark.parametrize("extra", [{}, {"record_ops": True}, {"kv_events": True}])
 def test_async_steps_that_only_decode_lazily_skip_the_passes(monkeypatch: pytest.MonkeyPatch, extra: dict) -> None:
     """At low load under async output most steps have every running sequence lazy and none due:
-    the scheduler skips their RUNNING pass (`Shortcuts.lazy_step`: the pass's lazy totals alone).
-    Tables, op streams and KV events are plain stepping's: here 184 of the run's 350 steps."""
-    from kvsim.sim.engine import shortcuts
+    the scheduler skips their RUNNING pass (`Shortcuts.lazy_step`: the pass's lazy totals alone),
+    and the async runs take stretches of them without a batch each (`AsyncQuietRuns._stretch`, not
+    with KV events or op records, whose steps each go through `lazy_step`). Tables, op streams and
+    KV events are plain stepping's: here 184 of the run's 350 steps."""
+    from kvsim.sim.engine import async_quiet, shortcuts
     from tests.sim.engine.test_record_ops import same_stream
 
-    taken = []
-    lazy_step = shortcuts.Shortcuts.lazy_step
+    taken, stretched = [], []
+    lazy_step, stretch = shortcuts.Shortcuts.lazy_step, async_quiet.AsyncQuietRuns._stretch
 
     def spy(self: shortcuts.Shortcuts, b, k: int, max_tokens: int) -> int:
         taken.append(k)
         return lazy_step(self, b, k, max_tokens)
 
+    def stretch_spy(self, *args):
+        out = stretch(self, *args)
+        stretched.append(out[4])
+        return out
+
     monkeypatch.setattr(shortcuts.Shortcuts, "lazy_step", spy)
+    monkeypatch.setattr(async_quiet.AsyncQuietRuns, "_stretch", stretch_spy)
     cfg = SimConfig(block_size=16, num_gpu_blocks=400, async_scheduling=True, **extra)
     fast = _run("unique", 3, 2.0, cfg, False)
-    assert (len(taken), len(fast.steps)) == (184, 350)
+    assert (len(taken) + sum(stretched), len(fast.steps)) == (184, 350)
+    assert sum(stretched) == (120 if not extra else 0)
     n = len(taken)
     slow = _run("unique", 3, 2.0, cfg.replace(shortcuts=False), False)
     assert len(taken) == n  # the switch turns it off
