@@ -174,8 +174,8 @@ class AsyncQuietRuns:
         scheduler's and manager's step state and write count set once at the end (nothing reads them
         between), and the op counts read once: an output that applies nothing changes none. Returns
         the run's state and the steps taken."""
-        sched, m, fast = self.sched, self.sched.m, self.sched.fast
-        lazy, running = fast.lazy, sched.running
+        sched, m = self.sched, self.sched.m
+        lazy, running = sched.fast.lazy, sched.running
         b_, start_, end_, dt_, step_, deltas_, dropped_ = queue[0]
         kk = sched.steps_scheduled + 1
         # the first step a lazy sequence is due, and the next SimPy event (an arrival, say)
@@ -213,16 +213,11 @@ class AsyncQuietRuns:
             k += 1
             kk += 1
             taken += 1
-        if sched.mamba is not None:  # as `lazy_batch` begins
-            m.new_step_starts()
         b = Batch(start=start_, k=k_)  # the last one scheduled, in flight now
         b.lazy = b.decode_tokens = n
         b.context_tokens = ctx_
         queue[0] = (b, start_, end_, dt_, step_, deltas_, 0)
-        sched.steps_scheduled = k_
-        sched.last_batch = b
-        sched._finished = False
-        fast._counted = 0
+        sched.scheduled_lazily(b)
         m.count_writes(n * taken)  # (each step's lazy decodes: one write each)
         sched.internal_fragmentation = slots0 - n * (k_ - 1)  # (the output applied last: step k_ - 1's)
         sched.step = step_ - 1

@@ -354,6 +354,16 @@ class Scheduler:
         fast.end(b, k)
         return budget
 
+    def scheduled_lazily(self, b: Batch) -> None:
+        """Steps up to `b`'s, each of lazy decodes alone, were scheduled without `lazy_batch`
+        (`AsyncQuietRuns._stretch`): the step count, the batch in flight and a Mamba group's
+        same-step hits as `lazy_batch` leaves them."""
+        self.steps_scheduled = b.k
+        if self.mamba is not None:
+            self.m.new_step_starts()
+        self._finished = False
+        self.last_batch = b
+
     def quiet_step(self) -> int:
         """A step the quiet runs take without `schedule` (sim.engine.quiet): its number."""
         self.steps_scheduled += 1
