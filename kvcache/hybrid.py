@@ -189,10 +189,8 @@ class HybridKVCacheManager(PoolView, HybridLoads):
 
     @property
     def async_decode_shortcuts(self) -> bool:
-        """`decode_shortcuts` with the last token in flight (async), a let-go one token behind: a window's
-        at a block's first slot (visited), a chunk's at its second; so only windows. A Mamba group's
-        previous state goes at a block's third slot, which `Shortcuts.after` visits (no lazy decode
-        before it)."""
+        """`decode_shortcuts` with the last token in flight (async), a let-go one token behind: a window's at a
+        block's first slot (visited), a chunk's at its second: so windows, and Mamba (`Shortcuts.after`)."""
         return all(s and w % self.block_size == 0 for _, _, s, w, ma in self._skipping if ma is None)
 
     def new_step_starts(self) -> None:
