@@ -243,14 +243,9 @@ class Scheduler:
         cadence (`sim.engine.async_quiet`): the pass's lazy totals are the batch, and `after_schedule`
         has no member to advance. A Mamba group's hits hashed in the last step are takeable again,
         as `schedule` begins."""
-        self.steps_scheduled += 1
-        k = self.steps_scheduled
-        b = Batch(start=now, k=k)
-        if self.mamba is not None:
-            self.m.new_step_starts()
-        self.fast.lazy_step(b, k, self.max_tokens)
-        self._finished = False
-        self.last_batch = b
+        b = Batch(start=now, k=self.steps_scheduled + 1)
+        self.scheduled_lazily(b)
+        self.fast.lazy_step(b, b.k, self.max_tokens)
         return b
 
     def offer_rest(self, b: Batch, budget: int, now: float) -> None:
@@ -355,9 +350,9 @@ class Scheduler:
         return budget
 
     def scheduled_lazily(self, b: Batch) -> None:
-        """Steps up to `b`'s, each of lazy decodes alone, were scheduled without `lazy_batch`
-        (`AsyncQuietRuns._stretch`): the step count, the batch in flight and a Mamba group's
-        same-step hits as `lazy_batch` leaves them."""
+        """Steps up to `b`'s, each of lazy decodes alone, were scheduled (`lazy_batch`'s one, or a
+        stretch of them, `AsyncQuietRuns._stretch`): the step count, the batch in flight and a Mamba
+        group's same-step hits as `schedule` leaves them."""
         self.steps_scheduled = b.k
         if self.mamba is not None:
             self.m.new_step_starts()
