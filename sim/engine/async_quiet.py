@@ -59,11 +59,27 @@ from kvsim.sim.engine.scheduler import Scheduler
 if TYPE_CHECKING:
     import simpy
 
+    from kvsim.kvcache.pool_view import PoolView
     from kvsim.sim.engine.cost_model import CostModel
     from kvsim.sim.engine.metrics import GroupUsage
     from kvsim.sim.engine.step_log import StepLog
 
 NO_OPS = dict.fromkeys(CHARGED_KINDS, 0)  # what a cost model is told a step without charged ops did
+
+
+def _pool(m: PoolView) -> tuple[int, int, int]:
+    """The manager's free, cached free and id-space fragmentation blocks: what a lazy row reads of it."""
+    return m.num_free_blocks, m.num_cached_free_blocks, m.id_space_fragmentation()
+
+
+def lazy_row(start: float, dt: float, running: int, waiting: int, swapped: int, lazy: int, context: int,
+             pool: tuple[int, int, int], usable: int, frag: int, deltas: tuple[int, ...]) -> tuple:
+    """The steps table's row (`STEP_FIELDS` order, as `loop.step_row`) of a batch of `lazy` lazy
+    decodes alone whose output applied nothing: `pool`, the pool's (free, cached free, id-space
+    fragmentation) blocks; `deltas`, its evict count then its counts of `CHARGED_KINDS`."""
+    free = pool[0]
+    return (start, dt, running, waiting, swapped, lazy, 0, lazy, context, free, pool[1], usable - free, pool[2],
+            frag, deltas[0], 0, 0, *deltas[1:], 0, 0, 0, 0)  # fmt: skip
 
 
 class AsyncQuietRuns:
@@ -192,8 +208,7 @@ class AsyncQuietRuns:
         ops = NO_OPS if not any(deltas[1:]) else dict(zip(CHARGED_KINDS, deltas[1:], strict=True))
         zeros = (0,) * len(deltas)
         if pool is None:
-            pool = (m.num_free_blocks, m.num_cached_free_blocks, m.id_space_fragmentation())
-        free_blocks, cached, span = pool
+            pool = _pool(m)
         ctx_, k_ = b_.context_tokens, b_.k  # the batch in flight's, as its row reads them
         taken = 0
         while kk < due and arrival > (end_ if end_ > clock else clock):
@@ -204,8 +219,7 @@ class AsyncQuietRuns:
             if end_ > clock:
                 clock = end_
             # then the output of the batch in flight: nothing applied, its row from the lazy sums
-            record((start_, dt_, nrun, 0, nswap, nl_, 0, nl_, ctx_, free_blocks, cached, usable - free_blocks, span,
-                    slots0 - n * k_, deltas_[0], 0, 0, *deltas_[1:], 0, 0, 0, 0))  # fmt: skip
+            record(lazy_row(start_, dt_, nrun, 0, nswap, nl_, ctx_, pool, usable, slots0 - n * k_, deltas_))
             if usage is not None:
                 usage.add(m.held)
             start_, end_, dt_, step_, deltas_, ctx_, k_, nl_ = start, free, dt, k, deltas, ctx, kk, n
@@ -281,11 +295,9 @@ class AsyncQuietRuns:
                 if events is not None:  # as the general step does (none queued: a visit would have joined b_)
                     events(end_, step_)
                 if pool is None:
-                    pool = (m.num_free_blocks, m.num_cached_free_blocks, m.id_space_fragmentation())
-                n = b_.lazy
-                record((start_, dt_, len(sched.running), len(waiting), len(swapped), n, 0, n, b_.context_tokens,
-                        pool[0], pool[1], usable - pool[0], pool[2], frag, deltas_[0], 0, 0, *deltas_[1:],
-                        0, 0, 0, 0))  # fmt: skip
+                    pool = _pool(m)
+                record(lazy_row(start_, dt_, len(sched.running), len(waiting), len(swapped), b_.lazy,
+                                b_.context_tokens, pool, usable, frag, deltas_))
             else:  # applied as the general step applies it
                 sched.update(b_, end_)
                 if events is not None:  # as the general step hands them on: after the output, before the drain
