@@ -55,7 +55,7 @@ from kvsim.sim.cluster.routers import RouterView, make_router
 from kvsim.sim.engine.config import SimConfig
 from kvsim.sim.engine.frontend import Frontend
 from kvsim.sim.engine.loop import PROGRESS_EVERY, Engine
-from kvsim.sim.engine.metrics import percentiles, slo_figures
+from kvsim.sim.engine.metrics import STATUS, codes, percentiles, slo_figures
 from kvsim.sim.engine.nixl import BlockBytes, NixlConnector, prefill_backoff, with_max_tokens_one
 from kvsim.sim.engine.nixl_tp import read_ranks
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
@@ -380,7 +380,7 @@ class PDCluster:
                 "first_token": d.first_token[dr] if d is not None else NAN,
                 "finish": d.finish[dr] if d is not None else (p.prefill_done if pr is not None else NAN),
                 "output_len": int(d.output_len[dr]) if d is not None else 0,
-                "status": STATUS_NAMES[int(d.status[dr])] if d is not None else "rejected",
+                "status": STATUS[int(d.status[dr])] if d is not None else "rejected",
             })
         df = pd.DataFrame(rows)
         df["ttft"] = df["first_token"] - df["arrival"]
@@ -396,13 +396,10 @@ class PDCluster:
         return df
 
 
-STATUS_NAMES = ("pending", "finished", "truncated", "rejected")
-
-
 def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict[str, Any]:
     """The P/D section: the pools, how many requests went remote, TTFT and its parts, TPOT, goodput
     under the SLOs, the prefill side's held blocks and the bytes read."""
-    done = paths["status"] == "finished"
+    done = codes(paths["status"], STATUS) == STATUS.index("finished")
     out: dict[str, Any] = {"prefill_replicas": cfg.prefill_replicas, "decode_replicas": cfg.decode_replicas,
                            "pools": {name: {"gpu": c.gpu, "tensor_parallel": c.tensor_parallel,
                                             "num_gpu_blocks": int(r.summary["num_gpu_blocks"])}
@@ -413,7 +410,7 @@ def pd_summary(paths: pd.DataFrame, replicas: list[Any], cfg: SimConfig) -> dict
                            "requests": len(paths),
                            "finished": int(done.sum()), "remote": int(paths["remote"].sum())}
     for col in ("ttft", "tpot", "prefill_queue", "prefill", "decode_queue", "transfer", "promotion", "hold"):
-        figures = percentiles(paths.loc[done, col], col)
+        figures = percentiles(paths[col].to_numpy(dtype=np.float64, na_value=np.nan)[done], col)
         out.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"],
                     f"{col}_mean": figures[f"{col}_mean"]})
     span = float(paths["finish"].max() - paths["arrival"].min()) if len(paths) else 0.0

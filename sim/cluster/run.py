@@ -17,7 +17,7 @@ from kvsim.kvcache.events import EventBatch
 from kvsim.sim.cluster.cluster import Cluster, engine_config, replica_ops
 from kvsim.sim.cluster.load import LoadChanges, imbalance, in_flight
 from kvsim.sim.engine.config import ConfigError, SimConfig
-from kvsim.sim.engine.metrics import percentiles, prefix_hits, slo_figures
+from kvsim.sim.engine.metrics import STATUS, codes, percentiles, prefix_hits, slo_figures
 from kvsim.sim.engine.run import RunResult, engine_result, make_manager, rare_collections
 from kvsim.workloads.request import Request, Workload
 
@@ -221,7 +221,7 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
         for f, r in zip(per, replicas, strict=True):
             f["pool"] = f"{r.config.gpu} x{r.config.tensor_parallel}, {int(r.summary['num_gpu_blocks']):,} blocks"
     requests = pd.concat([r.requests for r in replicas], ignore_index=True)
-    done = requests["status"] == "finished"
+    done = codes(requests["status"], STATUS) == STATUS.index("finished")
     ends = [float(r.step_columns("time").iloc[-1, 0] + r.step_columns("duration").iloc[-1, 0])
             for r in replicas if r.num_steps]
     span = max(max(ends) - float(requests["arrival"].min()), 0.0) if ends and len(requests) else 0.0
@@ -229,7 +229,7 @@ def cluster_summary(replicas: list[RunResult], load: pd.DataFrame, cfg: SimConfi
                                "hit_rate": prefix_hits(requests, replicas[0].manager.block_size,
                                                                   cfg.parallel_sampling == "fanout")["hit_rate"]}
     for col in ("ttft", "tpot"):
-        figures = percentiles(requests.loc[done, col], col)
+        figures = percentiles(requests[col].to_numpy()[done], col)
         overall.update({f"{col}_p50": figures[f"{col}_p50"], f"{col}_p99": figures[f"{col}_p99"]})
     overall.update(slo_figures(requests, cfg.slo_ttft, cfg.slo_tpot, span))
     overall["duration_s"] = span
